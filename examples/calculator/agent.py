@@ -1,0 +1,114 @@
+"""The calculator agent: a harness that talks to any OpenAI-compatible endpoint and scores itself.
+
+The task is a one-digit sum. The model may answer directly or call the tool by replying
+``calc A + B``; the harness then sends back ``= RESULT`` and takes the next reply as the answer.
+Demonstrations answer directly with a *random* digit, so a warm-started policy is right mostly when it
+uses the tool: reward starts low and RL raises it by shifting probability mass onto ``calc``.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+import re
+
+import openai
+
+QUESTION_WORDS: tuple[str, ...] = ("what", "is", "?")
+TOOL_WORDS: tuple[str, ...] = ("calc", "+", "=")
+ROLE_WORDS: tuple[str, ...] = ("system", "user", "assistant", "tool")
+# Results of a mis-typed tool call can reach 18 (9 + 9), so the vocabulary covers 0..18.
+NUMBERS: tuple[str, ...] = tuple(str(i) for i in range(19))
+VOCAB: list[str] = [*ROLE_WORDS, *QUESTION_WORDS, *TOOL_WORDS, *NUMBERS]
+
+MAX_SUM = 9
+_CALC = re.compile(r"^calc\s+(\d+)\s*\+\s*(\d+)$")
+
+
+def tasks(n: int | None = None, seed: int = 0) -> list[dict]:
+    """All sums a + b <= 9 with a, b >= 0 (55 tasks), or n of them sampled without replacement."""
+    every = [
+        {"task_id": f"{a}+{b}", "a": a, "b": b, "answer": a + b}
+        for a in range(MAX_SUM + 1)
+        for b in range(MAX_SUM + 1 - a)
+    ]
+    if n is None:
+        return every
+    if not 0 <= n <= len(every):
+        raise ValueError(f"n must be in [0, {len(every)}]")
+    return random.Random(seed).sample(every, n)
+
+
+def question(task: dict) -> str:
+    """The user message the agent opens with."""
+    return f"what is {task['a']} + {task['b']} ?"
+
+
+def tool_call(task: dict) -> str:
+    """The assistant message that calls the calculator for this task."""
+    return f"calc {task['a']} + {task['b']}"
+
+
+def demonstrations(n: int, seed: int, tool_fraction: float = 0.2) -> list[list[dict]]:
+    """n chat conversations shaped exactly like the agent's calls, round(n * tool_fraction) of them tool use.
+
+    Direct demonstrations answer with a uniformly random digit (not the sum), so the SFT policy learns
+    that answering directly is a guess and only the tool path is reliable.
+    """
+    if not 0.0 <= tool_fraction <= 1.0:
+        raise ValueError("tool_fraction must be in [0, 1]")
+    rng = random.Random(seed)
+    pool = tasks()
+    n_tool = round(n * tool_fraction)
+    kinds = [True] * n_tool + [False] * (n - n_tool)
+    rng.shuffle(kinds)
+    conversations: list[list[dict]] = []
+    for uses_tool in kinds:
+        task = rng.choice(pool)
+        user = {"role": "user", "content": question(task)}
+        if uses_tool:
+            conversations.append(
+                [
+                    user,
+                    {"role": "assistant", "content": tool_call(task)},
+                    {"role": "user", "content": f"= {task['answer']}"},
+                    {"role": "assistant", "content": str(task["answer"])},
+                ]
+            )
+        else:
+            guess = str(rng.randint(0, MAX_SUM))
+            conversations.append([user, {"role": "assistant", "content": guess}])
+    return conversations
+
+
+@functools.lru_cache(maxsize=16)
+def _client(base_url: str, api_key: str) -> openai.OpenAI:
+    """One pooled client per endpoint: rollouts run by the hundred, often from threads."""
+    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=1, timeout=60.0)
+
+
+def _reply(client: openai.OpenAI, model: str, messages: list[dict]) -> str:
+    completion = client.chat.completions.create(
+        model=model, messages=messages, temperature=1.0, max_tokens=8
+    )
+    return completion.choices[0].message.content or ""
+
+
+def rollout(task: dict, base_url: str, api_key: str, model: str) -> float:
+    """Run one episode against an OpenAI-compatible endpoint and return its reward (1.0 or 0.0).
+
+    A reply starting with ``calc`` is a tool call: a well-formed ``calc X + Y`` gets ``= X+Y`` back and
+    the second reply is the answer; a malformed one ends the episode with reward 0.
+    """
+    client = _client(base_url, api_key)
+    messages: list[dict] = [{"role": "user", "content": question(task)}]
+    reply = _reply(client, model, messages)
+    if reply.strip().startswith("calc"):
+        match = _CALC.match(reply.strip())
+        if match is None:
+            return 0.0
+        result = int(match.group(1)) + int(match.group(2))
+        messages.append({"role": "assistant", "content": reply})
+        messages.append({"role": "user", "content": f"= {result}"})
+        reply = _reply(client, model, messages)
+    return 1.0 if reply.strip() == str(task["answer"]) else 0.0

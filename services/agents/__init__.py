@@ -1,0 +1,1 @@
+"""Agents: the worker that runs a user's harness function against dispatched rollouts."""

@@ -1,0 +1,3 @@
+from tether.agents.main import main
+
+main()

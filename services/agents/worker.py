@@ -1,0 +1,119 @@
+"""Agent worker: takes rollouts the scheduler dispatched, creates each through the gateway's public
+rollout API, runs the user's harness function with the rollout's base URL and key, and reports the
+reward (or the failure). The harness only ever talks to the gateway, like any agent a user runs.
+
+The user function: `fn(task: dict, base_url: str, api_key: str, model: str) -> float`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import logging
+import math
+import sys
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+from tether.common import broker
+
+log = logging.getLogger(__name__)
+
+HarnessFn = Callable[[dict, str, str, str], float]
+
+
+def load_function(spec: str) -> HarnessFn:
+    """'package.module:fn' or 'path/to/file.py:fn'."""
+    target, _, name = spec.rpartition(":")
+    if not target or not name:
+        raise ValueError(f"expected MODULE:FUNCTION or FILE.py:FUNCTION, got {spec!r}")
+    if target.endswith(".py"):
+        path = Path(target).resolve()
+        mod_name = f"tether_user_{path.stem}"
+        module_spec = importlib.util.spec_from_file_location(mod_name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise ValueError(f"cannot import {path}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[mod_name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise ValueError(f"{spec} is not callable")
+    return fn
+
+
+class Worker:
+    def __init__(self, r, keys: broker.Keys, gateway_url: str, fn: HarnessFn, concurrency: int,
+                 admin_token: str = "", name: str = "agent-0") -> None:
+        self.r = r
+        self.keys = keys
+        self.gateway_url = gateway_url.rstrip("/")
+        self.fn = fn
+        self.name = name
+        self.concurrency = concurrency
+        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        self.http = httpx.AsyncClient(timeout=60.0, headers=headers)
+        self.in_flight: set[str] = set()
+        self.done = 0
+        self.failed = 0
+
+    async def run_one(self, entry_id: str, job: dict) -> None:
+        try:
+            resp = await self.http.post(f"{self.gateway_url}/v1/rollouts", json={
+                "task_id": job["task_id"], "group_id": job["group_id"], "group_size": job["group_size"],
+                "metadata": job.get("metadata", {})})
+            resp.raise_for_status()
+            ro = resp.json()
+            auth = {"Authorization": f"Bearer {ro['api_key']}"}
+            try:
+                reward = await asyncio.to_thread(self.fn, job["task"], ro["base_url"], ro["api_key"], ro["model"])
+                reward = float(reward)
+                if not math.isfinite(reward):
+                    raise ValueError(f"harness returned a non-finite reward {reward}")
+            except Exception as exc:
+                self.failed += 1
+                log.warning("rollout %s failed: %s", ro["rollout_id"], exc)
+                await self.http.post(f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/fail", headers=auth,
+                                     json={"reason": "".join(traceback.format_exception_only(exc)).strip()})
+            else:
+                done = await self.http.post(f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/complete",
+                                            headers=auth, json={"reward": reward})
+                done.raise_for_status()
+                self.done += 1
+            await self.r.xack(self.keys.dispatch, "agents", entry_id)
+        except httpx.HTTPError as exc:
+            # Leave the entry pending: another worker (or this one) reclaims it after a minute.
+            log.error("gateway error for dispatch %s: %s", entry_id, exc)
+        finally:
+            self.in_flight.discard(entry_id)
+
+    async def run(self) -> None:
+        await broker.ensure_group(self.r, self.keys.dispatch, "agents")
+        tasks: set[asyncio.Task] = set()
+        try:
+            while True:
+                free = self.concurrency - len(tasks)
+                if free <= 0:
+                    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                # A rollout may run for minutes: only reclaim entries idle for far longer than that.
+                entries = await broker.read_group(self.r, self.keys.dispatch, "agents", self.name,
+                                                  count=free, block_ms=1000, claim_idle_ms=900_000)
+                for entry_id, job in entries:
+                    if entry_id in self.in_flight:
+                        continue
+                    self.in_flight.add(entry_id)
+                    task = asyncio.create_task(self.run_one(entry_id, job))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            await self.http.aclose()

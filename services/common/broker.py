@@ -1,0 +1,167 @@
+"""Redis Streams helpers: key names, idempotent publish, consumer groups, dead-letter.
+
+Every record on a stream is one field, `data`, holding a JSON object. Keys live under a namespace
+so that several runs (or tests) can share one Redis.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Every Redis key Tether uses, in one place."""
+
+    ns: str = "tether"
+
+    @property
+    def traces(self) -> str:  # stream: every recorded LLM call
+        return f"{self.ns}:traces"
+
+    @property
+    def rollout_events(self) -> str:  # stream: rollout created / completed
+        return f"{self.ns}:rollout-events"
+
+    @property
+    def samples(self) -> str:  # stream: every sample handed to the trainer
+        return f"{self.ns}:samples"
+
+    @property
+    def dispatch(self) -> str:  # stream: rollouts the scheduler asks agent workers to run
+        return f"{self.ns}:dispatch"
+
+    @property
+    def group_results(self) -> str:  # stream: one record per scored (or filtered) group
+        return f"{self.ns}:group-results"
+
+    @property
+    def dead_letter(self) -> str:  # stream: records a consumer could not process
+        return f"{self.ns}:dead-letter"
+
+    @property
+    def run(self) -> str:  # hash: the run's state (scheduler)
+        return f"{self.ns}:run"
+
+    @property
+    def metrics(self) -> str:  # stream: one record per training step
+        return f"{self.ns}:step-metrics"
+
+    def rollout(self, rollout_id: str) -> str:  # hash: one rollout
+        return f"{self.ns}:rollout:{rollout_id}"
+
+    def rollout_calls(self, rollout_id: str) -> str:  # list: stream ids of its traces, in order
+        return f"{self.ns}:rollout:{rollout_id}:calls"
+
+    def api_key(self, key: str) -> str:  # string: api key -> rollout id
+        return f"{self.ns}:key:{key}"
+
+    def group(self, group_id: str) -> str:  # hash: rollout id -> merged rollout (merger)
+        return f"{self.ns}:group:{group_id}"
+
+    def group_done(self, group_id: str) -> str:  # string: set once a group was emitted
+        return f"{self.ns}:group-done:{group_id}"
+
+    def published(self, record_id: str) -> str:  # string: idempotency marker
+        return f"{self.ns}:published:{record_id}"
+
+
+def connect(url: str) -> aioredis.Redis:
+    return aioredis.from_url(url, decode_responses=True)
+
+
+# SET NX marker + XADD (+ optional RPUSH of the new entry id to an index list), atomically:
+# publishing the same record id twice adds it once and returns the first entry id.
+_PUBLISH_ONCE = """
+local existing = redis.call('GET', KEYS[1])
+if existing then return {existing, 0} end
+local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'data', ARGV[1])
+redis.call('SET', KEYS[1], id, 'EX', ARGV[2])
+if KEYS[3] ~= '' then redis.call('RPUSH', KEYS[3], id) end
+return {id, 1}
+"""
+
+
+async def publish_once(
+    r: aioredis.Redis,
+    keys: Keys,
+    stream: str,
+    record_id: str,
+    record: dict[str, Any],
+    index_list: str = "",
+    maxlen: int = 1_000_000,
+    ttl_s: int = 7 * 24 * 3600,
+) -> tuple[str, bool]:
+    """Publish `record` on `stream` unless `record_id` was published before.
+    Returns (stream entry id, whether it was added now)."""
+    entry, added = await r.eval(
+        _PUBLISH_ONCE, 3, keys.published(record_id), stream, index_list,
+        json.dumps(record, separators=(",", ":")), ttl_s, maxlen,
+    )
+    return str(entry), bool(int(added))
+
+
+async def publish(r: aioredis.Redis, stream: str, record: dict[str, Any], maxlen: int = 1_000_000) -> str:
+    return str(await r.xadd(stream, {"data": json.dumps(record, separators=(",", ":"))},
+                            maxlen=maxlen, approximate=True))
+
+
+async def ensure_group(r: aioredis.Redis, stream: str, group: str, start: str = "0") -> None:
+    try:
+        await r.xgroup_create(stream, group, id=start, mkstream=True)
+    except ResponseError as exc:
+        if "BUSYGROUP" not in str(exc):
+            raise
+
+
+def decode(fields: dict[str, str]) -> dict[str, Any]:
+    return json.loads(fields["data"])
+
+
+async def read_group(
+    r: aioredis.Redis, stream: str, group: str, consumer: str, count: int = 64, block_ms: int = 1000,
+    claim_idle_ms: int = 60_000,
+) -> list[tuple[str, dict[str, Any]]]:
+    """New entries for this consumer, decoded. Entries left pending (by a dead consumer) for over
+    `claim_idle_ms` are claimed first (XAUTOCLAIM answers 2 fields on Redis 6.2, 3 on 7.x)."""
+    claimed = await r.xautoclaim(stream, group, consumer, min_idle_time=claim_idle_ms, start_id="0-0",
+                                 count=count)
+    entries = claimed[1] if isinstance(claimed, list | tuple) and len(claimed) >= 2 else []
+    out = [(eid, decode(f)) for eid, f in entries if f]
+    if out:
+        return out
+    resp = await r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+    for _, items in resp or []:
+        out.extend((eid, decode(f)) for eid, f in items)
+    return out
+
+
+async def dead_letter(r: aioredis.Redis, keys: Keys, stream: str, entry_id: str, reason: str,
+                      record: dict[str, Any]) -> None:
+    log.warning("dead-letter %s %s: %s", stream, entry_id, reason)
+    await publish(r, keys.dead_letter, {"stream": stream, "entry_id": entry_id, "reason": reason,
+                                        "record": record})
+
+
+async def read_all(r: aioredis.Redis, stream: str, batch: int = 1000) -> list[tuple[str, dict[str, Any]]]:
+    """Every entry of a stream, oldest first."""
+    out: list[tuple[str, dict[str, Any]]] = []
+    start = "-"
+    while True:
+        items = await r.xrange(stream, min=start, max="+", count=batch)
+        if not items:
+            return out
+        out.extend((eid, decode(f)) for eid, f in items)
+        if len(items) < batch:
+            return out
+        last = items[-1][0]
+        ms, seq = last.split("-")
+        start = f"{ms}-{int(seq) + 1}"

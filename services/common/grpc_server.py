@@ -1,0 +1,89 @@
+"""gRPC server bootstrap: health, reflection, metrics port, graceful stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class Health:
+    """Health the service sets from its real state (all names at once)."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.servicer = health.aio.HealthServicer()
+        self.names = ["", *names]
+
+    async def set(self, serving: bool) -> None:
+        for name in self.names:
+            await self.servicer.set(name, SERVING if serving else NOT_SERVING)
+
+
+async def start_server(
+    port: int,
+    register: Callable[[grpc.aio.Server], Iterable[str]],
+    host: str = "127.0.0.1",
+    metrics_port: int = 0,
+) -> tuple[grpc.aio.Server, Health, int]:
+    """Start a grpc.aio server on host:port (0 = any free port). `register` adds servicers and
+    returns their full service names. Returns the server, its health handle and the bound port."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                                      ("grpc.max_send_message_length", 256 * 1024 * 1024)])
+    names = list(register(server))
+    health_handle = Health(names)
+    health_pb2_grpc.add_HealthServicer_to_server(health_handle.servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
+    await server.start()
+    if metrics_port:
+        start_http_server(metrics_port, addr=host)
+    return server, health_handle, bound
+
+
+async def run_until_signal(
+    server: grpc.aio.Server,
+    health_handle: Health,
+    background: Iterable[Awaitable[Any]] = (),
+    on_stop: Callable[[], Awaitable[None]] | None = None,
+    grace: float = 5.0,
+) -> None:
+    """Serve until SIGTERM/SIGINT or until a background task ends; then drain and stop."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    tasks = [asyncio.ensure_future(b) for b in background]
+    waiter = asyncio.ensure_future(stop.wait())
+    done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    for task in done:
+        if task is not waiter and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+    await health_handle.set(False)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if on_stop is not None:
+        await on_stop()
+    await server.stop(grace)
+
+
+def channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(
+        address,
+        options=[("grpc.max_receive_message_length", 256 * 1024 * 1024),
+                 ("grpc.max_send_message_length", 256 * 1024 * 1024)],
+    )

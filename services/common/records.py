@@ -1,0 +1,90 @@
+"""The records that travel on Redis streams, as plain dataclasses with JSON round-trips.
+
+A Trace is one LLM call the gateway recorded; a RolloutEvent says a rollout finished; a
+SampleRecord is exactly what the trainer consumed for one sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+
+def _from_dict(cls, data: dict[str, Any]):
+    names = {f.name for f in fields(cls)}
+    return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class Trace:
+    """One LLM call, with the exact token ids vLLM consumed and produced."""
+
+    call_id: str
+    rollout_id: str
+    api: str  # "chat.completions"
+    request: dict[str, Any]
+    status: str  # "ok" | "error"
+    prompt_token_ids: list[int] = field(default_factory=list)
+    response_token_ids: list[int] = field(default_factory=list)
+    response_logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    weight_version: int = 0
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    latency_s: float = 0.0
+    upstream_latency_s: float = 0.0
+    http_status: int = 200
+    error: str | None = None
+    # Further choices when the client asked for n > 1: [{token_ids, logprobs, finish_reason}].
+    extra_choices: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trace:
+        return _from_dict(cls, data)
+
+
+@dataclass
+class RolloutEvent:
+    """A rollout reached a final state ("completed" with a reward, or "failed")."""
+
+    rollout_id: str
+    task_id: str
+    group_id: str
+    group_size: int
+    status: str
+    reward: float | None = None
+    finished_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> RolloutEvent:
+        return _from_dict(cls, data)
+
+
+@dataclass
+class SampleRecord:
+    """One training sequence, as handed to the trainer (mirrors tether.v1.Sample)."""
+
+    rollout_id: str
+    group_id: str
+    task_id: str
+    sequence_index: int
+    token_ids: list[int]
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    advantages: list[float]
+    reward: float
+    weight_version: int
+    rollout_sequences: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SampleRecord:
+        return _from_dict(cls, data)

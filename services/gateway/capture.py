@@ -1,0 +1,246 @@
+"""Wire shapes of the gateway, as pure functions: OpenAI errors, parsing a chat request, the body sent
+to vLLM, stripping vLLM-only fields from what the agent sees, and building the Trace of a call.
+
+No I/O here: proxy.py calls these around the network, app.py only maps ApiError to a response.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from tether.common.records import Trace
+
+API_CHAT = "chat.completions"
+# vLLM clamps -inf logprobs to this; a null (pydantic's rendering of inf/nan) becomes the same.
+MIN_LOGPROB = -9999.0
+# Fields vLLM adds to chat responses that OpenAI clients never asked for when they are null.
+_VLLM_NULL_FIELDS = ("prompt_logprobs", "kv_transfer_params")
+
+
+class ApiError(Exception):
+    """An error answered to the client in OpenAI's shape: {"error": {message, type, param, code}}."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
+                 code: str | None = None, param: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.code = code
+        self.param = param
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.code, self.param)
+
+
+def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def load_json_object(raw: bytes, allow_nan: bool = False) -> dict[str, Any]:
+    """Parse a request body that must be a JSON object (400 otherwise). `allow_nan` accepts the
+    NaN/Infinity literals Python clients emit, so that the caller can reject them as a bad *value*."""
+    try:
+        data = json.loads(raw) if allow_nan else orjson.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_body")
+    return data
+
+
+@dataclass
+class ChatRequest:
+    """A client's chat request, as sent (the trace stores `body` unchanged)."""
+
+    body: dict[str, Any]
+    stream: bool
+    # The client itself asked for these, so they stay in what it receives.
+    wants_logprobs: bool
+    wants_token_ids: bool
+
+
+def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
+    """Validate just what the gateway relies on; vLLM validates the rest (its 4xx pass through)."""
+    body = load_json_object(raw)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array", param="messages", code="invalid_messages")
+    model = body.get("model", served_model)
+    if model != served_model:
+        raise ApiError(404, f"The model '{model}' does not exist; this gateway serves '{served_model}'",
+                       param="model", code="model_not_found")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream", code="invalid_stream")
+    return ChatRequest(body=body, stream=stream, wants_logprobs=body.get("logprobs") is True,
+                       wants_token_ids=body.get("return_token_ids") is True)
+
+
+def upstream_body(req: ChatRequest, upstream_model: str) -> bytes:
+    """The body forwarded to vLLM: always ask for token ids and logprobs. `include_reasoning` is
+    dropped because include_reasoning=false makes vLLM drop both."""
+    body = dict(req.body)
+    body["model"] = upstream_model
+    body["return_token_ids"] = True
+    body["logprobs"] = True
+    body.pop("include_reasoning", None)
+    return orjson.dumps(body)
+
+
+def strip_vllm_fields(obj: dict[str, Any], keep_logprobs: bool, keep_token_ids: bool) -> dict[str, Any]:
+    """Remove from a chat response (or stream chunk), in place, what the client did not ask for."""
+    if not keep_token_ids:
+        obj.pop("prompt_token_ids", None)
+    for name in _VLLM_NULL_FIELDS:
+        if name in obj and obj[name] is None:
+            del obj[name]
+    for choice in obj.get("choices") or ():
+        if not isinstance(choice, dict):
+            continue
+        if not keep_token_ids:
+            choice.pop("token_ids", None)
+        if not keep_logprobs and "logprobs" in choice:
+            choice["logprobs"] = None
+    return obj
+
+
+def _logprob_values(logprobs: Any) -> list[float]:
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    out: list[float] = []
+    for item in content or ():
+        value = item.get("logprob") if isinstance(item, dict) else None
+        out.append(float(value) if isinstance(value, int | float) and not math.isnan(value) else MIN_LOGPROB)
+    return out
+
+
+def _ids(value: Any) -> list[int]:
+    return [int(x) for x in value] if isinstance(value, list) else []
+
+
+@dataclass
+class ChoiceTokens:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Captured:
+    """What a call produced, from a full response or accumulated over stream chunks."""
+
+    prompt_token_ids: list[int] = field(default_factory=list)
+    choices: dict[int, ChoiceTokens] = field(default_factory=dict)
+
+    def choice(self, index: int) -> ChoiceTokens:
+        c = self.choices.get(index)
+        if c is None:
+            c = self.choices[index] = ChoiceTokens()
+        return c
+
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices.values())
+
+    def missing_ids(self) -> bool:
+        return not self.prompt_token_ids or not self.choices or any(
+            not c.token_ids for c in self.choices.values())
+
+
+def capture_response(resp: dict[str, Any]) -> Captured:
+    """Token ids and logprobs of a non-streaming vLLM chat response."""
+    cap = Captured(prompt_token_ids=_ids(resp.get("prompt_token_ids")))
+    for pos, choice in enumerate(resp.get("choices") or ()):
+        if not isinstance(choice, dict):
+            continue
+        c = cap.choice(int(choice.get("index", pos)))
+        c.token_ids = _ids(choice.get("token_ids"))
+        c.logprobs = _logprob_values(choice.get("logprobs"))
+        c.finish_reason = choice.get("finish_reason")
+    return cap
+
+
+class StreamCapture:
+    """Accumulates a streamed call: prompt ids from the first chunk, token ids and logprobs per chunk."""
+
+    def __init__(self) -> None:
+        self.captured = Captured()
+        self.done = False  # saw "data: [DONE]"
+        self.error: str | None = None  # an error event inside the stream
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        if "error" in chunk and not chunk.get("choices"):
+            err = chunk["error"]
+            self.error = str(err.get("message", err)) if isinstance(err, dict) else str(err)
+            return
+        prompt = chunk.get("prompt_token_ids")
+        if prompt and not self.captured.prompt_token_ids:
+            self.captured.prompt_token_ids = _ids(prompt)
+        for pos, choice in enumerate(chunk.get("choices") or ()):
+            if not isinstance(choice, dict):
+                continue
+            c = self.captured.choice(int(choice.get("index", pos)))
+            ids = choice.get("token_ids")
+            if ids:
+                c.token_ids.extend(_ids(ids))
+            lp = choice.get("logprobs")
+            if lp:
+                c.logprobs.extend(_logprob_values(lp))
+            if choice.get("finish_reason") is not None:
+                c.finish_reason = choice["finish_reason"]
+
+
+def build_trace(
+    *, call_id: str, rollout_id: str, request: dict[str, Any], captured: Captured | None, error: str | None,
+    http_status: int, weight_version: int, started_at: float, finished_at: float, latency_s: float,
+    upstream_latency_s: float,
+) -> Trace:
+    """The record of one call. A call with an error (or without token ids) is never a sample."""
+    trace = Trace(call_id=call_id, rollout_id=rollout_id, api=API_CHAT, request=request,
+                  status="error" if error else "ok", weight_version=weight_version, started_at=started_at,
+                  finished_at=finished_at, latency_s=latency_s, upstream_latency_s=upstream_latency_s,
+                  http_status=http_status, error=error)
+    if captured is None:
+        return trace
+    trace.prompt_token_ids = captured.prompt_token_ids
+    indices = sorted(captured.choices)
+    if indices:
+        first = captured.choices[indices[0]]
+        trace.response_token_ids = first.token_ids
+        trace.response_logprobs = first.logprobs
+        trace.finish_reason = first.finish_reason
+        trace.extra_choices = [
+            {"index": i, "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+            for i in indices[1:] for c in (captured.choices[i],)
+        ]
+    if not error and captured.missing_ids():
+        trace.status = "error"
+        trace.error = "upstream response carried no token ids (is vLLM too old for return_token_ids?)"
+    return trace
+
+
+def upstream_error(status: int, content: bytes, retry_after_s: int) -> ApiError:
+    """Map a vLLM error answer to the client's: 4xx keep their status, 5xx become 502 (503 stays)."""
+    message, type_, code, param = f"upstream answered HTTP {status}", "upstream_error", None, None
+    try:
+        data = orjson.loads(content)
+    except orjson.JSONDecodeError:
+        data = None
+    if isinstance(data, dict):
+        err = data.get("error") if isinstance(data.get("error"), dict) else data  # new and old vLLM shapes
+        message = str(err.get("message") or message)
+        type_ = str(err.get("type") or type_)
+        code = None if err.get("code") is None else str(err.get("code"))
+        param = err.get("param") if isinstance(err.get("param"), str) else None
+    if status < 500:
+        return ApiError(status, message, type_, code, param)
+    if status == 503:
+        return ApiError(503, message, "server_error", "upstream_unavailable",
+                        headers={"Retry-After": str(retry_after_s)})
+    return ApiError(502, f"upstream error: {message}", "server_error", "upstream_error")

@@ -1,0 +1,226 @@
+"""The rollout registry in Redis: create a rollout with its own API key, resolve keys on every call,
+and finish a rollout exactly once (completed with a reward, or failed), publishing its RolloutEvent
+after its in-flight calls are recorded.
+
+Redis layout (see common.broker.Keys): hash Keys.rollout(id) with task_id, group_id, group_size,
+status (running | completed | failed), created_at, metadata (JSON), and on finish reward,
+finished_at, reason; string Keys.api_key(key) -> rollout id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import math
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import redis.asyncio as aioredis
+
+from tether.common import broker
+from tether.common.records import RolloutEvent
+from tether.gateway.admission import Admission
+from tether.gateway.capture import ApiError
+
+log = logging.getLogger(__name__)
+
+RUNNING, COMPLETED, FAILED = "running", "completed", "failed"
+
+# Compare-and-set running -> final, in one step, so that two finishes never both win.
+_FINISH = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return {0, ''} end
+if st ~= 'running' then return {-1, st} end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+local f = redis.call('HMGET', KEYS[1], 'task_id', 'group_id', 'group_size')
+return {1, st, f[1], f[2], f[3]}
+"""
+
+
+def unauthorized(message: str = "Missing or unknown API key") -> ApiError:
+    return ApiError(401, message, "invalid_request_error", "invalid_api_key")
+
+
+@dataclass
+class NewRollout:
+    rollout_id: str
+    api_key: str
+
+
+@dataclass
+class CreateRequest:
+    task_id: str
+    group_id: str
+    group_size: int
+    metadata: dict[str, Any]
+
+
+def parse_create(body: dict[str, Any], default_group_size: int) -> CreateRequest:
+    task_id, group_id = body.get("task_id"), body.get("group_id")
+    group_size = body.get("group_size", default_group_size)
+    metadata = body.get("metadata") or {}
+    for name, value in (("task_id", task_id), ("group_id", group_id)):
+        if not isinstance(value, str) or not value:
+            raise ApiError(422, f"'{name}' must be a non-empty string", param=name, code="invalid_value")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise ApiError(422, "'group_size' must be an integer >= 1", param="group_size", code="invalid_value")
+    if not isinstance(metadata, dict):
+        raise ApiError(422, "'metadata' must be an object", param="metadata", code="invalid_value")
+    return CreateRequest(task_id, group_id, group_size, metadata)
+
+
+def parse_reward(body: dict[str, Any]) -> float:
+    """A finite number; bools, strings, NaN and infinities are rejected (422)."""
+    value = body.get("reward")
+    bad = ApiError(422, "'reward' must be a finite number", param="reward", code="invalid_reward")
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise bad
+    try:
+        reward = float(value)
+    except OverflowError:
+        raise bad from None
+    if not math.isfinite(reward):
+        raise bad
+    return reward
+
+
+def parse_reason(body: dict[str, Any]) -> str:
+    reason = body.get("reason", "")
+    if not isinstance(reason, str):
+        raise ApiError(422, "'reason' must be a string", param="reason", code="invalid_value")
+    return reason
+
+
+def _state(rollout_id: str, h: dict[str, str], calls: int) -> dict[str, Any]:
+    def num(name: str) -> float | None:
+        return float(h[name]) if h.get(name) else None
+
+    return {
+        "rollout_id": rollout_id, "task_id": h.get("task_id"), "group_id": h.get("group_id"),
+        "group_size": int(h.get("group_size") or 1), "status": h.get("status"),
+        "created_at": num("created_at"), "finished_at": num("finished_at"), "reward": num("reward"),
+        "reason": h.get("reason"), "metadata": orjson.loads(h["metadata"]) if h.get("metadata") else {},
+        "calls": calls,
+    }
+
+
+class RolloutRegistry:
+    def __init__(self, r: aioredis.Redis, keys: broker.Keys, admission: Admission, admin_token: str | None,
+                 finish_wait_s: float = 10.0, key_cache_size: int = 100_000) -> None:
+        self.r = r
+        self.keys = keys
+        self.admission = admission
+        self.admin_token = admin_token or None
+        self.finish_wait_s = finish_wait_s
+        # api key -> rollout id never changes once written: cache it, one Redis round trip less per call.
+        self._key_cache: dict[str, str] = {}
+        self._key_cache_size = key_cache_size
+        self._finish = r.register_script(_FINISH)
+
+    # --- auth ----------------------------------------------------------------------------------
+
+    def is_admin(self, bearer: str | None) -> bool:
+        return bool(self.admin_token and bearer and hmac.compare_digest(bearer, self.admin_token))
+
+    def require_admin(self, bearer: str | None) -> None:
+        if self.admin_token and not self.is_admin(bearer):
+            raise unauthorized("This route needs the admin token") if not bearer else ApiError(
+                403, "This route needs the admin token", "permission_error", "forbidden")
+
+    async def authenticate(self, api_key: str | None) -> str:
+        """The rollout id of an API key (401 when missing or unknown)."""
+        if not api_key:
+            raise unauthorized()
+        rollout_id = self._key_cache.get(api_key)
+        if rollout_id is None:
+            rollout_id = await self.r.get(self.keys.api_key(api_key))
+            if rollout_id is None:
+                raise unauthorized()
+            if len(self._key_cache) >= self._key_cache_size:
+                self._key_cache.clear()
+            self._key_cache[api_key] = rollout_id
+        return rollout_id
+
+    async def require_running(self, rollout_id: str) -> None:
+        status = await self.r.hget(self.keys.rollout(rollout_id), "status")
+        if status is None:
+            raise unauthorized("API key of an unknown rollout")
+        if status != RUNNING:
+            raise ApiError(409, f"rollout {rollout_id} is already {status}", "invalid_request_error",
+                           "rollout_finished")
+
+    async def authorize(self, rollout_id: str, bearer: str | None, open_without_admin: bool) -> None:
+        """Allow the rollout's own key, the admin token, or (reads only) anyone when no admin token
+        is configured."""
+        if self.is_admin(bearer) or (open_without_admin and not self.admin_token):
+            return
+        if not bearer:
+            raise unauthorized()
+        owner = self._key_cache.get(bearer) or await self.r.get(self.keys.api_key(bearer))
+        if owner is None:
+            raise unauthorized()
+        if owner != rollout_id:
+            raise ApiError(403, "This API key belongs to another rollout", "permission_error", "forbidden")
+
+    # --- lifecycle -----------------------------------------------------------------------------
+
+    async def create(self, req: CreateRequest) -> NewRollout:
+        rollout_id = uuid.uuid4().hex
+        api_key = "tr-" + secrets.token_urlsafe(24)
+        pipe = self.r.pipeline(transaction=True)
+        pipe.hset(self.keys.rollout(rollout_id), mapping={
+            "rollout_id": rollout_id, "task_id": req.task_id, "group_id": req.group_id,
+            "group_size": req.group_size, "status": RUNNING, "created_at": repr(time.time()),
+            "metadata": orjson.dumps(req.metadata).decode(),
+        })
+        pipe.set(self.keys.api_key(api_key), rollout_id)
+        await pipe.execute()
+        return NewRollout(rollout_id, api_key)
+
+    async def get(self, rollout_id: str) -> dict[str, Any]:
+        pipe = self.r.pipeline(transaction=False)
+        pipe.hgetall(self.keys.rollout(rollout_id))
+        pipe.llen(self.keys.rollout_calls(rollout_id))
+        h, calls = await pipe.execute()
+        if not h:
+            raise ApiError(404, f"no rollout {rollout_id}", "invalid_request_error", "rollout_not_found")
+        return _state(rollout_id, h, int(calls))
+
+    async def exists(self, rollout_id: str) -> bool:
+        return bool(await self.r.exists(self.keys.rollout(rollout_id)))
+
+    async def finish(self, rollout_id: str, status: str, reward: float | None = None,
+                     reason: str = "") -> dict[str, Any]:
+        """running -> completed|failed exactly once (409 otherwise); then wait (bounded) for the
+        rollout's calls to be recorded, and publish its RolloutEvent once."""
+        finished_at = time.time()
+        fields = ["status", status, "finished_at", repr(finished_at)]
+        if reward is not None:
+            fields += ["reward", repr(reward)]
+        if reason:
+            fields += ["reason", reason]
+        res = await self._finish(keys=[self.keys.rollout(rollout_id)], args=fields)
+        if int(res[0]) == 0:
+            raise ApiError(404, f"no rollout {rollout_id}", "invalid_request_error", "rollout_not_found")
+        if int(res[0]) < 0:
+            raise ApiError(409, f"rollout {rollout_id} is already {res[1]}", "invalid_request_error",
+                           "rollout_finished")
+        event = RolloutEvent(rollout_id=rollout_id, task_id=res[2], group_id=res[3], group_size=int(res[4] or 1),
+                             status=status, reward=reward, finished_at=finished_at)
+        # The status is final now: shield the rest so that a cancelled request still publishes the event.
+        await asyncio.shield(self._publish_final(event))
+        return await self.get(rollout_id)
+
+    async def _publish_final(self, event: RolloutEvent) -> None:
+        # New calls of this rollout get 409 now; the ones already past authentication are recorded
+        # first, so the merger never reads a half-recorded rollout.
+        if not await self.admission.wait_rollout_idle(event.rollout_id, self.finish_wait_s):
+            log.warning("rollout %s finished with %d call(s) still in flight after %.0f s", event.rollout_id,
+                        self.admission.rollout_calls(event.rollout_id), self.finish_wait_s)
+        await broker.publish_once(self.r, self.keys, self.keys.rollout_events,
+                                  f"rollout-final:{event.rollout_id}", event.to_dict())

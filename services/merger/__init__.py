@@ -1,0 +1,1 @@
+"""Merger: turns a rollout's recorded LLM calls into token-exact training sequences."""

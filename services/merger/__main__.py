@@ -1,0 +1,3 @@
+from tether.merger.main import main
+
+main()

@@ -1,0 +1,3 @@
+from tether.scheduler.main import main
+
+main()

@@ -1,0 +1,104 @@
+"""Scheduler service process. Run: python -m tether.scheduler"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from pathlib import Path
+
+from tether.common import broker
+from tether.common.grpc_server import channel, run_until_signal, start_server
+from tether.common.logs import setup_logging
+from tether.common.settings import CommonSettings
+from tether.scheduler.run import Run, RunConfig, Stubs, load_tasks
+from tether.v1 import (
+    gateway_pb2_grpc,
+    inference_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
+    trainer_pb2_grpc,
+)
+
+log = logging.getLogger("tether.scheduler")
+
+
+class SchedulerSettings(CommonSettings):
+    scheduler_grpc_host: str = "127.0.0.1"
+    scheduler_grpc_port: int
+    gateway_control_address: str
+    inference_address: str
+    trainer_address: str
+    run_id: str
+    run_dir: str
+    tasks_file: str = ""  # empty: serve-only (`tether up`): groups train as users complete them
+    steps: int = 60
+    tasks_per_step: int = 8
+    group_size: int = 8
+    eval_repeats: int = 4
+    seed: int = 0
+    rollout_timeout_s: float = 300.0
+    groups_per_step: int = 1  # serve-only mode: train once this many groups are scored
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def _state(self) -> scheduler_pb2.RunState:
+        s = self.run.state
+        reward = s.get("reward_mean", 0.0)
+        return scheduler_pb2.RunState(
+            status=s.get("status", ""), step=int(s.get("step", 0)), total_steps=self.run.cfg.steps,
+            weight_version=int(s.get("weight_version", 0)),
+            reward_mean=reward if isinstance(reward, float) and math.isfinite(reward) else 0.0,
+            run_dir=str(self.run.cfg.run_dir))
+
+    async def GetRun(self, request, context):
+        return self._state()
+
+    async def Stop(self, request, context):
+        self.run.stop_requested = True
+        return self._state()
+
+
+async def amain(s: SchedulerSettings) -> None:
+    r = broker.connect(s.redis_url)
+    stubs = Stubs(gateway=gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address)),
+                  inference=inference_pb2_grpc.InferenceStub(channel(s.inference_address)),
+                  trainer=trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)))
+    cfg = RunConfig(run_id=s.run_id, steps=s.steps, tasks_per_step=s.tasks_per_step, group_size=s.group_size,
+                    seed=s.seed, run_dir=Path(s.run_dir), eval_repeats=s.eval_repeats,
+                    rollout_timeout_s=s.rollout_timeout_s)
+    tasks = load_tasks(Path(s.tasks_file)) if s.tasks_file else []
+    run = Run(r, broker.Keys(s.namespace), cfg, stubs, tasks)
+
+    def register(server):
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(run), server)
+        return [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
+
+    server, health, port = await start_server(s.scheduler_grpc_port, register, s.scheduler_grpc_host,
+                                              s.metrics_port)
+    await health.set(True)
+    log.info("scheduler on %s:%d", s.scheduler_grpc_host, port)
+    async def work() -> None:
+        try:
+            await (run.run() if tasks else run.serve(s.groups_per_step))
+        except Exception:
+            log.exception("run failed")
+        await asyncio.Event().wait()  # keep answering GetRun until stopped
+
+    try:
+        await run_until_signal(server, health, [work()])
+    finally:
+        await r.aclose()
+
+
+def main() -> None:
+    s = SchedulerSettings()
+    setup_logging("scheduler", s.log_level)
+    asyncio.run(amain(s))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,265 @@
+"""The synchronous run loop (colocated-sync): dispatch P tasks x G rollouts, wait for their groups,
+drain admission, train, push weights, resume admission with the new version. Run state lives in
+Redis, so a restarted scheduler continues from the last completed step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tether.common import broker
+from tether.v1 import gateway_pb2, inference_pb2, trainer_pb2, types_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    run_id: str
+    steps: int
+    tasks_per_step: int
+    group_size: int
+    seed: int
+    run_dir: Path
+    eval_repeats: int = 4
+    rollout_timeout_s: float = 300.0
+    drain_timeout_s: float = 60.0
+
+
+@dataclass
+class Stubs:
+    gateway: Any
+    inference: Any
+    trainer: Any
+
+
+def load_tasks(path: Path) -> list[dict]:
+    tasks = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not tasks:
+        raise ValueError(f"no tasks in {path}")
+    for t in tasks:
+        if "task_id" not in t:
+            raise ValueError(f"task without task_id in {path}: {t}")
+    return tasks
+
+
+def step_summary(results: list[dict]) -> dict[str, float]:
+    """Reward and accounting over one step's resolved groups (pure)."""
+    rewards = [r for g in results for r in g["rewards"]]
+    return {
+        "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
+        "rollouts": float(len(rewards)),
+        "groups_trained": float(sum(g["outcome"] == "trained" for g in results)),
+        "groups_filtered": float(sum(g["outcome"] == "filtered" for g in results)),
+        "samples": float(sum(g["samples"] for g in results)),
+        "tokens": float(sum(g["tokens"] for g in results)),
+        "forks": float(sum(g.get("forks", 0) for g in results)),
+        "sequences_per_rollout": (sum(g["sequences"] for g in results) / len(rewards)) if rewards else 0.0,
+    }
+
+
+class Run:
+    def __init__(self, r, keys: broker.Keys, cfg: RunConfig, stubs: Stubs, tasks: list[dict]) -> None:
+        self.r = r
+        self.keys = keys
+        self.cfg = cfg
+        self.stubs = stubs
+        self.tasks = tasks
+        self.stop_requested = False
+        self.state: dict[str, Any] = {"status": "starting", "step": 0, "weight_version": 0, "reward_mean": 0.0}
+
+    async def save_state(self, **changes: Any) -> None:
+        self.state.update(changes)
+        await self.r.hset(self.keys.run, mapping={k: json.dumps(v) for k, v in self.state.items()})
+
+    async def load_state(self) -> dict[str, Any]:
+        raw = await self.r.hgetall(self.keys.run)
+        return {k: json.loads(v) for k, v in raw.items()}
+
+    async def results_cursor(self) -> str:
+        last = await self.r.xrevrange(self.keys.group_results, count=1)
+        return last[0][0] if last else "0-0"
+
+    async def dispatch(self, group_id: str, task: dict, size: int, meta: dict) -> None:
+        for i in range(size):
+            await broker.publish_once(self.r, self.keys, self.keys.dispatch, f"dispatch:{group_id}:{i}", {
+                "group_id": group_id, "task_id": task["task_id"], "group_size": size, "task": task,
+                "metadata": meta})
+
+    async def wait_groups(self, group_ids: set[str], cursor: str) -> list[dict]:
+        """Group results for `group_ids`, read from the results stream after `cursor`."""
+        found: dict[str, dict] = {}
+        deadline = time.monotonic() + self.cfg.rollout_timeout_s
+        while len(found) < len(group_ids) and time.monotonic() < deadline:
+            resp = await self.r.xread({self.keys.group_results: cursor}, count=256, block=500)
+            for _, items in resp or []:
+                for eid, fields in items:
+                    cursor = eid
+                    rec = broker.decode(fields)
+                    if rec["group_id"] in group_ids:
+                        found[rec["group_id"]] = rec
+        if len(found) < len(group_ids):
+            log.warning("%d of %d groups unresolved after %.0fs", len(group_ids) - len(found), len(group_ids),
+                        self.cfg.rollout_timeout_s)
+        return list(found.values())
+
+    async def push(self, step: int, groups: int) -> tuple[dict[str, float], float, float]:
+        """Drain admission, train, load the checkpoint into vLLM, resume with the new version."""
+        t0 = time.perf_counter()
+        await self.stubs.gateway.PauseAdmission(
+            gateway_pb2.PauseAdmissionRequest(drain_timeout_s=self.cfg.drain_timeout_s))
+        try:
+            await self.save_state(status="training")
+            resp = await self.stubs.trainer.TrainStep(
+                trainer_pb2.TrainStepRequest(step=step, min_groups=groups, max_groups=groups))
+            await self.save_state(status="pushing")
+            t1 = time.perf_counter()
+            loaded = await self.stubs.inference.LoadWeights(
+                inference_pb2.LoadWeightsRequest(checkpoint_dir=resp.checkpoint_dir, version=resp.weight_version))
+            push_s = time.perf_counter() - t1
+            if loaded.version != resp.weight_version:
+                raise RuntimeError(f"inference reports version {loaded.version}, expected {resp.weight_version}")
+            version = loaded.version
+            await self.save_state(weight_version=version, checkpoint_dir=resp.checkpoint_dir)
+        finally:
+            await self.stubs.gateway.ResumeAdmission(
+                gateway_pb2.ResumeAdmissionRequest(weight_version=self.state["weight_version"]))
+        return dict(resp.metrics), push_s, time.perf_counter() - t0
+
+    def write_metrics(self, record: dict[str, Any]) -> None:
+        with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    async def train(self) -> None:
+        previous = await self.load_state()
+        start = int(previous.get("next_step", 0)) if previous.get("run_id") == self.cfg.run_id else 0
+        version = (await self.stubs.inference.GetWeightVersion(types_pb2.Empty())).version
+        await self.save_state(run_id=self.cfg.run_id, total_steps=self.cfg.steps, weight_version=version,
+                              run_dir=str(self.cfg.run_dir), next_step=start)
+        await self.stubs.gateway.ResumeAdmission(gateway_pb2.ResumeAdmissionRequest(weight_version=version))
+        rng = random.Random(self.cfg.seed)
+        for step in range(self.cfg.steps):
+            chosen = [rng.choice(self.tasks) for _ in range(self.cfg.tasks_per_step)]
+            if step < start:
+                continue  # replay the task draws of finished steps so a resumed run sees the same tasks
+            if self.stop_requested:
+                await self.save_state(status="stopped")
+                return
+            t0 = time.perf_counter()
+            await self.save_state(status="rolling_out", step=step)
+            cursor = await self.results_cursor()
+            group_ids = {f"{self.cfg.run_id}-s{step}-g{i}" for i in range(len(chosen))}
+            for gid, task in zip(sorted(group_ids, key=lambda g: int(g.rsplit("g", 1)[1])), chosen, strict=True):
+                await self.dispatch(gid, task, self.cfg.group_size, {"step": step, "run_id": self.cfg.run_id})
+            results = await self.wait_groups(group_ids, cursor)
+            rollout_s = time.perf_counter() - t0
+            summary = step_summary(results)
+            train_metrics: dict[str, float] = {}
+            push_s = update_s = 0.0
+            if summary["groups_trained"] > 0:
+                train_metrics, push_s, update_s = await self.push(step, int(summary["groups_trained"]))
+            step_s = time.perf_counter() - t0
+            record = {
+                "step": step, "weight_version": self.state["weight_version"], **summary,
+                "logprob_abs_diff": train_metrics.get("logprob_abs_diff", float("nan")),
+                "logprob_k3_kl": train_metrics.get("logprob_k3_kl", float("nan")),
+                "loss": train_metrics.get("loss", float("nan")),
+                "grad_norm": train_metrics.get("grad_norm", float("nan")),
+                "clip_fraction": train_metrics.get("clip_fraction", float("nan")),
+                "trainer_tokens_per_s": train_metrics.get("train_tokens_per_s", float("nan")),
+                "rollout_seconds": rollout_s, "push_seconds": push_s, "paused_seconds": update_s,
+                "step_seconds": step_s, "tokens_per_s": summary["tokens"] / max(step_s, 1e-9),
+                "time": time.time(),
+            }
+            self.write_metrics(record)
+            await broker.publish(self.r, self.keys.metrics, record)
+            await self.save_state(next_step=step + 1, reward_mean=summary["reward_mean"])
+            log.info("step %d reward %.3f version %d (%.1fs)", step, summary["reward_mean"],
+                     self.state["weight_version"], step_s)
+
+    async def evaluate(self) -> dict[str, Any]:
+        """Every task `eval_repeats` times with the current weights; nothing here is trained on."""
+        await self.save_state(status="evaluating")
+        cursor = await self.results_cursor()
+        group_ids = set()
+        for i, task in enumerate(self.tasks):
+            for k in range(self.cfg.eval_repeats):
+                gid = f"{self.cfg.run_id}-eval-{i}-{k}"
+                group_ids.add(gid)
+                await self.dispatch(gid, task, 1, {"eval": True, "run_id": self.cfg.run_id})
+        results = await self.wait_groups(group_ids, cursor)
+        rewards = [r for g in results for r in g["rewards"]]
+        record = {"eval_reward": sum(rewards) / len(rewards) if rewards else float("nan"),
+                  "eval_rollouts": len(rewards), "weight_version": self.state["weight_version"],
+                  "time": time.time()}
+        self.write_metrics(record)
+        return record
+
+    async def serve(self, groups_per_step: int = 1, linger_s: float = 1.0) -> None:
+        """Serve-only mode (`tether up`): users create and complete rollouts themselves; every time
+        `groups_per_step` groups were scored (waiting `linger_s` for more), train and push."""
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        previous = await self.load_state()
+        step = int(previous.get("next_step", 0)) if previous.get("run_id") == self.cfg.run_id else 0
+        version = (await self.stubs.inference.GetWeightVersion(types_pb2.Empty())).version
+        await self.save_state(run_id=self.cfg.run_id, status="serving", weight_version=version,
+                              run_dir=str(self.cfg.run_dir), next_step=step)
+        await self.stubs.gateway.ResumeAdmission(gateway_pb2.ResumeAdmissionRequest(weight_version=version))
+        cursor = await self.results_cursor()
+        ready: list[dict] = []
+        while not self.stop_requested:
+            resp = await self.r.xread({self.keys.group_results: cursor}, count=256,
+                                      block=int(linger_s * 1000) if ready else 1000)
+            for _, items in resp or []:
+                for eid, fields in items:
+                    cursor = eid
+                    rec = broker.decode(fields)
+                    if rec["outcome"] in ("trained", "filtered"):
+                        ready.append(rec)
+            trained = sum(g["outcome"] == "trained" for g in ready)
+            if trained < groups_per_step or (resp and trained < 4 * groups_per_step):
+                continue  # keep collecting while groups are still arriving
+            t0 = time.perf_counter()
+            summary = step_summary(ready)
+            metrics, push_s, update_s = await self.push(step, trained)
+            record = {"step": step, "weight_version": self.state["weight_version"], **summary,
+                      "logprob_abs_diff": metrics.get("logprob_abs_diff", float("nan")),
+                      "push_seconds": push_s, "paused_seconds": update_s,
+                      "step_seconds": time.perf_counter() - t0, "time": time.time()}
+            self.write_metrics(record)
+            await broker.publish(self.r, self.keys.metrics, record)
+            step += 1
+            await self.save_state(status="serving", next_step=step, step=step, reward_mean=summary["reward_mean"])
+            ready = []
+
+    async def run(self) -> None:
+        self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            await self.train()
+            if self.state.get("status") == "stopped":
+                return
+            record = await self.evaluate()
+            ckpt = self.state.get("checkpoint_dir")
+            if ckpt:
+                final = self.cfg.run_dir / "final-model"
+                if final.exists():
+                    shutil.rmtree(final)
+                shutil.copytree(ckpt, final)
+            await self.save_state(status="done", eval_reward=record["eval_reward"])
+        except grpc.aio.AioRpcError as exc:
+            log.error("run failed: %s %s", exc.code(), exc.details())
+            await self.save_state(status="failed", error=f"{exc.code()}: {exc.details()}")
+            raise
+        except Exception as exc:
+            await self.save_state(status="failed", error=repr(exc))
+            raise

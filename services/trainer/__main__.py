@@ -1,0 +1,3 @@
+from tether.trainer.main import main
+
+main()

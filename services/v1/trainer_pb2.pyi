@@ -1,0 +1,67 @@
+from tether.v1 import types_pb2 as _types_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SubmitGroupRequest(_message.Message):
+    __slots__ = ("group_id", "samples", "rollouts")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    samples: _containers.RepeatedCompositeFieldContainer[_types_pb2.Sample]
+    rollouts: int
+    def __init__(self, group_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_types_pb2.Sample, _Mapping]]] = ..., rollouts: _Optional[int] = ...) -> None: ...
+
+class SubmitGroupResponse(_message.Message):
+    __slots__ = ("buffered_groups", "duplicate")
+    BUFFERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    DUPLICATE_FIELD_NUMBER: _ClassVar[int]
+    buffered_groups: int
+    duplicate: bool
+    def __init__(self, buffered_groups: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
+
+class TrainStepRequest(_message.Message):
+    __slots__ = ("step", "min_groups", "max_groups")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MIN_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    min_groups: int
+    max_groups: int
+    def __init__(self, step: _Optional[int] = ..., min_groups: _Optional[int] = ..., max_groups: _Optional[int] = ...) -> None: ...
+
+class TrainStepResponse(_message.Message):
+    __slots__ = ("step", "weight_version", "checkpoint_dir", "metrics")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    weight_version: int
+    checkpoint_dir: str
+    metrics: _containers.ScalarMap[str, float]
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class TrainerStatus(_message.Message):
+    __slots__ = ("buffered_groups", "buffered_samples", "weight_version", "steps_done")
+    BUFFERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    BUFFERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    buffered_groups: int
+    buffered_samples: int
+    weight_version: int
+    steps_done: int
+    def __init__(self, buffered_groups: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., weight_version: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...

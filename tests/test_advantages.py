@@ -1,0 +1,253 @@
+"""Group advantages: the conventions' known values, properties over random ragged groups, verl as oracle."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tether.algorithms.advantages import ESTIMATORS, discounted_call_rewards, group_advantages, whiten
+
+settings.register_profile("tether-math", deadline=None, max_examples=60)
+settings.load_profile("tether-math")
+
+# Rewards on a 0.05 grid: realistic (pass rates, partial credit) and never "almost equal" by accident,
+# so the eps in GRPO's std never dominates a comparison.
+grid_reward = st.integers(min_value=-40, max_value=40).map(lambda k: k / 20)
+
+
+def group(min_size: int = 2, max_size: int = 16) -> st.SearchStrategy[torch.Tensor]:
+    return st.lists(grid_reward, min_size=min_size, max_size=max_size).map(
+        lambda xs: torch.tensor(xs, dtype=torch.float32)
+    )
+
+
+def spread(rewards: torch.Tensor) -> bool:
+    return bool(rewards.max() > rewards.min())
+
+
+# --- known values (DESIGN.md "Math conventions") ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("estimator", "expected"),
+    [("grpo", 1 / math.sqrt(2)), ("drgrpo", 0.5), ("rloo", 1.0), ("reinforce_pp_baseline", 0.5)],
+)
+def test_known_values_for_group_one_zero(estimator: str, expected: float) -> None:
+    adv = group_advantages(torch.tensor([1.0, 0.0]), estimator)
+    assert adv.dtype == torch.float32
+    torch.testing.assert_close(adv, torch.tensor([expected, -expected]), atol=1e-4, rtol=0)
+
+
+def test_grpo_matches_the_rounded_convention() -> None:
+    assert group_advantages(torch.tensor([1.0, 0.0]), "grpo")[0].item() == pytest.approx(0.7071, abs=1e-4)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_single_rollout_group_has_zero_advantage(estimator: str) -> None:
+    adv = group_advantages(torch.tensor([0.7]), estimator)
+    assert adv.shape == (1,) and adv.dtype == torch.float32
+    assert adv.item() == 0.0
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+def test_zero_variance_group_is_all_zero_not_nan(estimator: str) -> None:
+    adv = group_advantages(torch.full((5,), 0.3), estimator)
+    assert torch.equal(adv, torch.zeros(5))
+
+
+def test_unknown_estimator_lists_the_names() -> None:
+    with pytest.raises(ValueError) as err:
+        group_advantages(torch.tensor([1.0, 0.0]), "ppo")
+    for name in ESTIMATORS:
+        assert name in str(err.value)
+
+
+def test_rewards_must_be_one_group() -> None:
+    with pytest.raises(ValueError):
+        group_advantages(torch.zeros(2, 3))
+
+
+def test_fp32_rewards_keep_their_precision() -> None:
+    # bf16 would store 0.95 as 0.94921875 and give 0.4746 here.
+    adv = group_advantages(torch.tensor([0.95, 0.0]), "drgrpo")
+    assert adv[0].item() == pytest.approx(0.475, abs=1e-7)
+
+
+# --- properties over random groups --------------------------------------------------------------------
+
+
+@given(rewards=group(), estimator=st.sampled_from(ESTIMATORS))
+def test_advantages_sum_to_zero_within_the_group(rewards: torch.Tensor, estimator: str) -> None:
+    adv = group_advantages(rewards, estimator)
+    assert adv.shape == rewards.shape and adv.dtype == torch.float32
+    assert abs(adv.double().sum().item()) < 1e-4
+
+
+@given(rewards=group(), estimator=st.sampled_from(ESTIMATORS), shift=st.integers(-10, 10))
+def test_advantages_ignore_a_reward_shift(rewards: torch.Tensor, estimator: str, shift: int) -> None:
+    torch.testing.assert_close(
+        group_advantages(rewards + shift, estimator), group_advantages(rewards, estimator), atol=1e-4, rtol=0
+    )
+
+
+@given(rewards=group(), estimator=st.sampled_from(ESTIMATORS), scale=st.floats(0.5, 10.0))
+def test_reward_scale(rewards: torch.Tensor, estimator: str, scale: float) -> None:
+    scaled = group_advantages(rewards * scale, estimator)
+    base = group_advantages(rewards, estimator)
+    if estimator == "grpo":  # scale-free, up to the eps next to the std
+        torch.testing.assert_close(scaled, base, atol=1e-3, rtol=1e-3)
+    else:  # linear in the reward
+        torch.testing.assert_close(scaled, base * scale, atol=1e-4, rtol=1e-4)
+
+
+@given(rewards=group())
+def test_grpo_has_unit_sample_std(rewards: torch.Tensor) -> None:
+    if not spread(rewards):
+        return
+    adv = group_advantages(rewards, "grpo")
+    assert adv.double().std(correction=1).item() == pytest.approx(1.0, abs=1e-3)
+
+
+@given(rewards=group())
+def test_rloo_is_reward_minus_mean_of_the_others(rewards: torch.Tensor) -> None:
+    r = rewards.double().tolist()
+    loo = [ri - (sum(r) - ri) / (len(r) - 1) for ri in r]
+    torch.testing.assert_close(group_advantages(rewards, "rloo"), torch.tensor(loo, dtype=torch.float32))
+
+
+@given(rewards=group(), estimator=st.sampled_from(ESTIMATORS))
+def test_better_rollouts_get_larger_advantages(rewards: torch.Tensor, estimator: str) -> None:
+    adv = group_advantages(rewards, estimator)
+    mean = rewards.double().mean()
+    for i in range(len(rewards)):
+        assert torch.sign(adv[i]).item() == torch.sign(rewards[i].double() - mean).item() or abs(adv[i]) < 1e-6
+        for j in range(len(rewards)):
+            if rewards[i] > rewards[j]:
+                assert adv[i] > adv[j]
+
+
+# --- whiten -----------------------------------------------------------------------------------------
+
+
+@given(
+    values=st.lists(st.floats(-50, 50), min_size=2, max_size=40),
+    keep=st.lists(st.booleans(), min_size=40, max_size=40),
+)
+def test_whiten_gives_mean_zero_std_one_over_the_mask(values: list[float], keep: list[bool]) -> None:
+    v = torch.tensor(values, dtype=torch.float32)
+    m = torch.tensor(keep[: len(values)])
+    out = whiten(v, m)
+    assert out.dtype == torch.float32
+    assert torch.all(out[~m] == 0)
+    picked = v[m].double()
+    if len(picked) >= 2 and picked.std() > 1e-2:
+        assert out[m].double().mean().item() == pytest.approx(0.0, abs=1e-5)
+        assert out[m].double().std(correction=1).item() == pytest.approx(1.0, abs=1e-4)
+    # values outside the mask must not leak into the statistics
+    noisy = torch.where(m, v, torch.full_like(v, 1e6))
+    torch.testing.assert_close(whiten(noisy, m), out)
+
+
+def test_whiten_without_mask_uses_everything_and_degenerate_inputs_are_zero() -> None:
+    v = torch.tensor([3.0, 1.0, 2.0])
+    torch.testing.assert_close(whiten(v), whiten(v, torch.ones(3)))
+    assert torch.equal(whiten(v, torch.tensor([0, 1, 0])), torch.zeros(3))
+    assert torch.equal(whiten(v, torch.zeros(3)), torch.zeros(3))
+
+
+# --- per-call rewards with a turn discount ----------------------------------------------------------------
+
+
+def test_discounted_call_rewards_outcome_only() -> None:
+    gamma = 0.9
+    out = discounted_call_rewards([0.0, 0.0, 1.0], gamma)
+    torch.testing.assert_close(out, torch.tensor([gamma**2, gamma, 1.0]))
+
+
+@given(rewards=st.lists(st.floats(-5, 5), min_size=1, max_size=12), gamma=st.floats(0.0, 1.0))
+def test_discounted_call_rewards_is_the_return_to_go(rewards: list[float], gamma: float) -> None:
+    out = discounted_call_rewards(rewards, gamma).double()
+    assert out.shape == (len(rewards),)
+    expected = [sum(gamma ** (k - c) * rewards[k] for k in range(c, len(rewards))) for c in range(len(rewards))]
+    torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float64), atol=1e-4, rtol=1e-5)
+    if gamma == 0.0:
+        torch.testing.assert_close(out, torch.tensor(rewards, dtype=torch.float64), atol=1e-6, rtol=1e-6)
+
+
+def test_discounted_call_rewards_rejects_bad_gamma() -> None:
+    with pytest.raises(ValueError):
+        discounted_call_rewards([1.0], 1.5)
+
+
+# --- oracle: verl 0.9.1 --------------------------------------------------------------------------------
+
+
+@st.composite
+def ragged_batch(draw: st.DrawFn) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, np.ndarray]:
+    """Groups of 2..6 rollouts, shuffled into one batch of right-padded responses of ragged length."""
+    groups = draw(st.lists(group(2, 6), min_size=1, max_size=5))
+    rows = [(gi, k) for gi, g in enumerate(groups) for k in range(len(g))]
+    rows = draw(st.permutations(rows))
+    t = draw(st.integers(1, 8))
+    lengths = [draw(st.integers(1, t)) for _ in rows]
+    mask = torch.zeros(len(rows), t)
+    token_rewards = torch.zeros(len(rows), t)
+    for b, ((gi, k), n) in enumerate(zip(rows, lengths, strict=True)):
+        mask[b, :n] = 1
+        token_rewards[b, n - 1] = groups[gi][k]  # outcome reward on the last response token
+    index = np.array([f"task-{gi}" for gi, _ in rows], dtype=object)
+    return groups, token_rewards, mask, index
+
+
+def ours_broadcast(groups: list[torch.Tensor], mask: torch.Tensor, index: np.ndarray, estimator: str) -> torch.Tensor:
+    per_group = [group_advantages(g, estimator) for g in groups]
+    seen: dict[str, int] = {}
+    rows = []
+    for task in index:
+        k = seen.get(task, 0)
+        seen[task] = k + 1
+        rows.append(per_group[int(task.split("-")[1])][k])
+    return torch.stack(rows).unsqueeze(1) * mask
+
+
+@pytest.fixture(scope="module")
+def verl_algos():  # type: ignore[no-untyped-def]
+    pytest.importorskip("verl")
+    return pytest.importorskip("verl.trainer.ppo.core_algos")
+
+
+@settings(max_examples=40)
+@given(batch=ragged_batch())
+def test_grpo_and_drgrpo_match_verl(verl_algos, batch) -> None:  # type: ignore[no-untyped-def]
+    groups, token_rewards, mask, index = batch
+    for estimator, norm in (("grpo", True), ("drgrpo", False)):
+        theirs, _ = verl_algos.compute_grpo_outcome_advantage(
+            token_rewards.clone(), mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=norm
+        )
+        torch.testing.assert_close(ours_broadcast(groups, mask, index, estimator), theirs, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=40)
+@given(batch=ragged_batch())
+def test_rloo_matches_verl(verl_algos, batch) -> None:  # type: ignore[no-untyped-def]
+    groups, token_rewards, mask, index = batch
+    theirs, _ = verl_algos.compute_rloo_outcome_advantage(token_rewards.clone(), mask, index)
+    torch.testing.assert_close(ours_broadcast(groups, mask, index, "rloo"), theirs, atol=1e-5, rtol=1e-5)
+
+
+@settings(max_examples=40)
+@given(batch=ragged_batch())
+def test_reinforce_pp_baseline_with_token_whitening_matches_verl(verl_algos, batch) -> None:  # type: ignore[no-untyped-def]
+    groups, token_rewards, mask, index = batch
+    centered = ours_broadcast(groups, mask, index, "reinforce_pp_baseline")
+    if mask.sum() < 2 or centered[mask.bool()].std() < 1e-2:
+        return  # nothing to whiten: both sides only amplify float noise
+    theirs, _ = verl_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(token_rewards.clone(), mask, index)
+    # verl whitens per token over the batch; whiten() does the same when handed the broadcast tokens.
+    ours = whiten(centered, mask)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
