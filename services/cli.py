@@ -128,7 +128,6 @@ def _stop_on_signals(stack) -> None:
 
 def _run_status(redis_url: str, namespace: str) -> dict:
     import redis
-
     from tether.common.broker import Keys
 
     r = redis.Redis.from_url(redis_url, decode_responses=True)
@@ -139,9 +138,8 @@ def _run_status(redis_url: str, namespace: str) -> dict:
 
 
 def cmd_demo(args) -> int:
-    from tqdm import tqdm
-
     from tether.launcher import Stack, StackError, start_agents, start_stack
+    from tqdm import tqdm
 
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -290,7 +288,6 @@ def _with_redis(args, fn) -> int:
     """Run fn(redis_url, namespace) against the stack's Redis; when the stack has stopped, open
     its append-only file with a temporary embedded Redis (the trace store outlives the run)."""
     import redis
-
     from tether.common.net import free_port
     from tether.common.redis_server import start_embedded_redis
 

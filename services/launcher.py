@@ -19,7 +19,6 @@ from pathlib import Path
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
 
@@ -157,7 +156,6 @@ class Stack:
             state = json.loads(STATE_FILE.read_text())
             if state.get("launcher_pid") == os.getpid():
                 state["stopped"] = True
-                state["pids"] = {}
                 STATE_FILE.write_text(json.dumps(state, indent=2))
         except (OSError, ValueError):
             pass

@@ -9,11 +9,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from tether.algorithms.advantages import ESTIMATORS, discounted_call_rewards, group_advantages, whiten
 
-settings.register_profile("tether-math", deadline=None, max_examples=60)
-settings.load_profile("tether-math")
+# torch's first calls are slow, so no per-example deadline.
+props = settings(deadline=None, max_examples=60)
+oracle = settings(deadline=None, max_examples=40)
 
 # Rewards on a 0.05 grid: realistic (pass rates, partial credit) and never "almost equal" by accident,
 # so the eps in GRPO's std never dominates a comparison.
@@ -81,6 +81,7 @@ def test_fp32_rewards_keep_their_precision() -> None:
 # --- properties over random groups --------------------------------------------------------------------
 
 
+@props
 @given(rewards=group(), estimator=st.sampled_from(ESTIMATORS))
 def test_advantages_sum_to_zero_within_the_group(rewards: torch.Tensor, estimator: str) -> None:
     adv = group_advantages(rewards, estimator)
@@ -88,6 +89,7 @@ def test_advantages_sum_to_zero_within_the_group(rewards: torch.Tensor, estimato
     assert abs(adv.double().sum().item()) < 1e-4
 
 
+@props
 @given(rewards=group(), estimator=st.sampled_from(ESTIMATORS), shift=st.integers(-10, 10))
 def test_advantages_ignore_a_reward_shift(rewards: torch.Tensor, estimator: str, shift: int) -> None:
     torch.testing.assert_close(
@@ -95,6 +97,7 @@ def test_advantages_ignore_a_reward_shift(rewards: torch.Tensor, estimator: str,
     )
 
 
+@props
 @given(rewards=group(), estimator=st.sampled_from(ESTIMATORS), scale=st.floats(0.5, 10.0))
 def test_reward_scale(rewards: torch.Tensor, estimator: str, scale: float) -> None:
     scaled = group_advantages(rewards * scale, estimator)
@@ -105,6 +108,7 @@ def test_reward_scale(rewards: torch.Tensor, estimator: str, scale: float) -> No
         torch.testing.assert_close(scaled, base * scale, atol=1e-4, rtol=1e-4)
 
 
+@props
 @given(rewards=group())
 def test_grpo_has_unit_sample_std(rewards: torch.Tensor) -> None:
     if not spread(rewards):
@@ -113,6 +117,7 @@ def test_grpo_has_unit_sample_std(rewards: torch.Tensor) -> None:
     assert adv.double().std(correction=1).item() == pytest.approx(1.0, abs=1e-3)
 
 
+@props
 @given(rewards=group())
 def test_rloo_is_reward_minus_mean_of_the_others(rewards: torch.Tensor) -> None:
     r = rewards.double().tolist()
@@ -120,12 +125,15 @@ def test_rloo_is_reward_minus_mean_of_the_others(rewards: torch.Tensor) -> None:
     torch.testing.assert_close(group_advantages(rewards, "rloo"), torch.tensor(loo, dtype=torch.float32))
 
 
+@props
 @given(rewards=group(), estimator=st.sampled_from(ESTIMATORS))
 def test_better_rollouts_get_larger_advantages(rewards: torch.Tensor, estimator: str) -> None:
     adv = group_advantages(rewards, estimator)
     mean = rewards.double().mean()
     for i in range(len(rewards)):
-        assert torch.sign(adv[i]).item() == torch.sign(rewards[i].double() - mean).item() or abs(adv[i]) < 1e-6
+        assert (
+            torch.sign(adv[i]).item() == torch.sign(rewards[i].double() - mean).item() or abs(adv[i]) < 1e-6
+        )
         for j in range(len(rewards)):
             if rewards[i] > rewards[j]:
                 assert adv[i] > adv[j]
@@ -134,6 +142,7 @@ def test_better_rollouts_get_larger_advantages(rewards: torch.Tensor, estimator:
 # --- whiten -----------------------------------------------------------------------------------------
 
 
+@props
 @given(
     values=st.lists(st.floats(-50, 50), min_size=2, max_size=40),
     keep=st.lists(st.booleans(), min_size=40, max_size=40),
@@ -169,11 +178,14 @@ def test_discounted_call_rewards_outcome_only() -> None:
     torch.testing.assert_close(out, torch.tensor([gamma**2, gamma, 1.0]))
 
 
+@props
 @given(rewards=st.lists(st.floats(-5, 5), min_size=1, max_size=12), gamma=st.floats(0.0, 1.0))
 def test_discounted_call_rewards_is_the_return_to_go(rewards: list[float], gamma: float) -> None:
     out = discounted_call_rewards(rewards, gamma).double()
     assert out.shape == (len(rewards),)
-    expected = [sum(gamma ** (k - c) * rewards[k] for k in range(c, len(rewards))) for c in range(len(rewards))]
+    expected = [
+        sum(gamma ** (k - c) * rewards[k] for k in range(c, len(rewards))) for c in range(len(rewards))
+    ]
     torch.testing.assert_close(out, torch.tensor(expected, dtype=torch.float64), atol=1e-4, rtol=1e-5)
     if gamma == 0.0:
         torch.testing.assert_close(out, torch.tensor(rewards, dtype=torch.float64), atol=1e-6, rtol=1e-6)
@@ -188,7 +200,9 @@ def test_discounted_call_rewards_rejects_bad_gamma() -> None:
 
 
 @st.composite
-def ragged_batch(draw: st.DrawFn) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor, np.ndarray]:
+def ragged_batch(
+    draw: st.DrawFn,
+) -> tuple[list[torch.Tensor], list[tuple[int, int]], torch.Tensor, torch.Tensor, np.ndarray]:
     """Groups of 2..6 rollouts, shuffled into one batch of right-padded responses of ragged length."""
     groups = draw(st.lists(group(2, 6), min_size=1, max_size=5))
     rows = [(gi, k) for gi, g in enumerate(groups) for k in range(len(g))]
@@ -201,18 +215,15 @@ def ragged_batch(draw: st.DrawFn) -> tuple[list[torch.Tensor], torch.Tensor, tor
         mask[b, :n] = 1
         token_rewards[b, n - 1] = groups[gi][k]  # outcome reward on the last response token
     index = np.array([f"task-{gi}" for gi, _ in rows], dtype=object)
-    return groups, token_rewards, mask, index
+    return groups, rows, token_rewards, mask, index
 
 
-def ours_broadcast(groups: list[torch.Tensor], mask: torch.Tensor, index: np.ndarray, estimator: str) -> torch.Tensor:
+def ours_broadcast(
+    groups: list[torch.Tensor], rows: list[tuple[int, int]], mask: torch.Tensor, estimator: str
+) -> torch.Tensor:
+    """Our per-rollout advantages, broadcast to the tokens of each row (row = (group, rollout))."""
     per_group = [group_advantages(g, estimator) for g in groups]
-    seen: dict[str, int] = {}
-    rows = []
-    for task in index:
-        k = seen.get(task, 0)
-        seen[task] = k + 1
-        rows.append(per_group[int(task.split("-")[1])][k])
-    return torch.stack(rows).unsqueeze(1) * mask
+    return torch.stack([per_group[gi][k] for gi, k in rows]).unsqueeze(1) * mask
 
 
 @pytest.fixture(scope="module")
@@ -221,33 +232,37 @@ def verl_algos():  # type: ignore[no-untyped-def]
     return pytest.importorskip("verl.trainer.ppo.core_algos")
 
 
-@settings(max_examples=40)
+@oracle
 @given(batch=ragged_batch())
 def test_grpo_and_drgrpo_match_verl(verl_algos, batch) -> None:  # type: ignore[no-untyped-def]
-    groups, token_rewards, mask, index = batch
+    groups, rows, token_rewards, mask, index = batch
     for estimator, norm in (("grpo", True), ("drgrpo", False)):
         theirs, _ = verl_algos.compute_grpo_outcome_advantage(
             token_rewards.clone(), mask, index, epsilon=1e-6, norm_adv_by_std_in_grpo=norm
         )
-        torch.testing.assert_close(ours_broadcast(groups, mask, index, estimator), theirs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            ours_broadcast(groups, rows, mask, estimator), theirs, atol=1e-5, rtol=1e-5
+        )
 
 
-@settings(max_examples=40)
+@oracle
 @given(batch=ragged_batch())
 def test_rloo_matches_verl(verl_algos, batch) -> None:  # type: ignore[no-untyped-def]
-    groups, token_rewards, mask, index = batch
+    groups, rows, token_rewards, mask, index = batch
     theirs, _ = verl_algos.compute_rloo_outcome_advantage(token_rewards.clone(), mask, index)
-    torch.testing.assert_close(ours_broadcast(groups, mask, index, "rloo"), theirs, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours_broadcast(groups, rows, mask, "rloo"), theirs, atol=1e-5, rtol=1e-5)
 
 
-@settings(max_examples=40)
+@oracle
 @given(batch=ragged_batch())
 def test_reinforce_pp_baseline_with_token_whitening_matches_verl(verl_algos, batch) -> None:  # type: ignore[no-untyped-def]
-    groups, token_rewards, mask, index = batch
-    centered = ours_broadcast(groups, mask, index, "reinforce_pp_baseline")
+    groups, rows, token_rewards, mask, index = batch
+    centered = ours_broadcast(groups, rows, mask, "reinforce_pp_baseline")
     if mask.sum() < 2 or centered[mask.bool()].std() < 1e-2:
         return  # nothing to whiten: both sides only amplify float noise
-    theirs, _ = verl_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(token_rewards.clone(), mask, index)
+    theirs, _ = verl_algos.compute_reinforce_plus_plus_baseline_outcome_advantage(
+        token_rewards.clone(), mask, index
+    )
     # verl whitens per token over the batch; whiten() does the same when handed the broadcast tokens.
     ours = whiten(centered, mask)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

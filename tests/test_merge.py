@@ -441,3 +441,11 @@ def test_property_per_call(calls):
         assert s.token_ids == c.prompt_token_ids + c.response_token_ids
         assert s.logprobs == [0.0] * len(c.prompt_token_ids) + c.response_logprobs
     assert stats.sequences == len(kept) and stats.forks == stats.merged_calls == 0
+
+
+def test_prompt_differing_only_in_the_middle_forks():
+    # Ends and response match; one token in the middle of the earlier prompt was rewritten.
+    calls = [C("a", [1, 2, 3, 4, 5, 6, 7], [8]), C("b", [1, 2, 3, 0, 5, 6, 7, 8, 9], [10])]
+    seqs, stats = merge_calls(calls, realign_max=3, strip_tail=[7])
+    assert [s.call_ids for s in seqs] == [["a"], ["b"]]
+    assert stats.mismatches[0]["diverge_at"] == 3

@@ -49,7 +49,7 @@ def tool_call(task: dict) -> str:
     return f"calc {task['a']} + {task['b']}"
 
 
-def demonstrations(n: int, seed: int, tool_fraction: float = 0.2) -> list[list[dict]]:
+def demonstrations(n: int, seed: int, tool_fraction: float = 0.3) -> list[list[dict]]:
     """n chat conversations shaped exactly like the agent's calls, round(n * tool_fraction) of them tool use.
 
     Direct demonstrations answer with a uniformly random digit (not the sum), so the SFT policy learns
@@ -88,9 +88,7 @@ def _client(base_url: str, api_key: str) -> openai.OpenAI:
 
 
 def _reply(client: openai.OpenAI, model: str, messages: list[dict]) -> str:
-    completion = client.chat.completions.create(
-        model=model, messages=messages, temperature=1.0, max_tokens=8
-    )
+    completion = client.chat.completions.create(model=model, messages=messages, temperature=1.0, max_tokens=8)
     return completion.choices[0].message.content or ""
 
 

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
-
 from tether.common import broker
 
 log = logging.getLogger(__name__)

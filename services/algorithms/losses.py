@@ -157,17 +157,20 @@ def ppo_token_loss(
         dual_clip_c: bound (> 1) on the ratio for negative advantages; ``None`` turns the dual clip off.
 
     Returns:
-        ``(token_loss, metrics)``: (B, T) loss, 0 where mask is 0 (feed it to ``token_weights``), and
-        float metrics over the masked tokens: ``clip_fraction`` (PPO clip active), ``dual_clip_fraction``
-        (dual clip active), ``approx_kl`` (k3 estimate of KL(old || new)), ``approx_kl_k1`` (mean of
-        ``old - new``), ``ratio_mean``, ``ratio_max``, ``tokens``.
+        ``(token_loss, metrics)``: (B, T) loss in fp32 (fp64 for fp64 inputs), 0 where mask is 0 (weight
+        it with ``token_weights``), and float metrics over the masked tokens: ``clip_fraction`` (PPO
+        clip active), ``dual_clip_fraction`` (dual clip active), ``approx_kl`` (k3 estimate of
+        KL(old || new)), ``approx_kl_k1`` (mean of ``old - new``), ``ratio_mean``, ``ratio_max``,
+        ``tokens``. Metrics are means over THIS call's tokens; weight them by ``tokens`` to combine
+        micro-batches.
     """
     if dual_clip_c is not None and dual_clip_c <= 1.0:
         raise ValueError(f"dual_clip_c must be > 1 (or None), got {dual_clip_c}")
     sel = mask != 0
-    # fp32 whatever the model's dtype: a bf16 ratio is only good to ~1e-2.
-    adv = torch.where(sel, advantages.detach().float(), 0.0)
-    log_ratio = torch.where(sel, logprobs.float() - old_logprobs.detach().float(), 0.0)
+    # At least fp32 whatever the model's dtype: a bf16 ratio is only good to ~1e-2.
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    adv = torch.where(sel, advantages.detach().to(dtype), 0.0)
+    log_ratio = torch.where(sel, logprobs.to(dtype) - old_logprobs.detach().to(dtype), 0.0)
     log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
     ratio = torch.exp(log_ratio)
 

@@ -12,7 +12,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import httpx
 import orjson
@@ -47,6 +47,15 @@ PROMPT_TOKENS = Counter("tether_gateway_prompt_tokens_total", "Prompt tokens of 
 COMPLETION_TOKENS = Counter("tether_gateway_completion_tokens_total", "Generated tokens of recorded calls")
 TRACES = Counter("tether_gateway_traces_total", "Calls recorded", ["status"])
 UPSTREAM_ERRORS = Counter("tether_gateway_upstream_errors_total", "Calls vLLM failed", ["kind"])
+
+
+_TRACE_FIELDS = tuple(f.name for f in fields(Trace))
+
+
+def _shallow_dict(trace: Trace) -> dict:
+    # Same JSON as trace.to_dict(), whose dataclasses.asdict deep-copies the request and the id
+    # lists: ~10 ms for a 4k-token call, against ~1 us here.
+    return {name: getattr(trace, name) for name in _TRACE_FIELDS}
 
 
 class Upstream:
@@ -149,7 +158,7 @@ class ChatProxy:
         UPSTREAM_LATENCY.observe(call.upstream_latency_s)
         if status >= 400:
             err = upstream_error(status, content, self.retry_after_s)
-            UPSTREAM_ERRORS.labels("http_%d" % status).inc()
+            UPSTREAM_ERRORS.labels(f"http_{status}").inc()
             await self._record_error(call, err.status, f"upstream HTTP {status}: {err.message}")
             raise err
         try:
@@ -184,7 +193,7 @@ class ChatProxy:
                 await resp.aclose()
             call.upstream_latency_s = time.perf_counter() - t_up
             err = upstream_error(resp.status_code, content, self.retry_after_s)
-            UPSTREAM_ERRORS.labels("http_%d" % resp.status_code).inc()
+            UPSTREAM_ERRORS.labels(f"http_{resp.status_code}").inc()
             await self._record_error(call, err.status, f"upstream HTTP {resp.status_code}: {err.message}")
             raise err
         return StreamSession(self, call, resp, t_up)
@@ -208,7 +217,7 @@ class ChatProxy:
 
     async def _publish(self, trace: Trace) -> None:
         await broker.publish_once(self.r, self.keys, self.keys.traces, record_id=trace.call_id,
-                                  record=trace.to_dict(), index_list=self.keys.rollout_calls(trace.rollout_id))
+                                  record=_shallow_dict(trace), index_list=self.keys.rollout_calls(trace.rollout_id))
         TRACES.labels(trace.status).inc()
         if trace.status == "ok":
             PROMPT_TOKENS.inc(len(trace.prompt_token_ids))

@@ -63,7 +63,8 @@ class CreateRequest:
 def parse_create(body: dict[str, Any], default_group_size: int) -> CreateRequest:
     task_id, group_id = body.get("task_id"), body.get("group_id")
     group_size = body.get("group_size", default_group_size)
-    metadata = body.get("metadata") or {}
+    metadata = body.get("metadata")
+    metadata = {} if metadata is None else metadata
     for name, value in (("task_id", task_id), ("group_id", group_id)):
         if not isinstance(value, str) or not value:
             raise ApiError(422, f"'{name}' must be a non-empty string", param=name, code="invalid_value")

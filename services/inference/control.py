@@ -8,7 +8,6 @@ import time
 
 import grpc
 from prometheus_client import Gauge, Histogram
-
 from tether.inference.vllm_client import VLLMControl, VLLMError
 from tether.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 

@@ -5,7 +5,6 @@ Redis, so a restarted scheduler continues from the last completed step.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import random
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-
 from tether.common import broker
 from tether.v1 import gateway_pb2, inference_pb2, trainer_pb2, types_pb2
 

@@ -13,7 +13,6 @@ import time
 from dataclasses import dataclass
 
 import torch
-
 from tether.algorithms.losses import logprob_mismatch, ppo_token_loss, token_weights
 from tether.common.records import SampleRecord
 
@@ -131,5 +130,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
         "clip_fraction": clip_sum / max(n_tokens, 1.0),
         "train_seconds": elapsed,
         "train_tokens_per_s": total_tokens / max(elapsed, 1e-9),
-        **{f"logprob_{k}": v for k, v in mismatch.items()},
+        "logprob_abs_diff": mismatch["mean_abs_logprob_diff"],
+        "logprob_abs_diff_max": mismatch["max_abs_logprob_diff"],
+        "logprob_k3_kl": mismatch["kl_k3"],
     }

@@ -47,23 +47,24 @@ def tokenize_conversation(
     return ids, mask
 
 
-def _batch(
-    rows: list[tuple[list[int], list[int]]], pad_id: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _batch(rows: list[tuple[list[int], list[int]]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids and float loss mask (padding carries no loss)."""
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    attention = torch.zeros((len(rows), width), dtype=torch.long)
     loss_mask = torch.zeros((len(rows), width), dtype=torch.float32)
     for r, (ids, mask) in enumerate(rows):
         input_ids[r, : len(ids)] = torch.tensor(ids)
-        attention[r, : len(ids)] = 1
         loss_mask[r, : len(mask)] = torch.tensor(mask, dtype=torch.float32)
-    return input_ids, attention, loss_mask
+    return input_ids, loss_mask
 
 
-def masked_nll(model: PreTrainedModel, input_ids: torch.Tensor, attention: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Mean negative log-likelihood over the masked (assistant) target tokens."""
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
+def masked_nll(model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood over the masked (assistant) target tokens.
+
+    Rows are right-padded, so causal attention alone keeps real tokens from seeing padding and no
+    attention mask is needed (building one is a large share of a tiny model's step time on CPU).
+    """
+    logits = model(input_ids=input_ids).logits[:, :-1].float()
     targets = input_ids[:, 1:]
     weights = loss_mask[:, 1:]
     nll = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none")
@@ -79,13 +80,37 @@ def warm_start(
     seed: int,
     batch_size: int = 32,
     progress: bool = True,
+    num_threads: int | None = 1,
 ) -> dict:
     """Fine-tune `model` in place on `conversations` with AdamW; returns loss figures and timing.
 
     Batches are drawn by a seeded sampler (epochs of shuffled conversations), so a run is reproducible.
+    `num_threads` caps torch's intra-op threads while training (restored afterwards): a tiny model's
+    matmuls gain nothing from threads, and on a busy 2-core host (vLLM alongside) two spinning OpenMP
+    threads made a step ~10x slower than one. None leaves torch's setting alone.
     """
+    previous_threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(num_threads)
+    try:
+        return _train(model, tokenizer, conversations, steps, lr, seed, batch_size, progress)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _train(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    conversations: list[list[dict]],
+    steps: int,
+    lr: float,
+    seed: int,
+    batch_size: int,
+    progress: bool,
+) -> dict:
     if not conversations:
         raise ValueError("no conversations to train on")
+    started = time.perf_counter()
     rows = [tokenize_conversation(tokenizer, messages) for messages in conversations]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     rng = random.Random(seed)
@@ -101,20 +126,27 @@ def warm_start(
             picked.append(rows[order.pop()])
         return picked
 
-    with torch.no_grad():
+    # A fixed slice of the data, scored before and after, so the two losses compare like for like.
+    probe = _batch(rows[: 4 * batch_size], pad_id)
+
+    def probe_loss() -> float:
         model.eval()
-        initial = float(masked_nll(model, *_batch(rows[: 4 * batch_size], pad_id)))
+        with torch.no_grad():
+            return masked_nll(model, *probe).item()
+
+    initial = probe_loss()
 
     # Warm-up then cosine decay: stable from a random init, and the last steps settle the loss.
     warmup = max(1, steps // 20)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * min(s, steps) / max(steps, 1))),
+        lambda s: (
+            min(1.0, (s + 1) / warmup) * 0.5 * (1.0 + math.cos(math.pi * min(s, steps) / max(steps, 1)))
+        ),
     )
     model.train()
     losses: list[float] = []
-    started = time.perf_counter()
     bar = tqdm(range(steps), desc="warm start", disable=not progress, leave=False)
     for _ in bar:
         loss = masked_nll(model, *_batch(next_batch(), pad_id))
@@ -126,13 +158,13 @@ def warm_start(
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
     bar.close()
-    model.eval()
+    final = probe_loss()
 
-    tail = losses[-max(1, steps // 10) :] if losses else [initial]
+    tail = losses[-max(1, steps // 10) :] or [initial]
     return {
         "initial_loss": initial,
-        "final_loss": sum(tail) / len(tail),
-        "last_loss": losses[-1] if losses else initial,
+        "final_loss": final,
+        "train_loss_tail": sum(tail) / len(tail),
         "steps": steps,
         "examples": len(rows),
         "seconds": time.perf_counter() - started,

