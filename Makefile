@@ -15,7 +15,6 @@ test:
 
 test-fast:
 	bash scripts/setup.sh --test
-
 	.venv/bin/pytest -ra -m "not slow"
 
 lint: setup

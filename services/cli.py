@@ -27,34 +27,36 @@ def _load_example():
     return load_function(f"{CALCULATOR}:tasks").__globals__
 
 
-def prepare_calculator_model(seed: int, out_root: Path | None = None, demos: int = 0, sft_steps: int = 0) -> Path:
+# Warm start of the demo model: enough format demonstrations that the policy answers in the task's
+# format; direct answers are guesses, tool use is right, so RL has a behaviour to amplify.
+WARM_DEMOS = 2000
+WARM_STEPS = 300
+WARM_LR = 3e-3
+WARM_TOOL_FRACTION = 0.3
+
+
+def prepare_calculator_model(seed: int, out_root: Path | None = None) -> Path:
     """Build the tiny Llama + word-level tokenizer and warm-start it on calculator demonstrations.
     Cached by the code and parameters that produce it, so repeated runs skip the warm start."""
     from tether.trainer import tiny, warmstart
 
     example = _load_example()
+    params = f"{seed}/{WARM_DEMOS}/{WARM_STEPS}/{WARM_LR}/{WARM_TOOL_FRACTION}"
     code = b"".join(p.read_bytes() for p in (Path(tiny.__file__), Path(warmstart.__file__), CALCULATOR))
-    key = hashlib.sha256(code + f"{seed}/{demos}/{sft_steps}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(code + params.encode()).hexdigest()[:16]
     root = out_root or Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether")) / "models"
     out = root / f"calculator-{key}"
     if (out / "config.json").exists():
         return out
-    import torch
-
-    torch.manual_seed(seed)
     tokenizer = tiny.build_tokenizer(example["VOCAB"])
     model = tiny.build_model(tokenizer, seed=seed)
-    kwargs = {}
-    if demos:
-        kwargs["n"] = demos
-    conversations = example["demonstrations"](seed=seed, **kwargs) if demos == 0 else \
-        example["demonstrations"](demos, seed)
-    warm = example.get("WARM_START", {})
-    steps = sft_steps or int(warm.get("steps", 200))
-    print(f"warm start: {len(conversations)} demonstrations, {steps} steps", flush=True)
-    warmstart.warm_start(model, tokenizer, conversations, steps=steps, lr=float(warm.get("lr", 3e-3)), seed=seed)
+    conversations = example["demonstrations"](WARM_DEMOS, seed, tool_fraction=WARM_TOOL_FRACTION)
+    print(f"warm start: {len(conversations)} demonstrations, {WARM_STEPS} steps", flush=True)
+    warmstart.warm_start(model, tokenizer, conversations, steps=WARM_STEPS, lr=WARM_LR, seed=seed)
     tmp = root / f".tmp-{key}-{os.getpid()}"
     tiny.save(model, tokenizer, tmp)
+    if out.exists():
+        return out  # another process finished first
     os.replace(tmp, out)
     return out
 
@@ -128,6 +130,7 @@ def _stop_on_signals(stack) -> None:
 
 def _run_status(redis_url: str, namespace: str) -> dict:
     import redis
+
     from tether.common.broker import Keys
 
     r = redis.Redis.from_url(redis_url, decode_responses=True)
@@ -138,8 +141,9 @@ def _run_status(redis_url: str, namespace: str) -> dict:
 
 
 def cmd_demo(args) -> int:
-    from tether.launcher import Stack, StackError, start_agents, start_stack
     from tqdm import tqdm
+
+    from tether.launcher import Stack, StackError, start_agents, start_stack
 
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -185,7 +189,8 @@ def cmd_demo(args) -> int:
         print(f"error: {exc}", file=sys.stderr, flush=True)
         stack.stop()
         return 1
-    stack.stop()
+    finally:
+        stack.stop()
     metrics = read_metrics(run_dir / "metrics.jsonl")
     plot_rewards(metrics, run_dir / "reward.png", f"calculator agent, seed {args.seed}, lr {args.lr:g}")
     s = summarize(metrics)
@@ -223,6 +228,8 @@ def cmd_up(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         stack.stop()
         return 1
+    finally:
+        stack.stop()
 
 
 def _stack_state() -> dict:
@@ -288,6 +295,7 @@ def _with_redis(args, fn) -> int:
     """Run fn(redis_url, namespace) against the stack's Redis; when the stack has stopped, open
     its append-only file with a temporary embedded Redis (the trace store outlives the run)."""
     import redis
+
     from tether.common.net import free_port
     from tether.common.redis_server import start_embedded_redis
 

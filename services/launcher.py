@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
 
@@ -77,6 +78,7 @@ class Stack:
             self.redis_url = url
             return
         port = free_port()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
         data = self.run_dir / "redis"
         proc = start_embedded_redis(data, port, self.log_dir / "redis.log")
         self.procs.append(Proc("redis", proc, self.log_dir / "redis.log"))

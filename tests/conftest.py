@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tether.algorithms.advantages import ESTIMATORS, discounted_call_rewards, group_advantages, whiten
 
 # torch's first calls are slow, so no per-example deadline.

@@ -197,10 +197,16 @@ def rdb(redis_port):
     client.close()
 
 
+class FakeVLLM(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that left mid-stream (the gateway closing it) is expected
+
+
 @pytest.fixture(scope="module")
 def vllm():
-    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeVLLMHandler)
-    server.daemon_threads = True
+    server = FakeVLLM(("127.0.0.1", 0), FakeVLLMHandler)
     server.requests = []  # type: ignore[attr-defined]
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()

@@ -12,6 +12,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from tether.algorithms.losses import (
     LOSS_MODES,
     aggregate,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from tether.merger.merge import MAX_MISMATCH_EXAMPLES, Call, MergeStats, Sequence, merge_calls
 
 

@@ -6,6 +6,7 @@ import asyncio
 import json
 
 import pytest
+
 from tether.common import broker
 from tether.common.records import RolloutEvent, Trace
 from tether.merger.service import Merger, MergerConfig

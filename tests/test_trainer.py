@@ -7,10 +7,11 @@ import copy
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
 from tether.common.records import SampleRecord
 from tether.trainer.train import StepConfig, collate, micro_batches, token_logprobs, train_step
 from tether.trainer.weights import save_checkpoint
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 
 def _model(seed: int = 0) -> LlamaForCausalLM:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+
 from tether.common import broker
 
 log = logging.getLogger(__name__)

@@ -6,11 +6,11 @@ so that several runs (or tests) can share one Redis.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
@@ -102,15 +102,14 @@ async def publish_once(
 ) -> tuple[str, bool]:
     """Publish `record` on `stream` unless `record_id` was published before.
     Returns (stream entry id, whether it was added now)."""
-    entry, added = await r.eval(
-        _PUBLISH_ONCE, 3, keys.published(record_id), stream, index_list,
-        json.dumps(record, separators=(",", ":")), ttl_s, maxlen,
-    )
+    script = r.register_script(_PUBLISH_ONCE)  # EVALSHA, falling back to EVAL once per server
+    entry, added = await script(keys=[keys.published(record_id), stream, index_list],
+                                args=[orjson.dumps(record), ttl_s, maxlen])
     return str(entry), bool(int(added))
 
 
 async def publish(r: aioredis.Redis, stream: str, record: dict[str, Any], maxlen: int = 1_000_000) -> str:
-    return str(await r.xadd(stream, {"data": json.dumps(record, separators=(",", ":"))},
+    return str(await r.xadd(stream, {"data": orjson.dumps(record)},
                             maxlen=maxlen, approximate=True))
 
 
@@ -123,7 +122,7 @@ async def ensure_group(r: aioredis.Redis, stream: str, group: str, start: str = 
 
 
 def decode(fields: dict[str, str]) -> dict[str, Any]:
-    return json.loads(fields["data"])
+    return orjson.loads(fields["data"])
 
 
 async def read_group(

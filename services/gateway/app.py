@@ -118,7 +118,7 @@ class MetricsMiddleware:
 
 def create_app(*, chat: ChatProxy, rollouts: RolloutRegistry, admission: Admission,
                redis_ping: Callable[[], Awaitable[Any]], served_model: str, public_url: str,
-               default_group_size: int, max_body_bytes: int) -> FastAPI:
+               default_group_size: int, max_body_bytes: int, retry_after_s: int) -> FastAPI:
     app = FastAPI(title="Tether gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(MetricsMiddleware)
     base_url = public_url.rstrip("/") + "/v1"
@@ -151,7 +151,7 @@ def create_app(*, chat: ChatProxy, rollouts: RolloutRegistry, admission: Admissi
     async def redis_error(request: Request, exc: RedisError) -> Response:
         log.error("redis: %r", exc)
         return _error(503, "The gateway's store is unavailable; retry later", "server_error",
-                      "store_unavailable", headers={"Retry-After": "5"})
+                      "store_unavailable", headers={"Retry-After": str(retry_after_s)})
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:

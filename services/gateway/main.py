@@ -126,7 +126,8 @@ class GatewayServer:
                               admission_wait_s=s.admission_wait_s, retry_after_s=s.retry_after_s)
         app = create_app(chat=self.chat, rollouts=self.rollouts, admission=self.admission,
                          redis_ping=self.redis.ping, served_model=s.served_model, public_url=self.public_url,
-                         default_group_size=s.default_group_size, max_body_bytes=s.max_body_bytes)
+                         default_group_size=s.default_group_size, max_body_bytes=s.max_body_bytes,
+                         retry_after_s=s.retry_after_s)
 
         def register(server: grpc.aio.Server) -> list[str]:
             gateway_pb2_grpc.add_GatewayControlServicer_to_server(GatewayControlServicer(self.admission), server)

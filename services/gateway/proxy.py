@@ -65,18 +65,28 @@ class Upstream:
         headers = {"content-type": "application/json"}
         if api_key:
             headers["authorization"] = f"Bearer {api_key}"
+        self.base_url = base_url.rstrip("/")
         self.client = httpx.AsyncClient(
-            base_url=base_url.rstrip("/"), headers=headers, trust_env=False,
+            headers=headers, trust_env=False,
             timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
+        self._urls: dict[str, httpx.URL] = {}
+
+    def url(self, path: str) -> httpx.URL:
+        # A parsed absolute URL skips httpx's per-request URL parsing and merging (~75 us a call).
+        url = self._urls.get(path)
+        if url is None:
+            url = self._urls[path] = httpx.URL(self.base_url + path)
+        return url
 
     async def post(self, path: str, content: bytes) -> tuple[int, bytes]:
-        resp = await self.client.post(path, content=content)
+        resp = await self.client.post(self.url(path), content=content)
         return resp.status_code, resp.content
 
     async def open_stream(self, path: str, content: bytes) -> httpx.Response:
-        return await self.client.send(self.client.build_request("POST", path, content=content), stream=True)
+        request = self.client.build_request("POST", self.url(path), content=content)
+        return await self.client.send(request, stream=True)
 
     async def aclose(self) -> None:
         await self.client.aclose()

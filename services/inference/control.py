@@ -8,6 +8,7 @@ import time
 
 import grpc
 from prometheus_client import Gauge, Histogram
+
 from tether.inference.vllm_client import VLLMControl, VLLMError
 from tether.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 
@@ -37,8 +38,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.lock = asyncio.Lock()
 
     async def _version(self) -> int:
+        # vLLM starts at "default" (or None) until a version is set: that is our version 0.
         raw = await self.vllm.weight_version()
-        return int(raw) if raw not in (None, "") else 0
+        try:
+            return int(raw)
+        except (TypeError, ValueError):
+            return 0
 
     async def GetWeightVersion(self, request, context):
         try:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 from prometheus_client import Counter, Gauge
+
 from tether.algorithms.advantages import group_advantages
 from tether.common import broker
 from tether.common.records import RolloutEvent, SampleRecord, Trace

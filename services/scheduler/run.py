@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from tether.common import broker
 from tether.v1 import gateway_pb2, inference_pb2, trainer_pb2, types_pb2
 

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import torch
+
 from tether.common.grpc_server import run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings

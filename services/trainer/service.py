@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import torch
 from prometheus_client import Counter, Gauge, Histogram
+
 from tether.common.records import SampleRecord
 from tether.trainer.train import StepConfig, train_step
 from tether.trainer.weights import save_checkpoint

@@ -89,12 +89,12 @@ def build_model(
         bos_token_id=None,
         eos_token_id=im_end,
         pad_token_id=tokenizer.pad_token_id,
-        torch_dtype="float32",
+        dtype="float32",
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config)
-    model.to(torch.float32)
+    model = model.float()
     model.generation_config = GenerationConfig(
         eos_token_id=im_end, pad_token_id=tokenizer.pad_token_id, bos_token_id=None
     )

@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+
 from tether.algorithms.losses import logprob_mismatch, ppo_token_loss, token_weights
 from tether.common.records import SampleRecord
 
