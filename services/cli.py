@@ -334,6 +334,37 @@ def cmd_samples(args) -> int:
     return 0
 
 
+def cmd_gateway(args) -> int:
+    """The gateway alone in front of any vLLM-compatible server, recording to REDIS_URL or to an
+    embedded Redis kept in .tether/gateway-redis."""
+    from tether.common.logs import setup_logging
+    from tether.common.net import free_port
+    from tether.common.redis_server import start_embedded_redis
+    from tether.gateway.main import GatewaySettings, amain
+
+    redis_url = os.environ.get("REDIS_URL") or os.environ.get("TETHER_REDIS_URL")
+    proc = None
+    if not redis_url:
+        port = free_port()
+        proc = start_embedded_redis(Path(".tether") / "gateway-redis", port, Path(".tether") / "gateway-redis.log")
+        redis_url = f"redis://127.0.0.1:{port}/0"
+    overrides = {"redis_url": redis_url, "vllm_url": args.upstream, "gateway_host": args.host,
+                 "gateway_port": args.port, "gateway_grpc_port": args.grpc_port}
+    if args.model:
+        overrides["served_model"] = args.model
+    s = GatewaySettings(**overrides)
+    setup_logging("gateway", s.log_level)
+    try:
+        asyncio.run(amain(s))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -369,6 +400,14 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--redis-url")
     agent.add_argument("--namespace")
     agent.set_defaults(fn=cmd_agent)
+
+    gateway = sub.add_parser("gateway", help="run the gateway alone in front of a vLLM-compatible server")
+    gateway.add_argument("--upstream", required=True, help="base URL of the vLLM server, e.g. http://127.0.0.1:8000")
+    gateway.add_argument("--host", default="127.0.0.1")
+    gateway.add_argument("--port", type=int, default=8080)
+    gateway.add_argument("--grpc-port", type=int, default=0)
+    gateway.add_argument("--model", help="model name served to agents (default: tether-policy)")
+    gateway.set_defaults(fn=cmd_gateway)
 
     for name, fn, help_ in (("traces", cmd_traces, "print recorded LLM calls as JSON lines"),
                             ("samples", cmd_samples, "print what the trainer consumed as JSON lines")):
