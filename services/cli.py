@@ -370,10 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train the calculator agent on CPU, end to end")
-    demo.add_argument("--steps", type=int, default=int(os.environ.get("TETHER_DEMO_STEPS", 60)))
+    demo.add_argument("--steps", type=int, default=int(os.environ.get("TETHER_DEMO_STEPS", 50)))
     demo.add_argument("--tasks-per-step", type=int, default=8)
     demo.add_argument("--group-size", type=int, default=8)
-    demo.add_argument("--lr", type=float, default=2e-3)
+    demo.add_argument("--lr", type=float, default=5e-4)
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--eval-repeats", type=int, default=4)
     demo.add_argument("--concurrency", type=int, default=32)
@@ -383,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start the stack for agents you run yourself")
     up.add_argument("--model", help="HF model directory (default: the warm-started calculator model)")
-    up.add_argument("--lr", type=float, default=2e-3)
+    up.add_argument("--lr", type=float, default=5e-4)
     up.add_argument("--seed", type=int, default=0)
     up.add_argument("--group-size", type=int, default=4, help="default group size of new rollouts")
     up.add_argument("--groups-per-step", type=int, default=1)
