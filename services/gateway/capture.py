@@ -1,7 +1,10 @@
-"""Wire shapes of the gateway, as pure functions: OpenAI errors, parsing a chat request, the body sent
-to vLLM, stripping vLLM-only fields from what the agent sees, and building the Trace of a call.
+"""Wire shapes of the gateway, as pure functions: OpenAI errors, parsing chat and completions
+requests, the body sent to vLLM, stripping vLLM-only fields from what the agent sees, capturing token
+ids and logprobs (whole responses and stream chunks), and building the Trace of a call.
 
-No I/O here: proxy.py calls these around the network, app.py only maps ApiError to a response.
+The translated APIs (Anthropic Messages in messages.py, OpenAI Responses in responses.py) build on the
+chat pieces here. No I/O: proxy.py calls these around the network, app.py only maps ApiError to a
+response.
 """
 
 from __future__ import annotations
@@ -15,11 +18,17 @@ import orjson
 
 from tether.common.records import Trace
 
+# Trace.api of each route.
 API_CHAT = "chat.completions"
+API_COMPLETIONS = "completions"
+API_MESSAGES = "anthropic.messages"
+API_RESPONSES = "responses"
 # vLLM clamps -inf logprobs to this; a null (pydantic's rendering of inf/nan) becomes the same.
 MIN_LOGPROB = -9999.0
-# Fields vLLM adds to chat responses that OpenAI clients never asked for when they are null.
-_VLLM_NULL_FIELDS = ("prompt_logprobs", "kv_transfer_params")
+# Fields vLLM adds to responses (and, for completions, to choices) that OpenAI clients never asked
+# for, dropped when they are null.
+_VLLM_NULL_FIELDS = ("prompt_logprobs", "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics")
+_VLLM_NULL_CHOICE_FIELDS = ("prompt_logprobs", "routed_experts")
 
 
 class ApiError(Exception):
@@ -44,6 +53,25 @@ def error_body(message: str, type: str, code: str | None = None, param: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def unsupported(names: list[str], why: str = "") -> ApiError:
+    """400 naming the request fields this gateway does not support."""
+    names = sorted(names)
+    listed = ", ".join(f"'{n}'" for n in names)
+    noun = "parameter" if len(names) == 1 else "parameters"
+    return ApiError(400, f"Unsupported {noun} {listed}" + (f": {why}" if why else ""), param=names[0],
+                    code="unsupported_parameter")
+
+
+def invalid(param: str, message: str) -> ApiError:
+    """400 for a request field of the wrong shape, naming it."""
+    return ApiError(400, f"'{param}' {message}", param=param, code="invalid_value")
+
+
+def as_dict(value: Any) -> dict[str, Any]:
+    """`value` if it is a JSON object, else {} (for reading loosely shaped upstream answers)."""
+    return value if isinstance(value, dict) else {}
+
+
 def load_json_object(raw: bytes, allow_nan: bool = False) -> dict[str, Any]:
     """Parse a request body that must be a JSON object (400 otherwise). `allow_nan` accepts the
     NaN/Infinity literals Python clients emit, so that the caller can reject them as a bad *value*."""
@@ -58,7 +86,7 @@ def load_json_object(raw: bytes, allow_nan: bool = False) -> dict[str, Any]:
 
 @dataclass
 class ChatRequest:
-    """A client's chat request, as sent (the trace stores `body` unchanged)."""
+    """A client's chat or completions request, as sent (the trace stores `body` unchanged)."""
 
     body: dict[str, Any]
     stream: bool
@@ -67,19 +95,32 @@ class ChatRequest:
     wants_token_ids: bool
 
 
+def check_model(body: dict[str, Any], served_model: str) -> None:
+    model = body.get("model", served_model)
+    if model != served_model:
+        raise ApiError(404, f"The model '{model}' does not exist; this gateway serves '{served_model}'",
+                       param="model", code="model_not_found")
+
+
+def check_stream(body: dict[str, Any]) -> bool:
+    stream = body.get("stream", False)
+    if stream is None:
+        return False
+    if not isinstance(stream, bool):
+        raise ApiError(400, "'stream' must be a boolean", param="stream", code="invalid_stream")
+    return stream
+
+
 def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
     """Validate just what the gateway relies on; vLLM validates the rest (its 4xx pass through)."""
     body = load_json_object(raw)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty array", param="messages", code="invalid_messages")
-    model = body.get("model", served_model)
-    if model != served_model:
-        raise ApiError(404, f"The model '{model}' does not exist; this gateway serves '{served_model}'",
-                       param="model", code="model_not_found")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream", code="invalid_stream")
+    check_model(body, served_model)
+    stream = check_stream(body)
+    if body.get("use_beam_search"):
+        raise unsupported(["use_beam_search"], "beam search does not report sampler logprobs")
     return ChatRequest(body=body, stream=stream, wants_logprobs=body.get("logprobs") is True,
                        wants_token_ids=body.get("return_token_ids") is True)
 
@@ -87,7 +128,11 @@ def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
 def upstream_body(req: ChatRequest, upstream_model: str) -> bytes:
     """The body forwarded to vLLM: always ask for token ids and logprobs. `include_reasoning` is
     dropped because include_reasoning=false makes vLLM drop both."""
-    body = dict(req.body)
+    return upstream_chat_body(req.body, upstream_model)
+
+
+def upstream_chat_body(body: dict[str, Any], upstream_model: str) -> bytes:
+    body = dict(body)
     body["model"] = upstream_model
     body["return_token_ids"] = True
     body["logprobs"] = True
@@ -95,8 +140,50 @@ def upstream_body(req: ChatRequest, upstream_model: str) -> bytes:
     return orjson.dumps(body)
 
 
+def _is_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
+
+
+def parse_completion_request(raw: bytes, served_model: str) -> ChatRequest:
+    """A /v1/completions request: one prompt (text or token ids) per call, since a trace records one
+    prompt. `logprobs` is the number of top logprobs (an int), as in OpenAI's legacy API."""
+    body = load_json_object(raw)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
+        pass  # a batch of one
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
+        raise unsupported(["prompt"], f"a batch of {len(prompt)} prompts; send one prompt per request "
+                          "(each call is recorded with its own prompt token ids)")
+    elif not (isinstance(prompt, str) and prompt) and not _is_ids(prompt):
+        raise invalid("prompt", "must be a non-empty string or a non-empty array of token ids (ints >= 0)")
+    check_model(body, served_model)
+    stream = check_stream(body)
+    if body.get("echo"):
+        raise unsupported(["echo"], "echoed prompt tokens would be mixed into the sampled ones")
+    if body.get("use_beam_search"):
+        raise unsupported(["use_beam_search"], "beam search does not report sampler logprobs")
+    if body.get("prompt_embeds") is not None:
+        raise unsupported(["prompt_embeds"], "a prompt given as embeddings has no token ids to record")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+        raise invalid("logprobs", "must be null or an integer >= 0 (the number of top logprobs)")
+    return ChatRequest(body=body, stream=stream, wants_logprobs=logprobs is not None,
+                       wants_token_ids=body.get("return_token_ids") is True)
+
+
+def upstream_completion_body(req: ChatRequest, upstream_model: str) -> bytes:
+    """For completions, `logprobs: 0` already returns the sampled token's logprob."""
+    body = dict(req.body)
+    body["model"] = upstream_model
+    body["return_token_ids"] = True
+    body["logprobs"] = body.get("logprobs") or 0
+    return orjson.dumps(body)
+
+
 def strip_vllm_fields(obj: dict[str, Any], keep_logprobs: bool, keep_token_ids: bool) -> dict[str, Any]:
-    """Remove from a chat response (or stream chunk), in place, what the client did not ask for."""
+    """Remove from a chat or completions response (or stream chunk), in place, what the client did
+    not ask for."""
     if not keep_token_ids:
         obj.pop("prompt_token_ids", None)
     for name in _VLLM_NULL_FIELDS:
@@ -107,18 +194,29 @@ def strip_vllm_fields(obj: dict[str, Any], keep_logprobs: bool, keep_token_ids: 
             continue
         if not keep_token_ids:
             choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)  # completions carry the prompt's ids in the choice
+        for name in _VLLM_NULL_CHOICE_FIELDS:
+            if name in choice and choice[name] is None:
+                del choice[name]
         if not keep_logprobs and "logprobs" in choice:
             choice["logprobs"] = None
     return obj
 
 
+def _logprob(value: Any) -> float:
+    return float(value) if isinstance(value, int | float) and not math.isnan(value) else MIN_LOGPROB
+
+
 def _logprob_values(logprobs: Any) -> list[float]:
+    """Sampled-token logprobs of a chat choice: {"content": [{"logprob": ...}, ...]}."""
     content = logprobs.get("content") if isinstance(logprobs, dict) else None
-    out: list[float] = []
-    for item in content or ():
-        value = item.get("logprob") if isinstance(item, dict) else None
-        out.append(float(value) if isinstance(value, int | float) and not math.isnan(value) else MIN_LOGPROB)
-    return out
+    return [_logprob(item.get("logprob") if isinstance(item, dict) else None) for item in content or ()]
+
+
+def _completion_logprob_values(logprobs: Any) -> list[float]:
+    """Sampled-token logprobs of a completions choice: {"token_logprobs": [...]}."""
+    values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
+    return [_logprob(v) for v in values or ()]
 
 
 def _ids(value: Any) -> list[int]:
@@ -166,8 +264,24 @@ def capture_response(resp: dict[str, Any]) -> Captured:
     return cap
 
 
+def capture_completion_response(resp: dict[str, Any]) -> Captured:
+    """Token ids and logprobs of a non-streaming vLLM completions response: both sit in the choice."""
+    cap = Captured()
+    for pos, choice in enumerate(resp.get("choices") or ()):
+        if not isinstance(choice, dict):
+            continue
+        if not cap.prompt_token_ids:
+            cap.prompt_token_ids = _ids(choice.get("prompt_token_ids"))
+        c = cap.choice(int(choice.get("index", pos)))
+        c.token_ids = _ids(choice.get("token_ids"))
+        c.logprobs = _completion_logprob_values(choice.get("logprobs"))
+        c.finish_reason = choice.get("finish_reason")
+    return cap
+
+
 class StreamCapture:
-    """Accumulates a streamed call: prompt ids from the first chunk, token ids and logprobs per chunk."""
+    """Accumulates a streamed chat call: prompt ids from the first chunk, token ids and logprobs per
+    chunk."""
 
     def __init__(self) -> None:
         self.captured = Captured()
@@ -183,26 +297,48 @@ class StreamCapture:
         if prompt and not self.captured.prompt_token_ids:
             self.captured.prompt_token_ids = _ids(prompt)
         for pos, choice in enumerate(chunk.get("choices") or ()):
-            if not isinstance(choice, dict):
-                continue
-            c = self.captured.choice(int(choice.get("index", pos)))
-            ids = choice.get("token_ids")
-            if ids:
-                c.token_ids.extend(_ids(ids))
-            lp = choice.get("logprobs")
-            if lp:
-                c.logprobs.extend(_logprob_values(lp))
-            if choice.get("finish_reason") is not None:
-                c.finish_reason = choice["finish_reason"]
+            if isinstance(choice, dict):
+                self._feed_choice(pos, choice)
+
+    def _feed_choice(self, pos: int, choice: dict[str, Any]) -> None:
+        c = self.captured.choice(int(choice.get("index", pos)))
+        ids = choice.get("token_ids")
+        if ids:
+            c.token_ids.extend(_ids(ids))
+        lp = choice.get("logprobs")
+        if lp:
+            c.logprobs.extend(self._logprobs(lp))
+        if choice.get("finish_reason") is not None:
+            c.finish_reason = choice["finish_reason"]
+
+    @staticmethod
+    def _logprobs(lp: Any) -> list[float]:
+        return _logprob_values(lp)
+
+
+class CompletionStreamCapture(StreamCapture):
+    """The same for a streamed completions call, whose first chunk of each choice carries the prompt
+    ids inside the choice."""
+
+    def _feed_choice(self, pos: int, choice: dict[str, Any]) -> None:
+        prompt = choice.get("prompt_token_ids")
+        if prompt and not self.captured.prompt_token_ids:
+            self.captured.prompt_token_ids = _ids(prompt)
+        super()._feed_choice(pos, choice)
+
+    @staticmethod
+    def _logprobs(lp: Any) -> list[float]:
+        return _completion_logprob_values(lp)
 
 
 def build_trace(
     *, call_id: str, rollout_id: str, request: dict[str, Any], captured: Captured | None, error: str | None,
     http_status: int, weight_version: int, started_at: float, finished_at: float, latency_s: float,
-    upstream_latency_s: float,
+    upstream_latency_s: float, api: str = API_CHAT,
 ) -> Trace:
-    """The record of one call. A call with an error (or without token ids) is never a sample."""
-    trace = Trace(call_id=call_id, rollout_id=rollout_id, api=API_CHAT, request=request,
+    """The record of one call. A call with an error (or without token ids) is never a sample.
+    `request` is the body as the client sent it, whichever API it spoke."""
+    trace = Trace(call_id=call_id, rollout_id=rollout_id, api=api, request=request,
                   status="error" if error else "ok", weight_version=weight_version, started_at=started_at,
                   finished_at=finished_at, latency_s=latency_s, upstream_latency_s=upstream_latency_s,
                   http_status=http_status, error=error)

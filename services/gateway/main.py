@@ -25,7 +25,7 @@ from tether.common.settings import CommonSettings
 from tether.gateway.admission import Admission
 from tether.gateway.app import create_app
 from tether.gateway.control import SERVICE_NAME, GatewayControlServicer
-from tether.gateway.proxy import ChatProxy, Upstream
+from tether.gateway.proxy import Proxy, Upstream
 from tether.gateway.rollouts import RolloutRegistry
 from tether.v1 import gateway_pb2_grpc
 
@@ -120,11 +120,11 @@ class GatewayServer:
         self.admission = Admission()
         self.upstream = Upstream(s.vllm_url, s.upstream_timeout_s, s.upstream_max_connections, s.vllm_api_key)
         self.rollouts = RolloutRegistry(self.redis, keys, self.admission, s.admin_token, s.finish_wait_s)
-        self.chat = ChatProxy(upstream=self.upstream, rollouts=self.rollouts, admission=self.admission,
-                              r=self.redis, keys=keys, served_model=s.served_model,
-                              upstream_model=s.upstream_model or s.served_model,
-                              admission_wait_s=s.admission_wait_s, retry_after_s=s.retry_after_s)
-        app = create_app(chat=self.chat, rollouts=self.rollouts, admission=self.admission,
+        self.proxy = Proxy(upstream=self.upstream, rollouts=self.rollouts, admission=self.admission,
+                           r=self.redis, keys=keys, served_model=s.served_model,
+                           upstream_model=s.upstream_model or s.served_model,
+                           admission_wait_s=s.admission_wait_s, retry_after_s=s.retry_after_s)
+        app = create_app(proxy=self.proxy, rollouts=self.rollouts, admission=self.admission,
                          redis_ping=self.redis.ping, served_model=s.served_model, public_url=self.public_url,
                          default_group_size=s.default_group_size, max_body_bytes=s.max_body_bytes,
                          retry_after_s=s.retry_after_s)
@@ -184,7 +184,7 @@ class GatewayServer:
             self._uvicorn.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._http_task), self.s.shutdown_grace_s + 5)
-        await self.chat.aclose()
+        await self.proxy.aclose()
         await self.upstream.aclose()
         await self.redis.aclose()
 

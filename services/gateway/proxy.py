@@ -1,8 +1,9 @@
 """Forwarding one agent call to vLLM and recording it: authenticate the rollout, wait on admission,
 forward with token ids and logprobs requested, record the Trace, hand the agent the normal response.
 
-app.py calls `ChatProxy.handle`; it returns a `Reply` (a complete JSON body) or a `StreamSession`
-(an SSE body whose trace is recorded when the stream ends, however it ends).
+app.py calls `Proxy.handle` with the Api the route speaks (apis.py: chat, completions, Anthropic
+Messages, Responses); it returns a `Reply` (a complete JSON body) or a `StreamSession` (an SSE body
+whose trace is recorded when the stream ends, however it ends).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, fields
+from typing import Any
 
 import httpx
 import orjson
@@ -23,23 +25,13 @@ from redis.exceptions import RedisError
 from tether.common import broker
 from tether.common.records import Trace
 from tether.gateway.admission import Admission, AdmissionTimeout
-from tether.gateway.capture import (
-    ApiError,
-    Captured,
-    ChatRequest,
-    StreamCapture,
-    build_trace,
-    capture_response,
-    parse_chat_request,
-    strip_vllm_fields,
-    upstream_body,
-    upstream_error,
-)
+from tether.gateway.apis import Api, MessagesApi, Relay
+from tether.gateway.capture import ApiError, Captured, build_trace, upstream_error
 from tether.gateway.rollouts import RolloutRegistry
 
 log = logging.getLogger(__name__)
 
-CHAT_PATH = "/v1/chat/completions"
+TOKENIZE_PATH = "/tokenize"
 
 UPSTREAM_LATENCY = Histogram("tether_gateway_upstream_latency_seconds", "Time vLLM took to answer a call",
                              buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
@@ -103,7 +95,8 @@ class Call:
     """One call in progress."""
 
     rollout_id: str
-    req: ChatRequest
+    api: Api
+    req: Any  # what api.parse returned: .body (as the client sent it) and .stream
     weight_version: int = 0
     call_id: str = field(default_factory=lambda: f"call-{uuid.uuid4().hex}")
     started_at: float = field(default_factory=time.time)
@@ -111,7 +104,7 @@ class Call:
     upstream_latency_s: float = 0.0
 
 
-class ChatProxy:
+class Proxy:
     def __init__(self, *, upstream: Upstream, rollouts: RolloutRegistry, admission: Admission,
                  r: aioredis.Redis, keys: broker.Keys, served_model: str, upstream_model: str,
                  admission_wait_s: float, retry_after_s: int) -> None:
@@ -126,14 +119,17 @@ class ChatProxy:
         self.retry_after_s = retry_after_s
         self._finishing: set[asyncio.Task] = set()  # stream finalisers still recording
 
-    async def handle(self, api_key: str | None, raw: bytes) -> Reply | StreamSession:
-        rollout_id = await self.rollouts.authenticate(api_key)
+    async def handle(self, api: Api, api_key: str | None, raw: bytes,
+                     path_rollout: str | None = None) -> Reply | StreamSession:
+        """One call in `api`'s dialect. `path_rollout` comes from a /rollouts/{id}/v1/... path: the
+        key must then belong to that rollout."""
+        rollout_id = await self.rollouts.authenticate(api_key, path_rollout)
         # Counted before the status check, so a concurrent complete waits for this call.
         self.admission.track(rollout_id)
         handed_off = False
         try:
             await self.rollouts.require_running(rollout_id)
-            call = Call(rollout_id, parse_chat_request(raw, self.served_model))
+            call = Call(rollout_id, api, api.parse(raw))
             try:
                 call.weight_version, waited = await self.admission.admit(self.admission_wait_s)
             except AdmissionTimeout:
@@ -155,12 +151,31 @@ class ChatProxy:
             if not handed_off:
                 self.admission.untrack(rollout_id)
 
+    async def count_tokens(self, api: MessagesApi, api_key: str | None, raw: bytes,
+                           path_rollout: str | None = None) -> dict[str, Any]:
+        """Anthropic's /v1/messages/count_tokens, answered by vLLM's /tokenize of the translated
+        chat messages (the same ids a call would be recorded with). Not a call: nothing is recorded."""
+        await self.rollouts.authenticate(api_key, path_rollout)
+        body = api.count_tokens_body(raw)
+        try:
+            status, content = await self.upstream.post(TOKENIZE_PATH, body)
+        except httpx.TransportError as exc:
+            raise ApiError(503, f"The inference server is unreachable; retry later ({exc!r})", "server_error",
+                           "upstream_unavailable", headers={"Retry-After": str(self.retry_after_s)}) from None
+        if status >= 400:
+            raise upstream_error(status, content, self.retry_after_s)
+        try:
+            count = orjson.loads(content)["count"]
+        except (ValueError, KeyError, TypeError):
+            raise ApiError(502, "upstream answered an invalid body", "server_error", "upstream_error") from None
+        return {"input_tokens": int(count)}
+
     # --- non-streaming -------------------------------------------------------------------------
 
     async def _forward(self, call: Call) -> Reply:
         t_up = time.perf_counter()
         try:
-            status, content = await self.upstream.post(CHAT_PATH, upstream_body(call.req, self.upstream_model))
+            status, content = await self.upstream.post(call.api.path, call.api.upstream(call.req))
         except httpx.TransportError as exc:
             call.upstream_latency_s = time.perf_counter() - t_up
             raise await self._unavailable(call, exc) from None
@@ -179,18 +194,16 @@ class ChatProxy:
             UPSTREAM_ERRORS.labels("bad_body").inc()
             await self._record_error(call, 502, "upstream answered a body that is not a JSON object")
             raise ApiError(502, "upstream answered an invalid body", "server_error", "upstream_error") from None
-        await self._record(call, capture_response(resp), None, 200)
-        strip_vllm_fields(resp, call.req.wants_logprobs, call.req.wants_token_ids)
-        if self.upstream_model != self.served_model:
-            resp["model"] = self.served_model
-        return Reply(200, orjson.dumps(resp))
+        captured = call.api.capture(resp)
+        await self._record(call, captured, None, 200)
+        return Reply(200, orjson.dumps(call.api.reply(call.req, resp, captured)))
 
     # --- streaming -----------------------------------------------------------------------------
 
     async def _open_stream(self, call: Call) -> StreamSession:
         t_up = time.perf_counter()
         try:
-            resp = await self.upstream.open_stream(CHAT_PATH, upstream_body(call.req, self.upstream_model))
+            resp = await self.upstream.open_stream(call.api.path, call.api.upstream(call.req))
         except httpx.TransportError as exc:
             call.upstream_latency_s = time.perf_counter() - t_up
             raise await self._unavailable(call, exc) from None
@@ -206,7 +219,7 @@ class ChatProxy:
             UPSTREAM_ERRORS.labels(f"http_{resp.status_code}").inc()
             await self._record_error(call, err.status, f"upstream HTTP {resp.status_code}: {err.message}")
             raise err
-        return StreamSession(self, call, resp, t_up)
+        return StreamSession(self, call, resp, t_up, call.api.relay(call.req))
 
     # --- recording -----------------------------------------------------------------------------
 
@@ -221,7 +234,7 @@ class ChatProxy:
     def _trace(self, call: Call, captured: Captured | None, error: str | None, http_status: int) -> Trace:
         now = time.time()
         return build_trace(call_id=call.call_id, rollout_id=call.rollout_id, request=call.req.body,
-                           captured=captured, error=error, http_status=http_status,
+                           api=call.api.name, captured=captured, error=error, http_status=http_status,
                            weight_version=call.weight_version, started_at=call.started_at, finished_at=now,
                            latency_s=time.perf_counter() - call.t0, upstream_latency_s=call.upstream_latency_s)
 
@@ -260,22 +273,21 @@ class ChatProxy:
 
 
 class StreamSession:
-    """An SSE stream from vLLM relayed to the agent. The trace is recorded exactly once, by
-    `finish_soon()`, whether the stream ended, failed, or the client went away."""
+    """An SSE stream from vLLM relayed to the agent in its API's events. The trace is recorded exactly
+    once, by `finish_soon()`, whether the stream ended, failed, or the client went away."""
 
-    def __init__(self, proxy: ChatProxy, call: Call, resp: httpx.Response, t_up: float) -> None:
+    def __init__(self, proxy: Proxy, call: Call, resp: httpx.Response, t_up: float, relay: Relay) -> None:
         self.proxy = proxy
         self.call = call
         self.resp = resp
         self.t_up = t_up
-        self.capture = StreamCapture()
+        self.relay = relay
+        self.capture = relay.capture
         self.error: str | None = None
         self._finished = False
 
     async def body(self) -> AsyncIterator[bytes]:
-        req = self.call.req
-        passthrough = req.wants_logprobs and req.wants_token_ids
-        rename = self.proxy.upstream_model != self.proxy.served_model
+        relay = self.relay
         try:
             async for line in self.resp.aiter_lines():
                 if not line.startswith("data:"):
@@ -283,28 +295,29 @@ class StreamSession:
                 data = line[5:].strip()
                 if data == "[DONE]":
                     self.capture.done = True
-                    yield b"data: [DONE]\n\n"
+                    for frame in relay.done():
+                        yield frame
                     continue
                 try:
                     chunk = orjson.loads(data)
                 except orjson.JSONDecodeError:
                     self.error = "upstream sent an invalid stream chunk"
+                    for frame in relay.failed(ApiError(502, self.error, "server_error", "upstream_error")):
+                        yield frame
                     break
                 if not isinstance(chunk, dict):
                     continue
-                self.capture.feed(chunk)
-                if passthrough and not rename:
-                    yield b"data: " + data.encode() + b"\n\n"
-                    continue
-                strip_vllm_fields(chunk, req.wants_logprobs, req.wants_token_ids)
-                if rename and "model" in chunk:
-                    chunk["model"] = self.proxy.served_model
-                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+                for frame in relay.chunk(data, chunk):
+                    yield frame
+            if not self.capture.done and self.error is None and self.capture.error is None:
+                self.error = "upstream stream ended before [DONE]"
+                for frame in relay.failed(ApiError(502, self.error, "server_error", "upstream_error")):
+                    yield frame
         except httpx.TransportError as exc:
             self.error = f"upstream stream broke: {exc!r}"
             UPSTREAM_ERRORS.labels("stream").inc()
-            yield b"data: " + orjson.dumps(ApiError(502, "upstream stream broke", "server_error",
-                                                    "upstream_error").body()) + b"\n\n"
+            for frame in relay.failed(ApiError(502, "upstream stream broke", "server_error", "upstream_error")):
+                yield frame
         finally:
             self.finish_soon()
 

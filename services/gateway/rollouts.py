@@ -133,8 +133,16 @@ class RolloutRegistry:
             raise unauthorized("This route needs the admin token") if not bearer else ApiError(
                 403, "This route needs the admin token", "permission_error", "forbidden")
 
-    async def authenticate(self, api_key: str | None) -> str:
-        """The rollout id of an API key (401 when missing or unknown)."""
+    async def authenticate(self, api_key: str | None, rollout_id: str | None = None) -> str:
+        """The rollout id of an API key (401 when missing or unknown). With `rollout_id` (a
+        /rollouts/{id}/v1/... path), the key must belong to that rollout (403 otherwise)."""
+        owner = await self._owner(api_key)
+        if rollout_id is not None and owner != rollout_id:
+            raise ApiError(403, "This API key belongs to another rollout than the one in the path",
+                           "permission_error", "forbidden")
+        return owner
+
+    async def _owner(self, api_key: str | None) -> str:
         if not api_key:
             raise unauthorized()
         rollout_id = self._key_cache.get(api_key)

@@ -46,7 +46,8 @@ class VLLMControl:
         return bool((await self.http.get("/is_paused")).json().get("is_paused"))
 
     async def sleep(self, level: int = 1) -> None:
-        await self._post("/sleep", params={"level": level})
+        # mode=wait: vLLM's default ("abort") would kill requests still in flight.
+        await self._post("/sleep", params={"level": level, "mode": "wait"})
 
     async def wake_up(self) -> None:
         await self._post("/wake_up")

@@ -39,6 +39,10 @@ class SchedulerSettings(CommonSettings):
     seed: int = 0
     rollout_timeout_s: float = 300.0
     groups_per_step: int = 1  # serve-only mode: train once this many groups are scored
+    mode: str = "colocated-sync"  # colocated-sync | colocated-async | disaggregated-async
+    max_staleness: int = 1
+    max_inflight_groups: int = 0
+    sleep_level: int = 0
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -69,7 +73,8 @@ async def amain(s: SchedulerSettings) -> None:
                   trainer=trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)))
     cfg = RunConfig(run_id=s.run_id, steps=s.steps, tasks_per_step=s.tasks_per_step, group_size=s.group_size,
                     seed=s.seed, run_dir=Path(s.run_dir), eval_repeats=s.eval_repeats,
-                    rollout_timeout_s=s.rollout_timeout_s)
+                    rollout_timeout_s=s.rollout_timeout_s, mode=s.mode, max_staleness=s.max_staleness,
+                    max_inflight_groups=s.max_inflight_groups, sleep_level=s.sleep_level)
     tasks = load_tasks(Path(s.tasks_file)) if s.tasks_file else []
     run = Run(r, broker.Keys(s.namespace), cfg, stubs, tasks)
 

@@ -26,17 +26,21 @@ class SubmitGroupResponse(_message.Message):
     def __init__(self, buffered_groups: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("step", "min_groups", "max_groups")
+    __slots__ = ("step", "min_groups", "max_groups", "group_ids", "drop_group_ids")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MIN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUPS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    DROP_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     step: int
     min_groups: int
     max_groups: int
-    def __init__(self, step: _Optional[int] = ..., min_groups: _Optional[int] = ..., max_groups: _Optional[int] = ...) -> None: ...
+    group_ids: _containers.RepeatedScalarFieldContainer[str]
+    drop_group_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step: _Optional[int] = ..., min_groups: _Optional[int] = ..., max_groups: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., drop_group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
-    __slots__ = ("step", "weight_version", "checkpoint_dir", "metrics")
+    __slots__ = ("step", "weight_version", "checkpoint_dir", "metrics", "replayed")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -48,20 +52,24 @@ class TrainStepResponse(_message.Message):
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
+    REPLAYED_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     checkpoint_dir: str
     metrics: _containers.ScalarMap[str, float]
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    replayed: bool
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("buffered_groups", "buffered_samples", "weight_version", "steps_done")
+    __slots__ = ("buffered_groups", "buffered_samples", "weight_version", "steps_done", "last_step")
     BUFFERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     buffered_groups: int
     buffered_samples: int
     weight_version: int
     steps_done: int
-    def __init__(self, buffered_groups: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., weight_version: _Optional[int] = ..., steps_done: _Optional[int] = ...) -> None: ...
+    last_step: int
+    def __init__(self, buffered_groups: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., weight_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,187 @@
+"""The APIs agents speak to the gateway, each as one object the proxy drives the same way: parse the
+client's body, build the body for vLLM (always with token ids and logprobs), capture ids from vLLM's
+answer, turn the answer into the client's, and relay a stream as the client's SSE events.
+
+Chat and completions pass through to the same vLLM routes (only vLLM-only fields are stripped);
+Anthropic Messages and OpenAI Responses are translated to chat completions (messages.py,
+responses.py), because vLLM 0.32 returns no token ids on its own /v1/messages and /v1/responses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import orjson
+
+from tether.gateway import messages, responses
+from tether.gateway.capture import (
+    API_CHAT,
+    API_COMPLETIONS,
+    API_MESSAGES,
+    API_RESPONSES,
+    ApiError,
+    Captured,
+    ChatRequest,
+    CompletionStreamCapture,
+    StreamCapture,
+    capture_completion_response,
+    capture_response,
+    parse_chat_request,
+    parse_completion_request,
+    strip_vllm_fields,
+    upstream_body,
+    upstream_chat_body,
+    upstream_completion_body,
+)
+
+CHAT_PATH = "/v1/chat/completions"
+COMPLETIONS_PATH = "/v1/completions"
+
+
+class Relay(Protocol):
+    """One stream: vLLM's chunks in, the client's SSE frames out, token ids captured."""
+
+    capture: StreamCapture
+
+    def chunk(self, data: str, chunk: dict[str, Any]) -> list[bytes]: ...
+
+    def done(self) -> list[bytes]: ...
+
+    def failed(self, err: ApiError) -> list[bytes]: ...
+
+
+class Api(Protocol):
+    name: str  # Trace.api
+    path: str  # the vLLM route it is forwarded to
+
+    def parse(self, raw: bytes) -> Any: ...  # with .body (recorded) and .stream
+
+    def upstream(self, req: Any) -> bytes: ...
+
+    def capture(self, resp: dict[str, Any]) -> Captured: ...
+
+    def reply(self, req: Any, resp: dict[str, Any], captured: Captured) -> dict[str, Any]: ...
+
+    def relay(self, req: Any) -> Relay: ...
+
+
+class OpenAIRelay:
+    """Chat or completions chunks, relayed as they are (minus the vLLM-only fields the client did not
+    ask for); unchanged bytes when there is nothing to strip."""
+
+    def __init__(self, req: ChatRequest, capture: StreamCapture, served_model: str, rename: bool) -> None:
+        self.req = req
+        self.capture = capture
+        self.served_model = served_model
+        self.rename = rename
+        self.passthrough = req.wants_logprobs and req.wants_token_ids and not rename
+
+    def chunk(self, data: str, chunk: dict[str, Any]) -> list[bytes]:
+        self.capture.feed(chunk)
+        if self.passthrough:
+            return [b"data: " + data.encode() + b"\n\n"]
+        strip_vllm_fields(chunk, self.req.wants_logprobs, self.req.wants_token_ids)
+        if self.rename and "model" in chunk:
+            chunk["model"] = self.served_model
+        return [b"data: " + orjson.dumps(chunk) + b"\n\n"]
+
+    def done(self) -> list[bytes]:
+        return [b"data: [DONE]\n\n"]
+
+    def failed(self, err: ApiError) -> list[bytes]:
+        return [b"data: " + orjson.dumps(err.body()) + b"\n\n"]
+
+
+class _OpenAIPassthrough:
+    def __init__(self, served_model: str, upstream_model: str) -> None:
+        self.served_model = served_model
+        self.upstream_model = upstream_model
+
+    def reply(self, req: ChatRequest, resp: dict[str, Any], captured: Captured) -> dict[str, Any]:
+        strip_vllm_fields(resp, req.wants_logprobs, req.wants_token_ids)
+        if self.upstream_model != self.served_model:
+            resp["model"] = self.served_model
+        return resp
+
+
+class ChatApi(_OpenAIPassthrough):
+    name, path = API_CHAT, CHAT_PATH
+
+    def parse(self, raw: bytes) -> ChatRequest:
+        return parse_chat_request(raw, self.served_model)
+
+    def upstream(self, req: ChatRequest) -> bytes:
+        return upstream_body(req, self.upstream_model)
+
+    def capture(self, resp: dict[str, Any]) -> Captured:
+        return capture_response(resp)
+
+    def relay(self, req: ChatRequest) -> Relay:
+        return OpenAIRelay(req, StreamCapture(), self.served_model, self.upstream_model != self.served_model)
+
+
+class CompletionsApi(_OpenAIPassthrough):
+    name, path = API_COMPLETIONS, COMPLETIONS_PATH
+
+    def parse(self, raw: bytes) -> ChatRequest:
+        return parse_completion_request(raw, self.served_model)
+
+    def upstream(self, req: ChatRequest) -> bytes:
+        return upstream_completion_body(req, self.upstream_model)
+
+    def capture(self, resp: dict[str, Any]) -> Captured:
+        return capture_completion_response(resp)
+
+    def relay(self, req: ChatRequest) -> Relay:
+        return OpenAIRelay(req, CompletionStreamCapture(), self.served_model,
+                           self.upstream_model != self.served_model)
+
+
+class MessagesApi:
+    name, path = API_MESSAGES, CHAT_PATH
+
+    def __init__(self, served_model: str, upstream_model: str) -> None:
+        self.served_model = served_model
+        self.upstream_model = upstream_model
+
+    def parse(self, raw: bytes) -> messages.MessagesRequest:
+        return messages.parse_messages_request(raw, self.served_model)
+
+    def upstream(self, req: messages.MessagesRequest) -> bytes:
+        return upstream_chat_body(req.chat, self.upstream_model)
+
+    def capture(self, resp: dict[str, Any]) -> Captured:
+        return capture_response(resp)
+
+    def reply(self, req: messages.MessagesRequest, resp: dict[str, Any], captured: Captured) -> dict[str, Any]:
+        return messages.message_from_chat(resp, captured, req, self.served_model)
+
+    def relay(self, req: messages.MessagesRequest) -> Relay:
+        return messages.MessagesStream(req, self.served_model)
+
+    def count_tokens_body(self, raw: bytes) -> bytes:
+        body = messages.parse_count_tokens_request(raw, self.served_model)
+        return orjson.dumps({"model": self.upstream_model, **body})
+
+
+class ResponsesApi:
+    name, path = API_RESPONSES, CHAT_PATH
+
+    def __init__(self, served_model: str, upstream_model: str) -> None:
+        self.served_model = served_model
+        self.upstream_model = upstream_model
+
+    def parse(self, raw: bytes) -> responses.ResponsesRequest:
+        return responses.parse_responses_request(raw, self.served_model)
+
+    def upstream(self, req: responses.ResponsesRequest) -> bytes:
+        return upstream_chat_body(req.chat, self.upstream_model)
+
+    def capture(self, resp: dict[str, Any]) -> Captured:
+        return capture_response(resp)
+
+    def reply(self, req: responses.ResponsesRequest, resp: dict[str, Any], captured: Captured) -> dict[str, Any]:
+        return responses.response_from_chat(resp, captured, req, self.served_model)
+
+    def relay(self, req: responses.ResponsesRequest) -> Relay:
+        return responses.ResponsesStream(req, self.served_model)

@@ -1,0 +1,518 @@
+"""Anthropic Messages (`POST /v1/messages`) as pure translation to and from chat completions.
+
+vLLM 0.32 serves /v1/messages but without token ids, so the gateway speaks Anthropic to the agent and
+chat completions (with `return_token_ids`) to vLLM: `parse_messages_request` turns the request into a
+chat body, `message_from_chat` turns vLLM's answer back, and `MessagesStream` turns chat stream
+chunks into Anthropic's event sequence (message_start, content_block_start, content_block_delta,
+content_block_stop, message_delta, message_stop). Errors on these routes use Anthropic's shape
+(`anthropic_error_body`). No I/O here; apis.py wires these into the proxy.
+
+What maps: system -> a system message; text blocks -> content; tool_use -> assistant tool_calls;
+tool_result -> tool messages; images (base64 or url) -> image_url parts; max_tokens, temperature,
+top_p, top_k, stop_sequences, tools, tool_choice, output_config.format (a JSON schema). What does not
+(400, naming it): thinking, server tools, documents, and any request field not in `_TRANSLATED` or
+`_IGNORED`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from tether.gateway.capture import (
+    ApiError,
+    Captured,
+    StreamCapture,
+    as_dict,
+    check_model,
+    check_stream,
+    invalid,
+    load_json_object,
+    unsupported,
+)
+
+# Request fields that are translated, and those accepted but with no effect here.
+_TRANSLATED = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
+               "top_k", "tools", "tool_choice", "thinking", "output_config"}
+# Accepted with no effect: routing, caching and attribution hints of Anthropic's service.
+_IGNORED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "diagnostics", "user_profile_id",
+            "workspace_id"}
+_UNSUPPORTED_HINTS = {
+    "container": "no code-execution containers here",
+    "mcp_servers": "the gateway does not call MCP servers",
+    "context_management": "send the whole conversation in 'messages'",
+}
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
+                500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error_type(status: int) -> str:
+    return _ERROR_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
+
+
+def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error shape: {"type": "error", "error": {"type": ..., "message": ...}}."""
+    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
+
+
+# --- request: Anthropic -> chat ------------------------------------------------------------------
+
+
+@dataclass
+class MessagesRequest:
+    body: dict[str, Any]  # as the client sent it (recorded in the trace)
+    stream: bool
+    chat: dict[str, Any]  # the chat completions body sent to vLLM (without model and token-id flags)
+    stop_sequences: list[str] = field(default_factory=list)
+
+
+def _text_of(block: dict[str, Any], where: str) -> str:
+    text = block.get("text")
+    if not isinstance(text, str):
+        raise invalid(f"{where}.text", "must be a string")
+    return text
+
+
+def _parts(texts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """One text part as a plain string (what most chat templates expect), several as a list."""
+    if len(texts) == 1 and texts[0]["type"] == "text":
+        return texts[0]["text"]
+    return texts
+
+
+def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
+    source = block.get("source")
+    if not isinstance(source, dict):
+        raise invalid(f"{where}.source", "must be an object")
+    if source.get("type") == "base64":
+        media, data = source.get("media_type"), source.get("data")
+        if not isinstance(media, str) or not isinstance(data, str):
+            raise invalid(f"{where}.source", "needs string 'media_type' and 'data'")
+        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+    if source.get("type") == "url" and isinstance(source.get("url"), str):
+        return {"type": "image_url", "image_url": {"url": source["url"]}}
+    raise unsupported([f"{where}.source.type"], f"image source '{source.get('type')}' (use base64 or url)")
+
+
+def _system(system: Any) -> str | list[dict[str, Any]] | None:
+    if system is None:
+        return None
+    if isinstance(system, str):
+        return system
+    if not isinstance(system, list):
+        raise invalid("system", "must be a string or an array of text blocks")
+    texts = []
+    for i, block in enumerate(system):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise invalid(f"system.{i}", "must be a text block")
+        texts.append({"type": "text", "text": _text_of(block, f"system.{i}")})
+    return _parts(texts) if texts else None
+
+
+def _tool_result_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(where, "must be a string or an array of content blocks")
+    parts: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            parts.append({"type": "text", "text": _text_of(block, f"{where}.{j}")})
+        elif kind == "image":
+            parts.append(_image_part(block, f"{where}.{j}"))
+        else:
+            raise unsupported([f"{where}.{j}.type"], f"tool_result content block '{kind}'")
+    if not parts:
+        return ""
+    return _parts(parts)
+
+
+def _user_messages(content: list[Any], where: str) -> list[dict[str, Any]]:
+    """A user turn: tool_result blocks become tool messages, the rest user messages, in order."""
+    out: list[dict[str, Any]] = []
+    pending: list[dict[str, Any]] = []
+
+    def flush() -> None:
+        if pending:
+            out.append({"role": "user", "content": _parts(list(pending))})
+            pending.clear()
+
+    for j, block in enumerate(content):
+        at = f"{where}.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            pending.append({"type": "text", "text": _text_of(block, at)})
+        elif kind == "image":
+            pending.append(_image_part(block, at))
+        elif kind == "tool_result":
+            flush()
+            call_id = block.get("tool_use_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise invalid(f"{at}.tool_use_id", "must be a non-empty string")
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": _tool_result_content(block.get("content"), f"{at}.content")})
+        elif kind is None:
+            raise invalid(at, "must be a content block object with a 'type'")
+        else:
+            raise unsupported([f"{at}.type"], f"content block '{kind}' in a user message")
+    flush()
+    return out
+
+
+def _assistant_message(content: list[Any], where: str) -> dict[str, Any]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for j, block in enumerate(content):
+        at = f"{where}.{j}"
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text":
+            texts.append(_text_of(block, at))
+        elif kind == "tool_use":
+            call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
+            if not isinstance(call_id, str) or not call_id:
+                raise invalid(f"{at}.id", "must be a non-empty string")
+            if not isinstance(name, str) or not name:
+                raise invalid(f"{at}.name", "must be a non-empty string")
+            if not isinstance(args, dict):
+                raise invalid(f"{at}.input", "must be an object")
+            calls.append({"id": call_id, "type": "function",
+                          "function": {"name": name, "arguments": orjson.dumps(args).decode()}})
+        elif kind is None:
+            raise invalid(at, "must be a content block object with a 'type'")
+        else:
+            raise unsupported([f"{at}.type"], f"content block '{kind}' in an assistant message")
+    msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    if calls:
+        msg["tool_calls"] = calls
+    return msg
+
+
+def _chat_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "must be a non-empty array")
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        where = f"messages.{i}"
+        if not isinstance(m, dict):
+            raise invalid(where, "must be an object")
+        role, content = m.get("role"), m.get("content")
+        if role not in ("user", "assistant"):
+            raise invalid(f"{where}.role", "must be 'user' or 'assistant'")
+        if isinstance(content, str):
+            out.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise invalid(f"{where}.content", "must be a string or an array of content blocks")
+        if role == "user":
+            out.extend(_user_messages(content, f"{where}.content"))
+        else:
+            out.append(_assistant_message(content, f"{where}.content"))
+    return out
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise invalid("tools", "must be an array")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise invalid(f"tools.{i}", "must be an object")
+        kind = tool.get("type", "custom")
+        if kind != "custom":
+            raise unsupported([f"tools.{i}.type"], f"server tool '{kind}'; only custom tools (name, "
+                              "description, input_schema) can be forwarded")
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise invalid(f"tools.{i}.name", "must be a non-empty string")
+        schema = tool.get("input_schema", {"type": "object"})
+        if not isinstance(schema, dict):
+            raise invalid(f"tools.{i}.input_schema", "must be an object")
+        fn: dict[str, Any] = {"name": name, "parameters": schema}
+        if isinstance(tool.get("description"), str):
+            fn["description"] = tool["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
+    """Chat's tool_choice and parallel_tool_calls for Anthropic's tool_choice."""
+    if not isinstance(choice, dict):
+        raise invalid("tool_choice", "must be an object with a 'type'")
+    kind = choice.get("type")
+    parallel = False if choice.get("disable_parallel_tool_use") is True else None
+    if kind == "auto":
+        return "auto", parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "none":
+        return "none", None
+    if kind == "tool":
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise invalid("tool_choice.name", "must be a non-empty string")
+        return {"type": "function", "function": {"name": name}}, parallel
+    raise invalid("tool_choice.type", "must be one of 'auto', 'any', 'tool', 'none'")
+
+
+def _number(body: dict[str, Any], name: str, integer: bool = False) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    kinds = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise invalid(name, "must be an integer" if integer else "must be a number")
+    return value
+
+
+def _request_fields(body: dict[str, Any]) -> None:
+    extra = [k for k in body if k not in _TRANSLATED and k not in _IGNORED]
+    if extra:
+        hints = [_UNSUPPORTED_HINTS[k] for k in sorted(extra) if k in _UNSUPPORTED_HINTS]
+        raise unsupported(extra, "; ".join(hints) or "this gateway translates Messages to chat completions")
+    thinking = body.get("thinking")
+    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
+        raise unsupported(["thinking"], "extended thinking is not available through this gateway")
+
+
+def _response_format(config: Any) -> dict[str, Any] | None:
+    """output_config: `format` (a JSON schema) maps to chat's response_format; `effort` is a hint
+    with no chat equivalent for most models, so it is ignored."""
+    if not isinstance(config, dict):
+        raise invalid("output_config", "must be an object")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise invalid("output_config.format", "must be {'type': 'json_schema', 'schema': {...}}")
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+
+
+def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
+    """Validate an Anthropic Messages request and translate it to a chat completions body."""
+    body = load_json_object(raw)
+    check_model(body, served_model)
+    _request_fields(body)
+    stream = check_stream(body)
+    max_tokens = _number(body, "max_tokens", integer=True)
+    if max_tokens is None or max_tokens < 1:
+        raise invalid("max_tokens", "is required and must be an integer >= 1")
+
+    messages = _chat_messages(body.get("messages"))
+    system = _system(body.get("system"))
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
+    chat: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": stream}
+    for name in ("temperature", "top_p"):
+        if (value := _number(body, name)) is not None:
+            chat[name] = value
+    if (top_k := _number(body, "top_k", integer=True)) is not None:
+        chat["top_k"] = top_k
+    stops = body.get("stop_sequences")
+    if stops is not None:
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise invalid("stop_sequences", "must be an array of strings")
+        if stops:
+            chat["stop"] = stops
+    if body.get("tools") is not None:
+        tools = _tools(body["tools"])
+        if tools:
+            chat["tools"] = tools
+    if body.get("tool_choice") is not None:
+        choice, parallel = _tool_choice(body["tool_choice"])
+        if "tools" in chat or choice == "none":
+            chat["tool_choice"] = choice
+        if parallel is not None and "tools" in chat:
+            chat["parallel_tool_calls"] = parallel
+    if body.get("output_config") is not None and (fmt := _response_format(body["output_config"])) is not None:
+        chat["response_format"] = fmt
+    return MessagesRequest(body=body, stream=stream, chat=chat, stop_sequences=list(stops or []))
+
+
+def parse_count_tokens_request(raw: bytes, served_model: str) -> dict[str, Any]:
+    """`/v1/messages/count_tokens`: the body for vLLM's /tokenize of the same chat messages."""
+    body = load_json_object(raw)
+    body.setdefault("max_tokens", 1)
+    body.pop("stream", None)
+    req = parse_messages_request(orjson.dumps(body), served_model)
+    out = {"messages": req.chat["messages"], "add_generation_prompt": True}
+    if "tools" in req.chat:
+        out["tools"] = req.chat["tools"]
+    return out
+
+
+# --- response: chat -> Anthropic -----------------------------------------------------------------
+
+
+def new_message_id() -> str:
+    return f"msg_{uuid.uuid4().hex}"
+
+
+def stop_reason(finish_reason: str | None, vllm_stop: Any, has_tool_calls: bool,
+                stop_sequences: list[str]) -> tuple[str, str | None]:
+    """Anthropic's (stop_reason, stop_sequence) for a chat finish_reason (and vLLM's stop_reason,
+    the stop string that ended the text, if any)."""
+    if finish_reason == "length":
+        return "max_tokens", None
+    if finish_reason == "tool_calls" or has_tool_calls:
+        return "tool_use", None
+    if isinstance(vllm_stop, str) and vllm_stop in stop_sequences:
+        return "stop_sequence", vllm_stop
+    if finish_reason == "content_filter":
+        return "refusal", None
+    return "end_turn", None
+
+
+def _tool_input(arguments: Any) -> dict[str, Any]:
+    # Anthropic's input must be an object; a model that wrote invalid JSON gets {} (the trace still
+    # holds the exact tokens it sampled).
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        parsed = orjson.loads(arguments or "{}")
+    except (orjson.JSONDecodeError, TypeError):
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": input_tokens, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+
+
+def message_from_chat(resp: dict[str, Any], captured: Captured, req: MessagesRequest,
+                      model: str) -> dict[str, Any]:
+    """The Anthropic Message for a non-streaming chat response."""
+    choices = resp.get("choices") or [{}]
+    choice = as_dict(choices[0])
+    message = as_dict(choice.get("message"))
+    text = message.get("content") if isinstance(message.get("content"), str) else ""
+    calls = [c for c in message.get("tool_calls") or () if isinstance(c, dict)]
+    content: list[dict[str, Any]] = []
+    if text or not calls:
+        content.append({"type": "text", "text": text})
+    for call in calls:
+        fn = as_dict(call.get("function"))
+        content.append({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
+                        "name": fn.get("name", ""), "input": _tool_input(fn.get("arguments"))})
+    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), bool(calls),
+                                   req.stop_sequences)
+    usage = as_dict(resp.get("usage"))
+    input_tokens = usage.get("prompt_tokens", len(captured.prompt_token_ids))
+    output_tokens = usage.get("completion_tokens", captured.completion_tokens())
+    return {"id": new_message_id(), "type": "message", "role": "assistant", "model": model,
+            "content": content, "stop_reason": reason, "stop_sequence": sequence,
+            "usage": _usage(input_tokens, output_tokens)}
+
+
+def _event(kind: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **data}) + b"\n\n"
+
+
+class MessagesStream:
+    """Chat stream chunks in, Anthropic stream events out, token ids captured on the way.
+
+    Content blocks follow the chat deltas: text opens a text block, each new tool call closes the open
+    block and opens a tool_use block whose arguments stream as input_json_delta. The closing events
+    (message_delta with stop_reason and the exact output token count, message_stop) go out on [DONE].
+    """
+
+    def __init__(self, req: MessagesRequest, model: str) -> None:
+        self.req = req
+        self.model = model
+        self.capture = StreamCapture()
+        self._started = False
+        self._ended = False
+        self._blocks = 0  # content blocks started so far
+        self._open: int | None = None  # index of the block still open
+        self._tool_blocks: dict[int, int] = {}  # chat tool call index -> block index
+        self._finish: str | None = None
+        self._vllm_stop: Any = None
+
+    def _start(self) -> list[bytes]:
+        if self._started:
+            return []
+        self._started = True
+        message: dict[str, Any] = {
+            "id": new_message_id(), "type": "message", "role": "assistant", "model": self.model, "content": [],
+            "stop_reason": None, "stop_sequence": None,
+            "usage": _usage(len(self.capture.captured.prompt_token_ids), 0)}
+        return [_event("message_start", {"message": message})]
+
+    def _open_block(self, block: dict[str, Any]) -> list[bytes]:
+        out = self._close_block()
+        self._open = self._blocks
+        self._blocks += 1
+        out.append(_event("content_block_start", {"index": self._open, "content_block": block}))
+        return out
+
+    def _close_block(self) -> list[bytes]:
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        return [_event("content_block_stop", {"index": index})]
+
+    def chunk(self, data: str, chunk: dict[str, Any]) -> list[bytes]:
+        self.capture.feed(chunk)
+        if self._ended:
+            return []
+        if self.capture.error is not None:
+            return self.failed(ApiError(502, f"upstream error: {self.capture.error}", "server_error"))
+        out = self._start()
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = as_dict(choice.get("delta"))
+            text = delta.get("content")
+            if isinstance(text, str) and text:
+                if self._open is None or self._open in self._tool_blocks.values():
+                    out += self._open_block({"type": "text", "text": ""})
+                out.append(_event("content_block_delta", {"index": self._open,
+                                                          "delta": {"type": "text_delta", "text": text}}))
+            for call in delta.get("tool_calls") or ():
+                if isinstance(call, dict):
+                    out += self._tool_delta(call)
+            if choice.get("finish_reason") is not None:
+                self._finish = choice["finish_reason"]
+                self._vllm_stop = choice.get("stop_reason")
+        return out
+
+    def _tool_delta(self, call: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        fn = as_dict(call.get("function"))
+        index = call.get("index", 0)
+        if index not in self._tool_blocks:
+            out += self._open_block({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
+                                     "name": fn.get("name") or "", "input": {}})
+            self._tool_blocks[index] = self._open  # type: ignore[assignment]
+        args = fn.get("arguments")
+        if isinstance(args, str) and args:
+            out.append(_event("content_block_delta", {"index": self._tool_blocks[index], "delta": {
+                "type": "input_json_delta", "partial_json": args}}))
+        return out
+
+    def done(self) -> list[bytes]:
+        if self._ended:
+            return []
+        self._ended = True
+        out = self._start()
+        if self._blocks == 0:
+            out += self._open_block({"type": "text", "text": ""})
+        out += self._close_block()
+        reason, sequence = stop_reason(self._finish, self._vllm_stop, bool(self._tool_blocks),
+                                       self.req.stop_sequences)
+        out.append(_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
+                                            "usage": {"output_tokens": self.capture.captured.completion_tokens()}}))
+        out.append(_event("message_stop", {}))
+        return out
+
+    def failed(self, err: ApiError) -> list[bytes]:
+        self._ended = True
+        return [_event("error", {"error": anthropic_error_body(err.status, err.message)["error"]})]

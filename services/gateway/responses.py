@@ -1,0 +1,542 @@
+"""OpenAI Responses (`POST /v1/responses`) as pure translation to and from chat completions.
+
+vLLM 0.32 serves /v1/responses but without token ids, so the gateway speaks Responses to the agent and
+chat completions (with `return_token_ids`) to vLLM: `parse_responses_request` turns the request into a
+chat body, `response_from_chat` turns vLLM's answer back, and `ResponsesStream` turns chat stream
+chunks into the Responses event sequence (response.created, response.in_progress,
+response.output_item.added, response.content_part.added, response.output_text.delta,
+response.output_text.done, response.content_part.done, response.output_item.done, the
+function_call_arguments events, and response.completed or response.incomplete). No I/O here.
+
+The gateway stores no responses: `previous_response_id` and `conversation` are answered 400 (send
+the whole conversation in `input`), and `store` is accepted but nothing is stored. Function tools
+map to chat tools; hosted tools (web search, file search, computer use, MCP, ...) are refused.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from tether.gateway.capture import (
+    ApiError,
+    Captured,
+    StreamCapture,
+    as_dict,
+    check_model,
+    check_stream,
+    invalid,
+    load_json_object,
+    unsupported,
+)
+
+_TRANSLATED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
+               "tools", "tool_choice", "parallel_tool_calls", "text", "top_logprobs", "include", "reasoning",
+               "previous_response_id", "conversation", "background"}
+# Accepted with no effect: bookkeeping this gateway does not keep (it stores nothing).
+_IGNORED = {"store", "metadata", "user", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
+            "stream_options", "prompt_cache_retention"}
+_UNSUPPORTED_HINTS = {
+    "prompt": "stored prompts live on OpenAI's servers; send 'instructions' and 'input'",
+    "max_tool_calls": "hosted tool calls are not available",
+    "context_management": "send the whole conversation in 'input'",
+}
+_NO_STATE = "this gateway stores no responses or conversations; send the whole conversation in 'input'"
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+@dataclass
+class ResponsesRequest:
+    body: dict[str, Any]  # as the client sent it (recorded in the trace)
+    stream: bool
+    chat: dict[str, Any]  # the chat completions body sent to vLLM (without model and token-id flags)
+    wants_logprobs: bool = False
+
+
+# --- request: Responses -> chat ------------------------------------------------------------------
+
+
+def _content_part(part: Any, where: str) -> dict[str, Any] | None:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("input_text", "output_text", "text"):
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise invalid(f"{where}.text", "must be a string")
+        return {"type": "text", "text": text}
+    if kind == "refusal":
+        refusal = part.get("refusal")
+        return {"type": "text", "text": refusal} if isinstance(refusal, str) else None
+    if kind == "input_image":
+        url = part.get("image_url")
+        if not isinstance(url, str) or not url:
+            raise unsupported([f"{where}.file_id"], "images must be given by 'image_url' (no file storage here)")
+        image: dict[str, Any] = {"url": url}
+        if isinstance(part.get("detail"), str):
+            image["detail"] = part["detail"]
+        return {"type": "image_url", "image_url": image}
+    if kind is None:
+        raise invalid(where, "must be a content part object with a 'type'")
+    raise unsupported([f"{where}.type"], f"content part '{kind}'")
+
+
+def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise invalid(where, "must be a string or an array of content parts")
+    parts = [p for i, part in enumerate(content) if (p := _content_part(part, f"{where}.{i}")) is not None]
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        return parts[0]["text"]
+    return parts
+
+
+def _text_only(content: str | list[dict[str, Any]]) -> str:
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if p.get("type") == "text")
+
+
+def _function_output(output: Any, where: str) -> str | list[dict[str, Any]]:
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):
+        return _content(output, where)
+    raise invalid(where, "must be a string or an array of content parts")
+
+
+def _input_messages(items: Any) -> list[dict[str, Any]]:
+    if isinstance(items, str):
+        return [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise invalid("input", "must be a non-empty string or a non-empty array of input items")
+    out: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        where = f"input.{i}"
+        if not isinstance(item, dict):
+            raise invalid(where, "must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise invalid(f"{where}.role", "must be one of 'user', 'assistant', 'system', 'developer'")
+            content = _content(item.get("content"), f"{where}.content")
+            if role == "assistant":
+                out.append({"role": "assistant", "content": _text_only(content)})
+            else:
+                # Chat templates know system, not developer: the two mean the same here.
+                out.append({"role": "system" if role == "developer" else role, "content": content})
+        elif kind == "function_call":
+            call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
+            for field_name, value in (("call_id", call_id), ("name", name)):
+                if not isinstance(value, str) or not value:
+                    raise invalid(f"{where}.{field_name}", "must be a non-empty string")
+            if not isinstance(args, str):
+                raise invalid(f"{where}.arguments", "must be a string (JSON)")
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            # Calls of one turn join the assistant message they follow.
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and (
+                    last.get("tool_calls") or _follows_message(items, i)):
+                last.setdefault("tool_calls", []).append(call)
+                if not last["content"]:
+                    last["content"] = None
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id = item.get("call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise invalid(f"{where}.call_id", "must be a non-empty string")
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": _function_output(item.get("output"), f"{where}.output")})
+        else:
+            raise unsupported([f"{where}.type"], f"input item '{kind}'")
+    return out
+
+
+def _follows_message(items: list[Any], i: int) -> bool:
+    prev = items[i - 1]
+    return isinstance(prev, dict) and prev.get("type", "message") == "message" and prev.get("role") == "assistant"
+
+
+def _tools(tools: Any) -> list[dict[str, Any]]:
+    if not isinstance(tools, list):
+        raise invalid("tools", "must be an array")
+    out = []
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+            raise invalid(f"tools.{i}", "must be an object")
+        if tool.get("type") != "function":
+            raise unsupported([f"tools.{i}.type"], f"tool type '{tool.get('type')}'; only function tools "
+                              "can be forwarded")
+        name = tool.get("name")
+        if not isinstance(name, str) or not name:
+            raise invalid(f"tools.{i}.name", "must be a non-empty string")
+        fn: dict[str, Any] = {"name": name, "parameters": tool.get("parameters") or {"type": "object"}}
+        if isinstance(tool.get("description"), str):
+            fn["description"] = tool["description"]
+        if isinstance(tool.get("strict"), bool):
+            fn["strict"] = tool["strict"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice in ("auto", "none", "required"):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        name = choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise invalid("tool_choice.name", "must be a non-empty string")
+        return {"type": "function", "function": {"name": name}}
+    if isinstance(choice, dict):
+        raise unsupported(["tool_choice.type"], f"tool_choice '{choice.get('type')}'")
+    raise invalid("tool_choice", "must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}")
+
+
+def _response_format(text: Any) -> dict[str, Any] | None:
+    if not isinstance(text, dict):
+        raise invalid("text", "must be an object")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict):
+        raise invalid("text.format", "must be an object")
+    kind = fmt.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "json_object"}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise invalid("text.format.schema", "must be an object")
+        schema = {"name": fmt.get("name") or "response", "schema": fmt["schema"]}
+        for key in ("strict", "description"):
+            if fmt.get(key) is not None:
+                schema[key] = fmt[key]
+        return {"type": "json_schema", "json_schema": schema}
+    raise invalid("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
+
+
+def _number(body: dict[str, Any], name: str, integer: bool = False) -> Any:
+    value = body.get(name)
+    if value is None:
+        return None
+    kinds = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise invalid(name, "must be an integer" if integer else "must be a number")
+    return value
+
+
+def _check_fields(body: dict[str, Any]) -> None:
+    extra = [k for k in body if k not in _TRANSLATED and k not in _IGNORED and body[k] is not None]
+    if extra:
+        hints = [_UNSUPPORTED_HINTS[k] for k in sorted(extra) if k in _UNSUPPORTED_HINTS]
+        raise unsupported(extra, "; ".join(hints) or "this gateway translates Responses to chat completions")
+    if body.get("previous_response_id") is not None:
+        raise unsupported(["previous_response_id"], _NO_STATE)
+    if body.get("conversation") is not None:
+        raise unsupported(["conversation"], _NO_STATE)
+    if body.get("background"):
+        raise unsupported(["background"], "responses are answered in the request (no background mode)")
+
+
+def parse_responses_request(raw: bytes, served_model: str) -> ResponsesRequest:
+    """Validate a Responses request and translate it to a chat completions body."""
+    body = load_json_object(raw)
+    check_model(body, served_model)
+    _check_fields(body)
+    stream = check_stream(body)
+    messages = _input_messages(body.get("input"))
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise invalid("instructions", "must be a string")
+        messages.insert(0, {"role": "system", "content": instructions})
+    chat: dict[str, Any] = {"messages": messages, "stream": stream}
+    max_tokens = _number(body, "max_output_tokens", integer=True)
+    if max_tokens is not None:
+        if max_tokens < 1:
+            raise invalid("max_output_tokens", "must be an integer >= 1")
+        chat["max_tokens"] = max_tokens
+    for name in ("temperature", "top_p"):
+        if (value := _number(body, name)) is not None:
+            chat[name] = value
+    if body.get("tools") is not None:
+        tools = _tools(body["tools"])
+        if tools:
+            chat["tools"] = tools
+    if body.get("tool_choice") is not None:
+        choice = _tool_choice(body["tool_choice"])
+        if "tools" in chat or choice == "none":
+            chat["tool_choice"] = choice
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None:
+        if not isinstance(parallel, bool):
+            raise invalid("parallel_tool_calls", "must be a boolean")
+        if "tools" in chat:
+            chat["parallel_tool_calls"] = parallel
+    if body.get("text") is not None and (fmt := _response_format(body["text"])) is not None:
+        chat["response_format"] = fmt
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise invalid("reasoning", "must be an object")
+        if reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = reasoning["effort"]
+    include = body.get("include")
+    if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
+        raise invalid("include", "must be an array of strings")
+    wants_logprobs = LOGPROBS_INCLUDE in (include or ())
+    if (top := _number(body, "top_logprobs", integer=True)) is not None:
+        chat["top_logprobs"] = top
+    return ResponsesRequest(body=body, stream=stream, chat=chat, wants_logprobs=wants_logprobs)
+
+
+# --- response: chat -> Responses -----------------------------------------------------------------
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _logprobs(chat_logprobs: Any) -> list[dict[str, Any]]:
+    content = chat_logprobs.get("content") if isinstance(chat_logprobs, dict) else None
+    out = []
+    for item in content or ():
+        if not isinstance(item, dict):
+            continue
+        out.append({"token": item.get("token", ""), "logprob": item.get("logprob"), "bytes": item.get("bytes"),
+                    "top_logprobs": [{"token": t.get("token", ""), "logprob": t.get("logprob"),
+                                      "bytes": t.get("bytes")}
+                                     for t in item.get("top_logprobs") or () if isinstance(t, dict)]})
+    return out
+
+
+def _message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
+            "content": [_text_part(text, logprobs)]}
+
+
+def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
+
+
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def response_object(req: ResponsesRequest, model: str, response_id: str, created_at: int, status: str,
+                    output: list[dict[str, Any]], usage: dict[str, Any] | None,
+                    finish_reason: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A Response object echoing the request's settings, as OpenAI's API answers it."""
+    body = req.body
+    incomplete = None
+    if status == "incomplete":
+        incomplete = {"reason": "max_output_tokens" if finish_reason == "length" else "content_filter"}
+    text = body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}
+    return {
+        "id": response_id, "object": "response", "created_at": created_at, "status": status,
+        "background": False, "error": error, "incomplete_details": incomplete,
+        "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+        "model": model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+        "temperature": body.get("temperature"), "top_p": body.get("top_p"), "text": text,
+        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+        "top_logprobs": body.get("top_logprobs"), "truncation": body.get("truncation") or "disabled",
+        "usage": usage, "user": None, "metadata": body.get("metadata") or {},
+    }
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason in ("length", "content_filter") else "completed"
+
+
+def response_from_chat(resp: dict[str, Any], captured: Captured, req: ResponsesRequest, model: str) -> dict[str, Any]:
+    """The Response object for a non-streaming chat response."""
+    choices = resp.get("choices") or [{}]
+    choice = as_dict(choices[0])
+    message = as_dict(choice.get("message"))
+    text = message.get("content") if isinstance(message.get("content"), str) else ""
+    calls = [c for c in message.get("tool_calls") or () if isinstance(c, dict)]
+    status = _status(choice.get("finish_reason"))
+    output: list[dict[str, Any]] = []
+    if text or not calls:
+        logprobs = _logprobs(choice.get("logprobs")) if req.wants_logprobs else []
+        output.append(_message_item(_new_id("msg"), text, status, logprobs))
+    for call in calls:
+        fn = as_dict(call.get("function"))
+        output.append(_call_item(_new_id("fc"), call.get("id") or _new_id("call"), fn.get("name", ""),
+                                 fn.get("arguments") or "", "completed"))
+    usage = as_dict(resp.get("usage"))
+    tokens = _usage(usage.get("prompt_tokens", len(captured.prompt_token_ids)),
+                    usage.get("completion_tokens", captured.completion_tokens()))
+    return response_object(req, model, _new_id("resp"), int(time.time()), status, output, tokens,
+                           choice.get("finish_reason"))
+
+
+class ResponsesStream:
+    """Chat stream chunks in, Responses stream events out, token ids captured on the way.
+
+    Output items follow the chat deltas: text opens a message item (with one output_text part), each
+    new tool call closes the open item and opens a function_call item whose arguments stream as
+    function_call_arguments.delta. response.completed (or response.incomplete at the token limit)
+    goes out on [DONE], with the exact token counts.
+    """
+
+    def __init__(self, req: ResponsesRequest, model: str) -> None:
+        self.req = req
+        self.model = model
+        self.capture = StreamCapture()
+        self.response_id = _new_id("resp")
+        self.created_at = int(time.time())
+        self._seq = 0
+        self._started = False
+        self._ended = False
+        self._output: list[dict[str, Any]] = []  # finished items
+        self._open: dict[str, Any] | None = None  # the item being streamed
+        self._text: list[str] = []
+        self._logprobs: list[dict[str, Any]] = []
+        self._calls: dict[int, dict[str, Any]] = {}  # chat tool call index -> its item
+        self._finish: str | None = None
+
+    def _event(self, kind: str, data: dict[str, Any]) -> bytes:
+        payload = {"type": kind, "sequence_number": self._seq, **data}
+        self._seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
+
+    def _response(self, status: str, usage: dict[str, Any] | None = None,
+                  error: dict[str, Any] | None = None) -> dict[str, Any]:
+        return response_object(self.req, self.model, self.response_id, self.created_at, status,
+                               list(self._output), usage, self._finish, error)
+
+    def _start(self) -> list[bytes]:
+        if self._started:
+            return []
+        self._started = True
+        return [self._event("response.created", {"response": self._response("in_progress")}),
+                self._event("response.in_progress", {"response": self._response("in_progress")})]
+
+    def _index(self) -> int:
+        return len(self._output)
+
+    def _open_message(self) -> list[bytes]:
+        out = self._close()
+        item = _message_item(_new_id("msg"), "", "in_progress", [])
+        item["content"] = []
+        self._open, self._text, self._logprobs = item, [], []
+        out.append(self._event("response.output_item.added", {"output_index": self._index(), "item": item}))
+        out.append(self._event("response.content_part.added", {
+            "item_id": item["id"], "output_index": self._index(), "content_index": 0,
+            "part": _text_part("", [])}))
+        return out
+
+    def _open_call(self, index: int, call_id: str, name: str) -> list[bytes]:
+        out = self._close()
+        item = _call_item(_new_id("fc"), call_id, name, "", "in_progress")
+        self._open = self._calls[index] = item
+        out.append(self._event("response.output_item.added", {"output_index": self._index(), "item": item}))
+        return out
+
+    def _close(self) -> list[bytes]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        index = self._index()
+        out = []
+        if item["type"] == "message":
+            text = "".join(self._text)
+            part = _text_part(text, self._logprobs)
+            out.append(self._event("response.output_text.done", {
+                "item_id": item["id"], "output_index": index, "content_index": 0, "text": text,
+                "logprobs": self._logprobs}))
+            out.append(self._event("response.content_part.done", {
+                "item_id": item["id"], "output_index": index, "content_index": 0, "part": part}))
+            done = _message_item(item["id"], text, _status(self._finish), self._logprobs)
+        else:
+            out.append(self._event("response.function_call_arguments.done", {
+                "item_id": item["id"], "output_index": index, "name": item["name"],
+                "arguments": item["arguments"]}))
+            done = {**item, "status": "completed"}
+        out.append(self._event("response.output_item.done", {"output_index": index, "item": done}))
+        self._output.append(done)
+        return out
+
+    def chunk(self, data: str, chunk: dict[str, Any]) -> list[bytes]:
+        self.capture.feed(chunk)
+        if self._ended:
+            return []
+        if self.capture.error is not None:
+            return self.failed(ApiError(502, f"upstream error: {self.capture.error}", "server_error",
+                                        "upstream_error"))
+        out = self._start()
+        for choice in chunk.get("choices") or ():
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0:
+                continue
+            delta = as_dict(choice.get("delta"))
+            text = delta.get("content")
+            if isinstance(text, str) and text:
+                if self._open is None or self._open["type"] != "message":
+                    out += self._open_message()
+                assert self._open is not None
+                logprobs = _logprobs(choice.get("logprobs")) if self.req.wants_logprobs else []
+                self._text.append(text)
+                self._logprobs.extend(logprobs)
+                out.append(self._event("response.output_text.delta", {
+                    "item_id": self._open["id"], "output_index": self._index(), "content_index": 0,
+                    "delta": text, "logprobs": logprobs}))
+            for call in delta.get("tool_calls") or ():
+                if isinstance(call, dict):
+                    out += self._tool_delta(call)
+            if choice.get("finish_reason") is not None:
+                self._finish = choice["finish_reason"]
+        return out
+
+    def _tool_delta(self, call: dict[str, Any]) -> list[bytes]:
+        out: list[bytes] = []
+        fn = as_dict(call.get("function"))
+        index = call.get("index", 0)
+        if index not in self._calls:
+            out += self._open_call(index, call.get("id") or _new_id("call"), fn.get("name") or "")
+        item = self._calls[index]
+        args = fn.get("arguments")
+        if isinstance(args, str) and args:
+            item["arguments"] += args
+            if item is self._open:
+                out.append(self._event("response.function_call_arguments.delta", {
+                    "item_id": item["id"], "output_index": self._index(), "delta": args}))
+        return out
+
+    def done(self) -> list[bytes]:
+        if self._ended:
+            return []
+        self._ended = True
+        out = self._start()
+        if self._open is None and not self._output:
+            out += self._open_message()
+        out += self._close()
+        cap = self.capture.captured
+        status = _status(self._finish)
+        usage = _usage(len(cap.prompt_token_ids), cap.completion_tokens())
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        out.append(self._event(kind, {"response": self._response(status, usage)}))
+        return out
+
+    def failed(self, err: ApiError) -> list[bytes]:
+        self._ended = True
+        out = self._start()
+        code = err.code or "server_error"
+        out.append(self._event("error", {"code": code, "message": err.message, "param": err.param}))
+        out.append(self._event("response.failed", {"response": self._response(
+            "failed", error={"code": code, "message": err.message})}))
+        return out

@@ -1,0 +1,337 @@
+"""Test helpers for the gateway: a small HTTP server that answers like vLLM 0.32 (fixed token ids and
+logprobs, so that a trace can be checked id for id), and a GatewayServer run in-process on its own
+event loop thread.
+
+The look-alike serves /v1/chat/completions and /v1/completions (both streaming or not, with
+`return_token_ids`), /tokenize and /v1/models. The last user text steers it:
+  "sleep:<s>"       answer after <s> seconds
+  "upstream-400"    answer vLLM's flat 400 error shape
+  "slow-stream"     stream one token every 0.3 s
+  "use-tool"        call the first tool given (finish_reason "tool_calls")
+  "text-then-tool"  say a few words, then call the first tool
+  "stream-error"    stream one chunk, then vLLM's in-stream error event
+A request with `stop` ends with vLLM's stop_reason set to its first stop string; `max_tokens` below
+the answer's length cuts it (finish_reason "length").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import grpc
+import httpx
+import openai
+import redis
+
+from tether.common.broker import Keys
+from tether.gateway.main import GatewayServer, GatewaySettings
+from tether.v1 import gateway_pb2, gateway_pb2_grpc
+
+MODEL = "tether-policy"
+ADMIN = "admin-secret"
+PROMPT_IDS = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
+TOKEN_IDS = [9707, 11, 1879, 151645]
+TOKENS = ["Hello", ",", " world", ""]
+TEXT = "".join(TOKENS)
+# Exactly representable, so equality is exact through JSON.
+LOGPROBS = [-0.25, -1.5, -0.125, -0.0078125]
+TOOL_ARGS = ['{"a": 3, ', '"b": 4}']  # streamed in two pieces
+TOOL_CALL_ID = "chatcmpl-tool-fake1"
+
+
+def choice_ids(i: int) -> list[int]:
+    return [t + 1000 * i for t in TOKEN_IDS]
+
+
+def _last_text(body: dict) -> str:
+    if "prompt" in body:
+        return body["prompt"] if isinstance(body["prompt"], str) else ""
+    content = body["messages"][-1].get("content")
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def _chat_logprob(k: int, tok: str) -> dict:
+    return {"token": tok, "logprob": LOGPROBS[k], "bytes": list(tok.encode()), "top_logprobs": []}
+
+
+class _Plan:
+    """What the fake answers for one request: how many tokens, which text and tool-call pieces."""
+
+    def __init__(self, body: dict) -> None:
+        last = _last_text(body)
+        tools = body.get("tools") or []
+        self.tool_name = tools[0]["function"]["name"] if tools and last in ("use-tool", "text-then-tool") else None
+        self.prefix = 2 if last == "text-then-tool" else (0 if self.tool_name else 4)
+        # Arguments text per streamed tool-call delta (the first one also names the call).
+        self.tool_pieces = ["", *TOOL_ARGS, ""] if self.prefix == 0 else list(TOOL_ARGS)
+        limit = body.get("max_tokens")
+        self.n_tokens = min(4, limit) if isinstance(limit, int) else 4
+        stop = body.get("stop")
+        self.stop_reason = stop[0] if isinstance(stop, list) and stop else (stop or None)
+        if self.tool_name:
+            self.finish = "tool_calls"
+        elif self.n_tokens < 4:
+            self.finish = "length"
+        else:
+            self.finish = "stop"
+
+    def text(self) -> str:
+        return "".join(TOKENS[: min(self.prefix, self.n_tokens)])
+
+
+class FakeVLLMHandler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def setup(self) -> None:
+        super().setup()
+        self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, *args) -> None:
+        pass
+
+    def _send(self, status: int, payload: dict) -> None:
+        data = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:
+        self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+        self.server.requests.append(body)  # type: ignore[attr-defined]
+        self.server.paths.append(self.path)  # type: ignore[attr-defined]
+        if self.path == "/tokenize":
+            self._send(200, {"count": len(PROMPT_IDS), "max_model_len": 512, "tokens": PROMPT_IDS,
+                             "token_strs": None})
+            return
+        last = _last_text(body)
+        if last.startswith("sleep:"):
+            time.sleep(float(last.split(":")[1]))
+        if last == "upstream-400":
+            # The flat error shape of older vLLM; the gateway must answer OpenAI's nested one.
+            self._send(400, {"object": "error", "message": "maximum context length is 8 tokens",
+                             "type": "BadRequestError", "param": None, "code": 400})
+            return
+        n = int(body.get("n") or 1)
+        plan = _Plan(body)
+        if self.path == "/v1/completions":
+            if body.get("stream"):
+                self._stream_completion(body, n, plan)
+            else:
+                self._completion(body, n, plan)
+            return
+        if body.get("stream"):
+            self._stream(body, n, plan)
+            return
+        message: dict[str, Any] = {"role": "assistant", "content": plan.text() if plan.prefix else None,
+                                   "tool_calls": []}
+        if plan.tool_name:
+            message["tool_calls"] = [{"id": TOOL_CALL_ID, "type": "function", "function": {
+                "name": plan.tool_name, "arguments": "".join(TOOL_ARGS)}}]
+        k = plan.n_tokens
+        self._send(200, {
+            "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": body["model"],
+            "choices": [{"index": i, "message": message,
+                         "logprobs": {"content": [_chat_logprob(j, TOKENS[j]) for j in range(k)]},
+                         "finish_reason": plan.finish, "stop_reason": plan.stop_reason,
+                         "token_ids": choice_ids(i)[:k]} for i in range(n)],
+            "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": k * n,
+                      "total_tokens": len(PROMPT_IDS) + k * n},
+            "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS, "kv_transfer_params": None,
+        })
+
+    def _prompt_ids(self, body: dict) -> list[int]:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], list):
+            prompt = prompt[0]
+        return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else PROMPT_IDS
+
+    def _completion_logprobs(self, ks: range) -> dict:
+        return {"text_offset": [0 for _ in ks], "token_logprobs": [LOGPROBS[k] for k in ks],
+                "tokens": [TOKENS[k] for k in ks], "top_logprobs": [{TOKENS[k]: LOGPROBS[k]} for k in ks]}
+
+    def _completion(self, body: dict, n: int, plan: _Plan) -> None:
+        k = plan.n_tokens
+        prompt = self._prompt_ids(body)
+        self._send(200, {
+            "id": "cmpl-fake", "object": "text_completion", "created": 1, "model": body["model"],
+            "choices": [{"index": i, "text": plan.text(), "logprobs": self._completion_logprobs(range(k)),
+                         "finish_reason": plan.finish, "stop_reason": plan.stop_reason,
+                         "token_ids": choice_ids(i)[:k], "prompt_logprobs": None, "prompt_token_ids": prompt,
+                         "routed_experts": None} for i in range(n)],
+            "usage": {"prompt_tokens": len(prompt), "completion_tokens": k * n,
+                      "total_tokens": len(prompt) + k * n},
+            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
+        })
+
+    def _start_stream(self):
+        self.send_response(200)
+        self.send_header("content-type", "text/event-stream")
+        self.send_header("transfer-encoding", "chunked")
+        self.end_headers()
+
+        def event(payload) -> None:
+            line = b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n"
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
+            self.wfile.flush()
+
+        return event
+
+    def _end_stream(self, event) -> None:
+        event(b"[DONE]")
+        self.wfile.write(b"0\r\n\r\n")
+
+    def _stream_completion(self, body: dict, n: int, plan: _Plan) -> None:
+        event = self._start_stream()
+        base = {"id": "cmpl-fake", "object": "text_completion", "created": 1, "model": body["model"]}
+        prompt = self._prompt_ids(body)
+        for k in range(plan.n_tokens):
+            for i in range(n):
+                last = k == plan.n_tokens - 1
+                event({**base, "choices": [{
+                    "index": i, "text": TOKENS[k], "logprobs": self._completion_logprobs(range(k, k + 1)),
+                    "finish_reason": plan.finish if last else None, "stop_reason": plan.stop_reason if last else None,
+                    "prompt_token_ids": prompt if k == 0 else None, "token_ids": [choice_ids(i)[k]]}]})
+        self._end_stream(event)
+
+    def _stream(self, body: dict, n: int, plan: _Plan) -> None:
+        event = self._start_stream()
+        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1, "model": body["model"]}
+        event({**base, "prompt_token_ids": PROMPT_IDS, "choices": [
+            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+            for i in range(n)]})
+        slow = _last_text(body) == "slow-stream"
+        if _last_text(body) == "stream-error":
+            event({"error": {"message": "engine died", "type": "InternalServerError", "param": None, "code": 500}})
+            self._end_stream(event)
+            return
+        for k in range(plan.n_tokens):
+            if slow:
+                time.sleep(0.3)
+            last = k == plan.n_tokens - 1
+            for i in range(n):
+                lp = {"content": [_chat_logprob(k, TOKENS[k])]}
+                delta: dict[str, Any] = {"content": TOKENS[k]}
+                if k >= plan.prefix and plan.tool_name:
+                    delta = {"tool_calls": [self._tool_piece(k - plan.prefix, plan)]}
+                event({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp,
+                                            "finish_reason": plan.finish if last else None,
+                                            "stop_reason": plan.stop_reason if last else None,
+                                            "token_ids": [choice_ids(i)[k]]}]})
+        self._end_stream(event)
+
+    @staticmethod
+    def _tool_piece(j: int, plan: _Plan) -> dict:
+        # vLLM's shape: the first delta names the call, later ones add argument text.
+        args = plan.tool_pieces[j]
+        if j == 0:
+            return {"index": 0, "id": TOOL_CALL_ID, "type": "function",
+                    "function": {"name": plan.tool_name, "arguments": args}}
+        return {"index": 0, "function": {"arguments": args}}
+
+
+class FakeVLLM(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), FakeVLLMHandler)
+        self.requests: list[dict] = []
+        self.paths: list[str] = []
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_port}"
+
+    def handle_error(self, request, client_address) -> None:
+        pass  # a client that left mid-stream (the gateway closing it) is expected
+
+    def __enter__(self) -> FakeVLLM:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+        self.server_close()
+
+
+# --- the gateway in-process -------------------------------------------------------------------------
+
+
+def gateway_settings(redis_port: int, vllm_url: str, **kw) -> GatewaySettings:
+    defaults: dict[str, Any] = dict(
+        redis_url=f"redis://127.0.0.1:{redis_port}", namespace=f"t{uuid.uuid4().hex[:8]}", vllm_url=vllm_url,
+        gateway_port=0, gateway_grpc_port=0, admin_token=ADMIN, admission_wait_s=1.0, retry_after_s=2,
+        max_body_bytes=64 * 1024, finish_wait_s=10, shutdown_grace_s=2)
+    return GatewaySettings(**{**defaults, **kw})
+
+
+class InProcessGateway:
+    """A GatewayServer on its own event loop thread, as a test would run a server on port 0."""
+
+    def __init__(self, settings: GatewaySettings) -> None:
+        self.settings = settings
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.server = GatewayServer(settings)
+
+    def __enter__(self) -> InProcessGateway:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
+        self.url = f"http://127.0.0.1:{self.server.http_port}"
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.grpc_port}")
+        self.control = gateway_pb2_grpc.GatewayControlStub(self.channel)
+        self.http = httpx.Client(base_url=self.url, timeout=30)
+        self.keys = Keys(self.settings.namespace)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.http.close()
+        self.channel.close()
+        asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self.loop).result(60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+    def new_rollout(self, **body) -> dict:
+        body = {"task_id": "task-1", "group_id": f"g-{uuid.uuid4().hex[:8]}", **body}
+        resp = self.http.post("/v1/rollouts", json=body, headers={"authorization": f"Bearer {ADMIN}"})
+        assert resp.status_code == 201, resp.text
+        return resp.json()
+
+    def client(self, rollout: dict) -> openai.OpenAI:
+        return openai.OpenAI(base_url=rollout["base_url"], api_key=rollout["api_key"], max_retries=0)
+
+    def resume(self, version: int) -> gateway_pb2.AdmissionStatus:
+        return self.control.ResumeAdmission(gateway_pb2.ResumeAdmissionRequest(weight_version=version))
+
+
+def traces(rdb: redis.Redis, keys: Keys, rollout_id: str) -> list[tuple[str, dict]]:
+    """The rollout's recorded calls, in order, as (stream entry id, trace)."""
+    out = []
+    for eid in rdb.lrange(keys.rollout_calls(rollout_id), 0, -1):
+        for entry_id, fields in rdb.xrange(keys.traces, min=eid, max=eid):
+            out.append((entry_id, json.loads(fields["data"])))
+    return out
+
+
+def wait_traces(rdb: redis.Redis, keys: Keys, rollout_id: str, n: int = 1, timeout_s: float = 5) -> list[dict]:
+    """Traces of a rollout once n are there (a stream's trace is written as the stream closes)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = [t for _, t in traces(rdb, keys, rollout_id)]
+        if len(found) >= n or time.monotonic() > deadline:
+            return found
+        time.sleep(0.02)

