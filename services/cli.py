@@ -241,6 +241,18 @@ def _stack_state() -> dict:
     return json.loads(STATE_FILE.read_text())
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a launcher whose parent has not reaped it yet has stopped)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
 def cmd_down(args) -> int:
     state = _stack_state()
     pid = state.get("launcher_pid")
@@ -253,9 +265,7 @@ def cmd_down(args) -> int:
         print("launcher not running")
         return 0
     for _ in range(600):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
+        if not _running(pid):
             print("stack stopped")
             return 0
         time.sleep(0.1)

@@ -1,17 +1,33 @@
-"""Trainer step on a real (tiny) HF Llama: logprob agreement, direction of the update,
-micro-batching that leaves the gradient unchanged, checkpoints that reload."""
+"""Trainer step on a real (tiny) HF Llama: logprob agreement, direction of the update, packing that
+matches unpacked logits, micro-batching and packing that leave the gradient unchanged, off-policy
+correction modes, LoRA checkpoints that reload as plain HF weights, sample validation."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tether.common.records import SampleRecord
-from tether.trainer.train import StepConfig, collate, micro_batches, token_logprobs, train_step
+from tether.trainer.train import (
+    StepConfig,
+    collate,
+    enable_activation_checkpointing,
+    micro_batches,
+    off_policy_correction,
+    pack,
+    packed_micro_batch,
+    packing_keeps_samples_apart,
+    target_logprobs,
+    token_logprobs,
+    train_step,
+)
 from tether.trainer.weights import save_checkpoint
+
+torch.set_num_threads(1)
 
 
 def _model(seed: int = 0) -> LlamaForCausalLM:
@@ -40,12 +56,32 @@ def _samples(model, n: int = 6, seed: int = 1) -> list[SampleRecord]:
     return out
 
 
+def _shifted(samples: list[SampleRecord], delta: float) -> list[SampleRecord]:
+    """The same samples with the engine's logprobs moved by `delta` (train/rollout ratio exp(-delta))."""
+    return [dataclasses.replace(s, rollout_logprobs=[lp + delta * m for lp, m in zip(s.rollout_logprobs, s.loss_mask,
+                                                                                     strict=True)])
+            for s in samples]
+
+
+def _flat(model) -> torch.Tensor:
+    return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+
+def _step(base, samples, cfg: StepConfig, lr: float = 0.1, version: int = 0) -> tuple[torch.Tensor, dict]:
+    """Parameter change of one SGD step (linear in the gradient, so weights can be compared exactly)."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    metrics = train_step(model, opt, samples, cfg, version=version)
+    return _flat(model) - _flat(base), metrics
+
+
 def test_on_policy_logprobs_match_and_update_follows_advantage():
     model = _model()
     samples = _samples(model)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     metrics = train_step(model, opt, samples, StepConfig())
     assert metrics["logprob_abs_diff"] < 1e-5
+    assert metrics["pad_fraction"] == 0.0 and metrics["masked_fraction"] == 0.0
     batch = collate(samples, 0)
     with torch.no_grad():
         after = token_logprobs(model, batch.input_ids, batch.attention)
@@ -54,38 +90,158 @@ def test_on_policy_logprobs_match_and_update_follows_advantage():
     assert (delta[pos] > 0).all() and (delta[~pos] < 0).all(), delta
 
 
-def test_micro_batching_does_not_change_the_update():
+def test_packed_rows_give_the_unpacked_logits():
+    model = _model()
+    samples = _samples(model, n=4)
+    lengths = [len(s.token_ids) for s in samples]
+    batch = collate(samples, 0)
+    # Raw logits: one packed row with restarting position ids vs each sample alone.
+    packed_ids = torch.tensor([[t for s in samples for t in s.token_ids]])
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    with torch.no_grad():
+        packed = model(input_ids=packed_ids, position_ids=positions, use_cache=False).logits[0]
+        alone = torch.cat([model(input_ids=torch.tensor([s.token_ids])).logits[0] for s in samples])
+        torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
+        # The trainer's path: targets of a packed micro-batch (logits of the needed positions only).
+        mb = packed_micro_batch(batch, lengths, list(range(len(samples))))
+        lp = target_logprobs(model, mb)
+        ref = token_logprobs(model, batch.input_ids, batch.attention)[mb.rows, mb.cols]
+    assert mb.cells == mb.tokens == sum(lengths)
+    assert packing_keeps_samples_apart(model, 40)
+    torch.testing.assert_close(lp, ref, atol=1e-5, rtol=0)
+
+
+def test_pack_fills_rows_under_capacity():
+    lengths = [9, 3, 7, 5, 12, 2, 2, 6]
+    rows = pack(lengths, 12)
+    assert sorted(i for r in rows for i in r) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in r) <= 12 for r in rows)
+    assert len(rows) == 4  # 46 tokens in rows of 12
+    assert pack([20, 3], 12) == [[0], [1]]  # an oversized sample gets its own row
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_micro_batching_and_packing_do_not_change_the_update(packed):
     base = _model()
     samples = _samples(base, n=8)
-    results = []
-    for budget in (10_000, 12):
-        model = copy.deepcopy(base)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        train_step(model, opt, samples, StepConfig(micro_batch_tokens=budget, max_grad_norm=1e9))
-        results.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
-    assert len(micro_batches([len(s.token_ids) for s in samples], 12)) > 1
-    torch.testing.assert_close(results[0], results[1], atol=1e-6, rtol=1e-5)
+    ref, _ = _step(base, samples, StepConfig(micro_batch_tokens=10_000, pack=False, max_grad_norm=1e9))
+    delta, metrics = _step(base, samples, StepConfig(micro_batch_tokens=24, pack=packed, max_grad_norm=1e9))
+    assert metrics["micro_batches"] > 1
+    assert len(micro_batches([len(s.token_ids) for s in samples], 24)) > 1
+    assert (metrics["pad_fraction"] == 0.0) if packed else (metrics["pad_fraction"] > 0.0)
+    torch.testing.assert_close(delta, ref, atol=1e-6, rtol=1e-5)
 
 
-def test_checkpoint_reloads_identically(tmp_path):
+def test_gradient_checkpointing_does_not_change_the_update():
+    base = _model()
+    samples = _samples(base, n=4)
+    ref, _ = _step(base, samples, StepConfig(max_grad_norm=1e9))
+    ckpt = copy.deepcopy(base)
+    enable_activation_checkpointing(ckpt)
+    delta, _ = _step(ckpt, samples, StepConfig(max_grad_norm=1e9))
+    torch.testing.assert_close(delta, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_off_policy_correction_weights():
+    train = torch.tensor([-1.0, -1.0, -1.0, -1.0])
+    rollout = train - torch.tensor([0.0, 0.5, 1.0, -1.0])  # ratios 1, e^.5, e, e^-1
+    old, w, counts = off_policy_correction(train, rollout, "tis", cap=2.0)
+    torch.testing.assert_close(old, train)
+    torch.testing.assert_close(w, torch.tensor([0.0, 0.5, 1.0, -1.0]).exp().clamp(max=2.0))
+    assert counts["truncated"] == 1 and counts["masked"] == 2
+    old, w, _ = off_policy_correction(train, rollout, "mask", low=0.5, high=2.0)
+    torch.testing.assert_close(w, torch.tensor([1.0, 1.0, 0.0, 0.0]))
+    old, w, _ = off_policy_correction(train, rollout, "ppo")
+    torch.testing.assert_close(old, rollout)
+    torch.testing.assert_close(w, torch.ones(4))
+
+
+def test_off_policy_modes_in_a_step():
+    base = _model()
+    samples = _samples(base, n=6)
+    on_policy, _ = _step(base, samples, StepConfig(max_grad_norm=1e9))
+    # The engine gave every sampled token logprob 1 lower: train/rollout ratio e > cap 2.
+    stale = _shifted(samples, -1.0)
+    delta, m = _step(base, stale, StepConfig(off_policy="tis", max_grad_norm=1e9))
+    torch.testing.assert_close(delta, 2.0 * on_policy, atol=1e-6, rtol=1e-5)  # every token weighs cap = 2
+    assert m["truncated_fraction"] == 1.0 and m["is_weight_mean"] == pytest.approx(2.0)
+    assert m["logprob_abs_diff"] == pytest.approx(1.0, abs=1e-5)
+    delta, m = _step(base, stale, StepConfig(off_policy="mask", max_grad_norm=1e9))
+    assert m["masked_fraction"] == 1.0 and float(delta.abs().max()) == 0.0
+    delta, m = _step(base, _shifted(samples, -0.1), StepConfig(off_policy="mask", max_grad_norm=1e9))
+    assert m["masked_fraction"] == 0.0
+    torch.testing.assert_close(delta, on_policy, atol=1e-6, rtol=1e-5)
+    _, m = _step(base, stale, StepConfig(off_policy="ppo"))
+    assert m["clip_fraction"] == pytest.approx(0.5, abs=0.2)  # positive-advantage tokens sit above 1 + eps
+
+
+def test_staleness_metrics():
+    base = _model()
+    samples = [dataclasses.replace(s, weight_version=v) for s, v in zip(_samples(base, n=4), (1, 3, 3, 5),
+                                                                         strict=True)]
+    _, m = _step(base, samples, StepConfig(), lr=0.0, version=5)
+    assert m["staleness_max"] == 4.0 and m["staleness_mean"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="off-policy"):
+        StepConfig(off_policy="is")
+
+
+def test_a_batch_without_trainable_tokens_leaves_the_weights():
+    model = _model()
+    samples = _samples(model, n=3)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    train_step(model, opt, samples, StepConfig())  # Adam's momentum alone would move the weights again
+    before = _flat(model)
+    empty = [dataclasses.replace(s, loss_mask=[0] * len(s.loss_mask)) for s in samples]
+    m = train_step(model, opt, empty, StepConfig())
+    assert m["trainable_tokens"] == 0 and m["loss"] == 0 and m["grad_norm"] == 0
+    torch.testing.assert_close(_flat(model), before, atol=0, rtol=0)
+
+
+def _tokenizer():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(40)}, unk_token="w0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="w1")
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="w0", pad_token="w1")
+
+
+def test_checkpoint_reloads_identically(tmp_path):
+    tokenizer = _tokenizer()
     model = _model()
-    path = save_checkpoint(model, tokenizer, tmp_path, version=3)
-    assert path.name == "v000003" and list(path.glob("*.safetensors"))
+    path = save_checkpoint(model, tokenizer, tmp_path, version=3, trainer_state={"version": 3})
+    assert path.name == "v000003" and list(path.glob("*.safetensors")) and (path / "trainer_state.pt").exists()
     for v in (4, 5, 6):
         save_checkpoint(model, tokenizer, tmp_path, version=v, keep=2)
     assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000005", "v000006"]
-    again = AutoModelForCausalLM.from_pretrained(path if path.exists() else tmp_path / "v000006")
+    assert not list(tmp_path.glob(".tmp*"))
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "v000006")
     ids = torch.tensor([[1, 2, 3, 4]])
     torch.testing.assert_close(again(ids).logits, model(ids).logits)
 
 
-@pytest.mark.parametrize("bad", ["short", "lengths", "vocab", "mask"])
+def test_lora_step_and_merged_checkpoint(tmp_path):
+    pytest.importorskip("peft")
+    from tether.trainer.main import apply_lora
+    from tether.trainer.weights import merged_lora_state_dict
+
+    base = _model()
+    samples = _samples(base, n=4)
+    model = apply_lora(copy.deepcopy(base), rank=4, alpha=8.0, dropout=0.0, targets="all-linear")
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    metrics = train_step(model, opt, samples, StepConfig())
+    assert metrics["logprob_abs_diff"] < 1e-5 and metrics["grad_norm"] > 0
+    merged = merged_lora_state_dict(model)
+    assert set(merged) == set(base.state_dict())
+    path = save_checkpoint(model.get_base_model(), _tokenizer(), tmp_path, version=1, state_dict=merged)
+    plain = AutoModelForCausalLM.from_pretrained(path)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        assert (plain(ids).logits - base(ids).logits).abs().max() > 1e-4  # the adapter did something
+        torch.testing.assert_close(plain(ids).logits, model(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("bad", ["short", "lengths", "vocab", "mask", "nan"])
 def test_invalid_samples_are_named(bad):
     from tether.trainer.service import validate
 
@@ -99,6 +255,8 @@ def test_invalid_samples_are_named(bad):
         s.loss_mask = [0, 1]
     elif bad == "vocab":
         s.token_ids = [1, 2, 99]
-    else:
+    elif bad == "mask":
         s.loss_mask = [0, 2, 1]
+    else:
+        s.rollout_logprobs = [0.0, float("nan"), -1.0]
     assert validate(s, 40)

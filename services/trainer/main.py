@@ -1,18 +1,30 @@
-"""Trainer service process. Run: python -m tether.trainer"""
+"""Trainer service process. Run: python -m tether.trainer
+(several data-parallel ranks: torchrun --nproc-per-node N -m tether.trainer; rank 0 serves gRPC).
+
+Startup: join the process group (if torchrun started us), resume from the newest complete checkpoint
+in TETHER_CHECKPOINT_DIR (model, optimizer, version, steps done) or load TETHER_MODEL_DIR, apply the
+options (LoRA, gradient checkpointing, DDP/FSDP2), then serve (rank 0) or follow rank 0 (the others).
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from pathlib import Path
+from typing import Literal
 
 import torch
+from pydantic import field_validator, model_validator
 
+from tether.algorithms.losses import LOSS_MODES
 from tether.common.grpc_server import run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
-from tether.trainer.service import TrainerServicer, load_model
-from tether.trainer.train import StepConfig
+from tether.trainer import distributed, weights
+from tether.trainer.distributed import Dist
+from tether.trainer.service import StepRunner, TrainerCore, TrainerServicer, load_model
+from tether.trainer.train import StepConfig, enable_activation_checkpointing, packing_keeps_samples_apart
 from tether.v1 import trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger("tether.trainer")
@@ -24,26 +36,141 @@ class TrainerSettings(CommonSettings):
     trainer_grpc_port: int
     model_dir: str
     checkpoint_dir: str
+    # Versions kept on disk (0 = all); resume from the newest complete one unless resume=false.
+    checkpoint_keep: int = 3
+    resume: bool = True
     lr: float = 1e-3
     adam_beta2: float = 0.99
     weight_decay: float = 0.0
     loss_mode: str = "token-mean"
     clip_low: float = 0.2
     clip_high: float = 0.2
+    dual_clip_c: float = 3.0  # 0 = no dual clip
+    max_grad_norm: float = 1.0
+    # Off-policy correction: ppo (ratio vs rollout logprobs), tis (truncated IS), mask (drop tokens).
+    off_policy: Literal["ppo", "tis", "mask"] = "ppo"
+    tis_cap: float = 2.0
+    mask_low: float = 0.5
+    mask_high: float = 2.0
+    # Tokens per forward: a packed row's length, or rows x padded width without packing.
     micro_batch_tokens: int = 4096
+    pack_samples: bool = True
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    fsdp: bool = False  # FSDP2 fully_shard instead of DDP (CUDA, torchrun)
+    bf16: bool = False  # bf16 autocast (CUDA only)
+    gradient_checkpointing: bool = False
+    lora_rank: int = 0  # > 0: train LoRA adapters (needs peft); checkpoints hold merged weights
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_target_modules: str = "all-linear"  # or comma-separated module names
+    dist_heartbeat_s: float = 60.0
+    dist_timeout_s: float = 1800.0
     seed: int = 0
     torch_threads: int = 1
 
+    @field_validator("loss_mode")
+    @classmethod
+    def _known_loss_mode(cls, v: str) -> str:
+        if v not in LOSS_MODES:
+            raise ValueError(f"choose one of {', '.join(LOSS_MODES)}")
+        return v
 
-async def amain(s: TrainerSettings) -> None:
-    torch.set_num_threads(s.torch_threads)
-    model, tokenizer = load_model(s.model_dir, s.seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=s.lr, betas=(0.9, s.adam_beta2),
-                                 weight_decay=s.weight_decay)
-    cfg = StepConfig(loss_mode=s.loss_mode, clip_low=s.clip_low, clip_high=s.clip_high,
-                     micro_batch_tokens=s.micro_batch_tokens,
-                     pad_token_id=int(tokenizer.pad_token_id or 0))
-    servicer = TrainerServicer(model, tokenizer, optimizer, cfg, Path(s.checkpoint_dir))
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainerSettings:
+        if not 0 < self.mask_low <= 1.0 <= self.mask_high:
+            raise ValueError("need 0 < mask_low <= 1 <= mask_high")
+        if self.tis_cap <= 0:
+            raise ValueError("tis_cap must be positive")
+        if self.dual_clip_c and self.dual_clip_c <= 1.0:
+            raise ValueError("dual_clip_c must be > 1 (or 0 = off)")
+        if self.lora_rank < 0:
+            raise ValueError("lora_rank must be >= 0")
+        if self.lora_rank and self.fsdp:
+            raise ValueError("LoRA with FSDP is not supported; use DDP (fsdp=false) with LoRA")
+        if self.micro_batch_tokens < 2:
+            raise ValueError("micro_batch_tokens must be at least 2")
+        return self
+
+
+def step_config(s: TrainerSettings, pad_token_id: int) -> StepConfig:
+    return StepConfig(loss_mode=s.loss_mode, clip_low=s.clip_low, clip_high=s.clip_high,
+                      dual_clip_c=s.dual_clip_c or None, max_grad_norm=s.max_grad_norm,
+                      micro_batch_tokens=s.micro_batch_tokens, pad_token_id=pad_token_id,
+                      off_policy=s.off_policy, tis_cap=s.tis_cap, mask_low=s.mask_low, mask_high=s.mask_high,
+                      pack=s.pack_samples, bf16=s.bf16)
+
+
+def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: str):
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise SystemExit("TETHER_LORA_RANK > 0 needs the `peft` package (`pip install peft`; it keeps the "
+                         "installed torch)") from exc
+    modules: str | list[str] = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules,
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resume | None]:
+    """Model, optimizer and step runner for this rank, resumed from the newest complete checkpoint."""
+    if s.bf16 and d.device.type != "cuda":
+        raise SystemExit("TETHER_BF16=true needs a CUDA device (bf16 autocast is GPU-only here)")
+    root = Path(s.checkpoint_dir)
+    if d.rank == 0:
+        weights.remove_partial(root)
+    resume = weights.latest_resumable(root) if s.resume else None
+    if resume is not None:
+        trained_lora = int(resume.state.get("settings", {}).get("lora_rank", 0))
+        if trained_lora != s.lora_rank:
+            raise SystemExit(f"{resume.path} was trained with lora_rank={trained_lora}, settings say "
+                             f"{s.lora_rank}; use a fresh TETHER_CHECKPOINT_DIR or TETHER_RESUME=false")
+    elif s.resume and weights.list_checkpoints(root):
+        log.warning("%s holds checkpoints but none to resume from; starting from %s", root, s.model_dir)
+    # With LoRA the checkpoints hold merged weights: start from the base model and load the adapter.
+    source = resume.path if resume is not None and not s.lora_rank else s.model_dir
+    model, tokenizer = load_model(source, s.seed)
+    if s.lora_rank:
+        model = apply_lora(model, s.lora_rank, s.lora_alpha, s.lora_dropout, s.lora_target_modules)
+        if resume is not None:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(model, resume.state["adapter"])
+    model.to(d.device)
+    pack = s.pack_samples
+    if pack and not packing_keeps_samples_apart(model, int(model.config.vocab_size)):
+        log.warning("%s does not keep packed samples apart; training on padded micro-batches instead",
+                    type(model).__name__)
+        pack = False
+    if s.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+    engine = distributed.wrap(model, d)
+    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=s.lr,
+                                 betas=(0.9, s.adam_beta2), weight_decay=s.weight_decay)
+    if resume is not None:
+        distributed.load_optimizer_state(model, optimizer, resume.state["optimizer"], d)
+        for group in optimizer.param_groups:  # the moments resume; the hyper-parameters are today's settings
+            group.update(lr=s.lr, betas=(0.9, s.adam_beta2), weight_decay=s.weight_decay)
+        torch.set_rng_state(resume.state["rng"])
+        log.info("resumed from %s (version %d, %d steps done)", resume.path, resume.version,
+                 resume.state["steps_done"])
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    cfg = dataclasses.replace(step_config(s, int(pad)), pack=pack)
+    return StepRunner(model, engine, optimizer, cfg, d), tokenizer, resume
+
+
+async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resume) -> None:
+    core = TrainerCore(runner, tokenizer, Path(s.checkpoint_dir), keep=s.checkpoint_keep,
+                       resumed=resume.state if resume else None,
+                       settings={"lora_rank": s.lora_rank, "loss_mode": s.loss_mode, "off_policy": s.off_policy,
+                                 "world_size": d.world})
+    health_box: list = []
+
+    async def not_serving() -> None:
+        if health_box:
+            await health_box[0].set(False)
+
+    servicer = TrainerServicer(core, on_broken=not_serving)
 
     def register(server):
         trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
@@ -51,15 +178,34 @@ async def amain(s: TrainerSettings) -> None:
 
     server, health, port = await start_server(s.trainer_grpc_port, register, s.trainer_grpc_host,
                                               s.metrics_port)
+    health_box.append(health)
     await health.set(True)
-    log.info("trainer on %s:%d (model %s, lr %g)", s.trainer_grpc_host, port, s.model_dir, s.lr)
-    await run_until_signal(server, health)
+    log.info("trainer on %s:%d (model %s, version %d, %d buffered groups, %d rank(s), lr %g, %s, %s)",
+             s.trainer_grpc_host, port, s.model_dir, core.version, len(core.groups), d.world, s.lr,
+             s.loss_mode, s.off_policy)
+    background = [servicer.keep_ranks_alive(s.dist_heartbeat_s)] if d.active else []
+    await run_until_signal(server, health, background, on_stop=servicer.stop_ranks if d.active else None)
 
 
 def main() -> None:
     s = TrainerSettings()
     setup_logging("trainer", s.log_level)
-    asyncio.run(amain(s))
+    torch.set_num_threads(s.torch_threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # per-checkpoint progress bars would flood the service log
+    try:
+        d = distributed.init(s.device, s.fsdp, s.dist_timeout_s)
+    except ValueError as exc:
+        raise SystemExit(f"trainer settings: {exc}") from exc
+    try:
+        runner, tokenizer, resume = build(s, d)
+        if d.rank == 0:
+            asyncio.run(amain(s, d, runner, tokenizer, resume))
+        else:
+            runner.follow()
+    finally:
+        distributed.shutdown()
 
 
 if __name__ == "__main__":

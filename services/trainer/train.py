@@ -1,21 +1,49 @@
-"""One policy-gradient step on a batch of samples.
+"""One policy-gradient step on a batch of samples: the trainer's math, run identically on every rank.
 
-Named steps: pad the samples into micro-batches, compute the loss weights over the GLOBAL batch
-(so micro-batching never changes the gradient), forward each micro-batch, PPO-clip loss against the
-rollout engine's logprobs, backward, clip, optimizer step. The logprobs of the sampled tokens under
-the weights the rollouts were sampled with are compared with vLLM's before the update.
+Named steps of `train_step`:
+
+1. `collate` the GLOBAL batch and compute the loss weights over it (`token_weights`), before any
+   split, so neither micro-batching nor the split over data-parallel ranks changes the gradient
+   (DESIGN.md pitfall 4). Every rank holds the whole batch, so every rank knows its statistics.
+2. `shard_rows` picks this rank's samples (balanced by tokens); `plan_micro_batches` packs them into
+   rows without padding (`pack`: position ids restart at 0 for every sample, which HF models turn into
+   block-diagonal causal attention, or flash-attention varlen on GPUs), or into length-sorted padded
+   rows (`micro_batches`) when packing is off.
+3. Forward each micro-batch; logprobs of the trainable target tokens only (`target_logprobs`).
+4. Off-policy correction (`off_policy_correction`): "ppo" takes the PPO ratio against the rollout
+   engine's logprobs; "tis" and "mask" take it against the trainer's own pre-update logprobs and weight
+   each token by min(pi_train / pi_rollout, cap) ("tis") or drop tokens whose ratio leaves
+   [mask_low, mask_high] ("mask"). IS weights multiply the token loss; normalisers are not changed.
+5. PPO-clip loss, weighted by the global weights times the world size (gradient reduction averages),
+   backward; gradients are synchronised on the last micro-batch only.
+6. Clip, optimizer step; metrics summed over ranks.
+
+One optimizer update per step, so the pre-update trainer logprobs are the detached logprobs of the very
+forward that carries the gradient: no extra pass.
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import math
 import time
 from dataclasses import dataclass
 
 import torch
 
-from tether.algorithms.losses import logprob_mismatch, ppo_token_loss, token_weights
+from tether.algorithms.losses import (
+    LOSS_MODES,
+    logprob_mismatch,
+    ppo_token_loss,
+    token_weights,
+    truncated_is_weights,
+)
 from tether.common.records import SampleRecord
+from tether.trainer import distributed
+
+OFF_POLICY_MODES = ("ppo", "tis", "mask")
+_MAX_LOG_RATIO = 20.0
 
 
 @dataclass(frozen=True)
@@ -27,12 +55,31 @@ class StepConfig:
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 4096
     pad_token_id: int = 0
+    off_policy: str = "ppo"
+    tis_cap: float = 2.0
+    mask_low: float = 0.5
+    mask_high: float = 2.0
+    pack: bool = True
+    bf16: bool = False
+
+    def __post_init__(self) -> None:
+        if self.loss_mode not in LOSS_MODES:
+            raise ValueError(f"unknown loss mode {self.loss_mode!r}; choose one of {', '.join(LOSS_MODES)}")
+        if self.off_policy not in OFF_POLICY_MODES:
+            raise ValueError(f"unknown off-policy mode {self.off_policy!r}; choose one of "
+                             f"{', '.join(OFF_POLICY_MODES)}")
+        if self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be positive, got {self.tis_cap}")
+        if not 0 < self.mask_low <= 1.0 <= self.mask_high:
+            raise ValueError(f"need 0 < mask_low <= 1 <= mask_high, got [{self.mask_low}, {self.mask_high}]")
+        if self.micro_batch_tokens < 2:
+            raise ValueError("micro_batch_tokens must be at least 2")
 
 
 @dataclass
 class Batch:
-    """Right-padded (B, T) tensors. Row i predicts token t from tokens < t, so the per-token values
-    below are aligned to targets: position t of `mask` refers to token_ids[t + 1]."""
+    """Right-padded (B, T) tensors of the global batch. Row i predicts token t from tokens < t, so the
+    per-token values below are aligned to targets: position t of `mask` refers to token_ids[t + 1]."""
 
     input_ids: torch.Tensor  # (B, T) long
     attention: torch.Tensor  # (B, T) long
@@ -64,10 +111,57 @@ def collate(samples: list[SampleRecord], pad_token_id: int) -> Batch:
     return Batch(ids, att, mask[:, 1:], lp[:, 1:], adv[:, 1:], rid)
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-    """(B, T) ids -> (B, T-1) log p(token_{t+1} | tokens <= t) in fp32."""
-    logits = model(input_ids=input_ids, attention_mask=attention).logits[:, :-1].float()
+def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor | None = None,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """(B, T) ids -> (B, T-1) log p(token_{t+1} | tokens <= t) in fp32 (all positions; for tests and probes)."""
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   use_cache=False).logits[:, :-1].float()
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+
+
+def packing_keeps_samples_apart(model: torch.nn.Module, vocab_size: int) -> bool:
+    """Whether this model honours packed rows (restarting position ids and no attention mask => each
+    sample attends only to itself). Transformers 5 models built on its masking utilities do; a model
+    that does not would silently let samples see each other, so the trainer checks once at start.
+    Compares a packed row with the samples alone and with the samples simply concatenated."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randint(0, vocab_size, (5,), generator=g), torch.randint(0, vocab_size, (7,), generator=g)
+    device = next(model.parameters()).device
+    ids = torch.cat([a, b])[None].to(device)
+    positions = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
+    with torch.no_grad():
+        alone = torch.cat([model(input_ids=x[None].to(device), use_cache=False).logits[0] for x in (a, b)]).float()
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0].float()
+        joined = model(input_ids=ids, use_cache=False).logits[0].float()
+    return float((packed - alone).abs().max()) < 0.1 * float((joined - alone).abs().max())
+
+
+def enable_activation_checkpointing(model: torch.nn.Module) -> None:
+    """Recompute each block's activations in backward (HF's `activation_checkpointing_enable`, called
+    `gradient_checkpointing_enable` before transformers 5.2x). Non-reentrant: works with DDP and LoRA."""
+    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(core, "activation_checkpointing_enable"):
+        core.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        core.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+# --- planning: which rank and which micro-batch trains which sample -------------------------------------
+
+
+def shard_rows(lengths: list[int], rank: int, world: int) -> list[int]:
+    """Sample indices for `rank`: longest first to the least-loaded rank (ties: lowest rank). Deterministic."""
+    if world == 1:
+        return list(range(len(lengths)))
+    load = [0] * world
+    mine: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = min(range(world), key=lambda k: (load[k], k))
+        load[r] += lengths[i]
+        if r == rank:
+            mine.append(i)
+    return sorted(mine)
 
 
 def micro_batches(lengths: list[int], budget_tokens: int) -> list[list[int]]:
@@ -86,52 +180,280 @@ def micro_batches(lengths: list[int], budget_tokens: int) -> list[list[int]]:
     return groups
 
 
+def pack(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices grouped into packed rows of at most `capacity` tokens (first-fit decreasing); a sample
+    longer than `capacity` gets a row of its own. Deterministic."""
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        for r, space in enumerate(free):
+            if lengths[i] <= space:
+                rows[r].append(i)
+                free[r] -= lengths[i]
+                break
+        else:
+            rows.append([i])
+            free.append(capacity - lengths[i])
+    return rows
+
+
+@dataclass
+class MicroBatch:
+    """One forward's input and where its trainable targets live.
+
+    `src_row`, `src_pos` (N,): the logit (row, position) in this micro-batch that predicts each target;
+    `rows`, `cols` (N,): the same target in the global batch's (B, T-1) tensors. `cells` counts the
+    (b, W) positions the forward computes and `tokens` the sample tokens among them (pad = the rest).
+    """
+
+    input_ids: torch.Tensor  # (b, W)
+    position_ids: torch.Tensor | None  # (b, W), packed rows: restarts at 0 for every sample
+    attention: torch.Tensor | None  # (b, W), padded rows
+    src_row: torch.Tensor
+    src_pos: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    cells: int
+    tokens: int
+
+
+def packed_micro_batch(batch: Batch, lengths: list[int], idx: list[int]) -> MicroBatch:
+    """Samples `idx` concatenated into one row: no padding; position ids restart per sample."""
+    ids, pos, src_pos, rows, cols = [], [], [], [], []
+    offset = 0
+    for i in idx:
+        n = lengths[i]
+        ids.append(batch.input_ids[i, :n])
+        pos.append(torch.arange(n))
+        t = torch.nonzero(batch.mask[i, : n - 1], as_tuple=True)[0]
+        src_pos.append(offset + t)
+        rows.append(torch.full_like(t, i))
+        cols.append(t)
+        offset += n
+    src = torch.cat(src_pos)
+    return MicroBatch(torch.cat(ids)[None], torch.cat(pos)[None], None, torch.zeros_like(src), src,
+                      torch.cat(rows), torch.cat(cols), cells=offset, tokens=offset)
+
+
+def padded_micro_batch(batch: Batch, lengths: list[int], idx: list[int]) -> MicroBatch:
+    """Samples `idx` as right-padded rows of the longest one's width."""
+    width = max(lengths[i] for i in idx)
+    src_row, src_pos, rows, cols = [], [], [], []
+    for k, i in enumerate(idx):
+        t = torch.nonzero(batch.mask[i, : lengths[i] - 1], as_tuple=True)[0]
+        src_row.append(torch.full_like(t, k))
+        src_pos.append(t)
+        rows.append(torch.full_like(t, i))
+        cols.append(t)
+    sel = torch.tensor(idx)
+    return MicroBatch(batch.input_ids[sel, :width], None, batch.attention[sel, :width], torch.cat(src_row),
+                      torch.cat(src_pos), torch.cat(rows), torch.cat(cols), cells=width * len(idx),
+                      tokens=sum(lengths[i] for i in idx))
+
+
+def empty_micro_batch(pad_token_id: int) -> MicroBatch:
+    """A forward with no targets, for a rank that has fewer micro-batches than another: collectives
+    (gradient reduction, FSDP all-gathers) need the same number of forwards/backwards on every rank."""
+    none = torch.zeros(0, dtype=torch.long)
+    return MicroBatch(torch.full((1, 2), pad_token_id, dtype=torch.long), None, torch.ones(1, 2, dtype=torch.long),
+                      none, none, none, none, cells=0, tokens=0)
+
+
+def plan_micro_batches(batch: Batch, lengths: list[int], rows: list[int], cfg: StepConfig) -> list[MicroBatch]:
+    local = [lengths[i] for i in rows]
+    if cfg.pack:
+        groups = pack(local, cfg.micro_batch_tokens)
+        return [packed_micro_batch(batch, lengths, [rows[j] for j in g]) for g in groups]
+    groups = micro_batches(local, cfg.micro_batch_tokens)
+    return [padded_micro_batch(batch, lengths, [rows[j] for j in g]) for g in groups]
+
+
+# --- forward and loss -----------------------------------------------------------------------------------
+
+
+def _accepts(model: torch.nn.Module, name: str) -> bool:
+    core = distributed.unwrap(model)
+    if hasattr(core, "get_base_model"):  # peft
+        core = core.get_base_model()
+    return name in inspect.signature(core.forward).parameters
+
+
+def target_logprobs(model: torch.nn.Module, mb: MicroBatch, keep_logits: bool = True) -> torch.Tensor:
+    """(N,) fp32 logprobs of the micro-batch's trainable targets. With no target, a 0-valued (1,) tensor
+    that still depends on every parameter (so gradient reduction sees them all).
+
+    `keep_logits` asks the model for the logits of the needed positions only (HF `logits_to_keep`):
+    the (W, vocab) logits of a long packed row never materialise.
+    """
+    n = int(mb.src_pos.numel())
+    positions = torch.unique(mb.src_pos) if n else torch.zeros(1, dtype=torch.long, device=mb.input_ids.device)
+    kwargs: dict = {"input_ids": mb.input_ids, "use_cache": False}
+    if mb.position_ids is not None:
+        kwargs["position_ids"] = mb.position_ids  # and no attention mask: HF then keeps samples apart
+    else:
+        kwargs["attention_mask"] = mb.attention
+    if keep_logits:
+        kwargs["logits_to_keep"] = positions
+        logits = model(**kwargs).logits
+    else:
+        logits = model(**kwargs).logits[:, positions]
+    if n == 0:
+        return logits.float().sum().reshape(1) * 0.0
+    col = torch.searchsorted(positions, mb.src_pos)
+    picked = logits[mb.src_row, col].float()
+    targets = mb.input_ids[mb.src_row, mb.src_pos + 1]
+    return torch.log_softmax(picked, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def off_policy_correction(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mode: str,
+                          cap: float = 2.0, low: float = 0.5, high: float = 2.0,
+                          ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+    """Behaviour logprobs for the PPO ratio and per-token importance weights, for (N,) trainable tokens.
+
+    Args:
+        train_logprobs: (N,) the trainer's logprobs of the tokens before the update (grad is ignored).
+        rollout_logprobs: (N,) the rollout engine's logprobs of the same tokens.
+        mode: "ppo" (old = rollout logprobs, weights 1), "tis" (old = train logprobs, weights
+            min(exp(train - rollout), cap): token-level truncated IS, Yao et al. 2025) or "mask"
+            (old = train logprobs, weight 0 where exp(train - rollout) is outside [low, high], else 1).
+
+    Returns:
+        ``(old_logprobs, is_weights, counts)``: (N,) fp32 tensors without grad, and
+        ``counts = {"truncated": tokens whose ratio exceeds cap, "masked": tokens outside the band,
+        "is_weight_sum": sum of the weights}``. The counts are the same in every mode (diagnostics);
+        they act only in their own mode.
+    """
+    if mode not in OFF_POLICY_MODES:
+        raise ValueError(f"unknown off-policy mode {mode!r}")
+    with torch.no_grad():
+        train = train_logprobs.detach().float()
+        rollout = rollout_logprobs.detach().float().to(train.device)
+        log_ratio = (train - rollout).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        truncated = log_ratio > math.log(cap)
+        outside = (log_ratio < math.log(low)) | (log_ratio > math.log(high))
+        if mode == "ppo":
+            old, w = rollout, torch.ones_like(train)
+        elif mode == "tis":
+            old, w = train, truncated_is_weights(train, rollout, torch.ones_like(train), cap=cap)
+        else:
+            old, w = train, (~outside).float()
+        counts = {"truncated": float(truncated.sum()), "masked": float(outside.sum()),
+                  "is_weight_sum": float(w.sum())}
+    return old, w, counts
+
+
+# --- the step -------------------------------------------------------------------------------------------
+
+# Per-step sums reduced over ranks, in this order (the last one is reduced with max).
+_SUMS = ("loss", "tokens", "cells", "trainable", "clip", "dual_clip", "policy_kl", "abs_diff", "k3",
+         "truncated", "masked", "is_weight_sum", "micro_batches")
+
+
+def _autocast(device: torch.device, bf16: bool):
+    if bf16 and device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: list[SampleRecord],
-               cfg: StepConfig) -> dict[str, float]:
-    """Update `model` in place on `samples`; return the step's metrics."""
+               cfg: StepConfig, *, version: int = 0, rank: int = 0, world: int = 1) -> dict[str, float]:
+    """Update `model` in place on the GLOBAL batch `samples`; return the step's metrics (same on all ranks).
+
+    `model` is the module to run (the HF model, or its DDP/FSDP2 form on `world` > 1 ranks, each of
+    which calls this with the same `samples`); `version` is the weight version being trained, for the
+    staleness metrics.
+    """
     start = time.perf_counter()
+    device = next(model.parameters()).device
     batch = collate(samples, cfg.pad_token_id)
     weights = token_weights(batch.mask, cfg.loss_mode, rollout_ids=batch.rollout_ids,
                             norm_constant=float(batch.mask.shape[1]))
+    lengths = [len(s.token_ids) for s in samples]
+    plans = plan_micro_batches(batch, lengths, shard_rows(lengths, rank, world), cfg)
+    n_micro = int(distributed.all_reduce([float(len(plans))], "max")[0]) if world > 1 else len(plans)
+    plans += [empty_micro_batch(cfg.pad_token_id) for _ in range(n_micro - len(plans))]
+    keep_logits = _accepts(model, "logits_to_keep")
+
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    lengths = [len(s.token_ids) for s in samples]
-    total_loss = 0.0
-    train_lp_all = torch.zeros_like(batch.mask)
-    clip_sum = 0.0
-    for rows in micro_batches(lengths, cfg.micro_batch_tokens):
-        idx = torch.tensor(rows)
-        width = max(lengths[i] for i in rows)
-        ids, att = batch.input_ids[idx, :width], batch.attention[idx, :width]
-        m = batch.mask[idx, : width - 1]
-        lp = token_logprobs(model, ids, att)
-        loss_tok, metrics = ppo_token_loss(lp, batch.rollout_logprobs[idx, : width - 1],
-                                           batch.advantages[idx, : width - 1], m,
-                                           clip_low=cfg.clip_low, clip_high=cfg.clip_high,
-                                           dual_clip_c=cfg.dual_clip_c)
-        loss = (weights[idx, : width - 1] * loss_tok).sum()
-        loss.backward()
-        total_loss += float(loss.detach())
-        train_lp_all[idx, : width - 1] = lp.detach()
-        clip_sum += float(metrics.get("clip_fraction", 0.0)) * float(m.sum())
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm)
-    optimizer.step()
+    sums = dict.fromkeys(_SUMS, 0.0)
+    max_abs_diff = 0.0
+    for k, mb in enumerate(plans):
+        mb.input_ids = mb.input_ids.to(device)
+        mb.position_ids = None if mb.position_ids is None else mb.position_ids.to(device)
+        mb.attention = None if mb.attention is None else mb.attention.to(device)
+        mb.src_row, mb.src_pos = mb.src_row.to(device), mb.src_pos.to(device)
+        with distributed.grad_sync(model, enabled=k == len(plans) - 1):
+            with _autocast(device, cfg.bf16):
+                lp = target_logprobs(model, mb, keep_logits)
+            n = int(mb.rows.numel())
+            if n == 0:
+                (lp.sum() * float(world)).backward()
+                continue
+            rollout_lp = batch.rollout_logprobs[mb.rows, mb.cols].to(device)
+            adv = batch.advantages[mb.rows, mb.cols].to(device)
+            w = weights[mb.rows, mb.cols].to(device)
+            old, is_w, counts = off_policy_correction(lp, rollout_lp, cfg.off_policy, cfg.tis_cap,
+                                                      cfg.mask_low, cfg.mask_high)
+            ones = torch.ones_like(w)
+            loss_tok, m = ppo_token_loss(lp[None], old[None], adv[None], ones[None], clip_low=cfg.clip_low,
+                                         clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c)
+            loss = (w * is_w * loss_tok[0]).sum()
+            # DDP/FSDP average gradients over ranks; the weights are global, so scale the average to a sum.
+            (loss * float(world)).backward()
+        mismatch = logprob_mismatch(lp[None], rollout_lp[None], ones[None])
+        sums["loss"] += float(loss.detach())
+        sums["trainable"] += n
+        sums["clip"] += m["clip_fraction"] * n
+        sums["dual_clip"] += m["dual_clip_fraction"] * n
+        sums["policy_kl"] += m["approx_kl"] * n
+        sums["abs_diff"] += mismatch["mean_abs_logprob_diff"] * n
+        sums["k3"] += mismatch["kl_k3"] * n
+        max_abs_diff = max(max_abs_diff, mismatch["max_abs_logprob_diff"])
+        for key in ("truncated", "masked", "is_weight_sum"):
+            sums[key] += counts[key]
+    for mb in plans:
+        sums["tokens"] += mb.tokens
+        sums["cells"] += mb.cells
+        sums["micro_batches"] += 1.0 if mb.cells else 0.0
+    if world > 1:
+        sums = dict(zip(_SUMS, distributed.all_reduce([sums[k] for k in _SUMS], "sum"), strict=True))
+        max_abs_diff = distributed.all_reduce([max_abs_diff], "max")[0]
+
+    grad_norm: torch.Tensor | float = 0.0
+    if sums["trainable"] > 0:  # nothing to learn from: no step, so Adam's momentum does not move the weights
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    n_tokens = float(batch.mask.sum())
-    mismatch = logprob_mismatch(train_lp_all, batch.rollout_logprobs, batch.mask)
+
     elapsed = time.perf_counter() - start
+    n_tok = max(sums["trainable"], 1.0)
+    staleness = [version - s.weight_version for s in samples]
     total_tokens = float(sum(lengths))
     return {
-        "loss": total_loss,
+        "loss": sums["loss"],
         "grad_norm": float(grad_norm) if math.isfinite(float(grad_norm)) else float("nan"),
-        "trainable_tokens": n_tokens,
+        "trainable_tokens": sums["trainable"],
         "tokens": total_tokens,
         "samples": float(len(samples)),
         "rollouts": float(int(batch.rollout_ids.max()) + 1),
-        "clip_fraction": clip_sum / max(n_tokens, 1.0),
+        "clip_fraction": sums["clip"] / n_tok,
+        "dual_clip_fraction": sums["dual_clip"] / n_tok,
+        "policy_kl": sums["policy_kl"] / n_tok,
+        "masked_fraction": sums["masked"] / n_tok,
+        "truncated_fraction": sums["truncated"] / n_tok,
+        "is_weight_mean": sums["is_weight_sum"] / n_tok,
+        "staleness_max": float(max(staleness)),
+        "staleness_mean": sum(staleness) / len(staleness),
+        "pad_fraction": 1.0 - sums["tokens"] / sums["cells"] if sums["cells"] else 0.0,
+        "micro_batches": sums["micro_batches"],
+        "world_size": float(world),
         "train_seconds": elapsed,
         "train_tokens_per_s": total_tokens / max(elapsed, 1e-9),
-        "logprob_abs_diff": mismatch["mean_abs_logprob_diff"],
-        "logprob_abs_diff_max": mismatch["max_abs_logprob_diff"],
-        "logprob_k3_kl": mismatch["kl_k3"],
+        "logprob_abs_diff": sums["abs_diff"] / n_tok,
+        "logprob_abs_diff_max": max_abs_diff,
+        "logprob_k3_kl": sums["k3"] / n_tok,
     }

@@ -1,32 +1,154 @@
-"""Checkpoints: HF directories (safetensors) written atomically to the shared checkpoint folder."""
+"""Checkpoints: HF directories (safetensors) plus the trainer's own state, written atomically.
+
+Layout of the checkpoint folder (shared with inference, which loads `v<version>/` by path):
+
+    v000007/                 model (*.safetensors, config.json) + tokenizer: what vLLM loads
+    v000007/trainer_state.pt optimizer state and the trainer's position (version, steps done, groups
+                             trained, a record of recent steps): what a restarted trainer resumes from
+    buffer/                  groups accepted but not trained yet (see tether.trainer.service.GroupSpool)
+
+A version folder appears by one rename of a fully written (and fsynced) temporary folder, so every
+`v<digits>` folder holding `trainer_state.pt` is complete. vLLM reads only the safetensors.
+"""
 
 from __future__ import annotations
 
+import logging
 import os
+import re
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.pt"
+STATE_FORMAT = 1
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
 def checkpoint_name(version: int) -> str:
     return f"v{version:06d}"
 
 
-def save_checkpoint(model: torch.nn.Module, tokenizer, root: Path, version: int, keep: int = 3) -> Path:
-    """Write `root/v<version>` (model + tokenizer) via a temporary folder and a rename, so that
-    inference never sees a half-written checkpoint. Keeps the newest `keep` versions."""
+def _fsync_tree(folder: Path) -> None:
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            with open(path, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(folder)
+
+
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(model: torch.nn.Module, tokenizer, root: Path, version: int, keep: int = 3,
+                    state_dict: dict[str, torch.Tensor] | None = None,
+                    trainer_state: dict[str, Any] | None = None) -> Path:
+    """Write `root/v<version>` (model + tokenizer [+ trainer_state.pt]) via a temporary folder and a
+    rename, so that neither inference nor a restarting trainer ever sees a half-written checkpoint.
+
+    `state_dict` replaces the model's own tensors (the full state of a sharded model, merged LoRA
+    weights). Keeps the newest `keep` versions (0 = keep all)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(version)
     tmp = root / f".tmp-{checkpoint_name(version)}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True)
+    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
+    if trainer_state is not None:
+        torch.save({"format": STATE_FORMAT, **trainer_state}, tmp / STATE_FILE)
+    _fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    versions = sorted(p for p in root.glob("v[0-9]*") if p.is_dir())
-    for old in versions[:-keep] if keep > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    _fsync_dir(root)
+    if keep > 0:
+        for _, old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def list_checkpoints(root: Path) -> list[tuple[int, Path]]:
+    """(version, folder) of every `v<digits>` folder under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _VERSION_DIR.match(path.name)
+        if match and path.is_dir():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def remove_partial(root: Path) -> None:
+    """Delete temporary folders a killed trainer left behind."""
+    if root.is_dir():
+        for path in root.glob(".tmp-v*"):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class Resume:
+    version: int
+    path: Path
+    state: dict[str, Any]
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
+    if state.get("format") != STATE_FORMAT:
+        raise ValueError(f"{path / STATE_FILE}: unknown trainer state format {state.get('format')!r}")
+    return state
+
+
+def latest_resumable(root: Path) -> Resume | None:
+    """The newest complete checkpoint the trainer can resume from (one with a readable trainer state).
+    Folders without one (written by inference tools, or by a trainer that predates resuming) are skipped."""
+    for version, path in reversed(list_checkpoints(root)):
+        if not (path / STATE_FILE).is_file() or not (path / "config.json").is_file():
+            log.warning("checkpoint %s has no trainer state; not resuming from it", path)
+            continue
+        try:
+            state = load_trainer_state(path)
+        except Exception as exc:  # a corrupt file must not stop the trainer from using an older one
+            log.warning("cannot read %s: %r; trying an older checkpoint", path / STATE_FILE, exc)
+            continue
+        if int(state["version"]) != version:
+            log.warning("%s records version %s; skipped", path, state["version"])
+            continue
+        return Resume(version=version, path=path, state=state)
+    return None
+
+
+def merged_lora_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every LoRA delta merged in, under the base model's own names,
+    so inference loads a plain HF checkpoint. Out of place: the trained adapter is left untouched."""
+    from peft.tuners.lora import LoraLayer
+
+    base = peft_model.get_base_model()
+    deltas: dict[str, torch.Tensor] = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            delta = None
+            for adapter in module.active_adapters:
+                d = module.get_delta_weight(adapter)
+                delta = d if delta is None else delta + d
+            if delta is not None:
+                deltas[f"{name}.weight"] = delta.detach()
+    out: dict[str, torch.Tensor] = {}
+    for key, value in base.state_dict().items():
+        if "lora_" in key:
+            continue
+        key = key.replace(".base_layer.", ".")
+        out[key] = value.detach() + deltas[key].to(value.dtype) if key in deltas else value.detach()
+    return out

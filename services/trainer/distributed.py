@@ -1,0 +1,166 @@
+"""Data-parallel plumbing for the trainer: process group, model wrapping, collectives, full state dicts.
+
+Launch several ranks with torchrun (``torchrun --nproc-per-node N -m tether.trainer``). Every rank
+loads the model; rank 0 serves gRPC and broadcasts each command (train a step, heartbeat, stop) to the
+others, which follow it (`tether.trainer.service.StepRunner.follow`). Gloo on CPU, NCCL on GPUs; DDP
+wraps the model, or FSDP2 ``fully_shard`` on GPUs when asked. A process started without torchrun is a
+world of one: no process group, no wrapper, every helper here is then a no-op.
+
+Gradient reduction averages over ranks; the trainer multiplies each rank's loss by the world size so
+that the average becomes the sum of globally normalised per-token terms (tether.algorithms.losses).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Dist:
+    """Where this process sits in the data-parallel world."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    fsdp: bool = False
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+
+def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
+    """`auto` = this rank's GPU when CUDA is there, else CPU; `cpu`; `cuda` (fails without a GPU)."""
+    if setting not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda, got {setting!r}")
+    if setting == "cpu" or (setting == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device=cuda but no CUDA device is visible")
+    return torch.device("cuda", local_rank)
+
+
+def init(device_setting: str = "auto", fsdp: bool = False, timeout_s: float = 1800.0) -> Dist:
+    """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_*), if any."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = resolve_device(device_setting, local_rank)
+    if fsdp and device.type != "cuda":
+        raise ValueError("FSDP (fully_shard) is only supported on CUDA devices here; use DDP on CPU")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=device if device.type == "cuda" else None)
+    return Dist(rank=rank, world=world, local_rank=local_rank, device=device, fsdp=fsdp)
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def wrap(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
+    """The module to run forward/backward on: the model itself (one rank), DDP, or FSDP2 in place."""
+    if d.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        # Shard every transformer block (HF names them in _no_split_modules), then the root.
+        block_names = set(getattr(model, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in block_names:
+                fully_shard(module)
+        fully_shard(model)
+        return model
+    if d.active:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(model, device_ids=[d.local_rank] if d.device.type == "cuda" else None)
+    return model
+
+
+def unwrap(engine: torch.nn.Module) -> torch.nn.Module:
+    """The model inside a DDP wrapper (FSDP2 shards in place, so nothing to unwrap there)."""
+    return getattr(engine, "module", engine) if type(engine).__name__ == "DistributedDataParallel" else engine
+
+
+@contextlib.contextmanager
+def grad_sync(engine: torch.nn.Module, enabled: bool) -> Iterator[None]:
+    """Reduce gradients across ranks in this backward only if `enabled` (accumulate locally otherwise)."""
+    if enabled or not dist.is_initialized():
+        yield
+    elif hasattr(engine, "set_requires_gradient_sync"):  # FSDP2
+        engine.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            engine.set_requires_gradient_sync(True)
+    elif hasattr(engine, "no_sync"):  # DDP
+        with engine.no_sync():
+            yield
+    else:
+        yield
+
+
+def _device_for_collectives() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_reduce(values: list[float], op: str = "sum") -> list[float]:
+    """Element-wise sum or max of a list of floats over all ranks (fp64, so counts stay exact)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_device_for_collectives())
+    dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.tolist()
+
+
+def broadcast(obj: Any, src: int = 0) -> Any:
+    """Rank `src`'s picklable object, on every rank."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=_device_for_collectives())
+    return box[0]
+
+
+def model_state(model: torch.nn.Module, d: Dist) -> dict[str, torch.Tensor] | None:
+    """Full (unsharded) model state dict on rank 0's CPU under FSDP (a collective); None otherwise,
+    meaning "use the model's own tensors"."""
+    if not d.fsdp:
+        return None
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd if d.rank == 0 else None
+
+
+def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, d: Dist) -> dict | None:
+    """Optimizer state keyed by parameter names (portable across world sizes), on rank 0 only.
+    A collective under FSDP; the other ranks get None."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    if not d.fsdp and d.rank != 0:
+        return None
+    sd = get_optimizer_state_dict(model, optimizer,
+                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return sd if d.rank == 0 else None
+
+
+def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, d: Dist) -> None:
+    """Load a state from `optimizer_state` (every rank passes the same full state)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    # Unsharded models take the name-keyed state as is; FSDP2 shards the full state itself.
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=d.fsdp))
