@@ -53,8 +53,8 @@ def test_up_trains_on_groups_users_complete(tmp_path):
             state = json.loads(state_file.read_text())
             return state if "scheduler" in state["addresses"] else None
 
-        state = _wait(ready, 900, "the stack")
-        _wait(lambda: "gateway:" in (tmp_path / "up.log").read_text(), 60, "the gateway URL")
+        _wait(lambda: ready() and "gateway:" in (tmp_path / "up.log").read_text(), 900, "the stack")
+        state = ready()
         gw = state["addresses"]["gateway_url"]
         for reward in (1.0, 0.0):
             ro = httpx.post(f"{gw}/v1/rollouts", json={"task_id": "3+4", "group_id": "g1"}).json()
