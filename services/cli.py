@@ -336,7 +336,41 @@ def cmd_traces(args) -> int:
     return 0
 
 
+async def _dump_mismatches(redis_url: str, namespace: str, model_dir: str | None) -> int:
+    from tether.common import broker
+    from tether.merger.merge import format_mismatch
+    from tether.merger.service import mismatch_stream
+
+    decode = None
+    if model_dir:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+        def decode(ids):
+            return tokenizer.decode(ids, skip_special_tokens=False)
+
+    r = broker.connect(redis_url)
+    try:
+        rows = await broker.read_all(r, mismatch_stream(broker.Keys(namespace)))
+        for _, rec in rows:
+            if decode is None:
+                sys.stdout.write(json.dumps(rec) + "\n")
+            else:
+                sys.stdout.write(format_mismatch(rec, decode) + "\n\n")
+        return len(rows)
+    finally:
+        await r.aclose()
+
+
 def cmd_samples(args) -> int:
+    if args.mismatches:
+        model_dir = args.model
+        if model_dir is None and not args.redis_url:
+            model_dir = _stack_state().get("model_dir")
+        _with_redis(args, lambda url, ns: asyncio.run(_dump_mismatches(url, ns, model_dir)))
+        return 0
+
     def keep(rec):
         return (not args.rollout or rec.get("rollout_id") == args.rollout) and (
             not args.group or rec.get("group_id") == args.group)
@@ -431,6 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--rollout")
         if name == "samples":
             c.add_argument("--group")
+            c.add_argument("--mismatches", action="store_true",
+                           help="show prefix mismatches (forks) as decoded token diffs instead")
+            c.add_argument("--model", help="tokenizer directory for --mismatches (default: the stack's model)")
         c.add_argument("--redis-url")
         c.add_argument("--namespace")
         c.set_defaults(fn=fn)

@@ -58,6 +58,7 @@ class Stack:
     procs: list[Proc] = field(default_factory=list)
     redis_url: str = ""
     redis_data: str = ""
+    model_dir: str = ""
     addresses: dict[str, str] = field(default_factory=dict)
     stopped: bool = False
 
@@ -132,7 +133,7 @@ class Stack:
         STATE_DIR.mkdir(exist_ok=True)
         STATE_FILE.write_text(json.dumps({
             "launcher_pid": os.getpid(), "run_dir": str(self.run_dir.resolve()), "redis_url": self.redis_url,
-            "redis_data": self.redis_data, "namespace": self.namespace, "addresses": self.addresses,
+            "redis_data": self.redis_data, "model_dir": self.model_dir, "namespace": self.namespace, "addresses": self.addresses,
             "pids": {p.name: p.popen.pid for p in self.procs}}, indent=2))
 
     def stop(self, grace_s: float = 15.0) -> None:
@@ -180,6 +181,7 @@ def tail(path: Path, lines: int = 30) -> str:
 def start_stack(stack: Stack, model_dir: Path, *, lr: float, seed: int, scheduler_env: dict[str, str],
                 group_size: int, vllm_timeout_s: float = 900.0) -> None:
     """Start Redis, inference (vLLM), trainer, merger, gateway and scheduler; wait for health."""
+    stack.model_dir = str(model_dir)
     stack.start_redis()
     ports = {name: free_port() for name in ("vllm", "inference", "trainer", "merger", "gateway",
                                             "gateway_grpc", "scheduler")}
@@ -196,7 +198,8 @@ def start_stack(stack: Stack, model_dir: Path, *, lr: float, seed: int, schedule
         "TETHER_CHECKPOINT_DIR": str(stack.run_dir / "checkpoints"), "TETHER_LR": repr(lr),
         "TETHER_SEED": str(seed)})
     stack.start("merger", "tether.merger", {
-        "TETHER_MERGER_GRPC_PORT": str(ports["merger"]), "TETHER_TRAINER_ADDRESS": a["trainer"]})
+        "TETHER_MERGER_GRPC_PORT": str(ports["merger"]), "TETHER_TRAINER_ADDRESS": a["trainer"],
+        "TETHER_MODEL_DIR": str(model_dir)})
     stack.start("gateway", "tether.gateway", {
         "TETHER_GATEWAY_PORT": str(ports["gateway"]), "TETHER_GATEWAY_GRPC_PORT": str(ports["gateway_grpc"]),
         "TETHER_VLLM_URL": f"http://{a['vllm']}", "TETHER_DEFAULT_GROUP_SIZE": str(group_size)})

@@ -6,7 +6,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tether.merger.merge import MAX_MISMATCH_EXAMPLES, Call, MergeStats, Sequence, merge_calls
+from tether.merger.merge import (
+    MAX_MISMATCH_EXAMPLES,
+    Call,
+    MergeStats,
+    Sequence,
+    compact_mismatch,
+    format_mismatch,
+    generation_prompt_tail,
+    merge_calls,
+)
 
 
 def C(cid, prompt, response, logprobs=None, **kw):
@@ -43,7 +52,10 @@ def test_unrelated_calls_fork_and_record_mismatch():
     assert [s.token_ids for s in seqs] == [[1, 2], [9, 10]]
     assert [s.loss_mask for s in seqs] == [[0, 1], [0, 1]]
     assert stats.sequences == 2 and stats.forks == 1 and stats.merged_calls == 0
-    assert stats.mismatches == [{"call_id": "b", "expected_prefix": [1, 2], "prompt": [9], "diverge_at": 0}]
+    assert stats.mismatches == [
+        {"call_id": "b", "expected_prefix": [1, 2], "prompt": [9], "diverge_at": 0, "response_start": 1}
+    ]
+    assert stats.mismatched_calls == 1
 
 
 def test_three_call_episode_merges_into_one_sequence_exactly():
@@ -110,6 +122,7 @@ def test_fork_mid_episode_when_history_is_rewritten():
         "expected_prefix": [1, 2, 50, 51, 52],
         "prompt": [1, 2, 52, 60],
         "diverge_at": 2,
+        "response_start": 2,
     }
 
 
@@ -173,10 +186,11 @@ def test_interleaved_side_call_does_not_fork_the_main_conversation():
 def test_longer_context_wins_over_a_prefix_of_it():
     # Two sequences whose views are both prefixes of the next prompt: the most recent one is chosen.
     calls = [C("a", [1], [2]), C("b", [1, 2, 3], [4]), C("c", [1, 2, 3, 4, 5], [6])]
-    seqs, _ = merge_calls(calls, max_seq_len=4)
-    assert [s.call_ids for s in seqs] == [["a", "b"], ["c"]]
-    seqs, _ = merge_calls(calls)
+    seqs, _ = merge_calls(calls, max_seq_len=6)
     assert [s.call_ids for s in seqs] == [["a", "b", "c"]]
+    seqs, stats = merge_calls(calls, max_seq_len=5)  # c forks, and alone it is still too long
+    assert [s.call_ids for s in seqs] == [["a", "b"]]
+    assert stats.forks == stats.forks_max_len == 1 and stats.calls_dropped_overlong == 1
 
 
 # ---------------------------------------------------------------- options
@@ -262,14 +276,72 @@ def test_max_seq_len_forks_instead_of_growing():
         C("a", [1], [2]),
         C("b", [1, 2, 3], [4]),
         C("c", [1, 2, 3, 4, 5], [6]),
-        C("d", [1, 2, 3, 4, 5, 6, 7], [8]),
+        C("d", [1, 2, 3, 4], [5, 6, 7]),  # a retry-like side branch off b
+        C("e", [1, 2, 3, 4, 5, 6, 7], [8, 9, 10]),
     ]
-    seqs, stats = merge_calls(calls, max_seq_len=5)
-    assert [s.call_ids for s in seqs] == [["a", "b"], ["c"], ["d"]]
-    assert [s.token_ids for s in seqs] == [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7, 8]]
-    assert stats.forks == 2 and stats.merged_calls == 1 and stats.mismatches == []
-    seqs, stats = merge_calls(calls, max_seq_len=8)
-    assert [s.call_ids for s in seqs] == [["a", "b", "c", "d"]]
+    seqs, stats = merge_calls(calls, max_seq_len=7)
+    # c joins a+b (6 tokens); d branches off b, which is no sequence's view any more: it forks.
+    assert [s.call_ids for s in seqs] == [["a", "b", "c"], ["d"]]
+    assert [s.token_ids for s in seqs] == [[1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6, 7]]
+    # e continues d (10 tokens > 7): it forks, and alone it is still too long: dropped by default.
+    assert stats.forks == 2 and stats.forks_max_len == 1 and stats.merged_calls == 2
+    assert stats.mismatched_calls == 1 and [m["call_id"] for m in stats.mismatches] == ["d"]
+    assert stats.calls_dropped_overlong == 1 and stats.truncated == 0 and stats.sequences == 2
+    assert stats.dropped() == {"overlong": 1}
+    seqs, stats = merge_calls(calls, max_seq_len=7, overlong="truncate")  # e cut to 7 keeps no sampled token
+    assert len(seqs) == 2 and stats.calls_dropped_overlong == 1 and stats.truncated == 0
+    seqs, stats = merge_calls(calls, max_seq_len=10)
+    assert [s.call_ids for s in seqs] == [["a", "b", "c"], ["d", "e"]]
+
+
+def test_overlong_truncate_cuts_trailing_tokens_and_flags():
+    calls = [C("a", [1, 2], [3, 4, 5, 6], [-0.1, -0.2, -0.3, -0.4])]
+    seqs, stats = merge_calls(calls, max_seq_len=4, overlong="truncate")
+    (s,) = seqs
+    assert s.token_ids == [1, 2, 3, 4] and s.loss_mask == [0, 0, 1, 1] and s.logprobs == [0.0, 0.0, -0.1, -0.2]
+    assert s.truncated and s.response_spans == [(2, 4)]
+    assert stats.truncated == 1 and stats.tokens_truncated == 2 and stats.calls_dropped_overlong == 0
+    # A cut that leaves no sampled token drops the call instead.
+    seqs, stats = merge_calls(calls, max_seq_len=2, overlong="truncate")
+    assert seqs == [] and stats.calls_dropped_overlong == 1 and stats.truncated == 0
+    seqs, stats = merge_calls(calls, max_seq_len=4)
+    assert seqs == [] and stats.calls_dropped_overlong == 1
+    seqs, stats = merge_calls(calls, mode="per-call", max_seq_len=4, overlong="truncate")
+    assert [s.token_ids for s in seqs] == [[1, 2, 3, 4]] and stats.truncated == 1
+
+
+def test_max_prompt_len_drops_calls_that_would_start_a_sequence():
+    calls = [
+        C("a", [1, 2], [3]),
+        C("b", [1, 2, 3, 4, 5], [6]),  # joins a: its long prompt is fine
+        C("c", [9, 9, 9, 9], [7]),  # would fork with a 4-token prompt: dropped
+        C("d", [8], [7]),  # forks with a short prompt
+    ]
+    seqs, stats = merge_calls(calls, max_prompt_len=3)
+    assert [s.call_ids for s in seqs] == [["a", "b"], ["d"]]
+    assert stats.calls_dropped_prompt_len == 1 and stats.forks == 1 and stats.mismatched_calls == 2
+    assert [m["call_id"] for m in stats.mismatches] == ["c", "d"]
+    assert stats.dropped() == {"prompt_too_long": 1}
+    seqs, stats = merge_calls([C("a", [1, 2, 3, 4], [5]), C("b", [1, 2, 3, 4, 5, 6], [7])], max_prompt_len=3)
+    assert seqs == [] and stats.calls_dropped_prompt_len == 2 and stats.forks == 0
+    seqs, stats = merge_calls(calls, mode="per-call", max_prompt_len=3)
+    assert [s.call_ids for s in seqs] == [["a"], ["d"]] and stats.calls_dropped_prompt_len == 2
+
+
+def test_realign_keeps_at_least_one_sampled_token():
+    # The whole (short) response was re-rendered: realigning would train none of it, so fork instead.
+    calls = [C("a", [1, 2], [5, 6]), C("b", [1, 2, 7, 8, 3], [9])]
+    seqs, stats = merge_calls(calls, realign_max=8)
+    assert len(seqs) == 2 and stats.realigns == 0 and stats.forks == 1
+
+
+def test_response_spans_follow_merges_and_realigns():
+    calls = [C("a", [1], [2, 3, 4]), C("b", [1, 2, 3, 40, 5], [6, 7]), C("c", [1, 2, 3, 40, 5, 6, 7], [8])]
+    seqs, stats = merge_calls(calls, realign_max=2)
+    (s,) = seqs
+    assert stats.realigns == 1
+    assert s.token_ids == [1, 2, 3, 40, 5, 6, 7, 8]
+    assert s.response_spans == [(1, 3), (5, 7), (7, 8)]
 
 
 def test_validation():
@@ -281,6 +353,10 @@ def test_validation():
         merge_calls([], realign_max=-1)
     with pytest.raises(ValueError):
         merge_calls([], max_seq_len=0)
+    with pytest.raises(ValueError):
+        merge_calls([], max_prompt_len=0)
+    with pytest.raises(ValueError, match="overlong"):
+        merge_calls([], overlong="cut")
 
 
 def test_tuples_are_accepted():
@@ -359,23 +435,39 @@ def assert_invariants(calls, seqs, stats, *, exact: bool, max_seq_len=None):
         kept
     )
     assert stats.sequences == len(seqs)
-    # Every kept call appears exactly once; sequences ordered by first call; calls in order inside.
+    # Every kept call appears at most once (exactly once unless dropped as overlong); sequences
+    # ordered by first call; calls in order inside.
     all_ids = [cid for s in seqs for cid in s.call_ids]
-    assert sorted(all_ids, key=pos.__getitem__) == [c.call_id for c in kept]
     assert len(set(all_ids)) == len(all_ids)
+    assert len(all_ids) + stats.calls_dropped_overlong + stats.calls_dropped_prompt_len == len(kept)
+    assert sorted(all_ids, key=pos.__getitem__) == [c.call_id for c in kept if c.call_id in set(all_ids)]
     firsts = [pos[s.call_ids[0]] for s in seqs]
     assert firsts == sorted(firsts)
     for s in seqs:
         idx = [pos[cid] for cid in s.call_ids]
         assert idx == sorted(idx)
         assert s.weight_versions == [by_id[cid].weight_version for cid in s.call_ids]
-        if max_seq_len is not None and len(s.call_ids) > 1:
+        if max_seq_len is not None:
             assert len(s.token_ids) <= max_seq_len
-    if kept:
-        assert stats.merged_calls + stats.forks + 1 == len(kept)
+        assert not s.truncated or len(s.call_ids) == 1  # only single calls can be cut
+        # Spans locate every trainable token: a prefix of that call's response, with its logprobs.
+        assert len(s.response_spans) == len(s.call_ids)
+        covered: list[int] = []
+        prev_end = 0
+        for cid, (a, b) in zip(s.call_ids, s.response_spans, strict=True):
+            c = by_id[cid]
+            assert prev_end <= a < b <= len(s.token_ids)
+            prev_end = b
+            assert s.token_ids[a:b] == c.response_token_ids[: b - a]
+            assert s.logprobs[a:b] == c.response_logprobs[: b - a]
+            covered.extend(range(a, b))
+        assert covered == [i for i, m in enumerate(s.loss_mask) if m]
+    opened = len(kept) - stats.merged_calls - stats.calls_dropped_prompt_len  # sequences started
+    assert opened >= 0 and stats.forks == max(opened - 1, 0)
+    assert stats.truncated == sum(s.truncated for s in seqs)
     mask1 = sum(sum(s.loss_mask) for s in seqs)
     if exact:
-        assert mask1 == sum(len(c.response_token_ids) for c in kept)
+        assert mask1 == sum(len(by_id[cid].response_token_ids) for cid in all_ids)
         for s in seqs:
             toks = [t for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m]
             lps = [lp for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m]
@@ -390,7 +482,7 @@ def assert_invariants(calls, seqs, stats, *, exact: bool, max_seq_len=None):
                 )
                 assert s.loss_mask[n : n + len(c.response_token_ids)] == [1] * len(c.response_token_ids)
     else:
-        assert mask1 <= sum(len(c.response_token_ids) for c in kept)
+        assert mask1 <= sum(len(by_id[cid].response_token_ids) for cid in all_ids)
         # Whatever is trained is a token vLLM sampled, with its logprob, for a call of that sequence.
         for s in seqs:
             sampled = {
@@ -423,12 +515,25 @@ def test_property_exact_merge_with_max_len(calls, max_len):
 
 @PROPS
 @given(
-    call_lists(), st.integers(0, 3), st.lists(st.integers(0, 4), max_size=2), st.none() | st.integers(1, 12)
+    call_lists(),
+    st.integers(0, 3),
+    st.lists(st.integers(0, 4), max_size=2),
+    st.none() | st.integers(1, 12),
+    st.none() | st.integers(1, 8),
+    st.sampled_from(["drop", "truncate"]),
 )
-def test_property_with_strip_and_realign(calls, realign_max, tail, max_len):
-    seqs, stats = merge_calls(calls, strip_tail=tail, realign_max=realign_max, max_seq_len=max_len)
+def test_property_with_strip_and_realign(calls, realign_max, tail, max_len, max_prompt, overlong):
+    seqs, stats = merge_calls(calls, strip_tail=tail, realign_max=realign_max, max_seq_len=max_len,
+                              max_prompt_len=max_prompt, overlong=overlong)
     assert_invariants(calls, seqs, stats, exact=False, max_seq_len=max_len)
     assert stats.realigns <= stats.merged_calls
+    if max_prompt is not None:
+        assert all(len(p) <= max_prompt for p in first_prompts(calls, seqs))
+
+
+def first_prompts(calls, seqs):
+    by_id = {c.call_id: c for c in calls}
+    return [by_id[s.call_ids[0]].prompt_token_ids for s in seqs]
 
 
 @PROPS
@@ -450,3 +555,65 @@ def test_prompt_differing_only_in_the_middle_forks():
     seqs, stats = merge_calls(calls, realign_max=3, strip_tail=[7])
     assert [s.call_ids for s in seqs] == [["a"], ["b"]]
     assert stats.mismatches[0]["diverge_at"] == 3
+
+
+# ---------------------------------------------------------------- mismatch rendering, strip tail
+
+
+WORDS = {1: "<s>", 2: "user", 3: ":", 4: "hav", 5: "ing", 6: "having", 7: "\n", 8: "fun", 9: "</s>"}
+
+
+def decode(ids):
+    return "".join(WORDS.get(i, f"<{i}>") for i in ids)
+
+
+def test_compact_and_format_mismatch_show_a_token_diff():
+    # The previous response sampled "hav"+"ing"; the harness re-tokenised it as "having".
+    seqs, stats = merge_calls([C("a", [1, 2, 3], [4, 5, 8, 9]), C("b", [1, 2, 3, 6, 8, 9, 7], [8])])
+    (full,) = stats.mismatches
+    ex = compact_mismatch(full, window=2)
+    assert ex == {"call_id": "b", "diverge_at": 3, "expected_len": 7, "prompt_len": 7, "in_response": True,
+                  "common_tail": [2, 3], "expected": [4, 5], "got": [6, 8]}
+    text = format_mismatch(ex, decode)
+    assert text.splitlines() == [
+        "call b: prompt diverges at token 3 inside the previous response (expected context 7 tokens, prompt 7)",
+        "  ...user:",
+        "- expected: having    [4, 5]",
+        "+ got:      havingfun    [6, 8]",
+    ]
+    # The full form renders the same way (it is compacted first); newlines are shown escaped.
+    assert format_mismatch(full, decode).splitlines()[0].startswith("call b: prompt diverges at token 3")
+    assert "\\n" in format_mismatch(full, decode)
+    # A prompt that simply ends early, and a divergence in earlier context.
+    short = {"call_id": "c", "expected_prefix": [1, 2, 3], "prompt": [1, 2], "diverge_at": 2, "response_start": 1}
+    lines = format_mismatch(short, decode).splitlines()
+    assert lines[-1].startswith("+ got:      (end)") and "inside the previous response" in lines[0]
+    early = dict(short, diverge_at=0, prompt=[9], response_start=2)
+    assert "in earlier context" in format_mismatch(early, decode)
+
+
+class FakeTemplate:
+    """apply_chat_template of a Qwen3-like template with thinking off, over one id per piece."""
+
+    def __init__(self, history_keeps_think: bool = False):
+        self.keep = history_keeps_think
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict, **kw):
+        assert tokenize and not return_dict
+        ids = []
+        for m in messages:
+            ids += [100, {"user": 101, "assistant": 102}[m["role"]], 10]
+            if m["role"] == "assistant" and self.keep:
+                ids += [200, 10, 201, 10]
+            ids += [ord(m["content"]), 103, 10]
+        if add_generation_prompt:
+            ids += [100, 102, 10]
+            if kw.get("enable_thinking") is False:
+                ids += [200, 10, 201, 10]
+        return ids
+
+
+def test_generation_prompt_tail_is_what_history_does_not_rerender():
+    assert generation_prompt_tail(FakeTemplate(), enable_thinking=False) == [200, 10, 201, 10]
+    assert generation_prompt_tail(FakeTemplate()) == []
+    assert generation_prompt_tail(FakeTemplate(history_keeps_think=True), enable_thinking=False) == []

@@ -112,3 +112,251 @@ async def test_bad_event_goes_to_dead_letter(redis_url):
     pending = await r.xpending(keys.rollout_events, "merger")
     assert pending["pending"] == 0
     await r.aclose()
+
+
+# ---------------------------------------------------------------- options and accounting (issue 4)
+
+
+async def _publish_traces(r, keys, rollout_id, traces, group_id, reward, group_size=2, status="completed"):
+    """`traces`: dicts of Trace fields (extra keys such as "reward" are stored as they are)."""
+    await r.hset(keys.rollout(rollout_id), mapping={"task_id": "t1", "group_id": group_id, "metadata": "{}"})
+    for i, t in enumerate(traces):
+        rec = {"call_id": f"{rollout_id}-c{i}", "rollout_id": rollout_id, "api": "chat.completions", "request": {},
+               "status": "ok", "weight_version": 1, **t}
+        if "response_logprobs" not in t:
+            rec["response_logprobs"] = [-0.5] * len(rec.get("response_token_ids", []))
+        await broker.publish_once(r, keys, keys.traces, rec["call_id"], rec, index_list=keys.rollout_calls(rollout_id))
+    ev = RolloutEvent(rollout_id=rollout_id, task_id="t1", group_id=group_id, group_size=group_size, status=status,
+                      reward=reward)
+    await broker.publish_once(r, keys, keys.rollout_events, f"final:{rollout_id}", ev.to_dict())
+
+
+def T(prompt, response, **kw):
+    return {"prompt_token_ids": prompt, "response_token_ids": response, **kw}
+
+
+async def _results(r, keys, n):
+    async def enough():
+        return len(await broker.read_all(r, keys.group_results)) >= n
+    return enough
+
+
+async def test_group_result_accounting_rejections_and_mismatch_stream(redis_url):
+    from prometheus_client import REGISTRY
+
+    from tether.merger.merge import format_mismatch
+    from tether.merger.service import mismatch_stream
+
+    def dropped_metric(reason):
+        return REGISTRY.get_sample_value("tether_merger_calls_dropped_total", {"reason": reason}) or 0.0
+
+    before = {k: dropped_metric(k) for k in ("missing_token_ids", "bad_logprobs", "error", "missing_logprobs")}
+    r = broker.connect(redis_url)
+    keys = broker.Keys("t")
+    submitted = []
+
+    async def submit(group_id, samples, rollouts):
+        submitted.append(samples)
+
+    # a: a realigned call (stop token re-rendered), then a history rewrite (fork), plus rejected calls:
+    # no token ids (bypassed the gateway / non-vLLM upstream), NaN logprob, errored, short logprobs.
+    await _publish_traces(r, keys, "a", [
+        T([1, 2], [3, 4, 99]),
+        T([1, 2, 3, 4, 98, 5], [6]),  # realign: 99 re-rendered as 98
+        T([], [], response_logprobs=[]),
+        T([1, 2, 3], [7], response_logprobs=[float("nan")]),
+        T([1, 2, 3], [7], status="error"),
+        T([1, 2, 3], [7, 8], response_logprobs=[-0.1]),
+        T([1, 50, 51], [9]),  # fork: diverges at index 1, in earlier context
+    ], "g", 1.0)
+    await _publish_traces(r, keys, "b", [T([1, 2], [7])], "g", 0.0)
+    merger = Merger(r, keys, MergerConfig(), submit)
+    await _run_until(merger, await _results(r, keys, 1))
+    (res,) = [rec for _, rec in await broker.read_all(r, keys.group_results)]
+    for k in ("group_id", "outcome", "rewards", "samples", "tokens", "sequences", "forks", "completed",
+              "rollouts", "eval", "min_weight_version"):
+        assert k in res
+    assert res["outcome"] == "trained" and res["sequences"] == 3 and res["forks"] == 1
+    assert res["single_sequence_rollouts"] == 1 and res["realigns"] == 1 and res["truncated"] == 0
+    assert res["dropped_calls"] == {"missing_token_ids": 1, "bad_logprobs": 1, "error": 1, "missing_logprobs": 1}
+    (mm,) = res["mismatches"]
+    assert mm["rollout_id"] == "a" and mm["diverge_at"] == 1 and mm["in_response"] is False
+    assert mm["common_tail"] == [1] and mm["expected"][:2] == [2, 3] and mm["got"] == [50, 51]
+    assert merger.counts.dropped_by_reason["missing_token_ids"] == 1 and merger.counts.realigns == 1
+    assert merger.counts.single_sequence_rollouts == 1 and merger.counts.mismatched_calls == 1
+    for k, v in {"missing_token_ids": 1, "bad_logprobs": 1, "error": 1, "missing_logprobs": 1}.items():
+        assert dropped_metric(k) - before[k] == v
+    # The realigned sequence trains 3 then (not 99), 6.
+    a = [s for s in submitted[0] if s.rollout_id == "a"]
+    assert a[0].token_ids == [1, 2, 3, 4, 98, 5, 6] and a[0].loss_mask == [0, 0, 1, 1, 0, 0, 1]
+    # Mismatch examples also go to their own stream, readable as a token diff.
+    (_, rec), = await broker.read_all(r, mismatch_stream(keys))
+    assert rec["group_id"] == "g" and rec["rollout_id"] == "a" and rec["call_id"] == "a-c6"
+    text = format_mismatch(rec, lambda ids: " ".join(f"w{i}" for i in ids))
+    assert "- expected: w2 w3" in text and "+ got:      w50 w51" in text and "rollout a" in text
+    await r.aclose()
+
+
+async def test_overlong_truncate_is_flagged_and_counted(redis_url):
+    r = broker.connect(redis_url)
+    keys = broker.Keys("t")
+    submitted = []
+
+    async def submit(group_id, samples, rollouts):
+        submitted.extend(samples)
+
+    await _publish_traces(r, keys, "a", [T([1, 2], [3, 4, 5, 6])], "g", 1.0, group_size=3)
+    await _publish_traces(r, keys, "b", [T([1, 2], [7])], "g", 0.0, group_size=3)
+    await _publish_traces(r, keys, "c", [T([1, 2, 3, 4, 5], [3])], "g", 0.5, group_size=3)
+    merger = Merger(r, keys, MergerConfig(max_seq_len=4, max_prompt_len=4, overlong="truncate"), submit)
+    await _run_until(merger, await _results(r, keys, 1))
+    (res,) = [rec for _, rec in await broker.read_all(r, keys.group_results)]
+    assert res["truncated"] == 1 and res["dropped_calls"] == {"prompt_too_long": 1}
+    assert res["completed"] == 2  # c had nothing left to train on
+    a = next(s for s in submitted if s.rollout_id == "a")
+    assert a.token_ids == [1, 2, 3, 4] and a.loss_mask == [0, 0, 1, 1]
+    assert merger.counts.truncated == 1
+    await r.aclose()
+
+
+async def test_sample_level_advantage_counts_every_sequence(redis_url):
+    r = broker.connect(redis_url)
+    got = {}
+
+    async def submit(group_id, samples, rollouts):
+        got[group_id] = samples
+
+    for g, level in (("rl", "rollout"), ("sl", "sample")):
+        k = broker.Keys(f"t{g}")
+        # a forks into two sequences (reward 1); b is one sequence (reward 0).
+        await _publish_traces(r, k, "a", [T([1], [2]), T([5], [6])], g, 1.0)
+        await _publish_traces(r, k, "b", [T([1], [3])], g, 0.0)
+        merger = Merger(r, k, MergerConfig(advantage_level=level), submit)
+        await _run_until(merger, await _results(r, k, 1))
+    adv = {g: sorted((s.rollout_id, s.sequence_index, s.advantages[-1]) for s in got[g]) for g in got}
+    assert [x[:2] for x in adv["sl"]] == [("a", 0), ("a", 1), ("b", 0)]
+    assert [x[2] for x in adv["rl"]] == pytest.approx([0.7071, 0.7071, -0.7071], abs=1e-4)
+    # Sample level: the baseline counts a's two sequences twice (rewards 1, 1, 0).
+    assert [x[2] for x in adv["sl"]] == pytest.approx([0.5774, 0.5774, -1.1547], abs=1e-4)
+    await r.aclose()
+
+
+@pytest.mark.parametrize("call_rewards,gamma,expected", [
+    (True, 0.5, {"a": [0.35, 0.65], "b": [-0.35]}),  # G(a) = 0.2 + 0.5 * 1.0 = 0.7, then 1.0; G(b) = 0
+    (False, 0.5, {"a": [0.25, 0.75], "b": [-0.25]}),  # outcome only, discounted: G(a) = 0.5, then 1.0
+    (False, 1.0, {"a": [0.5, 0.5], "b": [-0.5]}),  # the default: one advantage per rollout
+])
+async def test_per_call_rewards_and_turn_discount(redis_url, call_rewards, gamma, expected):
+    r = broker.connect(redis_url)
+    keys = broker.Keys("t")
+    got = []
+
+    async def submit(group_id, samples, rollouts):
+        got.extend(samples)
+
+    await _publish_traces(r, keys, "a", [T([1], [2], reward=0.2), T([1, 2, 3], [4])], "g", 1.0)
+    await _publish_traces(r, keys, "b", [T([1], [5])], "g", 0.0)
+    cfg = MergerConfig(estimator="drgrpo", call_rewards=call_rewards, turn_discount=gamma)
+    merger = Merger(r, keys, cfg, submit)
+    await _run_until(merger, await _results(r, keys, 1))
+    by = {s.rollout_id: s for s in got}
+    assert by["a"].token_ids == [1, 2, 3, 4]
+    assert [a for a, m in zip(by["a"].advantages, by["a"].loss_mask, strict=True) if m] == pytest.approx(
+        expected["a"], abs=1e-6)
+    assert [a for a, m in zip(by["b"].advantages, by["b"].loss_mask, strict=True) if m] == pytest.approx(
+        expected["b"], abs=1e-6)
+    await r.aclose()
+
+
+def test_advantage_scale_matches_every_estimator():
+    import torch
+
+    from tether.algorithms.advantages import ESTIMATORS, group_advantages
+    from tether.merger.service import advantage_scale
+
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    for est in ESTIMATORS:
+        expect = group_advantages(rewards, est)
+        got = advantage_scale(rewards, est) * (rewards.double() - rewards.double().mean())
+        assert torch.allclose(expect.double(), got, atol=1e-6), est
+    assert advantage_scale(torch.tensor([1.0]), "grpo") == 0.0
+
+
+async def test_group_deadline_resolves_partial_groups(redis_url):
+    r = broker.connect(redis_url)
+    keys = broker.Keys("t")
+    submitted = []
+
+    async def submit(group_id, samples, rollouts):
+        submitted.append((group_id, rollouts))
+
+    await _publish_traces(r, keys, "a", [T([1], [2])], "g", 1.0, group_size=3)
+    await _publish_traces(r, keys, "b", [T([1], [3])], "g", 0.0, group_size=3)
+    # Without a deadline the group waits for its third rollout.
+    merger = Merger(r, keys, MergerConfig(), submit)
+    with pytest.raises(AssertionError, match="not reached"):
+        await _run_until(merger, await _results(r, keys, 1), timeout=1.0)
+    merger = Merger(r, keys, MergerConfig(group_timeout_s=0.3), submit)
+    await _run_until(merger, await _results(r, keys, 1))
+    (res,) = [rec for _, rec in await broker.read_all(r, keys.group_results)]
+    assert res["timed_out"] is True and res["outcome"] == "trained" and res["rollouts"] == 2
+    assert submitted == [("g", 2)] and merger.counts.groups_timed_out == 1
+    assert await r.zcard("t:merger:pending-groups") == 0
+    # A straggler is recorded but does not resolve the group again.
+    await _publish_traces(r, keys, "c", [T([1], [4])], "g", 1.0, group_size=3)
+
+    async def late():
+        return merger.counts.late_rollouts == 1
+
+    await _run_until(merger, late)
+    assert len(await broker.read_all(r, keys.group_results)) == 1 and len(submitted) == 1
+    await r.aclose()
+
+
+def test_settings_names_and_strip_tail_from_model_dir(tmp_path, monkeypatch):
+    from tether.merger import testset
+    from tether.merger.main import MergerSettings, config_from_settings
+    from tether.trainer.tiny import build_tokenizer as chatml_tokenizer
+
+    for k, v in {"TETHER_REDIS_URL": "redis://127.0.0.1:1/0", "TETHER_MERGER_GRPC_PORT": "1",
+                 "TETHER_TRAINER_ADDRESS": "127.0.0.1:2", "TETHER_MERGE_MODE": "per-call",
+                 "TETHER_REALIGN_MAX": "4", "TETHER_MAX_PROMPT_LEN": "100", "TETHER_MAX_SEQ_LEN": "200",
+                 "TETHER_OVERLONG": "truncate", "TETHER_ADVANTAGE_ESTIMATOR": "rloo",
+                 "TETHER_ADVANTAGE_LEVEL": "sample", "TETHER_FILTER_ZERO_VARIANCE": "false",
+                 "TETHER_GROUP_TIMEOUT_S": "30", "TETHER_CALL_REWARDS": "true", "TETHER_TURN_DISCOUNT": "0.9",
+                 "TETHER_STRIP_TAIL": "[7, 8]"}.items():
+        monkeypatch.setenv(k, v)
+    cfg = config_from_settings(MergerSettings())
+    assert cfg == MergerConfig(mode="per-call", estimator="rloo", filter_zero_variance=False, max_seq_len=200,
+                               max_prompt_len=100, overlong="truncate", strip_tail=(7, 8), realign_max=4,
+                               advantage_level="sample", group_timeout_s=30.0, call_rewards=True,
+                               turn_discount=0.9)
+    monkeypatch.setenv("TETHER_OVERLONG", "cut")
+    with pytest.raises(ValueError):
+        MergerSettings()
+    monkeypatch.setenv("TETHER_OVERLONG", "drop")
+
+    # From the model's tokenizer: the Qwen-style test-set template with thinking off ...
+    qwen = tmp_path / "qwen"
+    testset.build_tokenizer().save_pretrained(qwen)
+    monkeypatch.delenv("TETHER_STRIP_TAIL")
+    monkeypatch.setenv("TETHER_MODEL_DIR", str(qwen))
+    monkeypatch.setenv("TETHER_CHAT_TEMPLATE_KWARGS", '{"enable_thinking": false}')
+    cfg = config_from_settings(MergerSettings())
+    assert list(cfg.strip_tail) == testset.strip_tail() and len(cfg.strip_tail) == 4
+    # ... an explicit empty list turns it off, and a prefix-stable ChatML template has nothing to strip.
+    monkeypatch.setenv("TETHER_STRIP_TAIL", "[]")
+    assert config_from_settings(MergerSettings()).strip_tail == ()
+    monkeypatch.delenv("TETHER_STRIP_TAIL")
+    chatml = tmp_path / "chatml"
+    chatml_tokenizer(["x", "y", "z"]).save_pretrained(chatml)
+    monkeypatch.setenv("TETHER_MODEL_DIR", str(chatml))
+    monkeypatch.delenv("TETHER_CHAT_TEMPLATE_KWARGS")
+    assert config_from_settings(MergerSettings()).strip_tail == ()
+
+
+def test_config_validation():
+    for bad in ({"mode": "exact"}, {"estimator": "ppo"}, {"overlong": "cut"}, {"advantage_level": "token"},
+                {"realign_max": -1}, {"max_seq_len": 0}, {"turn_discount": 1.5}, {"group_timeout_s": -1}):
+        with pytest.raises(ValueError):
+            MergerConfig(**bad)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any, Literal
 
 from tether.common import broker
 from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.records import SampleRecord
 from tether.common.settings import CommonSettings
+from tether.merger.merge import generation_prompt_tail
 from tether.merger.service import Merger, MergerConfig
 from tether.v1 import merger_pb2, merger_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
 
@@ -17,13 +19,53 @@ log = logging.getLogger("tether.merger")
 
 
 class MergerSettings(CommonSettings):
+    """TETHER_* environment of the merger (docs/merging.md)."""
+
     merger_grpc_host: str = "127.0.0.1"
     merger_grpc_port: int
     trainer_address: str
-    merge_mode: str = "merge"
-    advantage_estimator: str = "grpo"
-    filter_zero_variance: bool = True
+    merge_mode: Literal["merge", "per-call"] = "merge"
+    # Generation-prompt tail to strip before prefix matching: a JSON list of token ids. Unset: computed
+    # from the tokenizer in model_dir (nothing to strip when model_dir is unset too); [] turns it off.
+    strip_tail: list[int] | None = None
+    model_dir: str | None = None
+    chat_template_kwargs: dict[str, Any] = {}  # e.g. {"enable_thinking": false}, for the strip tail
+    realign_max: int = 8
+    max_prompt_len: int | None = None
     max_seq_len: int | None = None
+    overlong: Literal["drop", "truncate"] = "drop"
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"] = "grpo"
+    advantage_level: Literal["rollout", "sample"] = "rollout"
+    filter_zero_variance: bool = True
+    group_timeout_s: float = 0.0
+    call_rewards: bool = False
+    turn_discount: float = 1.0
+
+
+def strip_tail_for(s: MergerSettings) -> tuple[int, ...]:
+    """The configured strip tail, or the one computed from the model's chat template."""
+    if s.strip_tail is not None:
+        return tuple(s.strip_tail)
+    if not s.model_dir:
+        return ()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(s.model_dir)
+    if not getattr(tokenizer, "chat_template", None):
+        log.warning("no chat template in %s: nothing to strip before prefix matching", s.model_dir)
+        return ()
+    tail = generation_prompt_tail(tokenizer, **s.chat_template_kwargs)
+    log.info("strip tail from %s: %s %r", s.model_dir, tail, tokenizer.decode(tail) if tail else "")
+    return tuple(tail)
+
+
+def config_from_settings(s: MergerSettings) -> MergerConfig:
+    return MergerConfig(mode=s.merge_mode, estimator=s.advantage_estimator,
+                        filter_zero_variance=s.filter_zero_variance, max_seq_len=s.max_seq_len,
+                        max_prompt_len=s.max_prompt_len, overlong=s.overlong, strip_tail=strip_tail_for(s),
+                        realign_max=s.realign_max, advantage_level=s.advantage_level,
+                        group_timeout_s=s.group_timeout_s, call_rewards=s.call_rewards,
+                        turn_discount=s.turn_discount)
 
 
 def to_proto(s: SampleRecord) -> types_pb2.Sample:
@@ -55,10 +97,9 @@ async def amain(s: MergerSettings) -> None:
             group_id=group_id, samples=[to_proto(x) for x in samples], rollouts=rollouts), timeout=60,
             wait_for_ready=True)
 
-    merger = Merger(r, broker.Keys(s.namespace),
-                    MergerConfig(mode=s.merge_mode, estimator=s.advantage_estimator,
-                                 filter_zero_variance=s.filter_zero_variance, max_seq_len=s.max_seq_len),
-                    submit)
+    cfg = config_from_settings(s)
+    log.info("merger config: %s", cfg)
+    merger = Merger(r, broker.Keys(s.namespace), cfg, submit)
 
     def register(server):
         merger_pb2_grpc.add_MergerServicer_to_server(MergerStatusServicer(merger), server)

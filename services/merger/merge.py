@@ -28,22 +28,32 @@ Options:
 * ``strip_tail``: token ids of the part of the generation prompt that the chat template does NOT
   re-render when it renders that assistant turn as history (e.g. Qwen3's empty
   ``<think>\\n\\n</think>\\n\\n`` with thinking off, which is emitted after ``<|im_start|>assistant\\n``
-  for the new turn but absent from history turns).  When the last merged prompt ends with
-  ``strip_tail``, the view ``prompt[:-len(strip_tail)] + response`` is accepted as well (what Polar
-  does).  The merged sequence keeps the tail where the model really saw it, so later turns are
-  trained on a context that differs from their sampling context by those few tokens.
+  for the new turn but absent from history turns; ``generation_prompt_tail`` computes it from a
+  tokenizer).  When the last merged prompt ends with ``strip_tail``, the view
+  ``prompt[:-len(strip_tail)] + response`` is accepted as well (what Polar does).  The merged
+  sequence keeps the tail where the model really saw it, so later turns are trained on a context that
+  differs from their sampling context by those few tokens.
 * ``realign_max > 0``: the prompt contains the view's prompt part exactly, and agrees with the last
   response except for its final ``<= realign_max`` tokens (the template or a tool-call parser
-  re-rendered the end of the response: ``h+aving`` vs ``hav+ing``, a dropped stop token).  The
-  prompt's tokens win: the response tokens from the first divergence on are removed from the
-  sequence, and the prompt's tokens there are appended with mask 0.  Counted in ``realigns`` (such a
-  call also counts in ``merged_calls``).  Only tried when no exact/strip match exists.
-* ``max_seq_len``: a call that would grow a sequence beyond it forks instead (counted in ``forks``,
-  no mismatch example).  A single call longer than ``max_seq_len`` still becomes its own sequence;
-  truncating or dropping it is the caller's decision.
+  re-rendered the end of the response: ``h+aving`` vs ``hav+ing``, a trailing newline the template
+  strips, a different stop token).  At least one response token must agree.  The prompt's tokens
+  win: the response tokens from the first divergence on are removed from the sequence, and the
+  prompt's tokens there are appended with mask 0.  Counted in ``realigns`` (such a call also counts
+  in ``merged_calls``).  Only tried when no exact/strip match exists.
+* ``max_seq_len``: a call that would grow a sequence beyond it forks instead (counted in ``forks``
+  and ``forks_max_len``, no mismatch example).  A single call longer than ``max_seq_len`` is then
+  handled by ``overlong``: ``"drop"`` removes it (``calls_dropped_overlong``); ``"truncate"`` cuts
+  its trailing tokens to ``max_seq_len``, sets ``Sequence.truncated`` and counts it in ``truncated``
+  / ``tokens_truncated`` (a cut that leaves no sampled token drops it instead).
+* ``max_prompt_len``: a call that would START a sequence (the first call, a fork) with a prompt
+  longer than this is dropped (``calls_dropped_prompt_len``) under either policy: no cut of trailing
+  tokens can save it.  Calls that join a sequence are bounded by ``max_seq_len`` only.
 
 Mode ``"per-call"``: steps 1 and 2, then every kept call becomes its own sequence (``forks`` and
-``merged_calls`` stay 0).
+``merged_calls`` stay 0); ``max_prompt_len`` / ``max_seq_len`` / ``overlong`` apply per call.
+
+Every sequence records ``response_spans``: one ``[start, end)`` per call (aligned with ``call_ids``)
+locating the tokens of that call's response that are still trainable in ``token_ids``.
 
 Cost: every slice comparison is bounded by the length of the prompt being matched; other candidate
 sequences are screened with O(1) token probes and at most ``_MAX_FULL_COMPARES`` full comparisons
@@ -54,10 +64,12 @@ from __future__ import annotations
 
 import collections.abc as cabc
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_MISMATCH_EXAMPLES = 5
 _MAX_FULL_COMPARES = 8
 MODES = ("merge", "per-call")
+OVERLONG_POLICIES = ("drop", "truncate")
 
 
 @dataclass(frozen=True)
@@ -82,6 +94,9 @@ class Sequence:
     logprobs: list[float]  # vLLM's logprob where mask 1, 0.0 where mask 0
     call_ids: list[str]
     weight_versions: list[int]  # one per call merged in, in call order
+    # [start, end) of each call's still-trainable response tokens, aligned with call_ids.
+    response_spans: list[tuple[int, int]] = field(default_factory=list)
+    truncated: bool = False  # trailing tokens were cut (overlong="truncate")
 
     @property
     def min_weight_version(self) -> int:
@@ -97,10 +112,29 @@ class MergeStats:
     calls_deduped: int = 0
     sequences: int = 0
     merged_calls: int = 0  # calls that joined an existing sequence (realigned ones included)
-    forks: int = 0  # calls after the first that started a new sequence (mismatch or max_seq_len)
+    forks: int = 0  # sequences started after the first one (prefix mismatch or max_seq_len)
     realigns: int = 0
-    # A few examples: {"call_id", "expected_prefix", "prompt", "diverge_at"} (token ids / index).
+    # A few examples: {"call_id", "expected_prefix", "prompt", "diverge_at", "response_start"}
+    # (token ids / indices; "response_start" is where the previous call's response began in
+    # "expected_prefix").  ``compact_mismatch`` makes the bounded form that is published.
     mismatches: list[dict] = field(default_factory=list)
+    mismatched_calls: int = 0  # calls whose prompt continued no open sequence (all, not just examples)
+    forks_max_len: int = 0  # forks because joining would exceed max_seq_len
+    calls_dropped_prompt_len: int = 0
+    calls_dropped_overlong: int = 0
+    truncated: int = 0  # sequences whose trailing tokens were cut
+    tokens_truncated: int = 0
+
+    def dropped(self) -> dict[str, int]:
+        """Calls not trained on, by reason (only non-zero reasons)."""
+        out = {
+            "error": self.calls_dropped_error,
+            "empty": self.calls_dropped_empty,
+            "retried": self.calls_deduped,
+            "prompt_too_long": self.calls_dropped_prompt_len,
+            "overlong": self.calls_dropped_overlong,
+        }
+        return {k: v for k, v in out.items() if v}
 
 
 class _Open:
@@ -146,6 +180,7 @@ def _new_sequence(c: Call, p: list[int], r: list[int], lp: list[float]) -> _Open
         logprobs=[0.0] * len(p) + lp,
         call_ids=[c.call_id],
         weight_versions=[c.weight_version],
+        response_spans=[(len(p), len(p) + len(r))],
     )
     return _Open(seq, p, r)
 
@@ -178,12 +213,39 @@ def _diverge_at(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _limit_lengths(seqs: list[Sequence], max_seq_len: int | None, overlong: str,
+                   stats: MergeStats) -> list[Sequence]:
+    """Drop or truncate sequences longer than max_seq_len (only single calls can be: merging forks)."""
+    if max_seq_len is None:
+        return seqs
+    out: list[Sequence] = []
+    for s in seqs:
+        n = len(s.token_ids)
+        if n <= max_seq_len:
+            out.append(s)
+            continue
+        if overlong == "truncate" and any(s.loss_mask[:max_seq_len]):
+            del s.token_ids[max_seq_len:]
+            del s.loss_mask[max_seq_len:]
+            del s.logprobs[max_seq_len:]
+            s.response_spans = [(min(a, max_seq_len), min(b, max_seq_len)) for a, b in s.response_spans]
+            s.truncated = True
+            stats.truncated += 1
+            stats.tokens_truncated += n - max_seq_len
+            out.append(s)
+        else:
+            stats.calls_dropped_overlong += len(s.call_ids)
+    return out
+
+
 def merge_calls(
     calls: list[Call],
     mode: str = "merge",
     strip_tail: cabc.Sequence[int] = (),
     realign_max: int = 0,
     max_seq_len: int | None = None,
+    max_prompt_len: int | None = None,
+    overlong: str = "drop",
 ) -> tuple[list[Sequence], MergeStats]:
     """Turn one rollout's calls (in call order) into training sequences.  See the module docstring."""
     if mode not in MODES:
@@ -192,13 +254,23 @@ def merge_calls(
         raise ValueError(f"realign_max must be >= 0, got {realign_max}")
     if max_seq_len is not None and max_seq_len <= 0:
         raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+    if max_prompt_len is not None and max_prompt_len <= 0:
+        raise ValueError(f"max_prompt_len must be positive, got {max_prompt_len}")
+    if overlong not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
     tail = list(strip_tail)
 
     stats = MergeStats(calls_in=len(calls))
     kept = _filter(calls, stats)
 
     if mode == "per-call":
-        seqs = [_new_sequence(c, p, r, lp).seq for c, p, r, lp in kept]
+        seqs = []
+        for c, p, r, lp in kept:
+            if max_prompt_len is not None and len(p) > max_prompt_len:
+                stats.calls_dropped_prompt_len += 1
+                continue
+            seqs.append(_new_sequence(c, p, r, lp).seq)
+        seqs = _limit_lengths(seqs, max_seq_len, overlong, stats)
         stats.sequences = len(seqs)
         return seqs, stats
 
@@ -233,9 +305,9 @@ def merge_calls(
                 if budget <= 0:
                     break
                 R = o.response
-                safe = max(len(R) - realign_max, 0)  # response tokens that must match exactly
+                safe = max(len(R) - realign_max, 1)  # response tokens that must match exactly
                 for cut in _cuts(o, tail):
-                    if len(p) < cut + safe:
+                    if len(p) < cut + safe or p[cut] != R[0]:
                         continue
                     budget -= 1
                     if p[cut : cut + safe] != R[:safe] or not _prompt_part_matches(p, o.prompt, cut):
@@ -250,13 +322,14 @@ def merge_calls(
                 if target is not None:
                     break
 
+        fork_reason = None
         if target is not None and max_seq_len is not None:
             new_len = len(target.seq.token_ids) - drop + (len(p) - keep) + len(r)
             if new_len > max_seq_len:
-                target = None
-                stats.forks += 1
+                target, fork_reason = None, "max_len"
         elif target is None and opened:
-            stats.forks += 1
+            fork_reason = "mismatch"
+            stats.mismatched_calls += 1
             if len(stats.mismatches) < MAX_MISMATCH_EXAMPLES:
                 cur = recent[-1]
                 expected = cur.prompt + cur.response
@@ -266,10 +339,18 @@ def merge_calls(
                         "expected_prefix": expected,
                         "prompt": list(p),
                         "diverge_at": _diverge_at(expected, p),
+                        "response_start": len(cur.prompt),
                     }
                 )
 
         if target is None:
+            if max_prompt_len is not None and len(p) > max_prompt_len:
+                stats.calls_dropped_prompt_len += 1
+                continue
+            if opened:
+                stats.forks += 1
+                if fork_reason == "max_len":
+                    stats.forks_max_len += 1
             o = _new_sequence(c, p, r, lp)
             opened.append(o)
             recent.append(o)
@@ -280,22 +361,124 @@ def merge_calls(
             del s.token_ids[-drop:]
             del s.loss_mask[-drop:]
             del s.logprobs[-drop:]
+            a, b = s.response_spans[-1]
+            s.response_spans[-1] = (a, b - drop)
             stats.realigns += 1
         extra = len(p) - keep
         s.token_ids.extend(p[keep:])
         s.loss_mask.extend([0] * extra)
         s.logprobs.extend([0.0] * extra)
+        start = len(s.token_ids)
         s.token_ids.extend(r)
         s.loss_mask.extend([1] * len(r))
         s.logprobs.extend(lp)
         s.call_ids.append(c.call_id)
         s.weight_versions.append(c.weight_version)
+        s.response_spans.append((start, start + len(r)))
         target.prompt, target.response = p, r
         stats.merged_calls += 1
         if recent[-1] is not target:
             recent.remove(target)
             recent.append(target)
 
-    seqs = [o.seq for o in opened]
+    seqs = _limit_lengths([o.seq for o in opened], max_seq_len, overlong, stats)
     stats.sequences = len(seqs)
     return seqs, stats
+
+
+# ---------------------------------------------------------------- mismatch examples
+
+
+def compact_mismatch(example: dict[str, Any], window: int = 24) -> dict[str, Any]:
+    """The bounded form of a mismatch example that is stored and published.
+
+    ``common_tail``: the last ``window`` tokens both sides agree on; ``expected``: the next ``window``
+    tokens of the previous call's prompt + response; ``got``: the next ``window`` tokens of the new
+    prompt.  ``in_response``: the divergence falls inside the previous call's response (re-rendered
+    or re-tokenised by the harness) rather than in earlier context (history rewritten).
+    """
+    e, p, d = example["expected_prefix"], example["prompt"], int(example["diverge_at"])
+    rs = example.get("response_start")
+    return {
+        "call_id": example.get("call_id", ""),
+        "diverge_at": d,
+        "expected_len": len(e),
+        "prompt_len": len(p),
+        "in_response": None if rs is None else d >= rs,
+        "common_tail": list(e[max(0, d - window) : d]),
+        "expected": list(e[d : d + window]),
+        "got": list(p[d : d + window]),
+    }
+
+
+def _show(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n").replace("\r", "\\r").replace("\t", "\\t")
+
+
+def format_mismatch(example: dict[str, Any], decode: cabc.Callable[[list[int]], str]) -> str:
+    """Render a mismatch example (full or ``compact_mismatch`` form) as a readable token diff.
+
+    The decoded tail of the common prefix, then ``- expected`` (what continuing the previous call's
+    context needed) and ``+ got`` (what the new prompt has there), each decoded and with its token
+    ids: decoding can hide the difference (``h+aving`` and ``hav+ing`` read the same).
+    """
+    ex = compact_mismatch(example) if "expected_prefix" in example else example
+    d = ex["diverge_at"]
+    where = {True: "inside the previous response", False: "in earlier context", None: "?"}[
+        ex.get("in_response")
+    ]
+    head = f"call {ex.get('call_id') or '?'}"
+    if ex.get("rollout_id"):
+        head += f" (rollout {ex['rollout_id']})"
+    lines = [
+        f"{head}: prompt diverges at token {d} {where} "
+        f"(expected context {ex.get('expected_len', '?')} tokens, prompt {ex.get('prompt_len', '?')})",
+    ]
+    tail = ex.get("common_tail") or []
+    more = "..." if d > len(tail) else ""
+    lines.append(f"  {more}{_show(decode(list(tail)))}")
+    for sign, label, key in (("-", "expected", "expected"), ("+", "got", "got")):
+        ids = list(ex.get(key) or [])
+        text = _show(decode(ids)) if ids else "(end)"
+        lines.append(f"{sign} {label + ':':<9} {text}    {ids}")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- strip tail from a tokenizer
+
+
+def _template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, **kwargs) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        return_dict=False, **kwargs)
+    if hasattr(out, "tolist"):
+        out = out.tolist()
+    if out and isinstance(out[0], list):  # batched answer
+        out = out[0]
+    return [int(x) for x in out]
+
+
+def generation_prompt_tail(tokenizer, **template_kwargs) -> list[int]:
+    """Token ids the chat template appends as generation prompt but does not re-render in history.
+
+    The generation prompt is ``render([user], add_generation_prompt=True)`` minus
+    ``render([user])``; the part of it a history turn starts with as well (``<|im_start|>assistant\\n``)
+    is kept, the rest is the tail to strip (Qwen3 with ``enable_thinking=False``:
+    ``<think>\\n\\n</think>\\n\\n``; a plain ChatML template: nothing).  ``template_kwargs`` go to
+    ``apply_chat_template`` (e.g. ``enable_thinking=False``).  Duck-typed: any object with a
+    Hugging Face ``apply_chat_template`` works.
+    """
+    user = [{"role": "user", "content": "x"}]
+    base = _template_ids(tokenizer, user, False, **template_kwargs)
+    with_gp = _template_ids(tokenizer, user, True, **template_kwargs)
+    if with_gp[: len(base)] != base:
+        return []
+    gp = with_gp[len(base) :]
+    try:
+        hist = _template_ids(tokenizer, user + [{"role": "assistant", "content": "y"},
+                                                {"role": "user", "content": "z"}], False, **template_kwargs)
+    except Exception:  # a template that cannot render this probe: strip the whole generation prompt
+        return gp
+    if hist[: len(base)] != base:
+        return gp
+    k = _diverge_at(gp, hist[len(base) :])
+    return gp[k:]

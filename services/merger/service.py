@@ -1,44 +1,117 @@
 """Merger service: finished rollouts in, scored training samples out.
 
-Named steps per rollout event: load the rollout's recorded calls, merge them into sequences, park
-the result in its group; once every rollout of the group reported, score the group (advantage once
-per rollout, broadcast to its tokens), publish the samples and hand them to the trainer over gRPC.
-Every step is idempotent, so a crash between steps is repaired by reprocessing the event.
+Named steps per rollout event: load the rollout's recorded calls (rejecting, with a counted reason,
+calls without exact token ids: they are never re-tokenised), merge them into sequences, park the
+result in its group; once every rollout of the group reported -- or the group's deadline passed --
+score the group (advantage once per rollout, broadcast to its tokens), publish the samples and hand
+them to the trainer over gRPC. Every step is idempotent, so a crash between steps is repaired by
+reprocessing the event.
+
+Redis keys this service adds next to ``tether.common.broker.Keys`` (built here, same namespace):
+
+* ``{ns}:mismatches`` (stream): one record per prefix-mismatch example (at most
+  ``MAX_MISMATCH_EXAMPLES`` per rollout), ``compact_mismatch`` form plus ``rollout_id``, ``group_id``,
+  ``task_id``, ``time``; capped at ``MISMATCH_STREAM_MAXLEN`` entries.  ``format_mismatch`` renders one.
+* ``{ns}:merger:pending-groups`` (sorted set): group id -> time its first rollout was merged; the
+  deadline check (``group_timeout_s``) resolves the groups older than the timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
+import orjson
 import torch
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter as PromCounter
+from prometheus_client import Gauge, Histogram
 
-from tether.algorithms.advantages import group_advantages
+from tether.algorithms.advantages import ESTIMATORS, discounted_call_rewards, group_advantages
 from tether.common import broker
 from tether.common.records import RolloutEvent, SampleRecord, Trace
-from tether.merger.merge import Call, merge_calls
+from tether.merger.merge import MODES, OVERLONG_POLICIES, Call, compact_mismatch, merge_calls
 
 log = logging.getLogger(__name__)
 
-ROLLOUTS = Counter("tether_merger_rollouts_total", "Rollout events processed", ["status"])
-GROUPS = Counter("tether_merger_groups_total", "Groups resolved", ["outcome"])
-SEQUENCES = Counter("tether_merger_sequences_total", "Training sequences built")
-FORKS = Counter("tether_merger_forks_total", "Calls that started a new sequence on a prefix mismatch")
-DROPPED = Counter("tether_merger_calls_dropped_total", "Calls not trained on", ["reason"])
+ADVANTAGE_LEVELS = ("rollout", "sample")
+MISMATCHES_PER_GROUP = 3  # examples kept in the group result
+MISMATCH_STREAM_MAXLEN = 10_000
+
+ROLLOUTS = PromCounter("tether_merger_rollouts_total", "Rollout events processed", ["status"])
+GROUPS = PromCounter("tether_merger_groups_total", "Groups resolved", ["outcome"])
+GROUPS_TIMED_OUT = PromCounter("tether_merger_groups_timed_out_total",
+                               "Groups resolved by their deadline before every rollout reported")
+LATE = PromCounter("tether_merger_late_rollouts_total", "Rollouts that arrived after their group was resolved")
+SEQUENCES = PromCounter("tether_merger_sequences_total", "Training sequences built")
+SINGLE = PromCounter("tether_merger_single_sequence_rollouts_total",
+                     "Completed rollouts whose calls merged into exactly one sequence")
+SEQS_PER_ROLLOUT = Histogram("tether_merger_sequences_per_rollout", "Sequences per completed rollout",
+                             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
+FORKS = PromCounter("tether_merger_forks_total", "Calls that started a new sequence (mismatch or max_seq_len)")
+MISMATCHES = PromCounter("tether_merger_mismatched_calls_total",
+                         "Calls whose prompt continued no open sequence (prefix mismatch)")
+REALIGNS = PromCounter("tether_merger_realigns_total",
+                       "Calls merged after replacing a re-rendered response end with the prompt's tokens")
+TRUNCATED = PromCounter("tether_merger_truncated_sequences_total",
+                        "Sequences cut to max_seq_len (overlong=truncate); still trained, flagged")
+DROPPED = PromCounter("tether_merger_calls_dropped_total", "Calls not trained on", ["reason"])
+TOKENS = PromCounter("tether_merger_tokens_total", "Tokens of emitted samples", ["kind"])
+MERGE_SECONDS = Histogram("tether_merger_merge_seconds", "Time to load and merge one rollout")
 PENDING = Gauge("tether_merger_groups_pending", "Groups waiting for more rollouts")
+
+
+def mismatch_stream(keys: broker.Keys) -> str:
+    """Stream of prefix-mismatch examples (see the module docstring)."""
+    return f"{keys.ns}:mismatches"
+
+
+def pending_groups(keys: broker.Keys) -> str:
+    """Sorted set: group id -> time its first rollout was merged."""
+    return f"{keys.ns}:merger:pending-groups"
 
 
 @dataclass(frozen=True)
 class MergerConfig:
-    mode: str = "merge"
-    estimator: str = "grpo"
+    mode: str = "merge"  # merge | per-call
+    estimator: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp_baseline
     filter_zero_variance: bool = True
     max_seq_len: int | None = None
+    max_prompt_len: int | None = None
+    overlong: str = "drop"  # drop | truncate (cuts trailing tokens only; flagged and counted)
+    strip_tail: tuple[int, ...] = ()
+    realign_max: int = 8
+    advantage_level: str = "rollout"  # rollout | sample
+    group_timeout_s: float = 0.0  # 0 = wait for every rollout of a group
+    call_rewards: bool = False  # use a per-call "reward" carried by a trace
+    turn_discount: float = 1.0  # gamma over the calls of a rollout
+
+    def __post_init__(self) -> None:
+        checks = [(self.mode, MODES, "merge mode"), (self.estimator, ESTIMATORS, "advantage estimator"),
+                  (self.overlong, OVERLONG_POLICIES, "overlong policy"),
+                  (self.advantage_level, ADVANTAGE_LEVELS, "advantage level")]
+        for value, allowed, what in checks:
+            if value not in allowed:
+                raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
+        if self.realign_max < 0:
+            raise ValueError("realign_max must be >= 0")
+        for name in ("max_seq_len", "max_prompt_len"):
+            v = getattr(self, name)
+            if v is not None and v <= 0:
+                raise ValueError(f"{name} must be positive")
+        if not 0.0 <= self.turn_discount <= 1.0:
+            raise ValueError("turn_discount must be in [0, 1]")
+        if self.group_timeout_s < 0:
+            raise ValueError("group_timeout_s must be >= 0")
+
+    @property
+    def per_call_returns(self) -> bool:
+        return self.call_rewards or self.turn_discount != 1.0
 
 
 @dataclass
@@ -46,39 +119,97 @@ class MergerCounts:
     rollouts_merged: int = 0
     groups_emitted: int = 0
     groups_filtered: int = 0
+    groups_timed_out: int = 0
     sequences: int = 0
     forks: int = 0
     calls_dropped: int = 0
+    single_sequence_rollouts: int = 0
+    realigns: int = 0
+    truncated: int = 0
+    mismatched_calls: int = 0
+    late_rollouts: int = 0
+    dropped_by_reason: Counter = field(default_factory=Counter)
     pending: set[str] = field(default_factory=set)
 
 
 def trace_to_call(trace: Trace) -> tuple[Call | None, str | None]:
-    """A recorded call as merge input, or the reason it cannot be trained on."""
+    """A recorded call as merge input, or the reason it cannot be trained on.
+
+    Text is never re-tokenised: a call without the engine's token ids (a harness that bypassed the
+    gateway, an upstream that is not vLLM, an API the gateway could not translate) is rejected.
+    """
     if trace.status != "ok":
         return None, "error"
     if not trace.prompt_token_ids or not trace.response_token_ids:
         return None, "missing_token_ids"
     if len(trace.response_logprobs) != len(trace.response_token_ids):
         return None, "missing_logprobs"
+    try:
+        logprobs = [float(x) for x in trace.response_logprobs]
+    except (TypeError, ValueError):
+        return None, "bad_logprobs"
+    if not all(math.isfinite(x) for x in logprobs):
+        return None, "bad_logprobs"
     return Call(call_id=trace.call_id, prompt_token_ids=list(trace.prompt_token_ids),
-                response_token_ids=list(trace.response_token_ids),
-                response_logprobs=[float(x) for x in trace.response_logprobs],
+                response_token_ids=list(trace.response_token_ids), response_logprobs=logprobs,
                 weight_version=int(trace.weight_version), status="ok"), None
 
 
-def build_samples(rollout: dict, advantage: float) -> list[SampleRecord]:
-    """Broadcast the rollout's advantage to every trainable token of every one of its sequences."""
+def advantage_scale(returns: torch.Tensor, estimator: str, eps: float = 1e-6) -> float:
+    """d(advantage)/d(return) of ``group_advantages``: every estimator is ``scale * (r - mean)``."""
+    g = returns.shape[0]
+    if g <= 1:
+        return 0.0
+    if estimator == "grpo":
+        std = float(returns.to(torch.float64).std(correction=1))
+        # A zero-variance group has all-zero advantages; 1/eps must not amplify per-call deviations.
+        return 0.0 if std == 0.0 else 1.0 / (std + eps)
+    if estimator == "rloo":
+        return g / (g - 1)
+    return 1.0
+
+
+def token_advantages(seq: dict, advantage: float, scale: float = 0.0, unit_return: float = 0.0) -> list[float]:
+    """Per-token advantages of one merged sequence.
+
+    Without per-call returns every sampled token gets the unit's advantage. With them (``spans`` /
+    ``returns``), the tokens of each call get ``advantage + scale * (G_call - unit_return)``: the same
+    affine map of the return the estimator applied to the unit, evaluated at that call's return-to-go.
+    """
+    mask = seq["loss_mask"]
+    if "spans" not in seq or scale == 0.0:
+        return [advantage if m else 0.0 for m in mask]
+    out = [0.0] * len(mask)
+    for (a, b), g in zip(seq["spans"], seq["returns"], strict=True):
+        v = advantage + scale * (g - unit_return)
+        out[a:b] = [v] * (b - a)
+    return out
+
+
+def build_samples(rollout: dict, advantage: float | list[float], scale: float = 0.0,
+                  unit_returns: list[float] | None = None) -> list[SampleRecord]:
+    """The rollout's samples: its advantage broadcast to every trainable token of every sequence.
+
+    ``advantage`` is one value for the rollout (rollout level) or one per sequence (sample level);
+    ``scale`` / ``unit_returns`` turn on per-call returns (see ``token_advantages``).
+    """
     seqs = rollout["sequences"]
+    advs = advantage if isinstance(advantage, list) else [advantage] * len(seqs)
+    rets = unit_returns if unit_returns is not None else [0.0] * len(seqs)
     return [
         SampleRecord(
             rollout_id=rollout["rollout_id"], group_id=rollout["group_id"], task_id=rollout["task_id"],
             sequence_index=i, token_ids=s["token_ids"], loss_mask=s["loss_mask"],
-            rollout_logprobs=s["logprobs"], advantages=[advantage if m else 0.0 for m in s["loss_mask"]],
+            rollout_logprobs=s["logprobs"], advantages=token_advantages(s, float(a), scale, float(u)),
             reward=float(rollout["reward"]), weight_version=int(s["weight_version"]),
             rollout_sequences=len(seqs),
         )
-        for i, s in enumerate(seqs)
+        for i, (s, a, u) in enumerate(zip(seqs, advs, rets, strict=True))
     ]
+
+
+def _dumps(obj: Any) -> str:
+    return orjson.dumps(obj).decode()
 
 
 class Merger:
@@ -89,47 +220,117 @@ class Merger:
         self.cfg = cfg
         self.submit = submit
         self.counts = MergerCounts()
+        self._resolve_lock = asyncio.Lock()
 
-    async def load_traces(self, rollout_id: str) -> list[Trace]:
+    # ------------------------------------------------------------------ load + merge
+
+    async def load_records(self, rollout_id: str) -> list[dict[str, Any]]:
+        """The rollout's recorded traces as stored (dicts), in call order."""
         ids = await self.r.lrange(self.keys.rollout_calls(rollout_id), 0, -1)
         pipe = self.r.pipeline(transaction=False)
         for eid in ids:
             pipe.xrange(self.keys.traces, min=eid, max=eid)
-        traces = []
+        out = []
         for items in await pipe.execute():
             for _, fields in items:
-                traces.append(Trace.from_dict(broker.decode(fields)))
-        return traces
+                out.append(broker.decode(fields))
+        return out
 
-    async def merge_rollout(self, event: RolloutEvent, meta: dict) -> dict:
+    async def load_traces(self, rollout_id: str) -> list[Trace]:
+        return [Trace.from_dict(d) for d in await self.load_records(rollout_id)]
+
+    def merge_records(self, event: RolloutEvent, records: list[dict[str, Any]], meta: dict) -> dict:
+        """Pure part of ``merge_rollout``: recorded traces in, the merged rollout (JSON-able) out."""
+        cfg = self.cfg
         calls: list[Call] = []
-        for trace in await self.load_traces(event.rollout_id):
-            call, reason = trace_to_call(trace)
+        call_reward: dict[str, float] = {}
+        dropped: Counter = Counter()
+        for d in records:
+            call, reason = trace_to_call(Trace.from_dict(d))
             if call is None:
-                DROPPED.labels(reason).inc()
-                self.counts.calls_dropped += 1
-                if reason != "error":
-                    log.warning("rollout %s call %s not trainable: %s", event.rollout_id, trace.call_id, reason)
+                dropped[reason] += 1
                 continue
             calls.append(call)
-        seqs, stats = merge_calls(calls, mode=self.cfg.mode, max_seq_len=self.cfg.max_seq_len)
-        FORKS.inc(stats.forks)
-        self.counts.forks += stats.forks
-        return {
+            if cfg.call_rewards and d.get("reward") is not None:
+                call_reward[call.call_id] = float(d["reward"])
+        seqs, stats = merge_calls(calls, mode=cfg.mode, strip_tail=cfg.strip_tail, realign_max=cfg.realign_max,
+                                  max_seq_len=cfg.max_seq_len, max_prompt_len=cfg.max_prompt_len,
+                                  overlong=cfg.overlong)
+        dropped.update(stats.dropped())
+        out_seqs = [{"token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
+                     "weight_version": s.min_weight_version, "truncated": s.truncated} for s in seqs]
+        merged: dict[str, Any] = {
             "rollout_id": event.rollout_id, "group_id": event.group_id, "task_id": event.task_id,
             "status": event.status if seqs or event.status != "completed" else "empty",
             "reward": event.reward, "eval": bool(meta.get("eval")),
-            "sequences": [
-                {"token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
-                 "weight_version": s.min_weight_version}
-                for s in seqs
-            ],
-            "forks": stats.forks, "calls": stats.calls_in,
+            "sequences": out_seqs,
+            "forks": stats.forks, "calls": len(records),
+            "realigns": stats.realigns, "truncated": stats.truncated,
+            "mismatched_calls": stats.mismatched_calls,
+            "dropped_calls": dict(dropped),
+            "mismatches": [dict(compact_mismatch(m), rollout_id=event.rollout_id) for m in stats.mismatches],
         }
+        if cfg.per_call_returns and calls:
+            # Return-to-go over the rollout's calls in call order; the outcome reward lands on the last.
+            order = [c.call_id for c in calls]
+            rewards = [call_reward.get(cid, 0.0) for cid in order]
+            rewards[-1] += float(event.reward or 0.0)
+            g = dict(zip(order, discounted_call_rewards(rewards, cfg.turn_discount).tolist(), strict=True))
+            pos = {cid: i for i, cid in enumerate(order)}
+            for s, out in zip(seqs, out_seqs, strict=True):
+                out["spans"] = [list(x) for x in s.response_spans]
+                out["returns"] = [g[cid] for cid in s.call_ids]
+                out["return"] = out["returns"][0]
+            if seqs:
+                first = min((cid for s in seqs for cid in s.call_ids), key=pos.__getitem__)
+                merged["return"] = g[first]
+        return merged
+
+    async def merge_rollout(self, event: RolloutEvent, meta: dict) -> dict:
+        t0 = time.perf_counter()
+        merged = self.merge_records(event, await self.load_records(event.rollout_id), meta)
+        MERGE_SECONDS.observe(time.perf_counter() - t0)
+        c = self.counts
+        dropped = merged["dropped_calls"]
+        for reason, n in dropped.items():
+            DROPPED.labels(reason).inc(n)
+            c.dropped_by_reason[reason] += n
+        c.calls_dropped += sum(dropped.values())
+        untrainable = {k: v for k, v in dropped.items() if k not in ("error", "retried")}
+        if untrainable:
+            log.warning("rollout %s: %d call(s) not trained on: %s%s", event.rollout_id, sum(untrainable.values()),
+                        ", ".join(f"{k}={v}" for k, v in sorted(untrainable.items())),
+                        " (calls without the engine's token ids are never re-tokenised: route the harness "
+                        "through the gateway to a vLLM upstream)" if "missing_token_ids" in untrainable else "")
+        FORKS.inc(merged["forks"])
+        c.forks += merged["forks"]
+        MISMATCHES.inc(merged["mismatched_calls"])
+        c.mismatched_calls += merged["mismatched_calls"]
+        REALIGNS.inc(merged["realigns"])
+        c.realigns += merged["realigns"]
+        if merged["truncated"]:
+            TRUNCATED.inc(merged["truncated"])
+            c.truncated += merged["truncated"]
+            log.warning("rollout %s: %d sequence(s) truncated to max_seq_len=%s (trained, flagged)",
+                        event.rollout_id, merged["truncated"], self.cfg.max_seq_len)
+        n_seqs = len(merged["sequences"])
+        if merged["status"] == "completed":
+            SEQS_PER_ROLLOUT.observe(n_seqs)
+            if n_seqs == 1:
+                SINGLE.inc()
+                c.single_sequence_rollouts += 1
+        for i, m in enumerate(merged["mismatches"]):
+            await broker.publish_once(self.r, self.keys, mismatch_stream(self.keys),
+                                      f"mismatch:{event.rollout_id}:{i}",
+                                      dict(m, group_id=event.group_id, task_id=event.task_id, time=time.time()),
+                                      maxlen=MISMATCH_STREAM_MAXLEN)
+        return merged
+
+    # ------------------------------------------------------------------ groups
 
     async def handle_event(self, event: RolloutEvent) -> None:
         raw_meta = await self.r.hget(self.keys.rollout(event.rollout_id), "metadata")
-        meta = json.loads(raw_meta) if raw_meta else {}
+        meta = orjson.loads(raw_meta) if raw_meta else {}
         if event.status == "completed":
             merged = await self.merge_rollout(event, meta)
         else:
@@ -138,38 +339,76 @@ class Merger:
         ROLLOUTS.labels(merged["status"]).inc()
         self.counts.rollouts_merged += 1
         gkey = self.keys.group(event.group_id)
-        await self.r.hset(gkey, event.rollout_id, json.dumps(merged, separators=(",", ":")))
-        if await self.r.hlen(gkey) >= event.group_size:
+        await self.r.hset(gkey, event.rollout_id, _dumps(merged))
+        if await self.r.exists(self.keys.group_done(event.group_id)):
+            LATE.inc()
+            self.counts.late_rollouts += 1
+            log.info("rollout %s arrived after group %s was resolved", event.rollout_id, event.group_id)
+        elif await self.r.hlen(gkey) >= event.group_size:
             await self.resolve_group(event.group_id)
-            self.counts.pending.discard(event.group_id)
         else:
+            await self.r.zadd(pending_groups(self.keys), {event.group_id: time.time()}, nx=True)
             self.counts.pending.add(event.group_id)
         PENDING.set(len(self.counts.pending))
 
-    async def resolve_group(self, group_id: str) -> None:
-        if await self.r.exists(self.keys.group_done(group_id)):
-            return
-        rollouts = [json.loads(v) for v in (await self.r.hgetall(self.keys.group(group_id))).values()]
+    async def resolve_group(self, group_id: str, timed_out: bool = False) -> None:
+        async with self._resolve_lock:
+            if not await self.r.exists(self.keys.group_done(group_id)):
+                await self._resolve(group_id, timed_out)
+            await self.r.zrem(pending_groups(self.keys), group_id)
+            self.counts.pending.discard(group_id)
+            PENDING.set(len(self.counts.pending))
+
+    async def _resolve(self, group_id: str, timed_out: bool) -> None:
+        cfg = self.cfg
+        rollouts = [orjson.loads(v) for v in (await self.r.hgetall(self.keys.group(group_id))).values()]
         rollouts.sort(key=lambda x: x["rollout_id"])
         ok = [x for x in rollouts if x["status"] == "completed" and x["reward"] is not None]
         rewards = torch.tensor([float(x["reward"]) for x in ok], dtype=torch.float32)
+        dropped: Counter = Counter()
+        for x in rollouts:
+            dropped.update(x.get("dropped_calls", {}))
+        examples = [m for x in rollouts for m in x.get("mismatches", [])][:MISMATCHES_PER_GROUP]
         result = {"group_id": group_id, "rollouts": len(rollouts), "completed": len(ok),
                   "rewards": rewards.tolist(), "eval": any(x["eval"] for x in rollouts),
                   "sequences": sum(len(x["sequences"]) for x in ok),
-                  "forks": sum(x.get("forks", 0) for x in ok), "finished_at": time.time()}
+                  "forks": sum(x.get("forks", 0) for x in ok),
+                  "single_sequence_rollouts": sum(len(x["sequences"]) == 1 for x in ok),
+                  "realigns": sum(x.get("realigns", 0) for x in ok),
+                  "truncated": sum(x.get("truncated", 0) for x in ok),
+                  "mismatched_calls": sum(x.get("mismatched_calls", 0) for x in rollouts),
+                  "dropped_calls": dict(dropped), "mismatches": examples, "timed_out": timed_out,
+                  "finished_at": time.time()}
+
+        # Units of the baseline: rollouts (default) or sequences (sample level, biased when rollouts fork).
+        if cfg.advantage_level == "rollout":
+            units = [(x, None) for x in ok]
+            returns = [float(x.get("return", x["reward"])) for x in ok]
+        else:
+            units = [(x, i) for x in ok for i in range(len(x["sequences"]))]
+            returns = [float(x["sequences"][i].get("return", x["reward"])) for x, i in units]
+        unit_returns = torch.tensor(returns, dtype=torch.float32)
         if result["eval"]:
             outcome = "eval"
         elif len(ok) < 2:
             outcome = "too_few"
-        elif self.cfg.filter_zero_variance and float(rewards.max() - rewards.min()) == 0.0:
+        elif cfg.filter_zero_variance and (len(returns) == 0 or float(unit_returns.max() - unit_returns.min()) == 0.0):
             outcome = "filtered"
         else:
             outcome = "trained"
         samples: list[SampleRecord] = []
         if outcome == "trained":
-            advantages = group_advantages(rewards, self.cfg.estimator)
-            for rollout, adv in zip(ok, advantages.tolist(), strict=True):
-                samples.extend(build_samples(rollout, float(adv)))
+            adv = group_advantages(unit_returns, cfg.estimator).tolist()
+            scale = advantage_scale(unit_returns, cfg.estimator) if cfg.per_call_returns else 0.0
+            per_rollout: dict[str, tuple[list[float], list[float]]] = {}
+            for (x, _), a, g in zip(units, adv, returns, strict=True):
+                advs, rets = per_rollout.setdefault(x["rollout_id"], ([], []))
+                n = 1 if cfg.advantage_level == "sample" else len(x["sequences"])
+                advs.extend([a] * n)
+                rets.extend([g] * n)
+            for x in ok:
+                advs, rets = per_rollout.get(x["rollout_id"], ([], []))
+                samples.extend(build_samples(x, advs, scale, rets))
             for i, s in enumerate(samples):
                 await broker.publish_once(self.r, self.keys, self.keys.samples, f"sample:{group_id}:{i}",
                                           s.to_dict())
@@ -177,32 +416,68 @@ class Merger:
             self.counts.groups_emitted += 1
             self.counts.sequences += len(samples)
             SEQUENCES.inc(len(samples))
+            trainable = sum(sum(s.loss_mask) for s in samples)
+            TOKENS.labels("trainable").inc(trainable)
+            TOKENS.labels("context").inc(sum(len(s.token_ids) for s in samples) - trainable)
         elif outcome == "filtered":
             self.counts.groups_filtered += 1
+        if timed_out:
+            self.counts.groups_timed_out += 1
+            GROUPS_TIMED_OUT.inc()
         result.update(outcome=outcome, samples=len(samples),
                       tokens=sum(len(s.token_ids) for s in samples),
                       min_weight_version=min((s.weight_version for s in samples), default=-1))
         await broker.publish_once(self.r, self.keys, self.keys.group_results, f"group:{group_id}", result)
         await self.r.set(self.keys.group_done(group_id), outcome)
         GROUPS.labels(outcome).inc()
-        log.info("group %s: %s (%d rollouts, rewards %s, %d samples)", group_id, outcome, len(rollouts),
-                 [round(x, 3) for x in result["rewards"]], len(samples))
+        log.info("group %s: %s%s (%d rollouts, rewards %s, %d samples, %d/%d single-sequence)", group_id, outcome,
+                 " at its deadline" if timed_out else "", len(rollouts), [round(x, 3) for x in result["rewards"]],
+                 len(samples), result["single_sequence_rollouts"], len(ok))
+
+    async def check_deadlines(self, now: float | None = None) -> int:
+        """Resolve the groups whose first rollout was merged over ``group_timeout_s`` ago."""
+        if self.cfg.group_timeout_s <= 0:
+            return 0
+        cutoff = (time.time() if now is None else now) - self.cfg.group_timeout_s
+        due = await self.r.zrangebyscore(pending_groups(self.keys), "-inf", cutoff)
+        for gid in due:
+            log.warning("group %s: deadline of %.0fs passed; resolving with the rollouts that reported", gid,
+                        self.cfg.group_timeout_s)
+            await self.resolve_group(gid, timed_out=True)
+        return len(due)
+
+    async def _deadline_loop(self) -> None:
+        interval = min(max(self.cfg.group_timeout_s / 4, 0.05), 5.0)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.check_deadlines()
+            except (grpc.aio.AioRpcError, ConnectionError, OSError) as exc:
+                log.warning("deadline check failed (%s); retrying in %.1fs", exc, interval)
+
+    # ------------------------------------------------------------------ consume
 
     async def run(self, consumer: str = "merger-0") -> None:
         stream = self.keys.rollout_events
         await broker.ensure_group(self.r, stream, "merger")
-        while True:
-            for entry_id, record in await broker.read_group(self.r, stream, "merger", consumer):
-                try:
-                    event = RolloutEvent.from_dict(record)
-                    if event.status not in ("completed", "failed") or event.group_size < 1:
-                        raise ValueError(f"unexpected rollout event {record}")
-                except (ValueError, KeyError, TypeError) as exc:
-                    await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record)
+        ticker = asyncio.create_task(self._deadline_loop()) if self.cfg.group_timeout_s > 0 else None
+        try:
+            while True:
+                for entry_id, record in await broker.read_group(self.r, stream, "merger", consumer):
+                    try:
+                        event = RolloutEvent.from_dict(record)
+                        if event.status not in ("completed", "failed") or event.group_size < 1:
+                            raise ValueError(f"unexpected rollout event {record}")
+                    except (ValueError, KeyError, TypeError) as exc:
+                        await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record)
+                        await self.r.xack(stream, "merger", entry_id)
+                        continue
+                    await self.handle_with_retry(event)
                     await self.r.xack(stream, "merger", entry_id)
-                    continue
-                await self.handle_with_retry(event)
-                await self.r.xack(stream, "merger", entry_id)
+        finally:
+            if ticker is not None:
+                ticker.cancel()
+                await asyncio.gather(ticker, return_exceptions=True)
 
     async def handle_with_retry(self, event: RolloutEvent) -> None:
         # The trainer may be restarting: keep the event unacknowledged and retry; every step of
