@@ -5,19 +5,23 @@ event loop thread.
 The look-alike serves /v1/chat/completions and /v1/completions (both streaming or not, with
 `return_token_ids`), /tokenize and /v1/models. The last user text steers it:
   "sleep:<s>"       answer after <s> seconds
+  "hold:<s>"        answer after <s> seconds unless the client hangs up first (then record an abort)
   "upstream-400"    answer vLLM's flat 400 error shape
   "slow-stream"     stream one token every 0.3 s
   "use-tool"        call the first tool given (finish_reason "tool_calls")
   "text-then-tool"  say a few words, then call the first tool
   "stream-error"    stream one chunk, then vLLM's in-stream error event
 A request with `stop` ends with vLLM's stop_reason set to its first stop string; `max_tokens` below
-the answer's length cuts it (finish_reason "length").
+the answer's length cuts it (finish_reason "length"). Knobs on the server: `fail_next` (answer that
+many POSTs with vLLM's 500), `health_status` (what GET /health answers); `aborted` lists the requests
+whose client (the gateway) hung up before the answer was complete ("hold" or "stream").
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import select
 import socket
 import threading
 import time
@@ -94,6 +98,7 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
     def setup(self) -> None:
         super().setup()
         self.connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.server.conns.add(self.connection)  # type: ignore[attr-defined]
 
     def log_message(self, *args) -> None:
         pass
@@ -107,12 +112,38 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
+        if self.path == "/health":
+            status = self.server.health_status  # type: ignore[attr-defined]
+            self._send(status, {} if status == 200 else {"error": "unhealthy"})
+            return
         self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    def _client_left_within(self, seconds: float) -> bool:
+        """Wait up to `seconds`; True as soon as the client closes its side."""
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            readable, _, _ = select.select([self.connection], [], [], min(left, 0.05))
+            if readable:
+                try:
+                    if self.connection.recv(1, socket.MSG_PEEK) == b"":
+                        return True
+                except OSError:
+                    return True
+        return False
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["content-length"])))
         self.server.requests.append(body)  # type: ignore[attr-defined]
         self.server.paths.append(self.path)  # type: ignore[attr-defined]
+        if self.server.fail_next > 0 and self.path != "/tokenize":  # type: ignore[attr-defined]
+            self.server.fail_next -= 1  # type: ignore[attr-defined]
+            self._send(500, {"error": {"message": "engine overloaded", "type": "InternalServerError", "param": None,
+                                       "code": 500}})
+            return
+        if _last_text(body).startswith("hold:"):
+            if self._client_left_within(float(_last_text(body).split(":")[1])):
+                self.server.aborted.append("hold")  # type: ignore[attr-defined]
+                return
         if self.path == "/tokenize":
             self._send(200, {"count": len(PROMPT_IDS), "max_model_len": 512, "tokens": PROMPT_IDS,
                              "token_strs": None})
@@ -218,20 +249,23 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
             event({"error": {"message": "engine died", "type": "InternalServerError", "param": None, "code": 500}})
             self._end_stream(event)
             return
-        for k in range(plan.n_tokens):
-            if slow:
-                time.sleep(0.3)
-            last = k == plan.n_tokens - 1
-            for i in range(n):
-                lp = {"content": [_chat_logprob(k, TOKENS[k])]}
-                delta: dict[str, Any] = {"content": TOKENS[k]}
-                if k >= plan.prefix and plan.tool_name:
-                    delta = {"tool_calls": [self._tool_piece(k - plan.prefix, plan)]}
-                event({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp,
-                                            "finish_reason": plan.finish if last else None,
-                                            "stop_reason": plan.stop_reason if last else None,
-                                            "token_ids": [choice_ids(i)[k]]}]})
-        self._end_stream(event)
+        try:
+            for k in range(plan.n_tokens):
+                if slow:
+                    time.sleep(0.3)
+                last = k == plan.n_tokens - 1
+                for i in range(n):
+                    lp = {"content": [_chat_logprob(k, TOKENS[k])]}
+                    delta: dict[str, Any] = {"content": TOKENS[k]}
+                    if k >= plan.prefix and plan.tool_name:
+                        delta = {"tool_calls": [self._tool_piece(k - plan.prefix, plan)]}
+                    event({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp,
+                                                "finish_reason": plan.finish if last else None,
+                                                "stop_reason": plan.stop_reason if last else None,
+                                                "token_ids": [choice_ids(i)[k]]}]})
+            self._end_stream(event)
+        except OSError:  # the gateway hung up: what vLLM sees as an abort
+            self.server.aborted.append("stream")  # type: ignore[attr-defined]
 
     @staticmethod
     def _tool_piece(j: int, plan: _Plan) -> dict:
@@ -250,6 +284,10 @@ class FakeVLLM(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), FakeVLLMHandler)
         self.requests: list[dict] = []
         self.paths: list[str] = []
+        self.aborted: list[str] = []
+        self.fail_next = 0
+        self.health_status = 200
+        self.conns: set[socket.socket] = set()
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
 
     @property
@@ -266,6 +304,15 @@ class FakeVLLM(ThreadingHTTPServer):
     def __exit__(self, *exc) -> None:
         self.shutdown()
         self.server_close()
+
+    def kill(self) -> None:
+        """Stop as a crashed vLLM would: listening socket and every open connection closed."""
+        self.__exit__(None, None, None)
+        for conn in list(self.conns):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
 
 # --- the gateway in-process -------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The admission gate: pause/drain around weight pushes, the in-flight count, and the weight version
 every admitted call is recorded with (vLLM 0.32 cannot tell which version served a call, so the
 gateway knows it by construction: admission is paused around every push, the version is read at
-admission).
+admission; when weights change without a pause, a call records the version at its end as well, and
+its tokens come from somewhere in [weight_version, weight_version_end]).
 
 Also tracks, per rollout, calls between authentication and their trace being recorded, so that
 completing a rollout can wait for them. In-memory and single-loop: every method runs on the gateway's
@@ -111,9 +112,17 @@ class Admission:
         return self.in_flight == 0
 
     def resume(self, weight_version: int) -> None:
+        """Open admission at `weight_version`. While not paused this only sets the version: the
+        disaggregated scheduler pushes weights without pausing, and calls in flight then record the
+        version at their end too (Trace `weight_version_end`)."""
         if weight_version < self.weight_version:
             log.warning("weight version goes back from %d to %d", self.weight_version, weight_version)
+        was_paused = self.paused
         self.weight_version = weight_version
         self.paused = False
         self._open.set()
-        log.info("admission resumed at weight version %d", weight_version)
+        if was_paused:
+            log.info("admission resumed at weight version %d", weight_version)
+        else:
+            log.info("weight version now %d (admission was open; %d call(s) in flight)", weight_version,
+                     self.in_flight)

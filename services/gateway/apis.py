@@ -43,7 +43,7 @@ class Relay(Protocol):
 
     capture: StreamCapture
 
-    def chunk(self, data: str, chunk: dict[str, Any]) -> list[bytes]: ...
+    def chunk(self, data: bytes, chunk: dict[str, Any]) -> list[bytes]: ...  # data: the event's JSON
 
     def done(self) -> list[bytes]: ...
 
@@ -76,10 +76,10 @@ class OpenAIRelay:
         self.rename = rename
         self.passthrough = req.wants_logprobs and req.wants_token_ids and not rename
 
-    def chunk(self, data: str, chunk: dict[str, Any]) -> list[bytes]:
+    def chunk(self, data: bytes, chunk: dict[str, Any]) -> list[bytes]:
         self.capture.feed(chunk)
         if self.passthrough:
-            return [b"data: " + data.encode() + b"\n\n"]
+            return [b"data: " + data + b"\n\n"]
         strip_vllm_fields(chunk, self.req.wants_logprobs, self.req.wants_token_ids)
         if self.rename and "model" in chunk:
             chunk["model"] = self.served_model

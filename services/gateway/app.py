@@ -1,16 +1,19 @@
-"""HTTP routes of the gateway: translate wire <-> the proxy and the rollout registry, and answer every
-error through exception handlers, in OpenAI's shape (Anthropic's on /v1/messages...). No logic lives
-here.
+"""HTTP routes of the gateway: translate wire <-> the proxy, the rollout registry and the sessions,
+and answer every error in OpenAI's shape (Anthropic's on /v1/messages...). No logic lives here.
 
-The API routes (chat/completions, completions, messages, messages/count_tokens, responses, models)
-answer under /v1/... and under /rollouts/{rollout_id}/v1/..., for harnesses that can be given a base
-URL but not a per-rollout key; the key is still required there and must belong to that rollout.
+The API routes agents call (chat/completions, completions, messages, responses) answer under /v1/...
+and under /rollouts/{rollout_id}/v1/..., for harnesses that can be given a base URL but not a
+per-rollout key; the key is still required there and must belong to that rollout. They are plain
+ASGI (`CallRoutes`), in front of the FastAPI app that serves everything else: every call crosses
+them, and FastAPI's routing, dependency solving and middleware stack cost more per call than all
+the gateway's own work. While a call waits on vLLM, its route watches for the client leaving and
+then aborts the upstream request (streaming or not).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -18,17 +21,18 @@ from typing import Any
 import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from prometheus_client import CONTENT_TYPE_LATEST, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tether.gateway import metrics as m
 from tether.gateway.admission import Admission
 from tether.gateway.apis import Api, ChatApi, CompletionsApi, MessagesApi, ResponsesApi
 from tether.gateway.capture import ApiError, error_body, load_json_object
 from tether.gateway.messages import anthropic_error_body
-from tether.gateway.proxy import Proxy, StreamSession
+from tether.gateway.proxy import CallHandle, ClientGone, Proxy, StreamSession
 from tether.gateway.rollouts import (
     COMPLETED,
     FAILED,
@@ -37,37 +41,45 @@ from tether.gateway.rollouts import (
     parse_reason,
     parse_reward,
 )
+from tether.gateway.routing import ReplicaPool
+from tether.gateway.sessions import Sessions
 
 log = logging.getLogger(__name__)
 
-REQUESTS = Counter("tether_gateway_requests_total", "HTTP requests", ["route", "status"])
-LATENCY = Histogram("tether_gateway_request_latency_seconds", "HTTP request latency", ["route"],
-                    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-ERRORS = Counter("tether_gateway_errors_total", "Error answers", ["status", "code"])
-IN_FLIGHT = Gauge("tether_gateway_in_flight", "Calls admitted and not yet recorded")
-PAUSED = Gauge("tether_gateway_admission_paused", "1 while admission is paused")
-WEIGHT_VERSION = Gauge("tether_gateway_weight_version", "Weight version new calls are recorded with")
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
+                (b"x-accel-buffering", b"no")]
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(data), status_code=status, headers=headers, media_type="application/json")
 
 
-_MESSAGES_PATH = re.compile(r"/v1/messages(/|$)")
+def _is_messages(path: str) -> bool:
+    return path.endswith("/v1/messages") or "/v1/messages/" in path
+
+
+def error_payload(path: str, status: int, message: str, type: str, code: str | None = None,
+                  param: str | None = None) -> bytes:
+    """An error body in the dialect of the route: Anthropic's on /v1/messages..., OpenAI's elsewhere."""
+    m.child(m.ERRORS, str(status), code or "").inc()
+    if _is_messages(path):
+        return orjson.dumps(anthropic_error_body(status, message))
+    return orjson.dumps(error_body(message, type, code, param))
 
 
 def _error(request: Request, status: int, message: str, type: str, code: str | None = None,
            param: str | None = None, headers: dict[str, str] | None = None) -> Response:
-    ERRORS.labels(str(status), code or "").inc()
-    if _MESSAGES_PATH.search(request.url.path):
-        return _json(anthropic_error_body(status, message), status, headers)
-    return _json(error_body(message, type, code, param), status, headers)
+    body = error_payload(request.url.path, status, message, type, code, param)
+    return Response(body, status_code=status, headers=headers, media_type="application/json")
 
 
 def _bearer(request: Request) -> str | None:
     auth = request.headers.get("authorization")
-    if not auth:
-        return None
+    return _bearer_of(auth) if auth else None
+
+
+def _bearer_of(auth: str) -> str | None:
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer":
         return None
@@ -92,23 +104,8 @@ async def _read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-class RecordedStream(StreamingResponse):
-    """SSE relay whose trace is recorded however the response ends (even if never started)."""
-
-    def __init__(self, session: StreamSession) -> None:
-        super().__init__(session.body(), media_type="text/event-stream",
-                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
-        self.session = session
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.session.finish_soon()
-
-
 class MetricsMiddleware:
-    """Requests by route template and status, and latency (pure ASGI: no per-request task)."""
+    """Requests by route template and status, and latency, for the FastAPI routes (pure ASGI)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -130,19 +127,183 @@ class MetricsMiddleware:
         finally:
             route = scope.get("route")
             label = getattr(route, "path", None) or "unmatched"
-            REQUESTS.labels(label, str(status[0])).inc()
-            LATENCY.labels(label).observe(time.perf_counter() - t0)
+            m.child(m.REQUESTS, label, str(status[0]), "").inc()
+            m.child(m.LATENCY, label).observe(time.perf_counter() - t0)
 
 
-def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, admission: Admission,
-               redis_ping: Callable[[], Awaitable[Any]], served_model: str, public_url: str,
-               default_group_size: int, max_body_bytes: int, retry_after_s: int) -> FastAPI:
+class CallRoutes:
+    """The API routes agents call, as plain ASGI in front of `fallback` (the FastAPI app)."""
+
+    def __init__(self, fallback: ASGIApp, proxy: Proxy, apis: dict[str, Api], max_body_bytes: int,
+                 retry_after_s: int) -> None:
+        self.fallback = fallback
+        self.proxy = proxy
+        self.apis = apis  # "/chat/completions" -> Api
+        self.max_body_bytes = max_body_bytes
+        self.retry_after_s = retry_after_s
+        self._plain = {f"/v1{p}": (api, f"/v1{p}") for p, api in apis.items()}
+        self._for_rollout = {f"/v1{p}": (api, f"/rollouts/{{rollout_id}}/v1{p}") for p, api in apis.items()}
+
+    def _match(self, path: str) -> tuple[Api, str, str | None] | None:
+        hit = self._plain.get(path)
+        if hit is not None:
+            return hit[0], hit[1], None
+        if path.startswith("/rollouts/"):
+            rollout_id, sep, rest = path[10:].partition("/")
+            if sep and rollout_id:
+                hit = self._for_rollout.get("/" + rest)
+                if hit is not None:
+                    return hit[0], hit[1], rollout_id
+        return None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            path = scope["path"]
+            hit = self._match(path)
+            if hit is not None:
+                await self._call(scope, receive, send, *hit)
+                return
+        await self.fallback(scope, receive, send)
+
+    async def _call(self, scope: Scope, receive: Receive, send: Send, api: Api, route: str,
+                    rollout_id: str | None) -> None:
+        t0 = time.perf_counter()
+        handle = CallHandle()
+        status = 500
+        try:
+            status = await self._serve(scope, receive, send, api, rollout_id, handle)
+        finally:
+            m.child(m.REQUESTS, route, str(status), handle.replica).inc()
+            m.child(m.LATENCY, route).observe(time.perf_counter() - t0)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, api: Api, rollout_id: str | None,
+                     handle: CallHandle) -> int:
+        path = scope["path"]
+        watcher: asyncio.Task | None = None
+        try:
+            if scope["method"] != "POST":
+                raise ApiError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": "POST"})
+            key, length = _call_headers(scope["headers"])
+            raw = await self._body(receive, length)
+            watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, handle))
+            out = await self.proxy.handle(api, key, raw, rollout_id, handle)
+        except BaseException as exc:
+            if watcher is not None:
+                watcher.cancel()
+            return await self._failed(send, path, scope["method"], exc)
+        if isinstance(out, StreamSession):
+            return await self._stream(send, out, watcher)
+        watcher.cancel()
+        await send({"type": "http.response.start", "status": out.status, "headers": [
+            *_JSON_HEADERS, (b"content-length", b"%d" % len(out.body))]})
+        await send({"type": "http.response.body", "body": out.body})
+        return out.status
+
+    async def _failed(self, send: Send, path: str, method: str, exc: BaseException) -> int:
+        if isinstance(exc, ClientGone):
+            return 499
+        if isinstance(exc, ApiError):
+            return await _send_error(send, path, exc.status, exc.message, exc.type, exc.code, exc.param,
+                                     exc.headers)
+        if isinstance(exc, RedisError):
+            log.error("redis: %r", exc)
+            return await _send_error(send, path, 503, "The gateway's store is unavailable; retry later",
+                                     "server_error", "store_unavailable",
+                                     headers={"Retry-After": str(self.retry_after_s)})
+        if not isinstance(exc, Exception):  # cancellation and exits go on
+            raise exc
+        log.error("unexpected error on %s %s", method, path, exc_info=exc)
+        return await _send_error(send, path, 500, "internal gateway error", "server_error", "internal_error")
+
+    async def _stream(self, send: Send, session: StreamSession, watcher: asyncio.Task | None) -> int:
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            while True:
+                frames = await session.next()
+                if frames is None:
+                    break
+                if frames:
+                    await send({"type": "http.response.body", "body": frames, "more_body": True})
+            if watcher is not None:
+                watcher.cancel()
+                watcher = None
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            await session.finish()
+        finally:
+            if watcher is not None:
+                watcher.cancel()
+            session.finish_soon()  # only if an error left it unfinished
+        return 200
+
+    async def _body(self, receive: Receive, length: int | None) -> bytes:
+        limit = self.max_body_bytes
+        if length is not None and length > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+        msg = await receive()
+        if msg["type"] != "http.request":
+            raise ClientGone()
+        body = msg.get("body", b"")
+        if not msg.get("more_body", False) and len(body) <= limit:
+            return body
+        chunks, size = [body], len(body)
+        while msg.get("more_body", False):
+            msg = await receive()
+            if msg["type"] != "http.request":
+                raise ClientGone()
+            chunk = msg.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+            chunks.append(chunk)
+        if size > limit:
+            raise ApiError(413, f"request body over {limit} bytes", code="request_too_large")
+        return b"".join(chunks)
+
+
+def _call_headers(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, int | None]:
+    """(API key from Bearer or x-api-key, content-length)."""
+    bearer = x_api_key = None
+    length: int | None = None
+    for name, value in headers:
+        if name == b"authorization":
+            bearer = _bearer_of(value.decode("latin-1"))
+        elif name == b"x-api-key":
+            x_api_key = value.decode("latin-1").strip() or None
+        elif name == b"content-length" and value.isdigit():
+            length = int(value)
+    return bearer or x_api_key, length
+
+
+async def _watch_disconnect(receive: Receive, handle: CallHandle) -> None:
+    while True:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            handle.client_gone()
+            return
+
+
+async def _send_error(send: Send, path: str, status: int, message: str, type: str, code: str | None = None,
+                      param: str | None = None, headers: dict[str, str] | None = None) -> int:
+    body = error_payload(path, status, message, type, code, param)
+    raw_headers = [*_JSON_HEADERS, (b"content-length", b"%d" % len(body))]
+    raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
+    await send({"type": "http.response.start", "status": status, "headers": raw_headers})
+    await send({"type": "http.response.body", "body": body})
+    return status
+
+
+def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, admission: Admission,
+               pool: ReplicaPool, redis_ping: Callable[[], Awaitable[Any]], served_model: str, public_url: str,
+               default_group_size: int, max_body_bytes: int, retry_after_s: int) -> ASGIApp:
     app = FastAPI(title="Tether gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(MetricsMiddleware)
     base_url = public_url.rstrip("/") + "/v1"
-    IN_FLIGHT.set_function(lambda: admission.in_flight)
-    PAUSED.set_function(lambda: float(admission.paused))
-    WEIGHT_VERSION.set_function(lambda: admission.weight_version)
+    m.IN_FLIGHT.set_function(lambda: admission.in_flight)
+    m.PAUSED.set_function(lambda: float(admission.paused))
+    m.WEIGHT_VERSION.set_function(lambda: admission.weight_version)
+    for replica in pool.replicas:
+        m.REPLICA_HEALTHY.labels(replica.url).set_function(lambda r=replica: float(r.healthy))
+        m.REPLICA_IN_FLIGHT.labels(replica.url).set_function(lambda r=replica: r.in_flight)
     created = int(time.time())
 
     # --- errors --------------------------------------------------------------------------------
@@ -176,31 +337,16 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, admission: Admission,
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return _error(request, 500, "internal gateway error", "server_error", "internal_error")
 
-    # --- the APIs agents call: /v1/... and /rollouts/{rollout_id}/v1/... -----------------------
-
-    async def call(api: Api, request: Request, rollout_id: str | None) -> Response:
-        raw = await _read_body(request, max_body_bytes)
-        out = await proxy.handle(api, _api_key(request), raw, rollout_id)
-        if isinstance(out, StreamSession):
-            return RecordedStream(out)
-        return Response(out.body, status_code=out.status, media_type="application/json")
-
-    def api_route(path: str, api: Api) -> None:
-        async def plain(request: Request) -> Response:
-            return await call(api, request, None)
-
-        async def for_rollout(rollout_id: str, request: Request) -> Response:
-            return await call(api, request, rollout_id)
-
-        app.add_api_route(f"/v1{path}", plain, methods=["POST"])
-        app.add_api_route(f"/rollouts/{{rollout_id}}/v1{path}", for_rollout, methods=["POST"])
+    # --- the rest of the APIs agents call --------------------------------------------------------
 
     upstream_model = proxy.upstream_model
     messages_api = MessagesApi(served_model, upstream_model)
-    api_route("/chat/completions", ChatApi(served_model, upstream_model))
-    api_route("/completions", CompletionsApi(served_model, upstream_model))
-    api_route("/messages", messages_api)
-    api_route("/responses", ResponsesApi(served_model, upstream_model))
+    apis: dict[str, Api] = {
+        "/chat/completions": ChatApi(served_model, upstream_model),
+        "/completions": CompletionsApi(served_model, upstream_model),
+        "/messages": messages_api,
+        "/responses": ResponsesApi(served_model, upstream_model),
+    }
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str) -> Response:
@@ -252,14 +398,26 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, admission: Admission,
     async def complete_rollout(rollout_id: str, request: Request) -> Response:
         await rollouts.authorize(rollout_id, _bearer(request), open_without_admin=False)
         body = load_json_object(await _read_body(request, max_body_bytes), allow_nan=True)
-        return _json(await rollouts.finish(rollout_id, COMPLETED, reward=parse_reward(body)))
+        out = await rollouts.finish(rollout_id, COMPLETED, reward=parse_reward(body))
+        pool.forget(rollout_id)
+        return _json(out)
 
     @app.post("/v1/rollouts/{rollout_id}/fail")
     async def fail_rollout(rollout_id: str, request: Request) -> Response:
         await rollouts.authorize(rollout_id, _bearer(request), open_without_admin=False)
         raw = await _read_body(request, max_body_bytes)
         reason = parse_reason(load_json_object(raw, allow_nan=True)) if raw.strip() else ""
-        return _json(await rollouts.finish(rollout_id, FAILED, reason=reason))
+        out = await rollouts.finish(rollout_id, FAILED, reason=reason)
+        pool.forget(rollout_id)
+        return _json(out)
+
+    # --- record-only sessions --------------------------------------------------------------------
+
+    @app.post("/v1/sessions/{name}/rewards", status_code=201)
+    async def session_reward(name: str, request: Request) -> Response:
+        sessions.authorize(name, _bearer(request))
+        body = load_json_object(await _read_body(request, max_body_bytes), allow_nan=True)
+        return _json(await sessions.reward(name, body), 201)
 
     # --- operations ----------------------------------------------------------------------------
 
@@ -270,10 +428,10 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, admission: Admission,
         except (RedisError, OSError) as exc:
             return _json({"status": "unavailable", "redis": repr(exc)}, 503)
         return _json({"status": "ok", "paused": admission.paused, "in_flight": admission.in_flight,
-                      "weight_version": admission.weight_version})
+                      "weight_version": admission.weight_version, "replicas": pool.status()})
 
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return CallRoutes(app, proxy, apis, max_body_bytes, retry_after_s)

@@ -203,24 +203,48 @@ def strip_vllm_fields(obj: dict[str, Any], keep_logprobs: bool, keep_token_ids: 
     return obj
 
 
+_NUMBER = (int, float)
+_FLOAT_ONLY = {float}
+_INT_ONLY = {int}
+
+
 def _logprob(value: Any) -> float:
-    return float(value) if isinstance(value, int | float) and not math.isnan(value) else MIN_LOGPROB
+    return float(value) if isinstance(value, _NUMBER) and not math.isnan(value) else MIN_LOGPROB
+
+
+def _clean_logprobs(values: list[Any]) -> list[float]:
+    # Fast path: vLLM sends floats (a null where pydantic rendered inf/nan); checked at C speed, a NaN
+    # anywhere makes the sum NaN.
+    if set(map(type, values)) <= _FLOAT_ONLY and not math.isnan(sum(values)):
+        return values
+    return [_logprob(v) for v in values]
 
 
 def _logprob_values(logprobs: Any) -> list[float]:
     """Sampled-token logprobs of a chat choice: {"content": [{"logprob": ...}, ...]}."""
     content = logprobs.get("content") if isinstance(logprobs, dict) else None
-    return [_logprob(item.get("logprob") if isinstance(item, dict) else None) for item in content or ()]
+    if not content:
+        return []
+    try:
+        values = [item["logprob"] for item in content]
+    except (TypeError, KeyError):
+        return [_logprob(item.get("logprob") if isinstance(item, dict) else None) for item in content]
+    return _clean_logprobs(values)
 
 
 def _completion_logprob_values(logprobs: Any) -> list[float]:
     """Sampled-token logprobs of a completions choice: {"token_logprobs": [...]}."""
     values = logprobs.get("token_logprobs") if isinstance(logprobs, dict) else None
-    return [_logprob(v) for v in values or ()]
+    return _clean_logprobs(values) if isinstance(values, list) else []
 
 
 def _ids(value: Any) -> list[int]:
-    return [int(x) for x in value] if isinstance(value, list) else []
+    """Token ids as ints. vLLM's already are: checked at C speed and kept as they are."""
+    if not isinstance(value, list):
+        return []
+    if set(map(type, value)) <= _INT_ONLY:
+        return value
+    return [int(x) for x in value]
 
 
 @dataclass

@@ -1,6 +1,6 @@
-"""Gateway process: the OpenAI-compatible HTTP server (uvicorn) and the GatewayControl gRPC server in
-one asyncio loop, sharing the admission gate. SIGTERM stops accepting calls, lets in-flight calls
-finish and record, then stops.
+"""Gateway process: the OpenAI-compatible HTTP server (uvicorn, on uvloop) and the GatewayControl gRPC
+server in one asyncio loop, sharing the admission gate, plus the replica health checks. SIGTERM stops
+accepting calls, lets in-flight calls finish and record, then stops.
 
 Run: python -m tether.gateway (settings from TETHER_* environment variables, see GatewaySettings).
 Tests start `GatewayServer` in-process.
@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import socket
 from collections.abc import Iterator
 
 import grpc
+import redis.asyncio as aioredis
 import uvicorn
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
+from redis.exceptions import RedisError
 
 from tether.common import broker
 from tether.common.grpc_server import Health, run_until_signal, start_server
@@ -25,8 +28,12 @@ from tether.common.settings import CommonSettings
 from tether.gateway.admission import Admission
 from tether.gateway.app import create_app
 from tether.gateway.control import SERVICE_NAME, GatewayControlServicer
-from tether.gateway.proxy import Proxy, Upstream
+from tether.gateway.proxy import Proxy
+from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RolloutRegistry
+from tether.gateway.routing import Replica, ReplicaPool
+from tether.gateway.sessions import Sessions, parse_deployment_keys
+from tether.gateway.upstream import UpstreamClient
 from tether.v1 import gateway_pb2_grpc
 
 log = logging.getLogger("tether.gateway")
@@ -35,9 +42,21 @@ _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 class GatewaySettings(CommonSettings):
-    # vLLM's OpenAI server, e.g. http://127.0.0.1:8000 (required).
-    vllm_url: str
+    # vLLM's OpenAI server, e.g. http://127.0.0.1:8000: one replica (vllm_url) or several
+    # (vllm_urls, comma-separated); at least one is required, both may be given.
+    vllm_url: str | None = None
+    vllm_urls: str | None = None
     vllm_api_key: str | None = None
+    # Replicas: GET /health every health_check_s puts a replica back (or takes it out).
+    health_check_s: float = Field(5.0, gt=0)
+    health_timeout_s: float = Field(2.0, gt=0)
+    # Upstream 5xx, timeouts and broken connections are sent again (while nothing reached the client)
+    # up to upstream_retries times, after retry_backoff_s, doubling.
+    upstream_retries: int = Field(2, ge=0)
+    retry_backoff_s: float = Field(0.25, ge=0)
+    upstream_connect_timeout_s: float = Field(10.0, gt=0)
+    # Record-only sessions: "key=session,key2=other" (or one bare key: session "default").
+    deployment_keys: str | None = None
     # The model name agents send; calls naming another model get 404.
     served_model: str = "tether-policy"
     # The name vLLM serves the policy under, when it differs from served_model.
@@ -68,6 +87,32 @@ class GatewaySettings(CommonSettings):
         if v is not None and not v.startswith(("http://", "https://")):
             raise ValueError("must be an http(s):// URL")
         return v.rstrip("/") if v else v
+
+    @field_validator("vllm_urls")
+    @classmethod
+    def _http_urls(cls, v: str | None) -> str | None:
+        for url in (v or "").split(","):
+            if url.strip() and not url.strip().startswith(("http://", "https://")):
+                raise ValueError(f"{url.strip()!r} is not an http(s):// URL")
+        return v
+
+    @field_validator("deployment_keys")
+    @classmethod
+    def _deployment_keys(cls, v: str | None) -> str | None:
+        parse_deployment_keys(v)
+        return v
+
+    @model_validator(mode="after")
+    def _some_replica(self) -> GatewaySettings:
+        if not self.replica_urls:
+            raise ValueError("set vllm_url or vllm_urls (TETHER_VLLM_URL / TETHER_VLLM_URLS)")
+        return self
+
+    @property
+    def replica_urls(self) -> list[str]:
+        """vllm_url then vllm_urls, each once, without a trailing slash."""
+        urls = [self.vllm_url or "", *(self.vllm_urls or "").split(",")]
+        return list(dict.fromkeys(u.strip().rstrip("/") for u in urls if u.strip()))
 
 
 class _Uvicorn(uvicorn.Server):
@@ -103,6 +148,7 @@ class GatewayServer:
         self.grpc_server: grpc.aio.Server | None = None
         self.health: Health | None = None
         self._http_task: asyncio.Task | None = None
+        self._health_task: asyncio.Task | None = None
         self._stopped = False
 
     async def start(self) -> None:
@@ -115,19 +161,33 @@ class GatewayServer:
             log.warning("gateway listens on %s without TETHER_ADMIN_TOKEN: anyone can create rollouts",
                         s.gateway_host)
 
-        self.redis = broker.connect(s.redis_url)
+        # Blocking pool: past its size a command waits for a connection instead of failing (redis-py's
+        # default pool raises at 100). The call path pipelines (recorder.Batcher) and needs few.
+        self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            s.redis_url, decode_responses=True, max_connections=64, timeout=30))
         keys = broker.Keys(s.namespace)
         self.admission = Admission()
-        self.upstream = Upstream(s.vllm_url, s.upstream_timeout_s, s.upstream_max_connections, s.vllm_api_key)
-        self.rollouts = RolloutRegistry(self.redis, keys, self.admission, s.admin_token, s.finish_wait_s)
-        self.proxy = Proxy(upstream=self.upstream, rollouts=self.rollouts, admission=self.admission,
-                           r=self.redis, keys=keys, served_model=s.served_model,
+        self.recorder = Recorder(self.redis, keys)
+        with contextlib.suppress(RedisError, OSError):  # loaded on first use when Redis is not up yet
+            await self.recorder.start()
+        self.pool = ReplicaPool([
+            Replica(url, UpstreamClient(url, s.upstream_timeout_s, s.upstream_max_connections, s.vllm_api_key,
+                                        s.upstream_connect_timeout_s))
+            for url in s.replica_urls])
+        self.rollouts = RolloutRegistry(self.redis, keys, self.admission, s.admin_token, s.finish_wait_s,
+                                        batch=self.recorder.batch)
+        self.sessions = Sessions(parse_deployment_keys(s.deployment_keys), self.redis, keys, self.recorder,
+                                 s.admin_token)
+        self.proxy = Proxy(pool=self.pool, rollouts=self.rollouts, sessions=self.sessions, admission=self.admission,
+                           recorder=self.recorder, keys=keys, served_model=s.served_model,
                            upstream_model=s.upstream_model or s.served_model,
-                           admission_wait_s=s.admission_wait_s, retry_after_s=s.retry_after_s)
-        app = create_app(proxy=self.proxy, rollouts=self.rollouts, admission=self.admission,
-                         redis_ping=self.redis.ping, served_model=s.served_model, public_url=self.public_url,
-                         default_group_size=s.default_group_size, max_body_bytes=s.max_body_bytes,
-                         retry_after_s=s.retry_after_s)
+                           admission_wait_s=s.admission_wait_s, retry_after_s=s.retry_after_s,
+                           max_retries=s.upstream_retries, retry_backoff_s=s.retry_backoff_s)
+        app = create_app(proxy=self.proxy, rollouts=self.rollouts, sessions=self.sessions, admission=self.admission,
+                         pool=self.pool, redis_ping=self.redis.ping, served_model=s.served_model,
+                         public_url=self.public_url, default_group_size=s.default_group_size,
+                         max_body_bytes=s.max_body_bytes, retry_after_s=s.retry_after_s)
+        self._health_task = asyncio.create_task(self.pool.watch(s.health_check_s, s.health_timeout_s))
 
         def register(server: grpc.aio.Server) -> list[str]:
             gateway_pb2_grpc.add_GatewayControlServicer_to_server(GatewayControlServicer(self.admission), server)
@@ -137,9 +197,9 @@ class GatewayServer:
             s.gateway_grpc_port, register, s.gateway_host, s.metrics_port)
         await self.health.set(await self._redis_ok())
 
-        config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None,
-                                log_level=s.log_level.lower(), timeout_graceful_shutdown=s.shutdown_grace_s,
-                                timeout_keep_alive=30)
+        config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, http="httptools",
+                                proxy_headers=False, log_level=s.log_level.lower(),
+                                timeout_graceful_shutdown=s.shutdown_grace_s, timeout_keep_alive=30)
         self._uvicorn = _Uvicorn(config)
         self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
@@ -148,7 +208,8 @@ class GatewayServer:
                 raise RuntimeError("HTTP server stopped during startup")
             await asyncio.sleep(0.01)
         log.info("gateway HTTP on %s:%d (agents use %s/v1), gRPC GatewayControl on %s:%d, vLLM at %s",
-                 s.gateway_host, self.http_port, self.public_url, s.gateway_host, self.grpc_port, s.vllm_url)
+                 s.gateway_host, self.http_port, self.public_url, s.gateway_host, self.grpc_port,
+                 ", ".join(s.replica_urls))
 
     async def _redis_ok(self) -> bool:
         try:
@@ -185,7 +246,11 @@ class GatewayServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._http_task), self.s.shutdown_grace_s + 5)
         await self.proxy.aclose()
-        await self.upstream.aclose()
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._health_task
+        await self.pool.aclose()
         await self.redis.aclose()
 
     async def stop(self, grace: float = 5.0) -> None:
@@ -197,6 +262,7 @@ class GatewayServer:
 async def amain(s: GatewaySettings) -> None:
     gw = GatewayServer(s)
     await gw.start()
+    tune_gc()
     # One line the launcher (or a human) can read the bound ports from.
     print(f"tether-gateway ready http_port={gw.http_port} grpc_port={gw.grpc_port} "
           f"base_url={gw.public_url}/v1", flush=True)
@@ -205,10 +271,30 @@ async def amain(s: GatewaySettings) -> None:
                            on_stop=gw.stop_http)
 
 
+def tune_gc() -> None:
+    """A call allocates thousands of small objects (token id lists, logprob dicts), which triggers the
+    cyclic GC often; each full collection walked every object the process had imported. Freeze what
+    start-up made (never collected again) and collect the young generation less often: the call path
+    makes few cycles."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 50, 100)
+
+
+def run(coro) -> None:
+    """Run on uvloop when installed (uvicorn[standard] brings it): the loop is much of a call's cost."""
+    try:
+        import uvloop
+    except ImportError:
+        asyncio.run(coro)
+        return
+    uvloop.run(coro)
+
+
 def main() -> None:
     s = GatewaySettings()
     setup_logging("gateway", s.log_level)
-    asyncio.run(amain(s))
+    run(amain(s))
 
 
 if __name__ == "__main__":

@@ -459,7 +459,7 @@ class MessagesStream:
         index, self._open = self._open, None
         return [_event("content_block_stop", {"index": index})]
 
-    def chunk(self, data: str, chunk: dict[str, Any]) -> list[bytes]:
+    def chunk(self, data: bytes | str, chunk: dict[str, Any]) -> list[bytes]:
         self.capture.feed(chunk)
         if self._ended:
             return []

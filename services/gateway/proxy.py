@@ -1,87 +1,73 @@
-"""Forwarding one agent call to vLLM and recording it: authenticate the rollout, wait on admission,
-forward with token ids and logprobs requested, record the Trace, hand the agent the normal response.
+"""Forwarding one agent call to vLLM and recording it: identify the caller (a rollout's key or a
+record-only deployment key), wait on admission, pick a replica, forward with token ids and logprobs
+requested (retrying and failing over while nothing has reached the client), record the Trace, hand
+the agent the normal response.
 
 app.py calls `Proxy.handle` with the Api the route speaks (apis.py: chat, completions, Anthropic
-Messages, Responses); it returns a `Reply` (a complete JSON body) or a `StreamSession` (an SSE body
-whose trace is recorded when the stream ends, however it ends).
+Messages, Responses) and a `CallHandle` (through which a client that leaves aborts the upstream
+request); it returns a `Reply` (a complete JSON body) or a `StreamSession` (SSE frames, recorded by
+`finish()` however the stream ends).
+
+Retries: a connect failure takes the replica out and moves the call to another one at once
+(`failovers`); an upstream 5xx, a timeout or a connection that broke before any answer is sent again
+after a backoff (`retries`, at most `max_retries`), to the same replica unless it was taken out. A
+stream is only retried before its first event has been read, so the client never sees a restart.
+Both counts and the replica are recorded in the trace, with the weight version at admission and at
+the end of the call.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
-import httpx
 import orjson
-import redis.asyncio as aioredis
-from prometheus_client import Counter, Histogram
 from redis.exceptions import RedisError
 
 from tether.common import broker
 from tether.common.records import Trace
+from tether.gateway import metrics as m
 from tether.gateway.admission import Admission, AdmissionTimeout
 from tether.gateway.apis import Api, MessagesApi, Relay
 from tether.gateway.capture import ApiError, Captured, build_trace, upstream_error
-from tether.gateway.rollouts import RolloutRegistry
+from tether.gateway.recorder import Recorder
+from tether.gateway.rollouts import RUNNING, RolloutRegistry, unauthorized
+from tether.gateway.routing import Replica, ReplicaPool
+from tether.gateway.sessions import Sessions, session_rollout_id
+from tether.gateway.upstream import Aborted, ConnectFailed, Exchange, UpstreamError, UpstreamTimeout
 
 log = logging.getLogger(__name__)
 
 TOKENIZE_PATH = "/tokenize"
-
-UPSTREAM_LATENCY = Histogram("tether_gateway_upstream_latency_seconds", "Time vLLM took to answer a call",
-                             buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
-PROMPT_TOKENS = Counter("tether_gateway_prompt_tokens_total", "Prompt tokens of recorded calls")
-COMPLETION_TOKENS = Counter("tether_gateway_completion_tokens_total", "Generated tokens of recorded calls")
-TRACES = Counter("tether_gateway_traces_total", "Calls recorded", ["status"])
-UPSTREAM_ERRORS = Counter("tether_gateway_upstream_errors_total", "Calls vLLM failed", ["kind"])
-
-
+CLIENT_GONE = "client went away"
 _TRACE_FIELDS = tuple(f.name for f in fields(Trace))
+_RETRY_STATUS = frozenset((500, 502, 503, 504))
 
 
-def _shallow_dict(trace: Trace) -> dict:
-    # Same JSON as trace.to_dict(), whose dataclasses.asdict deep-copies the request and the id
-    # lists: ~10 ms for a 4k-token call, against ~1 us here.
-    return {name: getattr(trace, name) for name in _TRACE_FIELDS}
+class ClientGone(Exception):
+    """The client disconnected: nothing is left to answer."""
 
 
-class Upstream:
-    """vLLM over HTTP, through one pooled AsyncClient for the whole process."""
+class CallHandle:
+    """What a route and the proxy share about one call: the replica serving it (for metrics) and the
+    way to abort it when the client leaves."""
 
-    def __init__(self, base_url: str, timeout_s: float, max_connections: int, api_key: str | None = None) -> None:
-        headers = {"content-type": "application/json"}
-        if api_key:
-            headers["authorization"] = f"Bearer {api_key}"
-        self.base_url = base_url.rstrip("/")
-        self.client = httpx.AsyncClient(
-            headers=headers, trust_env=False,
-            timeout=httpx.Timeout(timeout_s, connect=min(timeout_s, 10.0)),
-            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
-        )
-        self._urls: dict[str, httpx.URL] = {}
+    __slots__ = ("replica", "gone", "exchange")
 
-    def url(self, path: str) -> httpx.URL:
-        # A parsed absolute URL skips httpx's per-request URL parsing and merging (~75 us a call).
-        url = self._urls.get(path)
-        if url is None:
-            url = self._urls[path] = httpx.URL(self.base_url + path)
-        return url
+    def __init__(self) -> None:
+        self.replica = ""
+        self.gone = False
+        self.exchange: Exchange | None = None
 
-    async def post(self, path: str, content: bytes) -> tuple[int, bytes]:
-        resp = await self.client.post(self.url(path), content=content)
-        return resp.status_code, resp.content
-
-    async def open_stream(self, path: str, content: bytes) -> httpx.Response:
-        request = self.client.build_request("POST", self.url(path), content=content)
-        return await self.client.send(request, stream=True)
-
-    async def aclose(self) -> None:
-        await self.client.aclose()
+    def client_gone(self) -> None:
+        self.gone = True
+        if self.exchange is not None:
+            self.exchange.abort(Aborted(CLIENT_GONE))
 
 
 @dataclass
@@ -90,78 +76,124 @@ class Reply:
     body: bytes
 
 
-@dataclass
 class Call:
     """One call in progress."""
 
-    rollout_id: str
-    api: Api
-    req: Any  # what api.parse returned: .body (as the client sent it) and .stream
-    weight_version: int = 0
-    call_id: str = field(default_factory=lambda: f"call-{uuid.uuid4().hex}")
-    started_at: float = field(default_factory=time.time)
-    t0: float = field(default_factory=time.perf_counter)
-    upstream_latency_s: float = 0.0
+    __slots__ = ("rollout_id", "tracked", "session", "api", "req", "weight_version", "call_id", "started_at", "t0",
+                 "t_up", "upstream_latency_s", "replica", "retries", "failovers")
+
+    def __init__(self, rollout_id: str, tracked: str | None, session: str | None, api: Api, req: Any) -> None:
+        self.call_id = f"call-{uuid.uuid4().hex}"
+        self.rollout_id = rollout_id if session is None else session_rollout_id(session, self.call_id)
+        self.tracked = tracked  # the rollout id admission counts this call under (None for sessions)
+        self.session = session
+        self.api = api
+        self.req = req  # what api.parse returned: .body (as the client sent it) and .stream
+        self.weight_version = 0
+        self.started_at = time.time()
+        self.t0 = time.perf_counter()
+        self.t_up = self.t0
+        self.upstream_latency_s = 0.0
+        self.replica: Replica | None = None
+        self.retries = 0
+        self.failovers = 0
 
 
 class Proxy:
-    def __init__(self, *, upstream: Upstream, rollouts: RolloutRegistry, admission: Admission,
-                 r: aioredis.Redis, keys: broker.Keys, served_model: str, upstream_model: str,
-                 admission_wait_s: float, retry_after_s: int) -> None:
-        self.upstream = upstream
+    def __init__(self, *, pool: ReplicaPool, rollouts: RolloutRegistry, sessions: Sessions, admission: Admission,
+                 recorder: Recorder, keys: broker.Keys, served_model: str, upstream_model: str,
+                 admission_wait_s: float, retry_after_s: int, max_retries: int = 2,
+                 retry_backoff_s: float = 0.25) -> None:
+        self.pool = pool
         self.rollouts = rollouts
+        self.sessions = sessions
         self.admission = admission
-        self.r = r
+        self.recorder = recorder
         self.keys = keys
         self.served_model = served_model
         self.upstream_model = upstream_model
         self.admission_wait_s = admission_wait_s
         self.retry_after_s = retry_after_s
+        self.max_retries = max_retries
+        self.retry_backoff_s = retry_backoff_s
         self._finishing: set[asyncio.Task] = set()  # stream finalisers still recording
 
-    async def handle(self, api: Api, api_key: str | None, raw: bytes,
-                     path_rollout: str | None = None) -> Reply | StreamSession:
+    # --- one call ------------------------------------------------------------------------------
+
+    async def handle(self, api: Api, api_key: str | None, raw: bytes, path_rollout: str | None = None,
+                     handle: CallHandle | None = None) -> Reply | StreamSession:
         """One call in `api`'s dialect. `path_rollout` comes from a /rollouts/{id}/v1/... path: the
         key must then belong to that rollout."""
+        handle = handle or CallHandle()
+        session = None if path_rollout is not None else self.sessions.session_of(api_key)
+        if session is not None:
+            return await self._admitted(Call("", None, session, api, api.parse(raw)), None, handle)
         rollout_id = await self.rollouts.authenticate(api_key, path_rollout)
         # Counted before the status check, so a concurrent complete waits for this call.
         self.admission.track(rollout_id)
         handed_off = False
         try:
-            await self.rollouts.require_running(rollout_id)
-            call = Call(rollout_id, api, api.parse(raw))
-            try:
-                call.weight_version, waited = await self.admission.admit(self.admission_wait_s)
-            except AdmissionTimeout:
-                raise ApiError(429, f"Admission is paused (weight update); waited {self.admission_wait_s:g} s",
-                               "rate_limit_error", "admission_paused",
-                               headers={"Retry-After": str(self.retry_after_s)}) from None
-            try:
-                if waited:  # the rollout may have finished meanwhile
-                    await self.rollouts.require_running(rollout_id)
-                if call.req.stream:
-                    session = await self._open_stream(call)
-                    handed_off = True
-                    return session
-                return await self._forward(call)
-            finally:
-                if not handed_off:
-                    self.admission.release()
+            stored = await self._running(rollout_id)
+            call = Call(rollout_id, rollout_id, None, api, api.parse(raw))
+            out = await self._admitted(call, stored, handle)
+            handed_off = isinstance(out, StreamSession)
+            return out
         finally:
             if not handed_off:
                 self.admission.untrack(rollout_id)
+
+    async def _running(self, rollout_id: str) -> str | None:
+        """Check the rollout still runs; returns the replica it sticks to (from Redis), if any."""
+        status, replica = await self.recorder.rollout_state(rollout_id)
+        if status is None:
+            raise unauthorized("API key of an unknown rollout")
+        if status != RUNNING:
+            raise ApiError(409, f"rollout {rollout_id} is already {status}", "invalid_request_error",
+                           "rollout_finished")
+        return replica
+
+    async def _admitted(self, call: Call, stored: str | None, handle: CallHandle) -> Reply | StreamSession:
+        try:
+            call.weight_version, waited = await self.admission.admit(self.admission_wait_s)
+        except AdmissionTimeout:
+            raise ApiError(429, f"Admission is paused (weight update); waited {self.admission_wait_s:g} s",
+                           "rate_limit_error", "admission_paused",
+                           headers={"Retry-After": str(self.retry_after_s)}) from None
+        handed_off = False
+        try:
+            if waited and call.tracked is not None:  # the rollout may have finished meanwhile
+                stored = await self._running(call.tracked)
+            if handle.gone:
+                raise ClientGone()
+            preferred = None
+            if call.tracked is not None:
+                preferred = self.pool.remembered(call.tracked) or stored
+            if call.req.stream:
+                session = await self._open_stream(call, preferred, stored, handle)
+                handed_off = True
+                return session
+            return await self._forward(call, preferred, stored, handle)
+        finally:
+            if not handed_off:
+                self.admission.release()
 
     async def count_tokens(self, api: MessagesApi, api_key: str | None, raw: bytes,
                            path_rollout: str | None = None) -> dict[str, Any]:
         """Anthropic's /v1/messages/count_tokens, answered by vLLM's /tokenize of the translated
         chat messages (the same ids a call would be recorded with). Not a call: nothing is recorded."""
-        await self.rollouts.authenticate(api_key, path_rollout)
+        if path_rollout is not None or self.sessions.session_of(api_key) is None:
+            await self.rollouts.authenticate(api_key, path_rollout)
         body = api.count_tokens_body(raw)
+        replica = self.pool.pick()
+        assert replica is not None
         try:
-            status, content = await self.upstream.post(TOKENIZE_PATH, body)
-        except httpx.TransportError as exc:
-            raise ApiError(503, f"The inference server is unreachable; retry later ({exc!r})", "server_error",
-                           "upstream_unavailable", headers={"Retry-After": str(self.retry_after_s)}) from None
+            ex = await replica.client.request("POST", TOKENIZE_PATH, body)
+            status = await ex.head()
+            content = await ex.body()
+        except UpstreamError as exc:
+            if isinstance(exc, ConnectFailed):
+                self.pool.mark_down(replica, str(exc))
+            raise self._unavailable_error(exc) from None
         if status >= 400:
             raise upstream_error(status, content, self.retry_after_s)
         try:
@@ -170,20 +202,103 @@ class Proxy:
             raise ApiError(502, "upstream answered an invalid body", "server_error", "upstream_error") from None
         return {"input_tokens": int(count)}
 
+    # --- the exchange with vLLM: replica choice, failover, retries -------------------------------
+
+    async def _exchange(self, call: Call, preferred: str | None, stored: str | None, handle: CallHandle,
+                        stream: bool) -> tuple[Exchange, int, bytes]:
+        """Send the call until an answer worth relaying comes back. Returns the exchange, its status
+        and its body (non-streaming or an error status) or first piece (a stream). On return
+        `call.replica` counts the call in flight; the caller ends that with `_leave`."""
+        body = call.api.upstream(call.req)
+        path = call.api.path
+        exclude: set[Replica] = set()
+        stale_resends = 0
+        t_up = call.t_up = time.perf_counter()
+        while True:
+            replica = self.pool.pick(preferred, exclude)
+            if replica is None:
+                call.upstream_latency_s = time.perf_counter() - t_up
+                raise await self._unavailable(call, ConnectFailed("no vLLM replica reachable"))
+            call.replica = replica
+            handle.replica = replica.url
+            replica.in_flight += 1
+            ex: Exchange | None = None
+            try:
+                ex = await replica.client.request("POST", path, body)
+                handle.exchange = ex
+                if handle.gone:
+                    ex.abort(Aborted(CLIENT_GONE))
+                status = await ex.head()
+                if stream and status < 400:
+                    content = await ex.read()
+                else:
+                    content = await ex.body()
+            except Aborted:
+                self._leave(call)
+                call.upstream_latency_s = time.perf_counter() - t_up
+                await self._record_error(call, 499, CLIENT_GONE)
+                raise ClientGone() from None
+            except ConnectFailed as exc:
+                self._leave(call)
+                self.pool.mark_down(replica, str(exc))
+                m.child(m.UPSTREAM_ERRORS, replica.url, exc.kind).inc()
+                exclude.add(replica)
+                if len(exclude) >= len(self.pool.replicas):
+                    call.upstream_latency_s = time.perf_counter() - t_up
+                    raise await self._unavailable(call, exc) from None
+                call.failovers += 1
+                m.child(m.FAILOVERS, replica.url).inc()
+                preferred = None
+                continue
+            except UpstreamError as exc:
+                self._leave(call)
+                if ex is not None and ex.stale and stale_resends < 2:
+                    stale_resends += 1  # a keep-alive connection closed under us: not the replica's fault
+                    continue
+                m.child(m.UPSTREAM_ERRORS, replica.url, exc.kind).inc()
+                if not await self._backoff(call, replica, exc.kind, handle):
+                    call.upstream_latency_s = time.perf_counter() - t_up
+                    raise await self._unavailable(call, exc) from None
+                continue
+            if status in _RETRY_STATUS:
+                m.child(m.UPSTREAM_ERRORS, replica.url, f"http_{status}").inc()
+                if call.retries < self.max_retries and not handle.gone:
+                    self._leave(call)
+                    if await self._backoff(call, replica, f"http_{status}", handle):
+                        continue
+                    replica.in_flight += 1  # counted again: the caller leaves it
+                    call.replica = replica
+            break
+        if call.tracked is not None and replica.url != stored and not self.pool.single:
+            self.pool.remember(call.tracked, replica.url)
+            self.recorder.remember_replica(call.tracked, replica.url)
+        call.upstream_latency_s = time.perf_counter() - t_up
+        return ex, status, content
+
+    async def _backoff(self, call: Call, replica: Replica, reason: str, handle: CallHandle) -> bool:
+        """Wait before sending again; False when retries are used up (or the client left)."""
+        if call.retries >= self.max_retries or handle.gone:
+            return False
+        call.retries += 1
+        m.child(m.RETRIES, replica.url, reason).inc()
+        delay = self.retry_backoff_s * (2 ** (call.retries - 1))
+        await asyncio.sleep(delay * (0.75 + random.random() / 2))
+        return not handle.gone
+
+    def _leave(self, call: Call) -> None:
+        if call.replica is not None:
+            call.replica.in_flight -= 1
+
     # --- non-streaming -------------------------------------------------------------------------
 
-    async def _forward(self, call: Call) -> Reply:
-        t_up = time.perf_counter()
-        try:
-            status, content = await self.upstream.post(call.api.path, call.api.upstream(call.req))
-        except httpx.TransportError as exc:
-            call.upstream_latency_s = time.perf_counter() - t_up
-            raise await self._unavailable(call, exc) from None
-        call.upstream_latency_s = time.perf_counter() - t_up
-        UPSTREAM_LATENCY.observe(call.upstream_latency_s)
+    async def _forward(self, call: Call, preferred: str | None, stored: str | None, handle: CallHandle) -> Reply:
+        ex, status, content = await self._exchange(call, preferred, stored, handle, stream=False)
+        self._leave(call)
+        m.child(m.UPSTREAM_LATENCY, handle.replica).observe(call.upstream_latency_s)
         if status >= 400:
             err = upstream_error(status, content, self.retry_after_s)
-            UPSTREAM_ERRORS.labels(f"http_{status}").inc()
+            if status < 500:
+                m.child(m.UPSTREAM_ERRORS, handle.replica, f"http_{status}").inc()
             await self._record_error(call, err.status, f"upstream HTTP {status}: {err.message}")
             raise err
         try:
@@ -191,7 +306,7 @@ class Proxy:
             if not isinstance(resp, dict):
                 raise ValueError("not an object")
         except ValueError:
-            UPSTREAM_ERRORS.labels("bad_body").inc()
+            m.child(m.UPSTREAM_ERRORS, handle.replica, "bad_body").inc()
             await self._record_error(call, 502, "upstream answered a body that is not a JSON object")
             raise ApiError(502, "upstream answered an invalid body", "server_error", "upstream_error") from None
         captured = call.api.capture(resp)
@@ -200,61 +315,67 @@ class Proxy:
 
     # --- streaming -----------------------------------------------------------------------------
 
-    async def _open_stream(self, call: Call) -> StreamSession:
-        t_up = time.perf_counter()
-        try:
-            resp = await self.upstream.open_stream(call.api.path, call.api.upstream(call.req))
-        except httpx.TransportError as exc:
-            call.upstream_latency_s = time.perf_counter() - t_up
-            raise await self._unavailable(call, exc) from None
-        if resp.status_code >= 400:
-            try:
-                content = await resp.aread()
-            except httpx.TransportError:
-                content = b""
-            finally:
-                await resp.aclose()
-            call.upstream_latency_s = time.perf_counter() - t_up
-            err = upstream_error(resp.status_code, content, self.retry_after_s)
-            UPSTREAM_ERRORS.labels(f"http_{resp.status_code}").inc()
-            await self._record_error(call, err.status, f"upstream HTTP {resp.status_code}: {err.message}")
+    async def _open_stream(self, call: Call, preferred: str | None, stored: str | None,
+                           handle: CallHandle) -> StreamSession:
+        ex, status, first = await self._exchange(call, preferred, stored, handle, stream=True)
+        if status >= 400:
+            self._leave(call)
+            err = upstream_error(status, first, self.retry_after_s)
+            if status < 500:
+                m.child(m.UPSTREAM_ERRORS, handle.replica, f"http_{status}").inc()
+            await self._record_error(call, err.status, f"upstream HTTP {status}: {err.message}")
             raise err
-        return StreamSession(self, call, resp, t_up, call.api.relay(call.req))
+        return StreamSession(self, call, ex, first, call.api.relay(call.req))
 
     # --- recording -----------------------------------------------------------------------------
 
-    async def _unavailable(self, call: Call, exc: Exception) -> ApiError:
-        kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "unreachable"
-        UPSTREAM_ERRORS.labels(kind).inc()
-        log.warning("vLLM %s: %r", kind, exc)
-        await self._record_error(call, 503, f"upstream {kind}: {exc!r}")
+    def _unavailable_error(self, exc: UpstreamError) -> ApiError:
+        kind = "timeout" if isinstance(exc, UpstreamTimeout) else "unreachable"
         return ApiError(503, f"The inference server is {kind}; retry later", "server_error",
                         "upstream_unavailable", headers={"Retry-After": str(self.retry_after_s)})
 
-    def _trace(self, call: Call, captured: Captured | None, error: str | None, http_status: int) -> Trace:
-        now = time.time()
-        return build_trace(call_id=call.call_id, rollout_id=call.rollout_id, request=call.req.body,
-                           api=call.api.name, captured=captured, error=error, http_status=http_status,
-                           weight_version=call.weight_version, started_at=call.started_at, finished_at=now,
-                           latency_s=time.perf_counter() - call.t0, upstream_latency_s=call.upstream_latency_s)
+    async def _unavailable(self, call: Call, exc: UpstreamError) -> ApiError:
+        log.warning("vLLM %s (after %d retries, %d failovers): %s", exc.kind, call.retries, call.failovers, exc)
+        await self._record_error(call, 503, f"upstream {exc.kind}: {exc}")
+        return self._unavailable_error(exc)
 
-    async def _publish(self, trace: Trace) -> None:
-        await broker.publish_once(self.r, self.keys, self.keys.traces, record_id=trace.call_id,
-                                  record=_shallow_dict(trace), index_list=self.keys.rollout_calls(trace.rollout_id))
-        TRACES.labels(trace.status).inc()
-        if trace.status == "ok":
-            PROMPT_TOKENS.inc(len(trace.prompt_token_ids))
-            COMPLETION_TOKENS.inc(len(trace.response_token_ids)
-                                  + sum(len(c["token_ids"]) for c in trace.extra_choices))
+    def trace_record(self, call: Call, captured: Captured | None, error: str | None, http_status: int) -> dict:
+        """The published record: the Trace's fields plus the gateway's own (replica, retries,
+        failovers, weight_version_end, and session for record-only calls)."""
+        trace = build_trace(call_id=call.call_id, rollout_id=call.rollout_id, request=call.req.body,
+                            api=call.api.name, captured=captured, error=error, http_status=http_status,
+                            weight_version=call.weight_version, started_at=call.started_at,
+                            finished_at=time.time(), latency_s=time.perf_counter() - call.t0,
+                            upstream_latency_s=call.upstream_latency_s)
+        # Shallow on purpose: Trace.to_dict's field walk is the same, without its call overhead.
+        record = {name: getattr(trace, name) for name in _TRACE_FIELDS}
+        record["weight_version_end"] = self.admission.weight_version
+        record["replica"] = call.replica.url if call.replica is not None else None
+        record["retries"] = call.retries
+        record["failovers"] = call.failovers
+        if call.session is not None:
+            record["session"] = call.session
+        return record
+
+    async def _publish(self, call: Call, record: dict) -> None:
+        index = "" if call.session is not None else self.keys.rollout_calls(call.rollout_id)
+        await self.recorder.publish(self.keys.traces, call.call_id, record, index)
+        status = record["status"]
+        m.child(m.TRACES, status, "rollout" if call.session is None else "session").inc()
+        if status == "ok":
+            replica = record["replica"] or ""
+            m.child(m.PROMPT_TOKENS, replica).inc(len(record["prompt_token_ids"]))
+            m.child(m.COMPLETION_TOKENS, replica).inc(
+                len(record["response_token_ids"]) + sum(len(c["token_ids"]) for c in record["extra_choices"]))
 
     async def _record(self, call: Call, captured: Captured | None, error: str | None, http_status: int) -> None:
         """Record a call the agent gets an answer for: if it cannot be recorded, the agent gets 503
         instead (an unrecorded call would leave a hole in the rollout)."""
-        trace = self._trace(call, captured, error, http_status)
-        if trace.status == "error" and not error:
-            log.warning("call %s recorded as error: %s", call.call_id, trace.error)
+        record = self.trace_record(call, captured, error, http_status)
+        if record["status"] == "error" and not error:
+            log.warning("call %s recorded as error: %s", call.call_id, record["error"])
         try:
-            await self._publish(trace)
+            await self._publish(call, record)
         except RedisError as exc:
             log.error("cannot record call %s: %r", call.call_id, exc)
             raise ApiError(503, "The gateway cannot record calls right now; retry later", "server_error",
@@ -262,9 +383,14 @@ class Proxy:
 
     async def _record_error(self, call: Call, http_status: int, error: str) -> None:
         try:
-            await self._publish(self._trace(call, None, error, http_status))
+            await self._publish(call, self.trace_record(call, None, error, http_status))
         except RedisError as exc:
             log.error("cannot record failed call %s: %r", call.call_id, exc)
+
+    def release(self, call: Call) -> None:
+        self.admission.release()
+        if call.tracked is not None:
+            self.admission.untrack(call.tracked)
 
     async def aclose(self) -> None:
         """Wait for streams that ended to finish recording."""
@@ -273,79 +399,114 @@ class Proxy:
 
 
 class StreamSession:
-    """An SSE stream from vLLM relayed to the agent in its API's events. The trace is recorded exactly
-    once, by `finish_soon()`, whether the stream ended, failed, or the client went away."""
+    """An SSE stream from vLLM relayed to the agent in its API's events: `next()` gives the frames
+    for each piece vLLM sent (all the events in it, as one write). The trace is recorded exactly once,
+    by `finish()` (or `finish_soon()` where the caller cannot wait), whether the stream ended, failed,
+    or the client went away."""
 
-    def __init__(self, proxy: Proxy, call: Call, resp: httpx.Response, t_up: float, relay: Relay) -> None:
+    def __init__(self, proxy: Proxy, call: Call, ex: Exchange, first: bytes, relay: Relay) -> None:
         self.proxy = proxy
         self.call = call
-        self.resp = resp
-        self.t_up = t_up
+        self.ex = ex
         self.relay = relay
         self.capture = relay.capture
         self.error: str | None = None
+        self._pending: bytes | None = first
+        self._buf = b""
+        self._ended = False
         self._finished = False
 
-    async def body(self) -> AsyncIterator[bytes]:
+    async def next(self) -> bytes | None:
+        """The next frames to send (b"" when a piece held no whole event), None at the end."""
+        if self._pending is not None:
+            data, self._pending = self._pending, None
+        elif self._ended:
+            return None
+        else:
+            try:
+                data = await self.ex.read()
+            except Aborted:
+                self._ended = True
+                self.error = CLIENT_GONE
+                return None
+            except UpstreamError as exc:
+                self._ended = True
+                self.error = f"upstream stream broke: {exc}"
+                replica = self.call.replica.url if self.call.replica else ""
+                m.child(m.UPSTREAM_ERRORS, replica, "stream").inc()
+                return b"".join(self.relay.failed(ApiError(502, "upstream stream broke", "server_error",
+                                                           "upstream_error")))
+        if data:
+            return self._events(data)
+        self._ended = True
+        out = self._events(b"\n") if self._buf.strip() else b""  # a last event without its blank line
+        if not self.capture.done and self.error is None and self.capture.error is None:
+            self.error = "upstream stream ended before [DONE]"
+            out += b"".join(self.relay.failed(ApiError(502, self.error, "server_error", "upstream_error")))
+        return out or None
+
+    def _events(self, data: bytes) -> bytes:
+        buf = self._buf + data if self._buf else data
         relay = self.relay
-        try:
-            async for line in self.resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    self.capture.done = True
-                    for frame in relay.done():
-                        yield frame
-                    continue
-                try:
-                    chunk = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    self.error = "upstream sent an invalid stream chunk"
-                    for frame in relay.failed(ApiError(502, self.error, "server_error", "upstream_error")):
-                        yield frame
-                    break
-                if not isinstance(chunk, dict):
-                    continue
-                for frame in relay.chunk(data, chunk):
-                    yield frame
-            if not self.capture.done and self.error is None and self.capture.error is None:
-                self.error = "upstream stream ended before [DONE]"
-                for frame in relay.failed(ApiError(502, self.error, "server_error", "upstream_error")):
-                    yield frame
-        except httpx.TransportError as exc:
-            self.error = f"upstream stream broke: {exc!r}"
-            UPSTREAM_ERRORS.labels("stream").inc()
-            for frame in relay.failed(ApiError(502, "upstream stream broke", "server_error", "upstream_error")):
-                yield frame
-        finally:
-            self.finish_soon()
+        out: list[bytes] = []
+        start = 0
+        while True:
+            nl = buf.find(b"\n", start)
+            if nl < 0:
+                break
+            line = buf[start:nl]
+            start = nl + 1
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if payload == b"[DONE]":
+                self.capture.done = True
+                out += relay.done()
+                continue
+            try:
+                chunk = orjson.loads(payload)
+            except orjson.JSONDecodeError:
+                self.error = "upstream sent an invalid stream chunk"
+                out += relay.failed(ApiError(502, self.error, "server_error", "upstream_error"))
+                self._ended = True
+                self.ex.abort()
+                start = len(buf)
+                break
+            if isinstance(chunk, dict):
+                out += relay.chunk(payload, chunk)
+        self._buf = buf[start:] if start < len(buf) else b""
+        return b"".join(out)
 
     def finish_soon(self) -> None:
-        """Idempotent. Runs in its own task: the request's own task may be cancelled by now."""
+        """Idempotent. Records in its own task, for a caller that may be cancelled."""
         if self._finished:
             return
-        self._finished = True
-        task = asyncio.get_running_loop().create_task(self._finish())
+        task = asyncio.get_running_loop().create_task(self.finish())
         self.proxy._finishing.add(task)
         task.add_done_callback(self.proxy._finishing.discard)
 
-    async def _finish(self) -> None:
+    async def finish(self) -> None:
+        """Idempotent: end the exchange, record the trace, free the admission slot."""
+        if self._finished:
+            return
+        self._finished = True
         proxy, call = self.proxy, self.call
         try:
-            await self.resp.aclose()
-            call.upstream_latency_s = time.perf_counter() - self.t_up
-            UPSTREAM_LATENCY.observe(call.upstream_latency_s)
+            if not self.ex.complete:
+                self.ex.abort(Aborted(self.error or CLIENT_GONE))
+            call.upstream_latency_s = time.perf_counter() - call.t_up
+            proxy._leave(call)
+            if call.replica is not None:
+                m.child(m.UPSTREAM_LATENCY, call.replica.url).observe(call.upstream_latency_s)
             error = self.error or self.capture.error
             if error is None and not self.capture.done:
                 error = "stream ended before [DONE] (client went away or upstream stopped)"
-            trace = proxy._trace(call, self.capture.captured, error, 200)
+            record = proxy.trace_record(call, self.capture.captured, error, 200)
             try:
-                await proxy._publish(trace)
+                await proxy._publish(call, record)
             except RedisError as exc:  # the agent already has its answer; nothing left to tell it
                 log.error("cannot record streamed call %s: %r", call.call_id, exc)
         except Exception:
             log.exception("finishing stream of call %s", call.call_id)
         finally:
-            proxy.admission.release()
-            proxy.admission.untrack(call.rollout_id)
+            proxy.release(call)

@@ -472,7 +472,7 @@ class ResponsesStream:
         self._output.append(done)
         return out
 
-    def chunk(self, data: str, chunk: dict[str, Any]) -> list[bytes]:
+    def chunk(self, data: bytes | str, chunk: dict[str, Any]) -> list[bytes]:
         self.capture.feed(chunk)
         if self._ended:
             return []

@@ -3,8 +3,10 @@ and finish a rollout exactly once (completed with a reward, or failed), publishi
 after its in-flight calls are recorded.
 
 Redis layout (see common.broker.Keys): hash Keys.rollout(id) with task_id, group_id, group_size,
-status (running | completed | failed), created_at, metadata (JSON), and on finish reward,
-finished_at, reason; string Keys.api_key(key) -> rollout id.
+status (running | completed | failed), created_at, metadata (JSON), replica (the vLLM replica it
+sticks to, written by the proxy on its first call), and on finish reward, finished_at, reason; string
+Keys.api_key(key) -> rollout id. The call path reads a rollout's status and replica through
+recorder.Recorder (pipelined); this module does the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from tether.common import broker
 from tether.common.records import RolloutEvent
 from tether.gateway.admission import Admission
 from tether.gateway.capture import ApiError
+from tether.gateway.recorder import Batcher
 
 log = logging.getLogger(__name__)
 
@@ -106,14 +109,15 @@ def _state(rollout_id: str, h: dict[str, str], calls: int) -> dict[str, Any]:
         "group_size": int(h.get("group_size") or 1), "status": h.get("status"),
         "created_at": num("created_at"), "finished_at": num("finished_at"), "reward": num("reward"),
         "reason": h.get("reason"), "metadata": orjson.loads(h["metadata"]) if h.get("metadata") else {},
-        "calls": calls,
+        "calls": calls, "replica": h.get("replica"),
     }
 
 
 class RolloutRegistry:
     def __init__(self, r: aioredis.Redis, keys: broker.Keys, admission: Admission, admin_token: str | None,
-                 finish_wait_s: float = 10.0, key_cache_size: int = 100_000) -> None:
+                 finish_wait_s: float = 10.0, key_cache_size: int = 100_000, batch: Batcher | None = None) -> None:
         self.r = r
+        self.batch = batch or Batcher(r)  # key lookups of the call path, pipelined
         self.keys = keys
         self.admission = admission
         self.admin_token = admin_token or None
@@ -147,21 +151,13 @@ class RolloutRegistry:
             raise unauthorized()
         rollout_id = self._key_cache.get(api_key)
         if rollout_id is None:
-            rollout_id = await self.r.get(self.keys.api_key(api_key))
+            rollout_id = await self.batch.call("GET", self.keys.api_key(api_key))
             if rollout_id is None:
                 raise unauthorized()
             if len(self._key_cache) >= self._key_cache_size:
                 self._key_cache.clear()
             self._key_cache[api_key] = rollout_id
         return rollout_id
-
-    async def require_running(self, rollout_id: str) -> None:
-        status = await self.r.hget(self.keys.rollout(rollout_id), "status")
-        if status is None:
-            raise unauthorized("API key of an unknown rollout")
-        if status != RUNNING:
-            raise ApiError(409, f"rollout {rollout_id} is already {status}", "invalid_request_error",
-                           "rollout_finished")
 
     async def authorize(self, rollout_id: str, bearer: str | None, open_without_admin: bool) -> None:
         """Allow the rollout's own key, the admin token, or (reads only) anyone when no admin token
