@@ -128,3 +128,23 @@ def test_calls_carry_the_version_that_served_them(demo):
     # Synchronous mode: every call of a step is served by the version the previous step pushed.
     assert versions <= set(range(0, metrics[-1]["weight_version"] + 1))
     assert 0 in versions and len(versions) >= 2
+
+
+def test_disaggregated_async_respects_the_staleness_bound(tmp_path):
+    """Rollouts keep running while the trainer trains; no trained group is older than k versions."""
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [*TETHER, "demo", "--mode", "disaggregated-async", "--max-staleness", "1", "--steps", "4",
+         "--tasks-per-step", "3", "--group-size", "4", "--eval-repeats", "1", "--run-dir", str(run_dir), "--quiet"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    steps = [m for m in _jsonl((run_dir / "metrics.jsonl").read_text()) if "step" in m]
+    assert [m["step"] for m in steps] == [0, 1, 2, 3]
+    assert [m["weight_version"] for m in steps] == [1, 2, 3, 4]
+    for m in steps:
+        assert m["mode"] == "disaggregated-async"
+        assert m["staleness_max"] <= 1
+        assert m["groups_trained"] == 3
+    traces = _cli(tmp_path, "traces")
+    # Calls were served by several versions while the run went on, each recorded with its version.
+    assert len({t["weight_version"] for t in traces}) >= 3

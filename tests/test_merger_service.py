@@ -360,3 +360,38 @@ def test_config_validation():
                 {"realign_max": -1}, {"max_seq_len": 0}, {"turn_discount": 1.5}, {"group_timeout_s": -1}):
         with pytest.raises(ValueError):
             MergerConfig(**bad)
+
+
+async def test_failed_attempts_are_retried_then_excluded(redis_url):
+    """A failed attempt with attempts left is not a group member (its slot is retried); a slot whose
+    last attempt failed is excluded from the group, never scored as reward 0."""
+    r = broker.connect(redis_url)
+    keys = broker.Keys("t")
+    submitted = []
+
+    async def submit(group_id, samples, rollouts):
+        submitted.append((group_id, sorted({s.rollout_id for s in samples}), rollouts))
+
+    retry = {"attempt": 0, "max_attempts": 2}
+    last = {"attempt": 1, "max_attempts": 2}
+    await _record(r, keys, "a0", [([1], [2], True)], "g", None, status="failed", group_size=3, meta=retry)
+    await _record(r, keys, "a1", [([1], [2], True)], "g", 1.0, group_size=3, meta=last)
+    await _record(r, keys, "b0", [([1], [3], True)], "g", 0.0, group_size=3, meta=retry)
+    await _record(r, keys, "c0", [([1], [4], True)], "g", None, status="failed", group_size=3, meta=retry)
+    merger = Merger(r, keys, MergerConfig(), submit)
+
+    async def retried():
+        return merger.counts.rollouts_retried == 2
+
+    await _run_until(merger, retried)
+    assert submitted == []  # two members so far: the retried failures are not counted
+    await _record(r, keys, "c1", [([1], [5], True)], "g", None, status="failed", group_size=3, meta=last)
+
+    async def resolved():
+        return len(await broker.read_all(r, keys.group_results)) == 1
+
+    await _run_until(merger, resolved)
+    result = (await broker.read_all(r, keys.group_results))[0][1]
+    assert result["rollouts"] == 3 and result["completed"] == 2 and result["rewards"] == [1.0, 0.0]
+    assert submitted == [("g", ["a1", "b0"], 2)]
+    await r.aclose()

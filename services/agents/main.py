@@ -17,13 +17,14 @@ class AgentSettings(CommonSettings):
     agent_concurrency: int = 16
     agent_name: str = "agent-0"
     admin_token: str = ""
+    rollout_timeout_s: float = 0.0  # per attempt; 0 = no limit
 
 
 async def amain(s: AgentSettings) -> None:
     fn = load_function(s.agent_fn)
     r = broker.connect(s.redis_url)
     worker = Worker(r, broker.Keys(s.namespace), s.gateway_url, fn, s.agent_concurrency, s.admin_token,
-                    s.agent_name)
+                    s.agent_name, s.rollout_timeout_s)
     task = asyncio.create_task(worker.run())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -50,45 +50,62 @@ def load_function(spec: str) -> HarnessFn:
 
 class Worker:
     def __init__(self, r, keys: broker.Keys, gateway_url: str, fn: HarnessFn, concurrency: int,
-                 admin_token: str = "", name: str = "agent-0") -> None:
+                 admin_token: str = "", name: str = "agent-0", timeout_s: float = 0.0) -> None:
         self.r = r
         self.keys = keys
         self.gateway_url = gateway_url.rstrip("/")
         self.fn = fn
         self.name = name
         self.concurrency = concurrency
+        self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.http = httpx.AsyncClient(timeout=60.0, headers=headers)
         self.in_flight: set[str] = set()
         self.done = 0
         self.failed = 0
 
-    async def run_one(self, entry_id: str, job: dict) -> None:
+    async def attempt(self, job: dict, attempt: int) -> bool:
+        """One attempt at a dispatched rollout: create it through the gateway, run the harness,
+        report the reward or the failure. Returns whether it completed."""
+        max_attempts = int(job.get("max_attempts", 1))
+        meta = {**job.get("metadata", {}), "attempt": attempt, "max_attempts": max_attempts}
+        resp = await self.http.post(f"{self.gateway_url}/v1/rollouts", json={
+            "task_id": job["task_id"], "group_id": job["group_id"], "group_size": job["group_size"],
+            "metadata": meta})
+        resp.raise_for_status()
+        ro = resp.json()
+        auth = {"Authorization": f"Bearer {ro['api_key']}"}
         try:
-            resp = await self.http.post(f"{self.gateway_url}/v1/rollouts", json={
-                "task_id": job["task_id"], "group_id": job["group_id"], "group_size": job["group_size"],
-                "metadata": job.get("metadata", {})})
-            resp.raise_for_status()
-            ro = resp.json()
-            auth = {"Authorization": f"Bearer {ro['api_key']}"}
-            try:
-                reward = await asyncio.to_thread(self.fn, job["task"], ro["base_url"], ro["api_key"], ro["model"])
-                reward = float(reward)
-                if not math.isfinite(reward):
-                    raise ValueError(f"harness returned a non-finite reward {reward}")
-            except Exception as exc:
-                self.failed += 1
-                log.warning("rollout %s failed: %s", ro["rollout_id"], exc)
-                await self.http.post(f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/fail", headers=auth,
-                                     json={"reason": "".join(traceback.format_exception_only(exc)).strip()})
-            else:
-                done = await self.http.post(f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/complete",
-                                            headers=auth, json={"reward": reward})
-                done.raise_for_status()
-                self.done += 1
+            call = asyncio.to_thread(self.fn, job["task"], ro["base_url"], ro["api_key"], ro["model"])
+            reward = float(await asyncio.wait_for(call, timeout=self.timeout_s) if self.timeout_s else await call)
+            if not math.isfinite(reward):
+                raise ValueError(f"harness returned a non-finite reward {reward}")
+        except Exception as exc:
+            self.failed += 1
+            reason = "timeout" if isinstance(exc, TimeoutError) else \
+                "".join(traceback.format_exception_only(exc)).strip()
+            log.warning("rollout %s failed (attempt %d of %d): %s", ro["rollout_id"], attempt + 1, max_attempts,
+                        reason)
+            # Failing it first makes the gateway refuse any call a timed-out harness still makes.
+            await self.http.post(f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/fail", headers=auth,
+                                 json={"reason": reason[:2000]})
+            return False
+        done = await self.http.post(f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/complete",
+                                    headers=auth, json={"reward": reward})
+        done.raise_for_status()
+        self.done += 1
+        return True
+
+    async def run_one(self, entry_id: str, job: dict) -> None:
+        """Attempts until one completes or `max_attempts` failed (the merger then excludes the slot
+        from its group, counted); then acknowledge the dispatch entry."""
+        try:
+            for attempt in range(int(job.get("max_attempts", 1))):
+                if await self.attempt(job, attempt):
+                    break
             await self.r.xack(self.keys.dispatch, "agents", entry_id)
         except httpx.HTTPError as exc:
-            # Leave the entry pending: another worker (or this one) reclaims it after a minute.
+            # Leave the entry pending: another worker (or this one) reclaims it later.
             log.error("gateway error for dispatch %s: %s", entry_id, exc)
         finally:
             self.in_flight.discard(entry_id)

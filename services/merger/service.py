@@ -63,7 +63,16 @@ TRUNCATED = PromCounter("tether_merger_truncated_sequences_total",
 DROPPED = PromCounter("tether_merger_calls_dropped_total", "Calls not trained on", ["reason"])
 TOKENS = PromCounter("tether_merger_tokens_total", "Tokens of emitted samples", ["kind"])
 MERGE_SECONDS = Histogram("tether_merger_merge_seconds", "Time to load and merge one rollout")
+RETRIED = PromCounter("tether_merger_rollouts_retried_total", "Failed rollout attempts that were retried")
 PENDING = Gauge("tether_merger_groups_pending", "Groups waiting for more rollouts")
+
+
+def retried_failure(meta: dict) -> bool:
+    """A failed attempt that is not the slot's last one (its worker starts another attempt)."""
+    try:
+        return int(meta.get("attempt", 0)) + 1 < int(meta.get("max_attempts", 1))
+    except (TypeError, ValueError):
+        return False
 
 
 def mismatch_stream(keys: broker.Keys) -> str:
@@ -128,6 +137,7 @@ class MergerCounts:
     truncated: int = 0
     mismatched_calls: int = 0
     late_rollouts: int = 0
+    rollouts_retried: int = 0
     dropped_by_reason: Counter = field(default_factory=Counter)
     pending: set[str] = field(default_factory=set)
 
@@ -331,6 +341,13 @@ class Merger:
     async def handle_event(self, event: RolloutEvent) -> None:
         raw_meta = await self.r.hget(self.keys.rollout(event.rollout_id), "metadata")
         meta = orjson.loads(raw_meta) if raw_meta else {}
+        if event.status == "failed" and retried_failure(meta):
+            # The worker runs another attempt in this slot: this one is not a member of the group.
+            RETRIED.inc()
+            self.counts.rollouts_retried += 1
+            log.info("rollout %s failed (attempt %s of %s); retried", event.rollout_id, meta.get("attempt"),
+                     meta.get("max_attempts"))
+            return
         if event.status == "completed":
             merged = await self.merge_rollout(event, meta)
         else:

@@ -43,6 +43,7 @@ class SchedulerSettings(CommonSettings):
     max_staleness: int = 1
     max_inflight_groups: int = 0
     sleep_level: int = 0
+    max_attempts: int = 3
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -74,7 +75,8 @@ async def amain(s: SchedulerSettings) -> None:
     cfg = RunConfig(run_id=s.run_id, steps=s.steps, tasks_per_step=s.tasks_per_step, group_size=s.group_size,
                     seed=s.seed, run_dir=Path(s.run_dir), eval_repeats=s.eval_repeats,
                     rollout_timeout_s=s.rollout_timeout_s, mode=s.mode, max_staleness=s.max_staleness,
-                    max_inflight_groups=s.max_inflight_groups, sleep_level=s.sleep_level)
+                    max_inflight_groups=s.max_inflight_groups, sleep_level=s.sleep_level,
+                    max_attempts=s.max_attempts)
     tasks = load_tasks(Path(s.tasks_file)) if s.tasks_file else []
     run = Run(r, broker.Keys(s.namespace), cfg, stubs, tasks)
 

@@ -47,6 +47,7 @@ class RunConfig:
     max_staleness: int = 1
     max_inflight_groups: int = 0  # async modes; 0 = (max_staleness + 1) x tasks_per_step
     sleep_level: int = 0  # colocated modes: put vLLM to sleep (1 or 2) while the trainer trains
+    max_attempts: int = 3  # a failed rollout is retried this many times in all, then excluded
 
 
 MODES = ("colocated-sync", "colocated-async", "disaggregated-async")
@@ -110,7 +111,7 @@ class Run:
         for i in range(size):
             await broker.publish_once(self.r, self.keys, self.keys.dispatch, f"dispatch:{group_id}:{i}", {
                 "group_id": group_id, "task_id": task["task_id"], "group_size": size, "task": task,
-                "metadata": meta})
+                "metadata": meta, "max_attempts": self.cfg.max_attempts})
 
     async def wait_groups(self, group_ids: set[str], cursor: str) -> list[dict]:
         """Group results for `group_ids`, read from the results stream after `cursor`."""
