@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from tether.algorithms.losses import (
     LOSS_MODES,
     aggregate,
+    kl_to_reference,
     logprob_mismatch,
     ppo_token_loss,
     token_weights,
@@ -477,3 +478,40 @@ def test_ppo_matches_verl_vanilla_policy_loss(verl_algos, batch, seed, high, c) 
     assert metrics["clip_fraction"] == pytest.approx(their_metrics["actor/pg_clipfrac"], abs=1e-6)
     assert metrics["dual_clip_fraction"] == pytest.approx(their_metrics["actor/pg_clipfrac_lower"], abs=1e-6)
     assert metrics["approx_kl_k1"] == pytest.approx(their_metrics["actor/ppo_kl"], abs=1e-5)
+
+
+# --- KL to a reference ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_to_reference_is_zero_at_the_reference_and_k3_k2_are_non_negative(estimator: str) -> None:
+    g = torch.Generator().manual_seed(3)
+    lp = -torch.rand(4, 7, generator=g) * 3
+    assert torch.equal(kl_to_reference(lp, lp, estimator), torch.zeros_like(lp))
+    other = lp + torch.randn(4, 7, generator=g)
+    if estimator != "k1":
+        assert (kl_to_reference(lp, other, estimator) >= 0).all()
+    with pytest.raises(ValueError):
+        kl_to_reference(lp, other, "k9")
+
+
+def test_k3_estimates_the_kl_of_two_categoricals() -> None:
+    """Sampling from p, the mean of k1 and k3 converge to KL(p || q) (k3 with lower variance)."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.softmax(torch.randn(6, generator=g), 0)
+    q = torch.softmax(torch.randn(6, generator=g), 0)
+    exact = float((p * (p.log() - q.log())).sum())
+    draws = torch.multinomial(p, 200_000, replacement=True, generator=g)
+    lp, lq = p.log()[draws], q.log()[draws]
+    k1, k3 = kl_to_reference(lp, lq, "k1"), kl_to_reference(lp, lq, "k3")
+    assert abs(float(k1.mean()) - exact) < 0.01 and abs(float(k3.mean()) - exact) < 0.01
+    assert float(k3.var()) < float(k1.var())
+
+
+@oracle
+@given(seed=st.integers(0, 2**16), estimator=st.sampled_from(["k1", "k2", "k3"]))
+def test_kl_to_reference_matches_verl(verl_algos, seed, estimator) -> None:  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(seed)
+    lp = -torch.rand(3, 9, generator=g) * 8
+    ref = -torch.rand(3, 9, generator=g) * 8
+    torch.testing.assert_close(kl_to_reference(lp, ref, estimator), verl_algos.kl_penalty(lp, ref, estimator))

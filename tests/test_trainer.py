@@ -260,3 +260,29 @@ def test_invalid_samples_are_named(bad):
     else:
         s.rollout_logprobs = [0.0, float("nan"), -1.0]
     assert validate(s, 40)
+
+
+def test_kl_to_reference_pulls_the_policy_back():
+    """With zero advantages, a KL penalty alone moves the policy towards the frozen reference."""
+    ref = _model(seed=0).requires_grad_(False).eval()
+    model = _model(seed=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    samples = [dataclasses.replace(s, advantages=[0.0] * len(s.advantages)) for s in _samples(model)]
+
+    def kl() -> float:
+        batch = collate(samples, 0)
+        with torch.no_grad():
+            lp = token_logprobs(model, batch.input_ids, batch.attention)
+            ref_lp = token_logprobs(ref, batch.input_ids, batch.attention)
+        return float(((lp - ref_lp) * batch.mask).abs().sum())
+
+    before = kl()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(5):
+        metrics = train_step(model, opt, samples, StepConfig(kl_coef=1.0, kl_estimator="k2"), ref_model=ref)
+    assert metrics["ref_kl"] > 0
+    assert kl() < 0.9 * before
+    with pytest.raises(ValueError):
+        StepConfig(kl_estimator="k7")

@@ -5,8 +5,10 @@ Imported by the merger (advantages) and the trainer (losses); no I/O, no config 
 
 from .advantages import ESTIMATORS, discounted_call_rewards, group_advantages, whiten
 from .losses import (
+    KL_ESTIMATORS,
     LOSS_MODES,
     aggregate,
+    kl_to_reference,
     logprob_mismatch,
     ppo_token_loss,
     token_weights,
@@ -15,8 +17,10 @@ from .losses import (
 
 __all__ = [
     "ESTIMATORS",
+    "KL_ESTIMATORS",
     "LOSS_MODES",
     "aggregate",
+    "kl_to_reference",
     "discounted_call_rewards",
     "group_advantages",
     "logprob_mismatch",

@@ -254,3 +254,31 @@ def truncated_is_weights(
         log_ratio = torch.where(sel, logprobs_old_train.detach() - rollout_logprobs.detach(), 0.0)
         w = torch.exp(log_ratio.to(torch.float32).clamp(max=_MAX_LOG_RATIO)).clamp(max=cap)
         return torch.where(sel, w, 0.0)
+
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(policy || reference) from tokens sampled by the policy (Schulman 2020,
+    "Approximating KL divergence"), to add as `kl_coef * estimate` to the token loss.
+
+    Args:
+        logprobs: (B, T) the policy's logprobs of the sampled tokens (with grad).
+        ref_logprobs: (B, T) the frozen reference model's logprobs of the same tokens.
+        estimator: "k1" = log p - log q (unbiased, high variance), "k2" = (log p - log q)^2 / 2,
+            "k3" = q/p - 1 - log(q/p) (unbiased, low variance, never negative; clamped like the
+            peers for stability: log-ratio to [-20, 20], value to [-10, 10]).
+
+    Returns:
+        (B, T) estimate, same dtype as `logprobs`; the caller applies the mask and the global weights.
+    """
+    ref = ref_logprobs.detach().to(logprobs.dtype)
+    if estimator == "k1":
+        return logprobs - ref
+    if estimator == "k2":
+        return 0.5 * (logprobs - ref).square()
+    if estimator == "k3":
+        log_ratio = (ref - logprobs).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+        return (torch.exp(log_ratio) - log_ratio - 1).clamp(-10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {estimator!r}; expected one of {KL_ESTIMATORS}")

@@ -191,11 +191,12 @@ class CallRoutes:
             if watcher is not None:
                 watcher.cancel()
             return await self._failed(send, path, scope["method"], exc)
+        call_id = (b"x-tether-call-id", handle.call_id.encode())
         if isinstance(out, StreamSession):
-            return await self._stream(send, out, watcher)
+            return await self._stream(send, out, watcher, call_id)
         watcher.cancel()
         await send({"type": "http.response.start", "status": out.status, "headers": [
-            *_JSON_HEADERS, (b"content-length", b"%d" % len(out.body))]})
+            *_JSON_HEADERS, (b"content-length", b"%d" % len(out.body)), call_id]})
         await send({"type": "http.response.body", "body": out.body})
         return out.status
 
@@ -215,9 +216,10 @@ class CallRoutes:
         log.error("unexpected error on %s %s", method, path, exc_info=exc)
         return await _send_error(send, path, 500, "internal gateway error", "server_error", "internal_error")
 
-    async def _stream(self, send: Send, session: StreamSession, watcher: asyncio.Task | None) -> int:
+    async def _stream(self, send: Send, session: StreamSession, watcher: asyncio.Task | None,
+                      call_id: tuple[bytes, bytes]) -> int:
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await send({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, call_id]})
             while True:
                 frames = await session.next()
                 if frames is None:

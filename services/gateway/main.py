@@ -167,7 +167,7 @@ class GatewayServer:
             s.redis_url, decode_responses=True, max_connections=64, timeout=30))
         keys = broker.Keys(s.namespace)
         self.admission = Admission()
-        self.recorder = Recorder(self.redis, keys)
+        self.recorder = Recorder(self.redis, s.redis_url, keys)
         with contextlib.suppress(RedisError, OSError):  # loaded on first use when Redis is not up yet
             await self.recorder.start()
         self.pool = ReplicaPool([
@@ -197,6 +197,9 @@ class GatewayServer:
             s.gateway_grpc_port, register, s.gateway_host, s.metrics_port)
         await self.health.set(await self._redis_ok())
 
+        # uvicorn formats an access-log line per request whenever its logger has a handler anywhere up
+        # the tree (ours: the root's), even with access_log off: cut it loose.
+        logging.getLogger("uvicorn.access").propagate = False
         config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, http="httptools",
                                 proxy_headers=False, log_level=s.log_level.lower(),
                                 timeout_graceful_shutdown=s.shutdown_grace_s, timeout_keep_alive=30)
@@ -251,6 +254,7 @@ class GatewayServer:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._health_task
         await self.pool.aclose()
+        self.recorder.close()
         await self.redis.aclose()
 
     async def stop(self, grace: float = 5.0) -> None:

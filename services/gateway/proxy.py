@@ -23,6 +23,7 @@ import logging
 import random
 import time
 import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -49,6 +50,12 @@ _TRACE_FIELDS = tuple(f.name for f in fields(Trace))
 _RETRY_STATUS = frozenset((500, 502, 503, 504))
 
 
+def _quiet(fut: asyncio.Future) -> asyncio.Future:
+    """A future whose failure nobody may end up reading (the call failed earlier): no warning then."""
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
+
+
 class ClientGone(Exception):
     """The client disconnected: nothing is left to answer."""
 
@@ -57,10 +64,11 @@ class CallHandle:
     """What a route and the proxy share about one call: the replica serving it (for metrics) and the
     way to abort it when the client leaves."""
 
-    __slots__ = ("replica", "gone", "exchange")
+    __slots__ = ("replica", "gone", "exchange", "call_id")
 
     def __init__(self) -> None:
         self.replica = ""
+        self.call_id = ""
         self.gone = False
         self.exchange: Exchange | None = None
 
@@ -127,24 +135,30 @@ class Proxy:
         handle = handle or CallHandle()
         session = None if path_rollout is not None else self.sessions.session_of(api_key)
         if session is not None:
-            return await self._admitted(Call("", None, session, api, api.parse(raw)), None, handle)
+            call = Call("", None, session, api, api.parse(raw))
+            handle.call_id = call.call_id
+            return await self._admitted(call, None, handle)
         rollout_id = await self.rollouts.authenticate(api_key, path_rollout)
         # Counted before the status check, so a concurrent complete waits for this call.
         self.admission.track(rollout_id)
         handed_off = False
         try:
-            stored = await self._running(rollout_id)
+            # The status check is in flight while the call is parsed, admitted and (when its replica
+            # is known) already sent: it is awaited before anything is answered.
+            state = _quiet(self.recorder.rollout_state(rollout_id))
             call = Call(rollout_id, rollout_id, None, api, api.parse(raw))
-            out = await self._admitted(call, stored, handle)
+            handle.call_id = call.call_id
+            out = await self._admitted(call, state, handle)
             handed_off = isinstance(out, StreamSession)
             return out
         finally:
             if not handed_off:
                 self.admission.untrack(rollout_id)
 
-    async def _running(self, rollout_id: str) -> str | None:
+    @staticmethod
+    async def _running(state: Awaitable[tuple[str | None, str | None]], rollout_id: str) -> str | None:
         """Check the rollout still runs; returns the replica it sticks to (from Redis), if any."""
-        status, replica = await self.recorder.rollout_state(rollout_id)
+        status, replica = await state
         if status is None:
             raise unauthorized("API key of an unknown rollout")
         if status != RUNNING:
@@ -152,7 +166,7 @@ class Proxy:
                            "rollout_finished")
         return replica
 
-    async def _admitted(self, call: Call, stored: str | None, handle: CallHandle) -> Reply | StreamSession:
+    async def _admitted(self, call: Call, state: Awaitable | None, handle: CallHandle) -> Reply | StreamSession:
         try:
             call.weight_version, waited = await self.admission.admit(self.admission_wait_s)
         except AdmissionTimeout:
@@ -161,18 +175,23 @@ class Proxy:
                            headers={"Retry-After": str(self.retry_after_s)}) from None
         handed_off = False
         try:
-            if waited and call.tracked is not None:  # the rollout may have finished meanwhile
-                stored = await self._running(call.tracked)
+            preferred = stored = None
+            check: tuple[Awaitable, str] | None = None
+            if call.tracked is not None:
+                if waited:  # the rollout may have finished meanwhile: ask again
+                    state = _quiet(self.recorder.rollout_state(call.tracked))
+                preferred = stored = self.pool.remembered(call.tracked)
+                if preferred is None and not self.pool.single:
+                    preferred = stored = await self._running(state, call.tracked)
+                else:
+                    check = (state, call.tracked)
             if handle.gone:
                 raise ClientGone()
-            preferred = None
-            if call.tracked is not None:
-                preferred = self.pool.remembered(call.tracked) or stored
             if call.req.stream:
-                session = await self._open_stream(call, preferred, stored, handle)
+                session = await self._open_stream(call, preferred, stored, handle, check)
                 handed_off = True
                 return session
-            return await self._forward(call, preferred, stored, handle)
+            return await self._forward(call, preferred, stored, handle, check)
         finally:
             if not handed_off:
                 self.admission.release()
@@ -205,10 +224,12 @@ class Proxy:
     # --- the exchange with vLLM: replica choice, failover, retries -------------------------------
 
     async def _exchange(self, call: Call, preferred: str | None, stored: str | None, handle: CallHandle,
-                        stream: bool) -> tuple[Exchange, int, bytes]:
+                        stream: bool, check: tuple[Awaitable, str] | None = None) -> tuple[Exchange, int, bytes]:
         """Send the call until an answer worth relaying comes back. Returns the exchange, its status
-        and its body (non-streaming or an error status) or first piece (a stream). On return
-        `call.replica` counts the call in flight; the caller ends that with `_leave`."""
+        and its body (non-streaming or an error status) or first piece (a stream). `check` (the
+        rollout's status check) is awaited once the first request is on its way; if it fails, that
+        request is aborted. On return `call.replica` counts the call in flight; the caller ends that
+        with `_leave`."""
         body = call.api.upstream(call.req)
         path = call.api.path
         exclude: set[Replica] = set()
@@ -226,6 +247,14 @@ class Proxy:
             try:
                 ex = await replica.client.request("POST", path, body)
                 handle.exchange = ex
+                if check is not None:
+                    pending, check = check, None
+                    try:
+                        await self._running(*pending)
+                    except BaseException:
+                        ex.abort()
+                        self._leave(call)
+                        raise
                 if handle.gone:
                     ex.abort(Aborted(CLIENT_GONE))
                 status = await ex.head()
@@ -240,6 +269,9 @@ class Proxy:
                 raise ClientGone() from None
             except ConnectFailed as exc:
                 self._leave(call)
+                if check is not None:  # never sent: the status check still has to pass
+                    pending, check = check, None
+                    await self._running(*pending)
                 self.pool.mark_down(replica, str(exc))
                 m.child(m.UPSTREAM_ERRORS, replica.url, exc.kind).inc()
                 exclude.add(replica)
@@ -291,8 +323,9 @@ class Proxy:
 
     # --- non-streaming -------------------------------------------------------------------------
 
-    async def _forward(self, call: Call, preferred: str | None, stored: str | None, handle: CallHandle) -> Reply:
-        ex, status, content = await self._exchange(call, preferred, stored, handle, stream=False)
+    async def _forward(self, call: Call, preferred: str | None, stored: str | None, handle: CallHandle,
+                       check: tuple[Awaitable, str] | None) -> Reply:
+        ex, status, content = await self._exchange(call, preferred, stored, handle, False, check)
         self._leave(call)
         m.child(m.UPSTREAM_LATENCY, handle.replica).observe(call.upstream_latency_s)
         if status >= 400:
@@ -316,8 +349,8 @@ class Proxy:
     # --- streaming -----------------------------------------------------------------------------
 
     async def _open_stream(self, call: Call, preferred: str | None, stored: str | None,
-                           handle: CallHandle) -> StreamSession:
-        ex, status, first = await self._exchange(call, preferred, stored, handle, stream=True)
+                           handle: CallHandle, check: tuple[Awaitable, str] | None) -> StreamSession:
+        ex, status, first = await self._exchange(call, preferred, stored, handle, True, check)
         if status >= 400:
             self._leave(call)
             err = upstream_error(status, first, self.retry_after_s)

@@ -117,7 +117,7 @@ class RolloutRegistry:
     def __init__(self, r: aioredis.Redis, keys: broker.Keys, admission: Admission, admin_token: str | None,
                  finish_wait_s: float = 10.0, key_cache_size: int = 100_000, batch: Batcher | None = None) -> None:
         self.r = r
-        self.batch = batch or Batcher(r)  # key lookups of the call path, pipelined
+        self.batch = batch  # key lookups of the call path, pipelined (plain redis-py without one)
         self.keys = keys
         self.admission = admission
         self.admin_token = admin_token or None
@@ -151,7 +151,8 @@ class RolloutRegistry:
             raise unauthorized()
         rollout_id = self._key_cache.get(api_key)
         if rollout_id is None:
-            rollout_id = await self.batch.call("GET", self.keys.api_key(api_key))
+            key = self.keys.api_key(api_key)
+            rollout_id = await (self.batch.call("GET", key) if self.batch is not None else self.r.get(key))
             if rollout_id is None:
                 raise unauthorized()
             if len(self._key_cache) >= self._key_cache_size:

@@ -40,6 +40,8 @@ class TrainerSettings(CommonSettings):
     checkpoint_keep: int = 3
     resume: bool = True
     lr: float = 1e-3
+    kl_coef: float = 0.0  # > 0: add kl_coef x KL(policy || base model) per token (k1 | k2 | k3 estimator)
+    kl_estimator: str = "k3"
     adam_beta2: float = 0.99
     weight_decay: float = 0.0
     loss_mode: str = "token-mean"
@@ -97,7 +99,7 @@ def step_config(s: TrainerSettings, pad_token_id: int) -> StepConfig:
                       dual_clip_c=s.dual_clip_c or None, max_grad_norm=s.max_grad_norm,
                       micro_batch_tokens=s.micro_batch_tokens, pad_token_id=pad_token_id,
                       off_policy=s.off_policy, tis_cap=s.tis_cap, mask_low=s.mask_low, mask_high=s.mask_high,
-                      pack=s.pack_samples, bf16=s.bf16)
+                      pack=s.pack_samples, bf16=s.bf16, kl_coef=s.kl_coef, kl_estimator=s.kl_estimator)
 
 
 def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: str):
@@ -156,7 +158,12 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
                  resume.state["steps_done"])
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     cfg = dataclasses.replace(step_config(s, int(pad)), pack=pack)
-    return StepRunner(model, engine, optimizer, cfg, d), tokenizer, resume
+    ref_model = None
+    if s.kl_coef > 0:
+        # The reference is the base model (never a resumed checkpoint), frozen.
+        ref_model, _ = load_model(s.model_dir, s.seed)
+        ref_model.requires_grad_(False).eval().to(d.device)
+    return StepRunner(model, engine, optimizer, cfg, d, ref_model=ref_model), tokenizer, resume
 
 
 async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resume) -> None:

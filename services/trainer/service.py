@@ -118,8 +118,9 @@ class StepRunner:
     """
 
     def __init__(self, model: torch.nn.Module, engine: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 cfg: StepConfig, d: Dist) -> None:
+                 cfg: StepConfig, d: Dist, ref_model: torch.nn.Module | None = None) -> None:
         self.model = model
+        self.ref_model = ref_model
         self.engine = engine
         self.optimizer = optimizer
         self.cfg = cfg
@@ -130,7 +131,7 @@ class StepRunner:
 
     def run(self, samples: list[SampleRecord], version: int) -> StepOutput:
         metrics = train_step(self.engine, self.optimizer, samples, self.cfg, version=version,
-                             rank=self.d.rank, world=self.d.world)
+                             rank=self.d.rank, world=self.d.world, ref_model=self.ref_model)
         if self.lora:
             from peft import get_peft_model_state_dict
 

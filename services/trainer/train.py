@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import torch
 
 from tether.algorithms.losses import (
+    KL_ESTIMATORS,
     LOSS_MODES,
+    kl_to_reference,
     logprob_mismatch,
     ppo_token_loss,
     token_weights,
@@ -61,8 +63,12 @@ class StepConfig:
     mask_high: float = 2.0
     pack: bool = True
     bf16: bool = False
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
 
     def __post_init__(self) -> None:
+        if self.kl_coef < 0 or self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_coef must be >= 0 and kl_estimator one of {', '.join(KL_ESTIMATORS)}")
         if self.loss_mode not in LOSS_MODES:
             raise ValueError(f"unknown loss mode {self.loss_mode!r}; choose one of {', '.join(LOSS_MODES)}")
         if self.off_policy not in OFF_POLICY_MODES:
@@ -346,7 +352,7 @@ def off_policy_correction(train_logprobs: torch.Tensor, rollout_logprobs: torch.
 
 # Per-step sums reduced over ranks, in this order (the last one is reduced with max).
 _SUMS = ("loss", "tokens", "cells", "trainable", "clip", "dual_clip", "policy_kl", "abs_diff", "k3",
-         "truncated", "masked", "is_weight_sum", "micro_batches")
+         "truncated", "masked", "is_weight_sum", "micro_batches", "ref_kl")
 
 
 def _autocast(device: torch.device, bf16: bool):
@@ -356,7 +362,8 @@ def _autocast(device: torch.device, bf16: bool):
 
 
 def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: list[SampleRecord],
-               cfg: StepConfig, *, version: int = 0, rank: int = 0, world: int = 1) -> dict[str, float]:
+               cfg: StepConfig, *, version: int = 0, rank: int = 0, world: int = 1,
+               ref_model: torch.nn.Module | None = None) -> dict[str, float]:
     """Update `model` in place on the GLOBAL batch `samples`; return the step's metrics (same on all ranks).
 
     `model` is the module to run (the HF model, or its DDP/FSDP2 form on `world` > 1 ranks, each of
@@ -399,6 +406,12 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
             loss_tok, m = ppo_token_loss(lp[None], old[None], adv[None], ones[None], clip_low=cfg.clip_low,
                                          clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c)
             loss = (w * is_w * loss_tok[0]).sum()
+            if ref_model is not None and cfg.kl_coef > 0:
+                with torch.no_grad(), _autocast(device, cfg.bf16):
+                    ref_lp = target_logprobs(ref_model, mb, keep_logits)
+                kl_tok = kl_to_reference(lp, ref_lp, cfg.kl_estimator)
+                loss = loss + cfg.kl_coef * (w * kl_tok).sum()
+                sums["ref_kl"] += float(kl_tok.detach().sum())
             # DDP/FSDP average gradients over ranks; the weights are global, so scale the average to a sum.
             (loss * float(world)).backward()
         mismatch = logprob_mismatch(lp[None], rollout_lp[None], ones[None])
@@ -456,4 +469,5 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
         "logprob_abs_diff": sums["abs_diff"] / n_tok,
         "logprob_abs_diff_max": max_abs_diff,
         "logprob_k3_kl": sums["k3"] / n_tok,
+        "ref_kl": sums["ref_kl"] / n_tok,
     }

@@ -1,0 +1,134 @@
+"""Which vLLM replica serves a call.
+
+A rollout sticks to one replica, so that its next call (the same prompt plus a turn) reuses that
+replica's prefix cache; the choice is kept in memory and in the rollout's hash in Redis (field
+`replica`, written by the proxy), so a restarted gateway keeps it. A rollout without a replica, or
+whose replica is out, goes to the healthy replica with the fewest calls in flight (ties rotate).
+A replica is taken out when a connection to it fails or its GET /health does not answer 200, and put
+back when /health answers 200 again (checked every `health_check_s`). When every replica is out,
+calls still try them (least loaded first): a connection attempt tells the truth faster than waiting.
+
+Who may call: proxy.py (pick, mark_down), main.py (the health-check loop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from tether.gateway.upstream import UpstreamClient, UpstreamError
+
+log = logging.getLogger(__name__)
+
+
+class Replica:
+    __slots__ = ("url", "client", "healthy", "in_flight", "reason")
+
+    def __init__(self, url: str, client: UpstreamClient) -> None:
+        self.url = url
+        self.client = client
+        self.healthy = True
+        self.in_flight = 0
+        self.reason = ""
+
+
+class ReplicaPool:
+    def __init__(self, replicas: list[Replica], sticky_cache_size: int = 100_000) -> None:
+        if not replicas:
+            raise ValueError("at least one vLLM replica is needed")
+        self.replicas = replicas
+        self.by_url = {r.url: r for r in replicas}
+        self._rotate = 0
+        # rollout id -> replica url; bounded (oldest first out), Redis keeps the rest.
+        self._sticky: dict[str, str] = {}
+        self._sticky_cap = sticky_cache_size
+
+    @property
+    def single(self) -> bool:
+        return len(self.replicas) == 1
+
+    # --- choosing ------------------------------------------------------------------------------
+
+    def remembered(self, rollout_id: str) -> str | None:
+        return self._sticky.get(rollout_id)
+
+    def remember(self, rollout_id: str, url: str) -> None:
+        sticky = self._sticky
+        if rollout_id not in sticky and len(sticky) >= self._sticky_cap:
+            del sticky[next(iter(sticky))]
+        sticky[rollout_id] = url
+
+    def forget(self, rollout_id: str) -> None:
+        self._sticky.pop(rollout_id, None)
+
+    def pick(self, preferred: str | None = None, exclude: set[Replica] | frozenset = frozenset()) -> Replica | None:
+        """The preferred replica if it is healthy (and not excluded), else the least-loaded healthy
+        one, else the least-loaded of the rest; None when all are excluded."""
+        replicas = self.replicas
+        if len(replicas) == 1:
+            only = replicas[0]
+            return None if only in exclude else only
+        if preferred is not None:
+            r = self.by_url.get(preferred)
+            if r is not None and r.healthy and r not in exclude:
+                return r
+        n = len(replicas)
+        start = self._rotate = (self._rotate + 1) % n
+        best: Replica | None = None
+        fallback: Replica | None = None
+        for i in range(n):
+            r = replicas[(start + i) % n]
+            if r in exclude:
+                continue
+            if r.healthy:
+                if best is None or r.in_flight < best.in_flight:
+                    best = r
+            elif fallback is None or r.in_flight < fallback.in_flight:
+                fallback = r
+        return best or fallback
+
+    # --- health --------------------------------------------------------------------------------
+
+    def mark_down(self, replica: Replica, reason: str) -> None:
+        if replica.healthy:
+            log.warning("vLLM replica %s taken out: %s", replica.url, reason)
+        replica.healthy = False
+        replica.reason = reason
+
+    def mark_up(self, replica: Replica) -> None:
+        if not replica.healthy:
+            log.info("vLLM replica %s is back", replica.url)
+        replica.healthy = True
+        replica.reason = ""
+
+    async def check(self, replica: Replica, timeout_s: float) -> bool:
+        try:
+            status, _ = await asyncio.wait_for(replica.client.get("/health", timeout_s), timeout_s + 1)
+        except (UpstreamError, TimeoutError) as exc:
+            self.mark_down(replica, f"GET /health failed: {exc}")
+            return False
+        if status != 200:
+            self.mark_down(replica, f"GET /health answered {status}")
+            return False
+        self.mark_up(replica)
+        return True
+
+    async def check_all(self, timeout_s: float) -> None:
+        await asyncio.gather(*(self.check(r, timeout_s) for r in self.replicas))
+
+    async def watch(self, interval_s: float, timeout_s: float) -> None:
+        """Forever: check every replica's /health, then sleep `interval_s`."""
+        while True:
+            try:
+                await self.check_all(timeout_s)
+            except Exception:
+                log.exception("replica health check")
+            await asyncio.sleep(interval_s)
+
+    def status(self) -> list[dict]:
+        return [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "reason": r.reason or None}
+                for r in self.replicas]
+
+    async def aclose(self) -> None:
+        for r in self.replicas:
+            await r.client.aclose()
