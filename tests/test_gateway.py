@@ -28,7 +28,6 @@ from fake_vllm import (
     MODEL,
     PROMPT_IDS,
     TOKEN_IDS,
-    FakeVLLM,
     InProcessGateway,
     choice_ids,
     gateway_settings,
@@ -38,7 +37,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether.common.broker import Keys
 from tether.common.net import free_port
-from tether.common.redis_server import start_embedded_redis
 from tether.gateway.capture import (
     ApiError,
     StreamCapture,
@@ -54,28 +52,6 @@ ERROR_FIELDS = {"message", "type", "param", "code"}
 
 
 # --- fixtures -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def redis_port(tmp_path_factory):
-    port = free_port()
-    proc = start_embedded_redis(tmp_path_factory.mktemp("redis"), port)
-    yield port
-    proc.terminate()
-    proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def rdb(redis_port):
-    client = redis.Redis(port=redis_port, decode_responses=True)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def vllm():
-    with FakeVLLM() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

@@ -26,14 +26,12 @@ from fake_vllm import (
     TOKEN_IDS,
     TOOL_ARGS,
     TOOL_CALL_ID,
-    FakeVLLM,
     InProcessGateway,
     gateway_settings,
     wait_traces,
 )
 
 from tether.common.net import free_port
-from tether.common.redis_server import start_embedded_redis
 from tether.gateway.capture import (
     ApiError,
     CompletionStreamCapture,
@@ -466,28 +464,6 @@ def test_responses_stream_event_sequence():
 
 
 # --- the routes, against the vLLM look-alike ------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def redis_port(tmp_path_factory):
-    port = free_port()
-    proc = start_embedded_redis(tmp_path_factory.mktemp("redis"), port)
-    yield port
-    proc.terminate()
-    proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def rdb(redis_port):
-    client = redis.Redis(port=redis_port, decode_responses=True)
-    yield client
-    client.close()
-
-
-@pytest.fixture(scope="module")
-def vllm():
-    with FakeVLLM() as server:
-        yield server
 
 
 @pytest.fixture(scope="module")

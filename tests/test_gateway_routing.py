@@ -15,7 +15,6 @@ import time
 import httpx
 import openai
 import pytest
-import redis
 from fake_vllm import (
     ADMIN,
     MODEL,
@@ -29,30 +28,12 @@ from fake_vllm import (
 from pydantic import ValidationError
 from redis.exceptions import NoScriptError, ResponseError
 
-from tether.common.net import free_port
-from tether.common.redis_server import start_embedded_redis
 from tether.gateway.main import GatewaySettings
 from tether.gateway.recorder import Batcher, encode_command, parse_reply
 from tether.gateway.routing import Replica, ReplicaPool
 from tether.gateway.sessions import parse_deployment_keys, session_stream
 from tether.gateway.upstream import UpstreamClient
 from tether.v1 import gateway_pb2, types_pb2
-
-
-@pytest.fixture(scope="module")
-def redis_port(tmp_path_factory):
-    port = free_port()
-    proc = start_embedded_redis(tmp_path_factory.mktemp("redis"), port)
-    yield port
-    proc.terminate()
-    proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def rdb(redis_port):
-    client = redis.Redis(port=redis_port, decode_responses=True)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,6 @@ import redis
 from fake_vllm import InProcessGateway, gateway_settings, wait_traces
 
 from tether.common.net import free_port
-from tether.common.redis_server import start_embedded_redis
 
 pytestmark = pytest.mark.slow
 
@@ -93,22 +92,6 @@ def _stop_group(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         return
-
-
-@pytest.fixture(scope="module")
-def redis_port(tmp_path_factory):
-    port = free_port()
-    proc = start_embedded_redis(tmp_path_factory.mktemp("redis"), port)
-    yield port
-    proc.terminate()
-    proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def rdb(redis_port):
-    client = redis.Redis(port=redis_port, decode_responses=True)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")
