@@ -395,3 +395,17 @@ async def test_failed_attempts_are_retried_then_excluded(redis_url):
     assert result["rollouts"] == 3 and result["completed"] == 2 and result["rewards"] == [1.0, 0.0]
     assert submitted == [("g", ["a1", "b0"], 2)]
     await r.aclose()
+
+
+def test_n_greater_than_one_choices_become_sibling_sequences():
+    merger = Merger(None, broker.Keys("t"), MergerConfig(), None)
+    trace = Trace(call_id="c0", rollout_id="r", api="chat.completions", request={}, status="ok",
+                  prompt_token_ids=[1, 2], response_token_ids=[3, 4], response_logprobs=[-0.1, -0.2],
+                  weight_version=2, extra_choices=[{"index": 1, "token_ids": [5], "logprobs": [-0.3],
+                                                    "finish_reason": "stop"}])
+    event = RolloutEvent(rollout_id="r", task_id="t", group_id="g", group_size=1, status="completed", reward=1.0)
+    merged = merger.merge_records(event, [trace.to_dict()], {})
+    assert [s["token_ids"] for s in merged["sequences"]] == [[1, 2, 3, 4], [1, 2, 5]]
+    assert merged["sequences"][1]["loss_mask"] == [0, 0, 1]
+    assert merged["sequences"][1]["logprobs"] == [0.0, 0.0, -0.3]
+    assert merged["choice_branches"] == 1

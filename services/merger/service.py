@@ -67,6 +67,27 @@ RETRIED = PromCounter("tether_merger_rollouts_retried_total", "Failed rollout at
 PENDING = Gauge("tether_merger_groups_pending", "Groups waiting for more rollouts")
 
 
+def choice_branches(records: list[dict[str, Any]], kept: list[Call]) -> list[tuple[str, dict[str, Any]]]:
+    """The further choices of n > 1 calls, each its own sequence (prompt mask 0, that choice's
+    sampled tokens mask 1 with their logprobs): siblings share a prompt, so they cannot merge into
+    one sequence, and dedupe by prompt would otherwise drop them. Only calls the merge kept count."""
+    kept_ids = {c.call_id for c in kept}
+    out: list[tuple[str, dict[str, Any]]] = []
+    for d in records:
+        if d.get("call_id") not in kept_ids:
+            continue
+        prompt = list(d.get("prompt_token_ids") or [])
+        for choice in d.get("extra_choices") or []:
+            ids, lps = list(choice.get("token_ids") or []), list(choice.get("logprobs") or [])
+            if not prompt or not ids or len(ids) != len(lps):
+                continue
+            out.append((d["call_id"], {
+                "token_ids": prompt + ids, "loss_mask": [0] * len(prompt) + [1] * len(ids),
+                "logprobs": [0.0] * len(prompt) + [float(x) for x in lps],
+                "weight_version": int(d.get("weight_version", 0)), "truncated": False}))
+    return out
+
+
 def retried_failure(meta: dict) -> bool:
     """A failed attempt that is not the slot's last one (its worker starts another attempt)."""
     try:
@@ -294,6 +315,16 @@ class Merger:
             if seqs:
                 first = min((cid for s in seqs for cid in s.call_ids), key=pos.__getitem__)
                 merged["return"] = g[first]
+        branches = choice_branches(records, calls)
+        for parent, seq in branches:
+            if cfg.per_call_returns and calls:
+                seq["returns"] = [g[parent]]
+                seq["return"] = g[parent]
+                seq["spans"] = [[seq["loss_mask"].index(1), len(seq["token_ids"])]]
+        out_seqs.extend(seq for _, seq in branches)
+        merged["choice_branches"] = len(branches)
+        if branches and merged["status"] == "empty":
+            merged["status"] = event.status
         return merged
 
     async def merge_rollout(self, event: RolloutEvent, meta: dict) -> dict:
