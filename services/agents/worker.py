@@ -120,8 +120,13 @@ class Worker:
                     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                     continue
                 # A rollout may run for minutes: only reclaim entries idle for far longer than that.
-                entries = await broker.read_group(self.r, self.keys.dispatch, "agents", self.name,
-                                                  count=free, block_ms=1000, claim_idle_ms=900_000)
+                try:
+                    entries = await broker.read_group(self.r, self.keys.dispatch, "agents", self.name,
+                                                      count=free, block_ms=1000, claim_idle_ms=900_000)
+                except broker.TRANSIENT as exc:
+                    log.warning("Redis read failed (%s); retrying", exc)
+                    await asyncio.sleep(1.0)
+                    continue
                 for entry_id, job in entries:
                     if entry_id in self.in_flight:
                         continue

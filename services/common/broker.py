@@ -12,7 +12,9 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +76,15 @@ class Keys:
         return f"{self.ns}:published:{record_id}"
 
 
+# redis-py 8 gives every socket read a 5 s timeout: on a loaded 2-core host a blocking stream read
+# (XREADGROUP BLOCK) can overrun it and kill a consumer. Reads get a minute; a stall past that is real.
+SOCKET_TIMEOUT_S = 60.0
+TRANSIENT = (RedisConnectionError, RedisTimeoutError)
+
+
 def connect(url: str) -> aioredis.Redis:
-    return aioredis.from_url(url, decode_responses=True)
+    return aioredis.from_url(url, decode_responses=True, socket_timeout=SOCKET_TIMEOUT_S,
+                             socket_connect_timeout=10.0)
 
 
 # SET NX marker + XADD (+ optional RPUSH of the new entry id to an index list), atomically:

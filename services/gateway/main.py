@@ -164,7 +164,8 @@ class GatewayServer:
         # Blocking pool: past its size a command waits for a connection instead of failing (redis-py's
         # default pool raises at 100). The call path pipelines (recorder.Batcher) and needs few.
         self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            s.redis_url, decode_responses=True, max_connections=64, timeout=30))
+            s.redis_url, decode_responses=True, max_connections=64, timeout=30,
+            socket_timeout=broker.SOCKET_TIMEOUT_S, socket_connect_timeout=10.0))
         keys = broker.Keys(s.namespace)
         self.admission = Admission()
         self.recorder = Recorder(self.redis, s.redis_url, keys)

@@ -511,7 +511,13 @@ class Merger:
         ticker = asyncio.create_task(self._deadline_loop()) if self.cfg.group_timeout_s > 0 else None
         try:
             while True:
-                for entry_id, record in await broker.read_group(self.r, stream, "merger", consumer):
+                try:
+                    entries = await broker.read_group(self.r, stream, "merger", consumer)
+                except broker.TRANSIENT as exc:
+                    log.warning("Redis read failed (%s); retrying", exc)
+                    await asyncio.sleep(1.0)
+                    continue
+                for entry_id, record in entries:
                     try:
                         event = RolloutEvent.from_dict(record)
                         if event.status not in ("completed", "failed") or event.group_size < 1:
@@ -538,5 +544,9 @@ class Merger:
             except grpc.aio.AioRpcError as exc:
                 log.warning("trainer unavailable (%s); retrying rollout %s in %.1fs", exc.code(),
                             event.rollout_id, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+            except broker.TRANSIENT as exc:
+                log.warning("Redis unavailable (%s); retrying rollout %s in %.1fs", exc, event.rollout_id, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)
