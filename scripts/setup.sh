@@ -24,7 +24,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "impo
   "$VENV/bin/pip" install -q --upgrade pip
   # Pinned first: pip takes the CPU wheel from this machine's disk, never a CUDA build.
   "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q -e ".[test]"
+  "$VENV/bin/pip" install -q -e ".[test,lora]"
   if [ "$WITH_TESTS" = 1 ]; then
     # External test oracle (verl's math) without verl's dependency tree (it would replace torch),
     # then the few modules verl.trainer.ppo.core_algos imports.
