@@ -460,7 +460,9 @@ class StreamSession:
                 data = await self.ex.read()
             except Aborted:
                 self._ended = True
-                self.error = CLIENT_GONE
+                # A client that closes after [DONE] left a complete call: only an earlier exit is an error.
+                if not self.capture.done:
+                    self.error = CLIENT_GONE
                 return None
             except UpstreamError as exc:
                 self._ended = True
