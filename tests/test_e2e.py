@@ -5,25 +5,14 @@ outside: metrics, weight versions, token provenance, the trace store, clean shut
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from stack_helpers import TETHER, alive
 
 pytestmark = pytest.mark.slow
 
-TETHER = [sys.executable, "-m", "tether.cli"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split()[2] == "Z")
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +64,8 @@ def test_no_process_left_behind(demo):
     work, _, _ = demo
     state = json.loads((work / ".tether" / "stack.json").read_text())
     assert state.get("stopped") is True
-    assert not _alive(state["launcher_pid"])
-    assert state["pids"] and not [name for name, pid in state["pids"].items() if _alive(pid)]
+    assert not alive(state["launcher_pid"])
+    assert state["pids"] and not [name for name, pid in state["pids"].items() if alive(pid)]
     vllm_port = state["addresses"]["vllm_url"].rsplit(":", 1)[1]
     left = subprocess.run(["pgrep", "-f", f"api_server.*--port {vllm_port}"], capture_output=True, text=True)
     assert left.stdout.split() == [], "vLLM outlived the stack"

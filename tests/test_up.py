@@ -4,28 +4,16 @@ openai SDK, rewards reported, the group trained on and pushed, then `tether down
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from stack_helpers import TETHER, alive
 
 pytestmark = pytest.mark.slow
 
-TETHER = [sys.executable, "-m", "tether.cli"]
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return not (stat.exists() and stat.read_text().split()[2] == "Z")
 
 
 def _wait(cond, timeout: float, what: str):
@@ -97,4 +85,4 @@ def test_up_trains_on_groups_users_complete(tmp_path):
     assert down.returncode == 0, down.stdout + down.stderr
     assert proc.returncode == 0
     state = json.loads(state_file.read_text())
-    assert not [name for name, pid in state["pids"].items() if _alive(pid)]
+    assert not [name for name, pid in state["pids"].items() if alive(pid)]

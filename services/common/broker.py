@@ -7,6 +7,7 @@ so that several runs (or tests) can share one Redis.
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,6 +100,9 @@ return {id, 1}
 """
 
 
+_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 async def publish_once(
     r: aioredis.Redis,
     keys: Keys,
@@ -111,7 +115,9 @@ async def publish_once(
 ) -> tuple[str, bool]:
     """Publish `record` on `stream` unless `record_id` was published before.
     Returns (stream entry id, whether it was added now)."""
-    script = r.register_script(_PUBLISH_ONCE)  # EVALSHA, falling back to EVAL once per server
+    script = _scripts.get(r)
+    if script is None:  # EVALSHA, falling back to EVAL once per server; one Script per client
+        script = _scripts[r] = r.register_script(_PUBLISH_ONCE)
     entry, added = await script(keys=[keys.published(record_id), stream, index_list],
                                 args=[orjson.dumps(record), ttl_s, maxlen])
     return str(entry), bool(int(added))

@@ -67,6 +67,27 @@ def invalid(param: str, message: str) -> ApiError:
     return ApiError(400, f"'{param}' {message}", param=param, code="invalid_value")
 
 
+def number_field(body: dict[str, Any], name: str, integer: bool = False) -> Any:
+    """`body[name]` when it is a number (an integer if asked; never a bool), None when absent."""
+    value = body.get(name)
+    if value is None:
+        return None
+    kinds = int if integer else int | float
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        raise invalid(name, "must be an integer" if integer else "must be a number")
+    return value
+
+
+def reject_unknown_fields(body: dict[str, Any], known: set[str], hints: dict[str, str], why: str,
+                          null_is_absent: bool = False) -> None:
+    """400 naming every field outside `known` (a null one too, unless `null_is_absent`), with the
+    hints for those that have one."""
+    extra = [k for k in body if k not in known and not (null_is_absent and body[k] is None)]
+    if extra:
+        notes = [hints[k] for k in sorted(extra) if k in hints]
+        raise unsupported(extra, "; ".join(notes) or why)
+
+
 def as_dict(value: Any) -> dict[str, Any]:
     """`value` if it is a JSON object, else {} (for reading loosely shaped upstream answers)."""
     return value if isinstance(value, dict) else {}

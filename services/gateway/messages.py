@@ -31,6 +31,8 @@ from tether.gateway.capture import (
     check_stream,
     invalid,
     load_json_object,
+    number_field,
+    reject_unknown_fields,
     unsupported,
 )
 
@@ -40,6 +42,7 @@ _TRANSLATED = {"model", "messages", "max_tokens", "system", "stop_sequences", "s
 # Accepted with no effect: routing, caching and attribution hints of Anthropic's service.
 _IGNORED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "diagnostics", "user_profile_id",
             "workspace_id"}
+_KNOWN = _TRANSLATED | _IGNORED
 _UNSUPPORTED_HINTS = {
     "container": "no code-execution containers here",
     "mcp_servers": "the gateway does not call MCP servers",
@@ -262,21 +265,9 @@ def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
     raise invalid("tool_choice.type", "must be one of 'auto', 'any', 'tool', 'none'")
 
 
-def _number(body: dict[str, Any], name: str, integer: bool = False) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    kinds = int if integer else int | float
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise invalid(name, "must be an integer" if integer else "must be a number")
-    return value
-
-
 def _request_fields(body: dict[str, Any]) -> None:
-    extra = [k for k in body if k not in _TRANSLATED and k not in _IGNORED]
-    if extra:
-        hints = [_UNSUPPORTED_HINTS[k] for k in sorted(extra) if k in _UNSUPPORTED_HINTS]
-        raise unsupported(extra, "; ".join(hints) or "this gateway translates Messages to chat completions")
+    reject_unknown_fields(body, _KNOWN, _UNSUPPORTED_HINTS,
+                          "this gateway translates Messages to chat completions")
     thinking = body.get("thinking")
     if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
         raise unsupported(["thinking"], "extended thinking is not available through this gateway")
@@ -301,7 +292,7 @@ def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
     check_model(body, served_model)
     _request_fields(body)
     stream = check_stream(body)
-    max_tokens = _number(body, "max_tokens", integer=True)
+    max_tokens = number_field(body, "max_tokens", integer=True)
     if max_tokens is None or max_tokens < 1:
         raise invalid("max_tokens", "is required and must be an integer >= 1")
 
@@ -311,9 +302,9 @@ def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
         messages.insert(0, {"role": "system", "content": system})
     chat: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": stream}
     for name in ("temperature", "top_p"):
-        if (value := _number(body, name)) is not None:
+        if (value := number_field(body, name)) is not None:
             chat[name] = value
-    if (top_k := _number(body, "top_k", integer=True)) is not None:
+    if (top_k := number_field(body, "top_k", integer=True)) is not None:
         chat["top_k"] = top_k
     stops = body.get("stop_sequences")
     if stops is not None:

@@ -31,6 +31,8 @@ from tether.gateway.capture import (
     check_stream,
     invalid,
     load_json_object,
+    number_field,
+    reject_unknown_fields,
     unsupported,
 )
 
@@ -40,6 +42,7 @@ _TRANSLATED = {"model", "input", "instructions", "max_output_tokens", "temperatu
 # Accepted with no effect: bookkeeping this gateway does not keep (it stores nothing).
 _IGNORED = {"store", "metadata", "user", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
             "stream_options", "prompt_cache_retention"}
+_KNOWN = _TRANSLATED | _IGNORED
 _UNSUPPORTED_HINTS = {
     "prompt": "stored prompts live on OpenAI's servers; send 'instructions' and 'input'",
     "max_tool_calls": "hosted tool calls are not available",
@@ -221,21 +224,9 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     raise invalid("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
 
 
-def _number(body: dict[str, Any], name: str, integer: bool = False) -> Any:
-    value = body.get(name)
-    if value is None:
-        return None
-    kinds = int if integer else int | float
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise invalid(name, "must be an integer" if integer else "must be a number")
-    return value
-
-
 def _check_fields(body: dict[str, Any]) -> None:
-    extra = [k for k in body if k not in _TRANSLATED and k not in _IGNORED and body[k] is not None]
-    if extra:
-        hints = [_UNSUPPORTED_HINTS[k] for k in sorted(extra) if k in _UNSUPPORTED_HINTS]
-        raise unsupported(extra, "; ".join(hints) or "this gateway translates Responses to chat completions")
+    reject_unknown_fields(body, _KNOWN, _UNSUPPORTED_HINTS,
+                          "this gateway translates Responses to chat completions", null_is_absent=True)
     if body.get("previous_response_id") is not None:
         raise unsupported(["previous_response_id"], _NO_STATE)
     if body.get("conversation") is not None:
@@ -257,13 +248,13 @@ def parse_responses_request(raw: bytes, served_model: str) -> ResponsesRequest:
             raise invalid("instructions", "must be a string")
         messages.insert(0, {"role": "system", "content": instructions})
     chat: dict[str, Any] = {"messages": messages, "stream": stream}
-    max_tokens = _number(body, "max_output_tokens", integer=True)
+    max_tokens = number_field(body, "max_output_tokens", integer=True)
     if max_tokens is not None:
         if max_tokens < 1:
             raise invalid("max_output_tokens", "must be an integer >= 1")
         chat["max_tokens"] = max_tokens
     for name in ("temperature", "top_p"):
-        if (value := _number(body, name)) is not None:
+        if (value := number_field(body, name)) is not None:
             chat[name] = value
     if body.get("tools") is not None:
         tools = _tools(body["tools"])
@@ -291,7 +282,7 @@ def parse_responses_request(raw: bytes, served_model: str) -> ResponsesRequest:
     if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
         raise invalid("include", "must be an array of strings")
     wants_logprobs = LOGPROBS_INCLUDE in (include or ())
-    if (top := _number(body, "top_logprobs", integer=True)) is not None:
+    if (top := number_field(body, "top_logprobs", integer=True)) is not None:
         chat["top_logprobs"] = top
     return ResponsesRequest(body=body, stream=stream, chat=chat, wants_logprobs=wants_logprobs)
 

@@ -113,18 +113,23 @@ class Run:
                 "group_id": group_id, "task_id": task["task_id"], "group_size": size, "task": task,
                 "metadata": meta, "max_attempts": self.cfg.max_attempts})
 
+    async def read_results(self, cursor: str, block_ms: int) -> tuple[str, list[dict]]:
+        """Group results published after `cursor` (waiting up to `block_ms`), and the new cursor."""
+        resp = await self.r.xread({self.keys.group_results: cursor}, count=256, block=block_ms)
+        out = []
+        for _, items in resp or []:
+            for eid, fields in items:
+                cursor = eid
+                out.append(broker.decode(fields))
+        return cursor, out
+
     async def wait_groups(self, group_ids: set[str], cursor: str) -> list[dict]:
         """Group results for `group_ids`, read from the results stream after `cursor`."""
         found: dict[str, dict] = {}
         deadline = time.monotonic() + self.cfg.rollout_timeout_s
         while len(found) < len(group_ids) and time.monotonic() < deadline:
-            resp = await self.r.xread({self.keys.group_results: cursor}, count=256, block=500)
-            for _, items in resp or []:
-                for eid, fields in items:
-                    cursor = eid
-                    rec = broker.decode(fields)
-                    if rec["group_id"] in group_ids:
-                        found[rec["group_id"]] = rec
+            cursor, batch = await self.read_results(cursor, 500)
+            found.update((rec["group_id"], rec) for rec in batch if rec["group_id"] in group_ids)
         if len(found) < len(group_ids):
             log.warning("%d of %d groups unresolved after %.0fs", len(group_ids) - len(found), len(group_ids),
                         self.cfg.rollout_timeout_s)
@@ -269,16 +274,13 @@ class Run:
                 await self.dispatch(gid, rng.choice(self.tasks), self.cfg.group_size,
                                     {"step": step, "run_id": self.cfg.run_id})
                 outstanding[gid] = self.state["weight_version"]
-            resp = await self.r.xread({self.keys.group_results: cursor}, count=256, block=200)
-            for _, items in resp or []:
-                for eid, fields in items:
-                    cursor = eid
-                    rec = broker.decode(fields)
-                    if outstanding.pop(rec["group_id"], None) is None:
-                        continue
-                    window.append(rec)
-                    if rec["outcome"] == "trained":
-                        ready.append(rec)
+            cursor, batch = await self.read_results(cursor, 200)
+            for rec in batch:
+                if outstanding.pop(rec["group_id"], None) is None:
+                    continue
+                window.append(rec)
+                if rec["outcome"] == "trained":
+                    ready.append(rec)
             version = self.state["weight_version"]
             stale = [g for g in ready if version - g.get("min_weight_version", version) > k]
             if stale:
@@ -324,25 +326,15 @@ class Run:
         """Serve-only mode (`tether up`): users create and complete rollouts themselves; every time
         `groups_per_step` groups were scored (waiting `linger_s` for more), train and push."""
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        previous = await self.load_state()
-        step = int(previous.get("next_step", 0)) if previous.get("run_id") == self.cfg.run_id else 0
-        version = (await self.stubs.inference.GetWeightVersion(types_pb2.Empty())).version
-        await self.save_state(run_id=self.cfg.run_id, status="serving", weight_version=version,
-                              run_dir=str(self.cfg.run_dir), next_step=step)
-        await self.stubs.gateway.ResumeAdmission(gateway_pb2.ResumeAdmissionRequest(weight_version=version))
+        step = await self.start_run()
+        await self.save_state(status="serving")
         cursor = await self.results_cursor()
         ready: list[dict] = []
         while not self.stop_requested:
-            resp = await self.r.xread({self.keys.group_results: cursor}, count=256,
-                                      block=int(linger_s * 1000) if ready else 1000)
-            for _, items in resp or []:
-                for eid, fields in items:
-                    cursor = eid
-                    rec = broker.decode(fields)
-                    if rec["outcome"] in ("trained", "filtered"):
-                        ready.append(rec)
+            cursor, batch = await self.read_results(cursor, int(linger_s * 1000) if ready else 1000)
+            ready.extend(rec for rec in batch if rec["outcome"] in ("trained", "filtered"))
             trained = [g["group_id"] for g in ready if g["outcome"] == "trained"]
-            if len(trained) < groups_per_step or (resp and len(trained) < 4 * groups_per_step):
+            if len(trained) < groups_per_step or (batch and len(trained) < 4 * groups_per_step):
                 continue  # keep collecting while groups are still arriving
             t0 = time.perf_counter()
             summary = step_summary(ready)
