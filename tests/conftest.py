@@ -44,3 +44,22 @@ def vllm():
 
     with FakeVLLM() as server:
         yield server
+
+
+# Native threads that torch.distributed (gloo) and gRPC leave behind can abort the interpreter in
+# their static destructors ("terminate called without an active exception") after every test has
+# passed. Once pytest has reported, leave with its own exit status and skip those destructors.
+def pytest_sessionfinish(session, exitstatus):
+    session.config._tether_exitstatus = int(exitstatus)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    import os
+    import sys
+
+    status = getattr(config, "_tether_exitstatus", None)
+    if status is not None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
