@@ -30,7 +30,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from tether.gateway.main import GatewaySettings
 from tether.gateway.recorder import Batcher, encode_command, parse_reply
-from tether.gateway.routing import Replica, ReplicaPool
+from tether.gateway.routing import Replica, ReplicaPool, conversation_key
 from tether.gateway.sessions import parse_deployment_keys, session_stream
 from tether.gateway.upstream import UpstreamClient
 from tether.v1 import gateway_pb2, types_pb2
@@ -342,6 +342,56 @@ def test_metrics_per_route_and_replica(gw, two):
     assert any(f'{{replica="{f.url}",route="/v1/chat/completions",status="200"}}' in text for f in two)
     for f in two:
         assert f'tether_gateway_replica_healthy{{replica="{f.url}"}} 1.0' in text
+
+
+def test_conversation_key_follows_the_conversation_root():
+    system = {"role": "system", "content": "be brief"}
+    turn1 = {"messages": [system, {"role": "user", "content": "task A"}]}
+    turn2 = {"messages": [*turn1["messages"], {"role": "assistant", "content": "ok"},
+                          {"role": "user", "content": "go on"}]}
+    other = {"messages": [system, {"role": "user", "content": "task B"}]}
+    assert conversation_key(turn1) == conversation_key(turn2) != conversation_key(other)
+    bare = [{"role": "user", "content": "task A"}]
+    assert conversation_key({"messages": bare}) == conversation_key({"messages": [*bare, *turn2["messages"][2:]]})
+    assert conversation_key({"messages": bare}) != conversation_key(turn1)
+    # The client's own cache key wins: prompt_cache_key, then user, then Anthropic's metadata.user_id.
+    assert conversation_key({**other, "prompt_cache_key": "c1", "user": "u"}) == "key:c1"
+    assert conversation_key({**other, "user": "u"}) == "key:u"
+    assert conversation_key({**turn1, "metadata": {"user_id": "u"}}) == "key:u"
+    # Anthropic's top-level system, Responses' instructions + input, completions' prompt head.
+    assert conversation_key({"system": "s1", "messages": [{"role": "user", "content": "x"}]}) != \
+        conversation_key({"system": "s2", "messages": [{"role": "user", "content": "x"}]})
+    assert conversation_key({"instructions": "i", "input": "hello"}) != conversation_key({"input": "hello"})
+    long = "p" * 600
+    assert conversation_key({"prompt": long}) == conversation_key({"prompt": long + " more turns"})
+    assert conversation_key({"prompt": [1, 2, 3]}) != conversation_key({"prompt": [1, 2, 4]})
+    assert conversation_key({"messages": [{"role": "user", "content": "big", "n": 2**70}]}).startswith("root:")
+
+
+def test_record_only_conversations_stick_to_a_replica(gw, rdb, two):
+    def served_by(key: str, messages: list[dict], **kw) -> str:
+        resp = gw.http.post("/v1/chat/completions", headers=bearer(key), json={"model": MODEL, "messages": messages, **kw})
+        assert resp.status_code == 200, resp.text
+        call_id = resp.headers["x-tether-call-id"]
+
+        def recorded() -> list[dict]:
+            return [t for t in (json.loads(f["data"]) for _, f in rdb.xrange(gw.keys.traces)) if t["call_id"] == call_id]
+
+        assert wait_until(lambda: len(recorded()) == 1)
+        return recorded()[0]["replica"]
+
+    used = set()
+    for task in range(4):
+        convo = [{"role": "user", "content": f"conversation {task}"}]
+        replicas = set()
+        for turn in range(3):
+            replicas.add(served_by("dk-prod", convo))
+            convo = [*convo, {"role": "assistant", "content": "ok"}, {"role": "user", "content": f"turn {turn}"}]
+        assert len(replicas) == 1, replicas  # every turn of one conversation on one replica
+        used |= replicas
+    assert used == {f.url for f in two}  # while new conversations spread
+    pinned = {served_by("dk-prod", [{"role": "user", "content": f"x{i}"}], prompt_cache_key="mine") for i in range(4)}
+    assert len(pinned) == 1
 
 
 def test_pause_still_gates_sessions(gw):

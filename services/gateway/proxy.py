@@ -38,7 +38,7 @@ from tether.gateway.apis import Api, MessagesApi, Relay
 from tether.gateway.capture import ApiError, Captured, build_trace, upstream_error
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RUNNING, RolloutRegistry, unauthorized
-from tether.gateway.routing import Replica, ReplicaPool
+from tether.gateway.routing import Replica, ReplicaPool, conversation_key
 from tether.gateway.sessions import Sessions, session_rollout_id
 from tether.gateway.upstream import Aborted, ConnectFailed, Exchange, UpstreamError, UpstreamTimeout
 
@@ -87,8 +87,8 @@ class Reply:
 class Call:
     """One call in progress."""
 
-    __slots__ = ("rollout_id", "tracked", "session", "api", "req", "weight_version", "call_id", "started_at", "t0",
-                 "t_up", "upstream_latency_s", "replica", "retries", "failovers")
+    __slots__ = ("rollout_id", "tracked", "session", "sticky", "api", "req", "weight_version", "call_id",
+                 "started_at", "t0", "t_up", "upstream_latency_s", "replica", "retries", "failovers")
 
     def __init__(self, rollout_id: str, tracked: str | None, session: str | None, api: Api, req: Any) -> None:
         self.call_id = f"call-{uuid.uuid4().hex}"
@@ -97,6 +97,7 @@ class Call:
         self.session = session
         self.api = api
         self.req = req  # what api.parse returned: .body (as the client sent it) and .stream
+        self.sticky = tracked  # what it sticks to a replica by (a record-only call: its conversation)
         self.weight_version = 0
         self.started_at = time.time()
         self.t0 = time.perf_counter()
@@ -136,6 +137,8 @@ class Proxy:
         session = None if path_rollout is not None else self.sessions.session_of(api_key)
         if session is not None:
             call = Call("", None, session, api, api.parse(raw))
+            if not self.pool.single:
+                call.sticky = f"session:{session}:{conversation_key(call.req.body)}"
             handle.call_id = call.call_id
             return await self._admitted(call, None, handle)
         rollout_id = await self.rollouts.authenticate(api_key, path_rollout)
@@ -185,6 +188,8 @@ class Proxy:
                     preferred = stored = await self._running(state, call.tracked)
                 else:
                     check = (state, call.tracked)
+            elif call.sticky is not None:
+                preferred = stored = self.pool.remembered(call.sticky)
             if handle.gone:
                 raise ClientGone()
             if call.req.stream:
@@ -301,9 +306,10 @@ class Proxy:
                     replica.in_flight += 1  # counted again: the caller leaves it
                     call.replica = replica
             break
-        if call.tracked is not None and replica.url != stored and not self.pool.single:
-            self.pool.remember(call.tracked, replica.url)
-            self.recorder.remember_replica(call.tracked, replica.url)
+        if call.sticky is not None and replica.url != stored and not self.pool.single:
+            self.pool.remember(call.sticky, replica.url)
+            if call.tracked is not None:
+                self.recorder.remember_replica(call.tracked, replica.url)
         call.upstream_latency_s = time.perf_counter() - t_up
         return ex, status, content
 

@@ -8,17 +8,58 @@ A replica is taken out when a connection to it fails or its GET /health does not
 back when /health answers 200 again (checked every `health_check_s`). When every replica is out,
 calls still try them (least loaded first): a connection attempt tells the truth faster than waiting.
 
+Record-only calls (a deployment key, no rollout) stick too, by `conversation_key`: the client's own
+cache key when it gives one (OpenAI's `prompt_cache_key`, else `user`; Anthropic's
+`metadata.user_id`), else a digest of the conversation's root (system text, instructions, the
+leading system messages and the first message after them, or a completion prompt's first 512
+characters or ids), which every later turn of that conversation repeats. These are kept in memory only.
+
 Who may call: proxy.py (pick, mark_down), main.py (the health-check loop).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+from typing import Any
+
+import orjson
 
 from tether.gateway.upstream import UpstreamClient, UpstreamError
 
 log = logging.getLogger(__name__)
+
+
+ROOT_PROMPT = 512  # characters or token ids of a completion prompt that identify its conversation
+_PREAMBLE_ROLES = ("system", "developer")
+
+
+def conversation_root(items: list[Any]) -> list[Any]:
+    """The leading system/developer messages and the first message after them."""
+    for i, item in enumerate(items):
+        if not (isinstance(item, dict) and item.get("role") in _PREAMBLE_ROLES):
+            return items[:i + 1]
+    return items
+
+
+def conversation_key(body: dict[str, Any]) -> str:
+    """A stable key for the conversation a record-only call belongs to (see the module docstring)."""
+    metadata = body.get("metadata")
+    for explicit in (body.get("prompt_cache_key"), body.get("user"),
+                     metadata.get("user_id") if isinstance(metadata, dict) else None):
+        if isinstance(explicit, str) and explicit:
+            return "key:" + explicit
+    items = body.get("messages", body.get("input"))
+    prompt = body.get("prompt")
+    root = [body.get("system"), body.get("instructions"),
+            conversation_root(items) if isinstance(items, list) else items,
+            prompt[:ROOT_PROMPT] if isinstance(prompt, str | list) else prompt]
+    try:
+        data = orjson.dumps(root, option=orjson.OPT_SORT_KEYS)
+    except TypeError:  # out-of-range integers: the client gets vLLM's own 400 anyway
+        data = repr(root).encode()
+    return "root:" + hashlib.blake2b(data, digest_size=12).hexdigest()
 
 
 class Replica:
@@ -39,7 +80,8 @@ class ReplicaPool:
         self.replicas = replicas
         self.by_url = {r.url: r for r in replicas}
         self._rotate = 0
-        # rollout id -> replica url; bounded (oldest first out), Redis keeps the rest.
+        # rollout id (or a record-only conversation key) -> replica url; bounded (oldest first out),
+        # Redis keeps the rest for rollouts.
         self._sticky: dict[str, str] = {}
         self._sticky_cap = sticky_cache_size
 
