@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -25,11 +26,23 @@ async def _record(r, keys, rollout_id, calls, group_id, reward, status="complete
     await broker.publish_once(r, keys, keys.rollout_events, f"final:{rollout_id}", ev.to_dict())
 
 
+async def _drained(merger) -> bool:
+    """Every rollout event the merger read is acknowledged: cancelling it now leaves nothing pending
+    (an unacknowledged entry would only be reclaimed by the next run after 60 s idle)."""
+    return (await merger.r.xpending(merger.keys.rollout_events, "merger"))["pending"] == 0
+
+
 async def _run_until(merger, cond, timeout=10.0):
+    """Run the merger until `cond()` holds and it is drained; fail after `timeout` seconds of wall
+    time (not a count of polls, which a loaded host stretches), or at once if the merger crashed."""
     task = asyncio.create_task(merger.run())
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(int(timeout / 0.05)):
-            if await cond():
+        while time.monotonic() < deadline:
+            if task.done():
+                task.result()
+                raise AssertionError("merger stopped")
+            if await cond() and await _drained(merger):
                 return
             await asyncio.sleep(0.05)
         raise AssertionError("condition not reached")
@@ -294,6 +307,11 @@ async def test_group_deadline_resolves_partial_groups(redis_url):
     await _publish_traces(r, keys, "b", [T([1], [3])], "g", 0.0, group_size=3)
     # Without a deadline the group waits for its third rollout.
     merger = Merger(r, keys, MergerConfig(), submit)
+
+    async def parked():
+        return merger.counts.rollouts_merged == 2 and await r.zcard("t:merger:pending-groups") == 1
+
+    await _run_until(merger, parked)
     with pytest.raises(AssertionError, match="not reached"):
         await _run_until(merger, await _results(r, keys, 1), timeout=1.0)
     merger = Merger(r, keys, MergerConfig(group_timeout_s=0.3), submit)
@@ -409,3 +427,75 @@ def test_n_greater_than_one_choices_become_sibling_sequences():
     assert merged["sequences"][1]["loss_mask"] == [0, 0, 1]
     assert merged["sequences"][1]["logprobs"] == [0.0, 0.0, -0.3]
     assert merged["choice_branches"] == 1
+
+
+async def _status(merger):
+    """GetStatus over real gRPC: the servicer on a port-0 server from tether.common.grpc_server."""
+    import grpc
+
+    from tether.common.grpc_server import start_server
+    from tether.merger.main import MergerStatusServicer
+    from tether.v1 import merger_pb2, merger_pb2_grpc, types_pb2
+
+    def register(server):
+        merger_pb2_grpc.add_MergerServicer_to_server(MergerStatusServicer(merger), server)
+        return [merger_pb2.DESCRIPTOR.services_by_name["Merger"].full_name]
+
+    server, _, port = await start_server(0, register)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            return await merger_pb2_grpc.MergerStub(ch).GetStatus(types_pb2.Empty(), timeout=10)
+    finally:
+        await server.stop(None)
+
+
+async def test_status_over_grpc_counts_what_the_merger_did(redis_url):
+    r = broker.connect(redis_url)
+    keys = broker.Keys("t")
+
+    async def submit(group_id, samples, rollouts):
+        pass
+
+    # a: realigned, then forked by a mismatch, plus a call without token ids; its second call was
+    # rewarded on the gateway's route. The group (3) resolves at its deadline; c arrives late.
+    await r.hset(keys.call_rewards("a"), mapping={"a-c1": "0.5", "a-c2": "9.0"})  # a-c2 is not trained on
+    await _publish_traces(r, keys, "a", [T([1, 2], [3, 4, 99]), T([1, 2, 3, 4, 98, 5], [6]),
+                                         T([], [], response_logprobs=[]), T([1, 50, 51], [9])], "g", 1.0, 3)
+    await _publish_traces(r, keys, "b", [T([1, 2], [7])], "g", 0.0, 3)
+    await _record(r, keys, "d0", [([1], [2], True)], "h", None, status="failed", group_size=2,
+                  meta={"attempt": 0, "max_attempts": 2})
+    merger = Merger(r, keys, MergerConfig(group_timeout_s=0.3, call_rewards=True), submit)
+    await _run_until(merger, await _results(r, keys, 1))
+    await _publish_traces(r, keys, "c", [T([1], [4])], "g", 1.0, 3)
+
+    async def late():
+        return merger.counts.late_rollouts == 1
+
+    await _run_until(merger, late)
+    st = await _status(merger)
+    assert (st.rollouts_merged, st.groups_emitted, st.groups_pending, st.groups_filtered) == (3, 1, 0, 0)
+    assert (st.sequences, st.forks, st.calls_dropped) == (3, 1, 1)
+    assert dict(st.calls_dropped_by_reason) == {"missing_token_ids": 1}
+    assert (st.groups_timed_out, st.late_rollouts, st.rollouts_retried) == (1, 1, 1)
+    assert (st.single_sequence_rollouts, st.realigns, st.mismatched_calls, st.truncated) == (2, 1, 1, 0)
+    assert st.call_rewards_applied == 1
+    await r.aclose()
+
+
+async def test_status_over_grpc_carries_every_counter():
+    """Each MergerCounts field reaches MergerStatus (a counter added without a proto field fails here)."""
+    import dataclasses
+
+    from tether.merger.service import MergerCounts
+
+    merger = Merger(None, broker.Keys("t"), MergerConfig(), None)
+    c = merger.counts
+    ints = [f.name for f in dataclasses.fields(MergerCounts) if f.type == "int"]
+    for i, name in enumerate(ints):
+        setattr(c, name, 100 + i)
+    c.dropped_by_reason.update({"error": 3, "overlong": 4})
+    c.pending.update({"g1", "g2"})
+    st = await _status(merger)
+    assert {name: getattr(st, name) for name in ints} == {name: 100 + i for i, name in enumerate(ints)}
+    assert dict(st.calls_dropped_by_reason) == {"error": 3, "overlong": 4} and st.groups_pending == 2
+    assert len(ints) + 2 == len(dataclasses.fields(MergerCounts))

@@ -64,6 +64,9 @@ class Keys:
     def rollout_calls(self, rollout_id: str) -> str:  # list: stream ids of its traces, in order
         return f"{self.ns}:rollout:{rollout_id}:calls"
 
+    def call_rewards(self, rollout_id: str) -> str:  # hash: call id -> per-call reward (gateway -> merger)
+        return f"{self.ns}:rollout:{rollout_id}:call-rewards"
+
     def api_key(self, key: str) -> str:  # string: api key -> rollout id
         return f"{self.ns}:key:{key}"
 

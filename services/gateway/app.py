@@ -404,6 +404,12 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
         pool.forget(rollout_id)
         return _json(out)
 
+    @app.post("/v1/rollouts/{rollout_id}/calls/{call_id}/reward")
+    async def reward_call(rollout_id: str, call_id: str, request: Request) -> Response:
+        await rollouts.authorize(rollout_id, _api_key(request), open_without_admin=False)
+        body = load_json_object(await _read_body(request, max_body_bytes), allow_nan=True)
+        return _json(await rollouts.reward_call(rollout_id, call_id, parse_reward(body)))
+
     @app.post("/v1/rollouts/{rollout_id}/fail")
     async def fail_rollout(rollout_id: str, request: Request) -> Response:
         await rollouts.authorize(rollout_id, _bearer(request), open_without_admin=False)

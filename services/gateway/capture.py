@@ -98,7 +98,7 @@ def load_json_object(raw: bytes, allow_nan: bool = False) -> dict[str, Any]:
     NaN/Infinity literals Python clients emit, so that the caller can reject them as a bad *value*."""
     try:
         data = json.loads(raw) if allow_nan else orjson.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # json's nesting limit is a RecursionError
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_body")

@@ -1,12 +1,14 @@
 """The rollout registry in Redis: create a rollout with its own API key, resolve keys on every call,
-and finish a rollout exactly once (completed with a reward, or failed), publishing its RolloutEvent
-after its in-flight calls are recorded.
+reward single calls while the rollout runs, and finish a rollout exactly once (completed with a
+reward, or failed), publishing its RolloutEvent after its in-flight calls are recorded.
 
 Redis layout (see common.broker.Keys): hash Keys.rollout(id) with task_id, group_id, group_size,
 status (running | completed | failed), created_at, metadata (JSON), replica (the vLLM replica it
 sticks to, written by the proxy on its first call), and on finish reward, finished_at, reason; string
-Keys.api_key(key) -> rollout id. The call path reads a rollout's status and replica through
-recorder.Recorder (pipelined); this module does the rest.
+Keys.api_key(key) -> rollout id; hash Keys.call_rewards(id): call id -> per-call reward (repr of the
+float; the merger reads it when `call_rewards` is on), with the rollout hash's TTL if it has one.
+The call path reads a rollout's status and replica through recorder.Recorder (pipelined); this
+module does the rest.
 """
 
 from __future__ import annotations
@@ -44,6 +46,23 @@ local f = redis.call('HMGET', KEYS[1], 'task_id', 'group_id', 'group_size')
 return {1, st, f[1], f[2], f[3]}
 """
 
+# Set one call's reward while the rollout runs, in one step with the status check, so that a reward
+# either lands before the rollout's event is published or is refused (409). The call must be on the
+# rollout's list: its idempotency marker holds its trace's stream entry id, the list holds those ids.
+_REWARD_CALL = """
+local st = redis.call('HGET', KEYS[1], 'status')
+if not st then return {0, ''} end
+if st ~= 'running' then return {-1, st} end
+local eid = redis.call('GET', KEYS[2])
+if not eid or not redis.call('LPOS', KEYS[3], eid) then return {-2, st} end
+local added = redis.call('HSET', KEYS[4], ARGV[1], ARGV[2])
+local ttl = redis.call('PTTL', KEYS[1])
+if ttl > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
+return {1, st, added}
+"""
+# The largest finite float32: rewards are trained on as fp32, where anything larger is inf.
+_FP32_MAX = 3.4028234663852886e38
+
 
 def unauthorized(message: str = "Missing or unknown API key") -> ApiError:
     return ApiError(401, message, "invalid_request_error", "invalid_api_key")
@@ -79,16 +98,17 @@ def parse_create(body: dict[str, Any], default_group_size: int) -> CreateRequest
 
 
 def parse_reward(body: dict[str, Any]) -> float:
-    """A finite number; bools, strings, NaN and infinities are rejected (422)."""
+    """A finite number (within float32's range: rewards are fp32 from the merger on); bools, strings,
+    NaN and infinities are rejected (422)."""
     value = body.get("reward")
-    bad = ApiError(422, "'reward' must be a finite number", param="reward", code="invalid_reward")
+    bad = ApiError(422, "'reward' must be a finite number (float32 range)", param="reward", code="invalid_reward")
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad
     try:
         reward = float(value)
     except OverflowError:
         raise bad from None
-    if not math.isfinite(reward):
+    if not math.isfinite(reward) or abs(reward) > _FP32_MAX:
         raise bad
     return reward
 
@@ -126,6 +146,7 @@ class RolloutRegistry:
         self._key_cache: dict[str, str] = {}
         self._key_cache_size = key_cache_size
         self._finish = r.register_script(_FINISH)
+        self._reward_call = r.register_script(_REWARD_CALL)
 
     # --- auth ----------------------------------------------------------------------------------
 
@@ -221,6 +242,34 @@ class RolloutRegistry:
         # The status is final now: shield the rest so that a cancelled request still publishes the event.
         await asyncio.shield(self._publish_final(event))
         return await self.get(rollout_id)
+
+    async def reward_call(self, rollout_id: str, call_id: str, reward: float) -> dict[str, Any]:
+        """Set one recorded call's reward while the rollout runs; a second reward for the same call
+        replaces the first (`replaced`). 404 when the call is not one of the rollout's, 409 once the
+        rollout finished."""
+        not_found = ApiError(404, f"no recorded call '{call_id}' in rollout {rollout_id}", code="call_not_found",
+                             param="call_id")
+        if not call_id.startswith("call-"):  # proxy.Call's ids; other idempotency markers are never calls
+            raise not_found
+        keys = [self.keys.rollout(rollout_id), self.keys.published(call_id), self.keys.rollout_calls(rollout_id),
+                self.keys.call_rewards(rollout_id)]
+        deadline = time.monotonic() + self.finish_wait_s
+        while True:
+            res = await self._reward_call(keys=keys, args=[call_id, repr(reward)])
+            code = int(res[0])
+            if code == 1:
+                return {"rollout_id": rollout_id, "call_id": call_id, "reward": reward, "replaced": not int(res[2])}
+            if code == 0:
+                raise ApiError(404, f"no rollout {rollout_id}", "invalid_request_error", "rollout_not_found")
+            if code == -1:
+                raise ApiError(409, f"rollout {rollout_id} is already {res[1]}", "invalid_request_error",
+                               "rollout_finished")
+            # A stream's trace is written just after its last byte left: while calls of this rollout are
+            # in flight here, the call may be one of them, recorded in a moment.
+            left = deadline - time.monotonic()
+            if not self.admission.rollout_calls(rollout_id) or left <= 0:
+                raise not_found
+            await self.admission.wait_rollout_idle(rollout_id, min(0.05, left))
 
     async def _publish_final(self, event: RolloutEvent) -> None:
         # New calls of this rollout get 409 now; the ones already past authentication are recorded

@@ -64,6 +64,8 @@ DROPPED = PromCounter("tether_merger_calls_dropped_total", "Calls not trained on
 TOKENS = PromCounter("tether_merger_tokens_total", "Tokens of emitted samples", ["kind"])
 MERGE_SECONDS = Histogram("tether_merger_merge_seconds", "Time to load and merge one rollout")
 RETRIED = PromCounter("tether_merger_rollouts_retried_total", "Failed rollout attempts that were retried")
+CALL_REWARDS = PromCounter("tether_merger_call_rewards_total",
+                           "Per-call rewards applied to trained calls (call_rewards on)")
 PENDING = Gauge("tether_merger_groups_pending", "Groups waiting for more rollouts")
 
 
@@ -118,7 +120,7 @@ class MergerConfig:
     realign_max: int = 8
     advantage_level: str = "rollout"  # rollout | sample
     group_timeout_s: float = 0.0  # 0 = wait for every rollout of a group
-    call_rewards: bool = False  # use a per-call "reward" carried by a trace
+    call_rewards: bool = False  # per-call rewards: the gateway's reward route (or a trace's "reward")
     turn_discount: float = 1.0  # gamma over the calls of a rollout
 
     def __post_init__(self) -> None:
@@ -159,6 +161,7 @@ class MergerCounts:
     mismatched_calls: int = 0
     late_rollouts: int = 0
     rollouts_retried: int = 0
+    call_rewards_applied: int = 0
     dropped_by_reason: Counter = field(default_factory=Counter)
     pending: set[str] = field(default_factory=set)
 
@@ -267,11 +270,18 @@ class Merger:
                 out.append(broker.decode(fields))
         return out
 
+    async def load_call_rewards(self, rollout_id: str) -> dict[str, float]:
+        """The per-call rewards posted to the gateway (``POST /v1/rollouts/{id}/calls/{call}/reward``)."""
+        return {k: float(v) for k, v in (await self.r.hgetall(self.keys.call_rewards(rollout_id))).items()}
+
     async def load_traces(self, rollout_id: str) -> list[Trace]:
         return [Trace.from_dict(d) for d in await self.load_records(rollout_id)]
 
-    def merge_records(self, event: RolloutEvent, records: list[dict[str, Any]], meta: dict) -> dict:
-        """Pure part of ``merge_rollout``: recorded traces in, the merged rollout (JSON-able) out."""
+    def merge_records(self, event: RolloutEvent, records: list[dict[str, Any]], meta: dict,
+                      posted_rewards: dict[str, float] | None = None) -> dict:
+        """Pure part of ``merge_rollout``: recorded traces in, the merged rollout (JSON-able) out.
+        With ``call_rewards`` a call's reward is the one posted to the gateway (``posted_rewards``),
+        else a ``"reward"`` its trace carries, else 0."""
         cfg = self.cfg
         calls: list[Call] = []
         call_reward: dict[str, float] = {}
@@ -284,6 +294,11 @@ class Merger:
             calls.append(call)
             if cfg.call_rewards and d.get("reward") is not None:
                 call_reward[call.call_id] = float(d["reward"])
+        unused = 0
+        if cfg.call_rewards and posted_rewards:
+            kept = {c.call_id for c in calls}
+            call_reward.update((k, v) for k, v in posted_rewards.items() if k in kept)
+            unused = len(posted_rewards.keys() - kept)
         seqs, stats = merge_calls(calls, mode=cfg.mode, strip_tail=cfg.strip_tail, realign_max=cfg.realign_max,
                                   max_seq_len=cfg.max_seq_len, max_prompt_len=cfg.max_prompt_len,
                                   overlong=cfg.overlong)
@@ -300,6 +315,7 @@ class Merger:
             "mismatched_calls": stats.mismatched_calls,
             "dropped_calls": dict(dropped),
             "mismatches": [dict(compact_mismatch(m), rollout_id=event.rollout_id) for m in stats.mismatches],
+            "call_rewards": 0, "unused_call_rewards": unused,
         }
         if cfg.per_call_returns and calls:
             # Return-to-go over the rollout's calls in call order; the outcome reward lands on the last.
@@ -307,6 +323,7 @@ class Merger:
             rewards = [call_reward.get(cid, 0.0) for cid in order]
             rewards[-1] += float(event.reward or 0.0)
             g = dict(zip(order, discounted_call_rewards(rewards, cfg.turn_discount).tolist(), strict=True))
+            merged["call_rewards"] = sum(cid in call_reward for cid in order)
             pos = {cid: i for i, cid in enumerate(order)}
             for s, out in zip(seqs, out_seqs, strict=True):
                 out["spans"] = [list(x) for x in s.response_spans]
@@ -329,9 +346,15 @@ class Merger:
 
     async def merge_rollout(self, event: RolloutEvent, meta: dict) -> dict:
         t0 = time.perf_counter()
-        merged = self.merge_records(event, await self.load_records(event.rollout_id), meta)
+        posted = await self.load_call_rewards(event.rollout_id) if self.cfg.call_rewards else None
+        merged = self.merge_records(event, await self.load_records(event.rollout_id), meta, posted)
         MERGE_SECONDS.observe(time.perf_counter() - t0)
         c = self.counts
+        CALL_REWARDS.inc(merged["call_rewards"])
+        c.call_rewards_applied += merged["call_rewards"]
+        if merged["unused_call_rewards"]:
+            log.info("rollout %s: %d per-call reward(s) for calls not trained on (errored or rejected)",
+                     event.rollout_id, merged["unused_call_rewards"])
         dropped = merged["dropped_calls"]
         for reason, n in dropped.items():
             DROPPED.labels(reason).inc(n)
@@ -500,8 +523,9 @@ class Merger:
             await asyncio.sleep(interval)
             try:
                 await self.check_deadlines()
-            except (grpc.aio.AioRpcError, ConnectionError, OSError) as exc:
-                log.warning("deadline check failed (%s); retrying in %.1fs", exc, interval)
+            except (grpc.aio.AioRpcError, *broker.TRANSIENT, OSError) as exc:
+                # redis-py's errors are not OSErrors: uncaught, one would end deadlines for good.
+                log.warning("deadline check failed (%r); retrying in %.1fs", exc, interval)
 
     # ------------------------------------------------------------------ consume
 
