@@ -11,6 +11,7 @@ import threading
 import uuid
 
 import httpx
+import openai
 import pytest
 import torch
 from fake_vllm import ADMIN, MODEL, TOKEN_IDS, InProcessGateway, gateway_settings, wait_traces
@@ -240,3 +241,27 @@ def test_rewards_take_the_rollouts_ttl(gw, rdb):
     rdb.expire(gw.keys.rollout(ro["rollout_id"]), 3600)
     assert gw.http.post(path, json={"reward": 2}, headers=auth).status_code == 200
     assert 3500 < rdb.ttl(gw.keys.call_rewards(ro["rollout_id"])) <= 3600
+
+
+def test_a_harness_rewards_its_calls_from_its_base_url_and_key(gw, rdb):
+    """`POST {base_url}/calls/{call_id}/reward`: the key names the rollout (also under the
+    /rollouts/{id}/v1 path prefix), so a harness needs nothing it was not given."""
+    ro, other = gw.new_rollout(), gw.new_rollout()
+    client = gw.client(ro)
+    first = completion(gw, ro, [1, 2, 3])
+    second = completion(gw, ro, [4, 5])
+    out = client.post(f"/calls/{first}/reward", body={"reward": 0.75}, cast_to=object)
+    assert out == {"rollout_id": ro["rollout_id"], "call_id": first, "reward": 0.75, "replaced": False}
+    prefixed = openai.OpenAI(base_url=ro["rollout_base_url"], api_key=ro["api_key"], max_retries=0)
+    prefixed.post(f"/calls/{second}/reward", body={"reward": -1}, cast_to=object)
+    assert rdb.hgetall(gw.keys.call_rewards(ro["rollout_id"])) == {first: "0.75", second: "-1.0"}
+    # Another rollout's key cannot reward these calls, under either form.
+    with pytest.raises(openai.NotFoundError):
+        gw.client(other).post(f"/calls/{first}/reward", body={"reward": 1}, cast_to=object)
+    with pytest.raises(openai.PermissionDeniedError):
+        openai.OpenAI(base_url=ro["rollout_base_url"], api_key=other["api_key"], max_retries=0).post(
+            f"/calls/{first}/reward", body={"reward": 1}, cast_to=object)
+    assert_error(gw.http.post(f"/v1/calls/{first}/reward", json={"reward": 1}), 401, "invalid_api_key")
+    assert_error(gw.http.post(f"/v1/calls/{first}/reward", json={"reward": "x"}, headers=bearer(ro["api_key"])),
+                 422, "invalid_reward")
+    assert rdb.hgetall(gw.keys.call_rewards(ro["rollout_id"])) == {first: "0.75", second: "-1.0"}

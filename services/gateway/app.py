@@ -410,6 +410,14 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
         body = load_json_object(await _read_body(request, max_body_bytes), allow_nan=True)
         return _json(await rollouts.reward_call(rollout_id, call_id, parse_reward(body)))
 
+    # The same for a harness that holds only its base URL and key: the key names the rollout.
+    @app.post("/v1/calls/{call_id}/reward")
+    @app.post("/rollouts/{path_rollout}/v1/calls/{call_id}/reward")
+    async def reward_own_call(call_id: str, request: Request, path_rollout: str | None = None) -> Response:
+        rollout_id = await rollouts.authenticate(_api_key(request), path_rollout)
+        body = load_json_object(await _read_body(request, max_body_bytes), allow_nan=True)
+        return _json(await rollouts.reward_call(rollout_id, call_id, parse_reward(body)))
+
     @app.post("/v1/rollouts/{rollout_id}/fail")
     async def fail_rollout(rollout_id: str, request: Request) -> Response:
         await rollouts.authorize(rollout_id, _bearer(request), open_without_admin=False)
