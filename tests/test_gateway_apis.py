@@ -636,6 +636,19 @@ def test_messages_tool_result_reaches_vllm_as_tool_message(gw, vllm):
     assert sent[2] == {"role": "tool", "tool_call_id": "toolu_9", "content": "7"}
 
 
+def test_messages_tools_reach_vllm_as_functions_with_strict(gw, vllm):
+    """Anthropic's `strict` on a tool reaches vLLM (it then holds the arguments to the schema)."""
+    rollout = gw.new_rollout()
+    tools = [{**TOOL, "strict": True}, {**TOOL, "name": "loose", "description": "d"}]
+    claude(gw, rollout).messages.create(model=MODEL, max_tokens=16, tools=tools,
+                                        messages=[{"role": "user", "content": "hi"}])
+    strict, loose = vllm.requests[-1]["tools"]
+    assert strict == {"type": "function", "function": {"name": "add", "parameters": TOOL["input_schema"],
+                                                       "description": TOOL["description"],
+                                                       "strict": True}}
+    assert loose["function"]["name"] == "loose" and "strict" not in loose["function"]
+
+
 def test_messages_count_tokens(gw, vllm):
     rollout = gw.new_rollout()
     count = claude(gw, rollout).messages.count_tokens(model=MODEL, system="s",

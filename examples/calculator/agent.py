@@ -20,7 +20,10 @@ TOOL_WORDS: tuple[str, ...] = ("calc", "+", "=")
 ROLE_WORDS: tuple[str, ...] = ("system", "user", "assistant", "tool")
 # Results of a mis-typed tool call can reach 18 (9 + 9), so the vocabulary covers 0..18.
 NUMBERS: tuple[str, ...] = tuple(str(i) for i in range(19))
-VOCAB: list[str] = [*ROLE_WORDS, *QUESTION_WORDS, *TOOL_WORDS, *NUMBERS]
+# The calculator as a function tool, calc(a, b), in the chat template's JSON (Hermes tool calls): its name
+# and argument names as quoted words. The harness below does not use it; the SDK conformance tests do.
+FUNCTION_WORDS: tuple[str, ...] = ('"calc", ', '"a"', '"b"')
+VOCAB: list[str] = [*ROLE_WORDS, *QUESTION_WORDS, *TOOL_WORDS, *NUMBERS, *FUNCTION_WORDS]
 
 MAX_SUM = 9
 # Supervised warm start that lands the policy at mean reward ~0.3 when sampled at temperature 1

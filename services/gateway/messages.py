@@ -241,6 +241,8 @@ def _tools(tools: Any) -> list[dict[str, Any]]:
         fn: dict[str, Any] = {"name": name, "parameters": schema}
         if isinstance(tool.get("description"), str):
             fn["description"] = tool["description"]
+        if isinstance(tool.get("strict"), bool):
+            fn["strict"] = tool["strict"]  # vLLM then holds the arguments to input_schema
         out.append({"type": "function", "function": fn})
     return out
 

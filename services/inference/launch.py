@@ -6,9 +6,18 @@ import os
 import subprocess
 from pathlib import Path
 
+# Hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>) is what the tiny model's template speaks
+# and what Qwen 2.5/3 models emit.
+DEFAULT_TOOL_PARSER = "hermes"
+
 
 def vllm_command(python: str, model_dir: str, served_model: str, host: str, port: int,
-                 max_model_len: int, dtype: str = "float32", extra: list[str] | None = None) -> list[str]:
+                 max_model_len: int, dtype: str = "float32", extra: list[str] | None = None,
+                 tool_parser: str | None = DEFAULT_TOOL_PARSER) -> list[str]:
+    """The vLLM server command line. `tool_parser` names the vLLM parser that turns the model's text into
+    tool_calls (vLLM's strict tool grammar, on by default, also writes forced calls in its format);
+    None turns tool calls off. `extra` comes last, so its flags (another --tool-call-parser) win."""
+    tools = ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser] if tool_parser else []
     # fp32 + processed logprobs so the trainer's fp32 forward reproduces vLLM's logprobs.
     return [
         python, "-m", "vllm.entrypoints.openai.api_server",
@@ -17,6 +26,7 @@ def vllm_command(python: str, model_dir: str, served_model: str, host: str, port
         "--max-model-len", str(max_model_len),
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
+        *tools,
         *(extra or []),
     ]
 
