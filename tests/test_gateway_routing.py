@@ -421,6 +421,36 @@ def test_resp_encoding_and_parsing():
         assert parse_reply(reply[:cut], 0)[1] == 0
 
 
+def test_batcher_caller_arriving_as_the_connection_opens(redis_port, monkeypatch):
+    """A caller that starts waiting just as the connection attempt finishes (before its opener
+    resumes) gets the connection. It once spun forever without yielding to the loop, which froze
+    the gateway at 100% CPU; the loop runs in a thread here so that a spin fails the test."""
+    from tether.gateway import recorder
+
+    real_open = recorder.open_resp
+    batch = Batcher(f"redis://127.0.0.1:{redis_port}/0")
+    late: list[asyncio.Future] = []
+
+    async def open_then_a_caller_arrives(url: str):
+        conn = await real_open(url)
+        late.append(batch.call("PING"))  # its first step runs before the opener's continuation
+        return conn
+
+    monkeypatch.setattr(recorder, "open_resp", open_then_a_caller_arrives)
+    out: list = []
+
+    async def main() -> None:
+        out.append(await batch.call("PING"))
+        out.append(await late[0])
+        batch.close()
+
+    t = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    t.start()
+    t.join(10)
+    assert not t.is_alive(), "a caller spun on the finished connection attempt"
+    assert out == ["PONG", "PONG"]
+
+
 async def test_batcher_against_redis(redis_port):
     batch = Batcher(f"redis://127.0.0.1:{redis_port}/0")
     try:

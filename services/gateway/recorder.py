@@ -210,16 +210,25 @@ class Batcher:
         return await (await self._connection()).execute(args)
 
     async def _connection(self) -> RespConnection:
-        while self._conn is None or self._conn.closed:
+        while True:
+            conn = self._conn
+            if conn is not None and not conn.closed:
+                return conn
             if self._connecting is None:
-                self._connecting = asyncio.ensure_future(open_resp(self.url))
-                try:
-                    self._conn = await self._connecting
-                finally:
-                    self._connecting = None
-            else:
-                await asyncio.shield(self._connecting)
-        return self._conn
+                self._connecting = asyncio.ensure_future(self._open())
+            # Every caller waits on the same attempt and takes its result. (Waiting on it and then
+            # reading self._conn spun forever: a finished future is awaited without yielding, so the
+            # opener never got to store the connection.)
+            conn = await asyncio.shield(self._connecting)
+            if not conn.closed:
+                return conn
+
+    async def _open(self) -> RespConnection:
+        try:
+            self._conn = await open_resp(self.url)
+            return self._conn
+        finally:
+            self._connecting = None
 
     def send(self, *args: Any) -> None:
         """Fire and forget (failures are logged)."""
