@@ -2,6 +2,10 @@
 behind the inference adapter, trainer, merger, gateway, scheduler, agent workers), waits for their
 health, supervises them, and stops them all — on success, on failure and on Ctrl-C.
 
+Supervision: a process that exits ends the stack with an error, except the scheduler, which is started
+again (up to MAX_RESTARTS times), as `restart: on-failure` would in Compose or Kubernetes: it keeps the
+run's state in Redis and continues from the last completed step.
+
 Only the cli uses this module; no service imports it.
 """
 
@@ -25,6 +29,7 @@ from tether.common.redis_server import start_embedded_redis
 
 STATE_DIR = Path(".tether")
 STATE_FILE = STATE_DIR / "stack.json"
+MAX_RESTARTS = 5
 
 
 class StackError(RuntimeError):
@@ -47,6 +52,10 @@ class Proc:
     name: str
     popen: subprocess.Popen
     log: Path
+    module: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+    restart: bool = False  # started again when it exits
+    restarts: int = 0
 
 
 @dataclass
@@ -86,21 +95,34 @@ class Stack:
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         self.redis_data = str(data)
 
-    def start(self, name: str, module: str, env: dict[str, str]) -> Proc:
+    def _popen(self, module: str, env: dict[str, str], log: Path) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            return subprocess.Popen([sys.executable, "-m", module], env={**self.base_env(), **env},
+                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def start(self, name: str, module: str, env: dict[str, str], restart: bool = False) -> Proc:
         log = self.log_dir / f"{name}.log"
-        out = open(log, "ab")
-        popen = subprocess.Popen([sys.executable, "-m", module], env={**self.base_env(), **env},
-                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        proc = Proc(name, popen, log)
+        proc = Proc(name, self._popen(module, env, log), log, module, env, restart)
         self.procs.append(proc)
         return proc
 
     def check_alive(self) -> None:
+        """Raise StackError if a process has exited; restart it instead if it may be restarted."""
         for p in self.procs:
             code = p.popen.poll()
-            if code is not None:
+            if code is None:
+                continue
+            if not p.restart or code == 0 or p.restarts >= MAX_RESTARTS or self.stopped:
                 raise StackError(f"{p.name} exited with code {code}; last log lines:\n{tail(p.log)}")
+            _signal_group(p.popen.pid, signal.SIGKILL)  # whatever it left behind in its group
+            p.restarts += 1
+            print(f"{p.name} exited with code {code}; restarting it ({p.restarts}/{MAX_RESTARTS})",
+                  file=sys.stderr, flush=True)
+            with open(p.log, "a") as f:
+                f.write(f"--- launcher: exited with code {code}; restart {p.restarts}/{MAX_RESTARTS}\n")
+            p.popen = self._popen(p.module, p.env, p.log)
+            self.write_state()
 
     def wait_grpc(self, name: str, address: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -213,7 +235,7 @@ def start_stack(stack: Stack, model_dir: Path, *, lr: float, seed: int, schedule
         "TETHER_SCHEDULER_GRPC_PORT": str(ports["scheduler"]), "TETHER_GATEWAY_CONTROL_ADDRESS": a["gateway_grpc"],
         "TETHER_INFERENCE_ADDRESS": a["inference"], "TETHER_TRAINER_ADDRESS": a["trainer"],
         "TETHER_RUN_DIR": str(stack.run_dir), "TETHER_GROUP_SIZE": str(group_size), "TETHER_SEED": str(seed),
-        **scheduler_env})
+        **scheduler_env}, restart=True)
     stack.wait_grpc("scheduler", a["scheduler"], 60)
     stack.write_state()
 

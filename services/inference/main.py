@@ -1,6 +1,7 @@
 """Inference service process: optionally launches vLLM, then serves the gRPC control adapter.
 
-Health is NOT_SERVING until vLLM answers /health, and again if it stops answering.
+Health is NOT_SERVING until vLLM answers /health, again if it stops answering, and while generation
+is held paused after a failed weight load (the weights may be half-loaded until a load succeeds).
 Run: python -m tether.inference
 """
 
@@ -38,16 +39,18 @@ class InferenceSettings(CommonSettings):
     vllm_start_timeout_s: float = 600.0
 
 
-async def watch_health(vllm: VLLMControl, health: Health, proc) -> None:
+async def watch_health(vllm: VLLMControl, health: Health, proc, servicer: InferenceServicer) -> None:
     serving = None
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {proc.returncode}")
-        ok = await vllm.healthy()
+        answering = await vllm.healthy()
+        ok = answering and not servicer.unsafe
         if ok != serving:
             await health.set(ok)
             serving = ok
-            log.info("vLLM %s", "healthy" if ok else "not answering")
+            log.info("vLLM %s", "healthy" if ok else "not answering" if not answering
+                     else f"held paused: {servicer.unsafe}")
         await asyncio.sleep(1.0 if ok else 0.5)
 
 
@@ -83,7 +86,7 @@ async def amain(s: InferenceSettings) -> None:
 
     WEIGHT_VERSION.set(0)
     try:
-        await run_until_signal(server, health, [watch_health(vllm, health, proc)], on_stop=stop_vllm)
+        await run_until_signal(server, health, [watch_health(vllm, health, proc, servicer)], on_stop=stop_vllm)
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()

@@ -1,4 +1,8 @@
-"""Scheduler service process. Run: python -m tether.scheduler"""
+"""Scheduler service process. Run: python -m tether.scheduler
+
+Started again with the same TETHER_RUN_ID (and Redis), it picks the run up where the previous process
+left it, however that one ended (see tether.scheduler.run); the local launcher restarts it when it dies.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import asyncio
 import logging
 import math
 from pathlib import Path
+from typing import Literal
 
 from tether.common import broker
 from tether.common.grpc_server import channel, run_until_signal, start_server
@@ -44,6 +49,9 @@ class SchedulerSettings(CommonSettings):
     max_inflight_groups: int = 0
     sleep_level: int = 0
     max_attempts: int = 3
+    # "checkpoint": inference reloads each step's checkpoint (path 1). "nccl": the trainer streams the
+    # weights into vLLM (path 2; the trainer needs TETHER_WEIGHT_PUSH=nccl too), path 1 on failure.
+    weight_push: Literal["checkpoint", "nccl"] = "checkpoint"
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -76,7 +84,7 @@ async def amain(s: SchedulerSettings) -> None:
                     seed=s.seed, run_dir=Path(s.run_dir), eval_repeats=s.eval_repeats,
                     rollout_timeout_s=s.rollout_timeout_s, mode=s.mode, max_staleness=s.max_staleness,
                     max_inflight_groups=s.max_inflight_groups, sleep_level=s.sleep_level,
-                    max_attempts=s.max_attempts)
+                    max_attempts=s.max_attempts, weight_push=s.weight_push)
     tasks = load_tasks(Path(s.tasks_file)) if s.tasks_file else []
     run = Run(r, broker.Keys(s.namespace), cfg, stubs, tasks)
 

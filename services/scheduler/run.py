@@ -10,7 +10,21 @@
   `max_staleness` versions before the weights being updated: dispatch is throttled to
   (max_staleness + 1) x P groups in flight, and groups that still end up too old are dropped, counted.
 
-Run state lives in Redis, so a restarted scheduler continues from the last completed step.
+Weights reach inference by path 1 (inference reloads the checkpoint the trainer wrote) or, with
+`weight_push="nccl"`, by path 2 (the trainer streams them into vLLM's workers while generation is
+paused), falling back to path 1 when a path-2 push fails (docs/weight-push.md).
+
+Run state lives in Redis, so a scheduler killed at any point and started again continues from the
+last completed step with the same version chain (docs/trainer.md, "Restarts"):
+- before a step trains, its groups are written down (`pending`); a restarted scheduler finishes that
+  step with exactly those groups and step number, and the trainer answers with its record if it had
+  trained it already, so no step trains twice and none is skipped;
+- a step's results are read from the stream position saved with the step, so results that arrived
+  before the restart are not missed; async modes keep their in-flight groups in a Redis hash;
+- on start, inference is brought to the trainer's newest version and generation is resumed (a push
+  cut short can leave it paused, or asleep);
+- a step's record is saved with the run position in one write, then appended to metrics.jsonl
+  (again on restart if it was not).
 """
 
 from __future__ import annotations
@@ -25,11 +39,20 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from prometheus_client import Counter, Gauge, Histogram
 
 from tether.common import broker
 from tether.v1 import gateway_pb2, inference_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
+
+STEP = Gauge("tether_scheduler_step", "Step the run is on")
+VERSION = Gauge("tether_scheduler_weight_version", "Weight version inference serves, as the scheduler knows it")
+PUSH_SECONDS = Histogram("tether_scheduler_weight_push_seconds", "Time to make inference serve a step's weights",
+                         ["path"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+PUSH_FALLBACKS = Counter("tether_scheduler_weight_push_fallbacks_total",
+                         "Path-2 pushes that failed and were replaced by a checkpoint load")
+RESUMES = Counter("tether_scheduler_resumes_total", "Runs picked up again after a scheduler restart")
 
 
 @dataclass(frozen=True)
@@ -48,9 +71,16 @@ class RunConfig:
     max_inflight_groups: int = 0  # async modes; 0 = (max_staleness + 1) x tasks_per_step
     sleep_level: int = 0  # colocated modes: put vLLM to sleep (1 or 2) while the trainer trains
     max_attempts: int = 3  # a failed rollout is retried this many times in all, then excluded
+    weight_push: str = "checkpoint"  # "checkpoint" (path 1) or "nccl" (path 2, path 1 as its fallback)
 
 
 MODES = ("colocated-sync", "colocated-async", "disaggregated-async")
+WEIGHT_PUSHES = ("checkpoint", "nccl")
+
+
+def _stream_id(entry: str) -> tuple[int, int]:
+    ms, _, seq = entry.partition("-")
+    return int(ms), int(seq or 0)
 
 
 @dataclass
@@ -94,10 +124,15 @@ class Run:
         self.tasks = tasks
         self.stop_requested = False
         self.state: dict[str, Any] = {"status": "starting", "step": 0, "weight_version": 0, "reward_mean": 0.0}
+        self.inflight_key = f"{keys.run}:inflight"  # async modes: group id -> {version, cursor, task}
+        self.push_path = ""
+
+    def _encoded(self) -> dict[str, str]:
+        return {k: json.dumps(v) for k, v in self.state.items()}
 
     async def save_state(self, **changes: Any) -> None:
         self.state.update(changes)
-        await self.r.hset(self.keys.run, mapping={k: json.dumps(v) for k, v in self.state.items()})
+        await self.r.hset(self.keys.run, mapping=self._encoded())
 
     async def load_state(self) -> dict[str, Any]:
         raw = await self.r.hgetall(self.keys.run)
@@ -147,6 +182,7 @@ class Run:
                 gateway_pb2.PauseAdmissionRequest(drain_timeout_s=self.cfg.drain_timeout_s))
         try:
             if colocated and self.cfg.sleep_level:
+                await self.save_state(slept=True)  # a restarted scheduler wakes vLLM up
                 await self.stubs.inference.Sleep(inference_pb2.SleepRequest(level=self.cfg.sleep_level))
                 slept = True
             await self.save_state(status="training")
@@ -156,22 +192,54 @@ class Run:
             if slept:
                 await self.stubs.inference.WakeUp(types_pb2.Empty())
                 slept = False
+                await self.save_state(slept=False)
             await self.save_state(status="pushing")
             t1 = time.perf_counter()
-            loaded = await self.stubs.inference.LoadWeights(
-                inference_pb2.LoadWeightsRequest(checkpoint_dir=resp.checkpoint_dir, version=resp.weight_version))
+            version = await self.load_weights(resp)
             push_s = time.perf_counter() - t1
-            if loaded.version != resp.weight_version:
-                raise RuntimeError(f"inference reports version {loaded.version}, expected {resp.weight_version}")
-            await self.save_state(weight_version=loaded.version, checkpoint_dir=resp.checkpoint_dir)
+            PUSH_SECONDS.labels(self.push_path).observe(push_s)
+            VERSION.set(version)
+            await self.save_state(weight_version=version, checkpoint_dir=resp.checkpoint_dir)
         finally:
             if slept:
                 await self.stubs.inference.WakeUp(types_pb2.Empty())
+                await self.save_state(slept=False)
             # Colocated: admit again; disaggregated: tell the gateway which version now serves.
             await self.stubs.gateway.ResumeAdmission(
                 gateway_pb2.ResumeAdmissionRequest(weight_version=self.state["weight_version"]))
         paused_s = time.perf_counter() - t0 if colocated else push_s
         return dict(resp.metrics), push_s, paused_s
+
+    async def load_weights(self, resp) -> int:
+        """Make inference serve a trained step's weights; returns the version it serves. Path 2 when
+        configured: pause generation, the trainer streams the weights into vLLM's workers (and drops the
+        prefix cache), resume. If that fails, vLLM is still paused and may hold part of the new weights,
+        so path 1 follows: inference reloads the step's checkpoint as a whole, then resumes (if that
+        fails too, inference restores its previous checkpoint or stays paused; see
+        tether.inference.control)."""
+        want = resp.weight_version
+        if self.cfg.weight_push == "nccl":
+            await self.stubs.inference.Pause(inference_pb2.PauseRequest(mode="keep"))
+            try:
+                await self.stubs.trainer.PushWeights(trainer_pb2.PushWeightsRequest(version=want))
+                served = (await self.stubs.inference.GetWeightVersion(types_pb2.Empty())).version
+            except grpc.aio.AioRpcError as exc:
+                log.warning("path-2 push of version %d failed (%s: %s); loading %s instead", want, exc.code(),
+                            exc.details(), resp.checkpoint_dir)
+            else:
+                if served == want:
+                    await self.stubs.inference.Resume(types_pb2.Empty())
+                    self.push_path = "nccl"
+                    return served
+                log.warning("after a path-2 push vLLM serves version %d, not %d; loading %s instead", served,
+                            want, resp.checkpoint_dir)
+            PUSH_FALLBACKS.inc()
+        loaded = await self.stubs.inference.LoadWeights(
+            inference_pb2.LoadWeightsRequest(checkpoint_dir=resp.checkpoint_dir, version=want))
+        if loaded.version != want:
+            raise RuntimeError(f"inference reports version {loaded.version}, expected {want}")
+        self.push_path = "checkpoint" if self.cfg.weight_push == "checkpoint" else "checkpoint-fallback"
+        return loaded.version
 
     def write_metrics(self, record: dict[str, Any]) -> None:
         with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
@@ -195,33 +263,129 @@ class Run:
             "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             "rollout_seconds": rollout_s, "push_seconds": push_s, "paused_seconds": paused_s,
             "step_seconds": step_s, "tokens_per_s": summary["tokens"] / max(step_s, 1e-9),
-            "mode": self.cfg.mode, "time": time.time(),
+            "weight_push": self.push_path, "mode": self.cfg.mode, "time": time.time(),
         }
 
-    async def finish_step(self, record: dict[str, Any]) -> None:
-        self.write_metrics(record)
-        await broker.publish(self.r, self.keys.metrics, record)
-        await self.save_state(next_step=record["step"] + 1, reward_mean=record["reward_mean"])
+    async def finish_step(self, record: dict[str, Any], consumed: list[str] | None = None) -> None:
+        """The step's record and the run's next position in one Redis transaction (with the in-flight
+        groups the step used up), then metrics.jsonl and the metrics stream. A restart between the two
+        halves rewrites the record from the run state (`recover_metrics`)."""
+        self.state.update(next_step=record["step"] + 1, reward_mean=record["reward_mean"], pending=None,
+                          last_record=record)
+        async with self.r.pipeline(transaction=True) as pipe:
+            pipe.hset(self.keys.run, mapping=self._encoded())
+            if consumed:
+                pipe.hdel(self.inflight_key, *consumed)
+            await pipe.execute()
+        await self.report(record)
         log.info("step %d reward %.3f version %d (%.1fs)", record["step"], record["reward_mean"],
                  self.state["weight_version"], record["step_seconds"])
 
+    async def report(self, record: dict[str, Any]) -> None:
+        self.write_metrics(record)
+        await broker.publish_once(self.r, self.keys, self.keys.metrics, f"metrics:{self.cfg.run_id}:{record['step']}",
+                                  record)
+
+    async def recover_metrics(self) -> None:
+        """The last finished step's record (and the evaluation's), if a restart came between saving and
+        reporting it."""
+        path = self.cfg.run_dir / "metrics.jsonl"
+        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        record = self.state.get("last_record")
+        if record and not any(m.get("step") == record["step"] for m in lines):
+            log.info("reporting step %d, finished before the restart", record["step"])
+            await self.report(record)
+        evaluated = self.state.get("eval_record")
+        if evaluated and not any("eval_reward" in m for m in lines):
+            self.write_metrics(evaluated)
+
+    async def reconcile_weights(self) -> int:
+        """Bring inference to the trainer's newest version (a restart can come between training and the
+        push, and an inference server that restarted is back on its base model), wake it and resume
+        generation (a push or a sleep cut short leaves it paused or asleep). Returns the served version."""
+        if self.state.get("slept"):
+            await self.stubs.inference.WakeUp(types_pb2.Empty())
+            await self.save_state(slept=False)
+        trainer = await self.stubs.trainer.GetStatus(types_pb2.Empty())
+        served = await self.stubs.inference.GetWeightVersion(types_pb2.Empty())
+        if trainer.weight_version and (served.version, served.checkpoint_dir) != (trainer.weight_version,
+                                                                                 trainer.checkpoint_dir):
+            log.info("inference serves version %d (%s), the trainer is at %d: loading %s", served.version,
+                     served.checkpoint_dir or "pushed", trainer.weight_version, trainer.checkpoint_dir)
+            loaded = await self.stubs.inference.LoadWeights(inference_pb2.LoadWeightsRequest(
+                checkpoint_dir=trainer.checkpoint_dir, version=trainer.weight_version))
+            return loaded.version
+        await self.stubs.inference.Resume(types_pb2.Empty())
+        return served.version
+
     async def start_run(self) -> int:
+        """Start the run, or pick it up where a previous scheduler left it (same run id). Returns the
+        first step to run."""
         previous = await self.load_state()
-        start = int(previous.get("next_step", 0)) if previous.get("run_id") == self.cfg.run_id else 0
-        version = (await self.stubs.inference.GetWeightVersion(types_pb2.Empty())).version
+        if previous.get("run_id") == self.cfg.run_id:
+            start = int(previous.get("next_step", 0))
+            self.state.update(previous)
+            RESUMES.inc()
+            log.info("resuming run %s at step %d (%s when the previous scheduler stopped)", self.cfg.run_id,
+                     start, previous.get("status"))
+        else:
+            start = 0
+            await self.r.delete(self.keys.run, self.inflight_key)
+        version = await self.reconcile_weights()
+        VERSION.set(version)
         await self.save_state(run_id=self.cfg.run_id, total_steps=self.cfg.steps, weight_version=version,
                               run_dir=str(self.cfg.run_dir), next_step=start, mode=self.cfg.mode)
+        await self.recover_metrics()
         await self.stubs.gateway.ResumeAdmission(gateway_pb2.ResumeAdmissionRequest(weight_version=version))
         return start
 
     async def train(self) -> None:
         if self.cfg.mode not in MODES:
             raise ValueError(f"unknown mode {self.cfg.mode!r}; expected one of {MODES}")
+        if self.cfg.weight_push not in WEIGHT_PUSHES:
+            raise ValueError(f"unknown weight push {self.cfg.weight_push!r}; expected one of {WEIGHT_PUSHES}")
         start = await self.start_run()
         if self.cfg.mode == "colocated-sync":
             await self.train_sync(start)
         else:
             await self.train_async(start, colocated=self.cfg.mode == "colocated-async")
+
+    async def train_step(self, step: int, take: list[str], drop: list[str], results: list[dict],
+                         version_before: int, started: float, rollout_s: float, colocated: bool,
+                         extra: dict[str, float] | None = None) -> None:
+        """Write the step's groups down, train and push, then finish the step. Every argument is saved
+        first, so a restarted scheduler can run this again with the same groups (`resume_pending`)."""
+        await self.save_state(pending={"step": step, "take": take, "drop": drop, "results": results,
+                                       "version_before": version_before, "rollout_s": rollout_s,
+                                       "extra": extra or {}})
+        metrics: dict[str, float] = {}
+        push_s = paused_s = 0.0
+        self.push_path = ""
+        if take:
+            metrics, push_s, paused_s = await self.push(step, take, drop, colocated)
+        record = self.step_record(step, results, metrics, started, rollout_s, push_s, paused_s, version_before)
+        record.update(extra or {})
+        await self.finish_step(record, consumed=list(dict.fromkeys([*(g["group_id"] for g in results), *drop])))
+
+    async def resume_pending(self, step: int, colocated: bool) -> bool:
+        """Finish `step` if its groups were chosen before a restart; False if there is nothing to finish."""
+        pending = self.state.get("pending")
+        if not pending or pending["step"] != step:
+            return False
+        log.info("finishing step %d with the groups chosen before the restart (%d to train)", step,
+                 len(pending["take"]))
+        await self.train_step(step, pending["take"], pending["drop"], pending["results"], pending["version_before"],
+                              time.perf_counter(), pending["rollout_s"], colocated, pending["extra"])
+        return True
+
+    async def step_cursor(self, step: int) -> str:
+        """Where the step's group results start in the results stream, saved with the step, so that a
+        restarted scheduler re-reads results that arrived before it went down."""
+        if self.state.get("step") == step and self.state.get("results_cursor"):
+            return self.state["results_cursor"]
+        cursor = await self.results_cursor()
+        await self.save_state(status="rolling_out", step=step, results_cursor=cursor)
+        return cursor
 
     async def train_sync(self, start: int) -> None:
         rng = random.Random(self.cfg.seed)
@@ -232,47 +396,67 @@ class Run:
             if self.stop_requested:
                 await self.save_state(status="stopped")
                 return
+            STEP.set(step)
+            if await self.resume_pending(step, colocated=True):
+                continue
             t0 = time.perf_counter()
-            await self.save_state(status="rolling_out", step=step)
-            cursor = await self.results_cursor()
+            cursor = await self.step_cursor(step)
+            await self.save_state(status="rolling_out")
             group_ids = [f"{self.cfg.run_id}-s{step}-g{i}" for i in range(len(chosen))]
             for gid, task in zip(group_ids, chosen, strict=True):
                 await self.dispatch(gid, task, self.cfg.group_size, {"step": step, "run_id": self.cfg.run_id})
             results = await self.wait_groups(set(group_ids), cursor)
-            rollout_s = time.perf_counter() - t0
-            version_before = self.state["weight_version"]
             trained = [g["group_id"] for g in results if g["outcome"] == "trained"]
-            metrics: dict[str, float] = {}
-            push_s = paused_s = 0.0
-            if trained:
-                metrics, push_s, paused_s = await self.push(step, trained)
-            await self.finish_step(self.step_record(step, results, metrics, t0, rollout_s, push_s, paused_s,
-                                                    version_before))
+            await self.train_step(step, trained, [], results, self.state["weight_version"], t0,
+                                  time.perf_counter() - t0, colocated=True)
+
+    async def restore_inflight(self) -> tuple[dict[str, int], str | None]:
+        """Async modes after a restart: the groups dispatched and not used up by a finished step
+        (dispatched again: publishing is idempotent, so only one lost between saving and dispatching
+        goes out now), and the stream position their results start at."""
+        saved = {gid: json.loads(v) for gid, v in (await self.r.hgetall(self.inflight_key)).items()}
+        pending = self.state.get("pending") or {}
+        taken = {*pending.get("take", ()), *pending.get("drop", ()), *(g["group_id"] for g in pending.get("results", ()))}
+        for gid, g in saved.items():
+            await self.dispatch(gid, g["task"], self.cfg.group_size, {"step": g["step"], "run_id": self.cfg.run_id})
+        cursor = min((g["cursor"] for g in saved.values()), key=_stream_id, default=None)
+        return {gid: g["version"] for gid, g in saved.items() if gid not in taken}, cursor
 
     async def train_async(self, start: int, colocated: bool) -> None:
         """Groups stay in flight across steps; a step trains on the first P complete groups."""
         P, k = self.cfg.tasks_per_step, self.cfg.max_staleness
         budget = self.cfg.max_inflight_groups or (k + 1) * P
         rng = random.Random(self.cfg.seed)
-        cursor = await self.results_cursor()
-        outstanding: dict[str, int] = {}
+        n = int(self.state.get("dispatched", 0))
+        for _ in range(n):
+            rng.choice(self.tasks)  # the same task sequence as an uninterrupted run
+        outstanding, saved_cursor = await self.restore_inflight()
+        step = start
+        if step < self.cfg.steps and await self.resume_pending(step, colocated):
+            step += 1
+        cursor = saved_cursor or await self.results_cursor()
         ready: list[dict] = []
         window: list[dict] = []
         dropped: list[str] = []
-        dropped_total = 0
-        n = 0
-        step = start
+        dropped_total = int(self.state.get("stale_dropped", 0))
         t0 = time.perf_counter()
         await self.save_state(status="rolling_out", step=step)
         while step < self.cfg.steps:
             if self.stop_requested:
                 await self.save_state(status="stopped")
                 return
+            STEP.set(step)
             while len(outstanding) < budget:
                 gid = f"{self.cfg.run_id}-a{step}-{n}"
+                task = rng.choice(self.tasks)
                 n += 1
-                await self.dispatch(gid, rng.choice(self.tasks), self.cfg.group_size,
-                                    {"step": step, "run_id": self.cfg.run_id})
+                self.state["dispatched"] = n
+                async with self.r.pipeline(transaction=True) as pipe:  # saved before it goes out
+                    pipe.hset(self.inflight_key, gid, json.dumps({"version": self.state["weight_version"],
+                                                                  "cursor": cursor, "task": task, "step": step}))
+                    pipe.hset(self.keys.run, "dispatched", json.dumps(n))
+                    await pipe.execute()
+                await self.dispatch(gid, task, self.cfg.group_size, {"step": step, "run_id": self.cfg.run_id})
                 outstanding[gid] = self.state["weight_version"]
             cursor, batch = await self.read_results(cursor, 200)
             for rec in batch:
@@ -291,23 +475,26 @@ class Run:
             if len(ready) < P:
                 continue
             take, ready = ready[:P], ready[P:]
-            rollout_s = time.perf_counter() - t0
-            metrics, push_s, paused_s = await self.push(step, [g["group_id"] for g in take], dropped, colocated)
-            dropped = []
             trained_ids = {g["group_id"] for g in take}
             results = [g for g in window if g["outcome"] != "trained" or g["group_id"] in trained_ids]
             window = [g for g in window if g["outcome"] == "trained" and g in ready]
-            record = self.step_record(step, results, metrics, t0, rollout_s, push_s, paused_s, version)
-            record.update(stale_groups_dropped=float(dropped_total), groups_in_flight=float(len(outstanding)))
-            await self.finish_step(record)
+            self.state["stale_dropped"] = dropped_total
+            await self.train_step(step, [g["group_id"] for g in take], dropped, results, version, t0,
+                                  time.perf_counter() - t0, colocated,
+                                  {"stale_groups_dropped": float(dropped_total),
+                                   "groups_in_flight": float(len(outstanding))})
+            dropped = []
             step += 1
             t0 = time.perf_counter()
             await self.save_state(status="rolling_out", step=step)
 
     async def evaluate(self) -> dict[str, Any]:
-        """Every task `eval_repeats` times with the current weights; nothing here is trained on."""
-        await self.save_state(status="evaluating")
-        cursor = await self.results_cursor()
+        """Every task `eval_repeats` times with the current weights; nothing here is trained on. Done
+        once per run: a restarted scheduler re-reads the results from the saved stream position."""
+        if self.state.get("eval_record"):
+            return self.state["eval_record"]
+        cursor = self.state.get("eval_cursor") or await self.results_cursor()
+        await self.save_state(status="evaluating", eval_cursor=cursor)
         group_ids = set()
         for i, task in enumerate(self.tasks):
             for k in range(self.cfg.eval_repeats):
@@ -319,6 +506,7 @@ class Run:
         record = {"eval_reward": sum(rewards) / len(rewards) if rewards else float("nan"),
                   "eval_rollouts": len(rewards), "weight_version": self.state["weight_version"],
                   "time": time.time()}
+        await self.save_state(eval_record=record)
         self.write_metrics(record)
         return record
 

@@ -4,6 +4,7 @@
 Startup: join the process group (if torchrun started us), resume from the newest complete checkpoint
 in TETHER_CHECKPOINT_DIR (model, optimizer, version, steps done) or load TETHER_MODEL_DIR, apply the
 options (LoRA, gradient checkpointing, DDP/FSDP2), then serve (rank 0) or follow rank 0 (the others).
+With TETHER_WEIGHT_PUSH=nccl rank 0 also serves PushWeights (path 2, docs/weight-push.md).
 """
 
 from __future__ import annotations
@@ -69,6 +70,17 @@ class TrainerSettings(CommonSettings):
     dist_timeout_s: float = 1800.0
     seed: int = 0
     torch_threads: int = 1
+    # Weight push: "checkpoint" (path 1: inference reloads the checkpoint) or "nccl" (path 2: PushWeights
+    # streams the weights into vLLM's workers; needs vllm_url and vLLM started with
+    # --weight-transfer-config '{"backend": "nccl"}'). "gloo" is the CPU transport the tests use.
+    weight_push: Literal["checkpoint", "nccl"] = "checkpoint"
+    vllm_url: str = ""
+    weight_push_backend: Literal["nccl", "gloo"] = "nccl"
+    weight_push_master_address: str = "127.0.0.1"  # this trainer, as the vLLM workers reach it
+    weight_push_bucket_mb: float = 256.0
+    weight_push_attempts: int = 2
+    weight_push_timeout_s: float = 600.0
+    weight_push_dtype: Literal["", "bfloat16", "float16"] = ""  # cast floating-point weights on the wire
 
     @field_validator("loss_mode")
     @classmethod
@@ -91,6 +103,8 @@ class TrainerSettings(CommonSettings):
             raise ValueError("LoRA with FSDP is not supported; use DDP (fsdp=false) with LoRA")
         if self.micro_batch_tokens < 2:
             raise ValueError("micro_batch_tokens must be at least 2")
+        if self.weight_push == "nccl" and not self.vllm_url:
+            raise ValueError("weight_push=nccl needs vllm_url (the vLLM server the weights are pushed into)")
         return self
 
 
@@ -166,18 +180,32 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
     return StepRunner(model, engine, optimizer, cfg, d, ref_model=ref_model), tokenizer, resume
 
 
+def weight_pusher(s: TrainerSettings, d: Dist):
+    """Path 2: the trainer (rank 0 of the transfer group) and vLLM's weight-transfer routes."""
+    from tether.trainer.nccl_push import WeightPusher
+    from tether.trainer.weight_transfer import WeightTransferClient
+
+    client = WeightTransferClient(s.vllm_url, timeout_s=s.weight_push_timeout_s)
+    return WeightPusher(client, master_address=s.weight_push_master_address,
+                        bucket_bytes=int(s.weight_push_bucket_mb * 2**20), backend=s.weight_push_backend,
+                        device=d.device if d.device.type == "cuda" else None, timeout_s=s.weight_push_timeout_s,
+                        attempts=s.weight_push_attempts,
+                        cast_floats_to=getattr(torch, s.weight_push_dtype) if s.weight_push_dtype else None)
+
+
 async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resume) -> None:
+    push = s.weight_push == "nccl"
     core = TrainerCore(runner, tokenizer, Path(s.checkpoint_dir), keep=s.checkpoint_keep,
                        resumed=resume.state if resume else None,
                        settings={"lora_rank": s.lora_rank, "loss_mode": s.loss_mode, "off_policy": s.off_policy,
-                                 "world_size": d.world})
+                                 "world_size": d.world}, keep_push_state=push)
     health_box: list = []
 
     async def not_serving() -> None:
         if health_box:
             await health_box[0].set(False)
 
-    servicer = TrainerServicer(core, on_broken=not_serving)
+    servicer = TrainerServicer(core, on_broken=not_serving, pusher=weight_pusher(s, d) if push else None)
 
     def register(server):
         trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
@@ -187,11 +215,17 @@ async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resu
                                               s.metrics_port)
     health_box.append(health)
     await health.set(True)
-    log.info("trainer on %s:%d (model %s, version %d, %d buffered groups, %d rank(s), lr %g, %s, %s)",
-             s.trainer_grpc_host, port, s.model_dir, core.version, len(core.groups), d.world, s.lr,
-             s.loss_mode, s.off_policy)
+    log.info("trainer on %s:%d (model %s, version %d, %d buffered groups, %d rank(s), lr %g, %s, %s, "
+             "weight push %s)", s.trainer_grpc_host, port, s.model_dir, core.version, len(core.groups), d.world,
+             s.lr, s.loss_mode, s.off_policy, s.weight_push)
     background = [servicer.keep_ranks_alive(s.dist_heartbeat_s)] if d.active else []
-    await run_until_signal(server, health, background, on_stop=servicer.stop_ranks if d.active else None)
+
+    async def on_stop() -> None:
+        await servicer.close_pusher()
+        if d.active:
+            await servicer.stop_ranks()
+
+    await run_until_signal(server, health, background, on_stop=on_stop)
 
 
 def main() -> None:

@@ -15,13 +15,21 @@ within it (or holds one tensor) is exactly one broadcast. vLLM views each slice 
 the slice's offset to be a multiple of the dtype's size: the planner starts a new bucket rather than
 misalign a tensor.
 
-This module never imports the inference service: `push_weights` takes any client with the four
-methods of `WeightSyncClient` (tether.inference.weight_transfer.WeightTransferClient is one).
+`push_weights` takes any client with the four methods of `WeightSyncClient`
+(tether.trainer.weight_transfer.WeightTransferClient, vLLM's HTTP routes, is one). The trainer service
+(`PushWeights`) drives it; the scheduler decides when (docs/weight-push.md).
+
+Collectives run on daemon threads. A collective blocked in C++ (GIL released) that wakes up while the
+interpreter finalizes is ended by CPython 3.11 with pthread_exit, whose unwinding aborts the process
+inside pybind11 ("terminate called without an active exception", exit 134). So at exit this module
+waits for the collectives that will give up by themselves (gloo timeouts, rendezvous); NCCL
+broadcasts that never return stay blocked, harmlessly, until the process is gone.
 """
 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import functools
 import logging
 import math
@@ -170,6 +178,7 @@ class TransferGroup(Protocol):
     rank: int
     world_size: int
     device: torch.device
+    gives_up_after_s: float | None  # how long a broadcast waits for missing peers (None: forever)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """Blocking: returns once `tensor` went out (src) or arrived (others)."""
@@ -181,9 +190,10 @@ class TransferGroup(Protocol):
 class GlooTransferGroup:
     """CPU stand-in for the NCCL group (tests; vLLM's CPU build has no transfer engine)."""
 
-    def __init__(self, pg: Any, store: Any, rank: int, world_size: int) -> None:
+    def __init__(self, pg: Any, store: Any, rank: int, world_size: int, timeout_s: float) -> None:
         self.pg, self.store, self.rank, self.world_size = pg, store, rank, world_size
         self.device = torch.device("cpu")
+        self.gives_up_after_s: float | None = timeout_s  # a broadcast whose peer is gone fails then
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         if self.pg is None:
@@ -198,6 +208,8 @@ class GlooTransferGroup:
 
 class NcclTransferGroup:
     """The trainer's end of vLLM's NCCL transfer group (a vLLM PyNcclCommunicator)."""
+
+    gives_up_after_s: float | None = None  # an NCCL broadcast without its peers blocks for good
 
     def __init__(self, comm: Any, rank: int, world_size: int, device: torch.device) -> None:
         self.comm, self.rank, self.world_size, self.device = comm, rank, world_size, device
@@ -273,7 +285,7 @@ def create_transfer_group(master_address: str, master_port: int, world_size: int
         timeout = timedelta(seconds=timeout_s)
         store = dist.TCPStore(master_address, master_port, world_size, rank == 0, timeout)
         pg = dist.ProcessGroupGloo(store, rank, world_size, timeout)
-        return GlooTransferGroup(pg, store, rank, world_size)
+        return GlooTransferGroup(pg, store, rank, world_size, timeout_s)
     raise ValueError(f"unknown transfer backend {backend!r} (nccl, gloo)")
 
 
@@ -313,9 +325,15 @@ class PushReport:
     seconds: float
 
 
-def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
+# Collective threads still running -> when they give up by themselves (time.monotonic(); inf: never).
+_running: dict[threading.Thread, float] = {}
+EXIT_WAIT_CAP_S = 60.0
+
+
+def _in_daemon_thread(fn: Callable[..., Any], *args: Any, gives_up_after_s: float | None) -> asyncio.Future:
     """Run a blocking collective on a daemon thread. Not an executor: a collective whose peer never
-    comes can block for good (NCCL has no timeout), and an executor thread would then hold up exit."""
+    comes can block for good (NCCL has no timeout), and an executor thread would then hold up exit.
+    `gives_up_after_s`: how long the call can block before it fails by itself (None: never)."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future = loop.create_future()
 
@@ -330,15 +348,33 @@ def _in_daemon_thread(fn: Callable[..., Any], *args: Any) -> asyncio.Future:
             outcome = (False, exc)
         else:
             outcome = (True, result)
+        finally:
+            _running.pop(threading.current_thread(), None)
         try:
             loop.call_soon_threadsafe(settle, *outcome)
         except RuntimeError:  # the loop is gone: nobody is waiting any more
             pass
 
-    threading.Thread(target=target, daemon=True, name="tether-weight-transfer").start()
+    thread = threading.Thread(target=target, daemon=True, name="tether-weight-transfer")
+    _running[thread] = math.inf if gives_up_after_s is None else time.monotonic() + gives_up_after_s
+    thread.start()
     # A future abandoned after a failure must not log "exception was never retrieved".
     fut.add_done_callback(lambda f: f.cancelled() or f.exception())
     return fut
+
+
+@atexit.register
+def _wait_for_collectives_at_exit() -> None:
+    """Runs before the interpreter finalizes: let abandoned collectives that will time out do so now,
+    while their threads can still take the GIL (see the module docstring)."""
+    waits = {t: d for t, d in list(_running.items()) if t.is_alive() and d != math.inf}
+    if not waits:
+        return
+    until = min(max(waits.values()) + 1.0, time.monotonic() + EXIT_WAIT_CAP_S)
+    log.info("waiting up to %.0fs for %d abandoned weight-transfer call(s) to time out", until - time.monotonic(),
+             len(waits))
+    for thread in waits:
+        thread.join(max(0.0, until - time.monotonic()))
 
 
 async def _together(http: asyncio.Future, collective: asyncio.Future) -> None:
@@ -390,7 +426,7 @@ async def push_weights(model_state: Mapping[str, torch.Tensor], client: WeightSy
             # Packed on this thread's stream; the broadcast thread uses the device's default stream.
             torch.cuda.current_stream(flat.device).synchronize()
         http = asyncio.ensure_future(client.update_weights(bucket.update_info()))
-        sent = _in_daemon_thread(group.broadcast, flat, 0)
+        sent = _in_daemon_thread(group.broadcast, flat, 0, gives_up_after_s=group.gives_up_after_s)
         try:
             await _together(http, sent)
         except Exception as exc:
@@ -445,7 +481,7 @@ class WeightPusher:
             backend="nccl", packed=True, packed_buffer_size_bytes=self.bucket_bytes))
         joined = _in_daemon_thread(functools.partial(
             create_transfer_group, self.master_address, port, self.world_size, rank=0, backend=self.backend,
-            device=self.device, timeout_s=self.timeout_s))
+            device=self.device, timeout_s=self.timeout_s), gives_up_after_s=self.timeout_s)
         try:
             await _together(init, joined)
         except Exception as exc:

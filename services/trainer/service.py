@@ -6,9 +6,11 @@
   none), trains each step number at most once (a repeated `TrainStep` for a finished step returns the
   recorded result), writes checkpoints carrying the optimizer state and the trainer's position, and
   picks up from them (see tether.trainer.weights).
-- `TrainerServicer`: translates wire <-> core and core errors -> gRPC status codes, nothing else.
+- `TrainerServicer`: translates wire <-> core and core errors -> gRPC status codes, nothing else. A
+  step, once planned, runs to its end even if the caller goes away (a scheduler killed mid-step): its
+  restarted successor then gets the recorded result, never a second update.
 
-Callers: the merger (SubmitGroup), the scheduler (TrainStep, GetStatus).
+Callers: the merger (SubmitGroup), the scheduler (TrainStep, GetStatus, PushWeights).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from tether.common.records import SampleRecord
 from tether.trainer import distributed
 from tether.trainer.distributed import Dist
+from tether.trainer.nccl_push import PushError
 from tether.trainer.train import StepConfig, train_step
 from tether.trainer.weights import checkpoint_name, merged_lora_state_dict, save_checkpoint
 from tether.v1 import trainer_pb2, trainer_pb2_grpc
@@ -46,6 +49,9 @@ STEP_SECONDS = Histogram("tether_trainer_step_seconds", "Wall time of one traini
 TOKENS = Counter("tether_trainer_tokens_total", "Tokens trained on")
 VERSION = Gauge("tether_trainer_weight_version", "Version of the newest checkpoint")
 STALENESS = Gauge("tether_trainer_staleness_max", "Max weight-version lag of the last step's samples")
+PUSHES = Counter("tether_trainer_weight_pushes_total", "Path-2 weight pushes into vLLM", ["outcome"])
+PUSH_SECONDS = Histogram("tether_trainer_weight_push_seconds", "Wall time of a successful path-2 weight push",
+                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
 
 
 def sample_from_proto(p) -> SampleRecord:
@@ -240,6 +246,7 @@ class StepPlan:
     samples: list[SampleRecord]
     drop_ids: list[str] = field(default_factory=list)  # buffered groups discarded with this step
     position: dict[str, Any] = field(default_factory=dict)
+    model_state: dict[str, torch.Tensor] | None = None  # gathered / merged weights of the new version
 
 
 class TrainerCore:
@@ -247,7 +254,7 @@ class TrainerCore:
 
     def __init__(self, runner: StepRunner, tokenizer, checkpoint_root: Path, *, keep: int = 3,
                  resumed: dict[str, Any] | None = None, records_kept: int = 256,
-                 settings: dict[str, Any] | None = None) -> None:
+                 settings: dict[str, Any] | None = None, keep_push_state: bool = False) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.root = checkpoint_root
@@ -265,6 +272,9 @@ class TrainerCore:
         self.records_floor = int(state.get("records_floor", -1))
         self.last_step: int | None = state.get("last_step")
         self.broken: str | None = None
+        # Path 2 pushes what was saved: the gathered (FSDP) or merged (LoRA) state of the newest step.
+        self.keep_push_state = keep_push_state
+        self.last_state: dict[str, torch.Tensor] | None = None
         self.spool = GroupSpool(checkpoint_root / "buffer")
         self.groups: OrderedDict[str, tuple[list[SampleRecord], int]] = OrderedDict()
         for group_id, samples, rollouts in self.spool.load():
@@ -364,6 +374,8 @@ class TrainerCore:
         except Exception as exc:
             self.broken = f"checkpoint v{version} could not be written after the update: {exc!r}"
             raise TrainerBroken(self.broken) from exc
+        if self.keep_push_state:
+            plan.model_state = out.model_state
         return record
 
     def finish(self, plan: StepPlan, record: StepRecord) -> None:
@@ -373,6 +385,7 @@ class TrainerCore:
         self.consumed.update(plan.group_ids)
         self.consumed.update(plan.drop_ids)
         self.records, self.records_floor = p["records"], p["records_floor"]
+        self.last_state = plan.model_state
         for gid in plan.group_ids + plan.drop_ids:
             self.groups.pop(gid, None)
             self.spool.remove(gid)
@@ -382,20 +395,42 @@ class TrainerCore:
         VERSION.set(self.version)
         STALENESS.set(record.metrics.get("staleness_max", 0.0))
 
+    def checkpoint_dir(self) -> str:
+        return str(self.root / checkpoint_name(self.version)) if self.version else ""
+
+    def push_state(self, version: int) -> dict[str, torch.Tensor]:
+        """The full weights of `version` under the HF names vLLM loads (rank 0), for path 2."""
+        if self.broken:
+            raise TrainerBroken(self.broken)
+        if version != self.version:
+            raise NotReady(f"the trainer holds version {self.version}, not {version}")
+        if self.last_state is not None:
+            return self.last_state
+        if self.runner.lora:
+            return merged_lora_state_dict(self.runner.model)
+        if self.runner.d.fsdp:
+            raise NotReady(f"the full weights of version {version} are not gathered (restarted FSDP trainer); "
+                           "load its checkpoint instead")
+        return self.runner.hf_model.state_dict()
+
     def status(self) -> dict[str, Any]:
         return {"buffered_groups": len(self.groups),
                 "buffered_samples": sum(len(g) for g, _ in self.groups.values()),
-                "weight_version": self.version, "steps_done": self.steps_done, "last_step": self.last_step}
+                "weight_version": self.version, "steps_done": self.steps_done, "last_step": self.last_step,
+                "checkpoint_dir": self.checkpoint_dir()}
 
 
 # --- gRPC edge ------------------------------------------------------------------------------------------
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
-    def __init__(self, core: TrainerCore, on_broken: Callable[[], Any] | None = None) -> None:
+    """`pusher`: a tether.trainer.nccl_push.WeightPusher when path 2 is on (TETHER_WEIGHT_PUSH=nccl)."""
+
+    def __init__(self, core: TrainerCore, on_broken: Callable[[], Any] | None = None, pusher: Any = None) -> None:
         self.core = core
         self.on_broken = on_broken
-        self.lock = asyncio.Lock()  # one step (or rank command) at a time
+        self.pusher = pusher
+        self.lock = asyncio.Lock()  # one step, push (or rank command) at a time
 
     async def SubmitGroup(self, request, context):
         samples = [sample_from_proto(p) for p in request.samples]
@@ -405,36 +440,70 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return trainer_pb2.SubmitGroupResponse(buffered_groups=buffered, duplicate=duplicate)
 
-    async def TrainStep(self, request, context):
+    async def _train(self, request) -> StepRecord:
         async with self.lock:
-            try:
-                plan = self.core.plan(request.step, request.min_groups, request.max_groups,
-                                      list(request.group_ids), list(request.drop_group_ids))
-                if isinstance(plan, StepRecord):
-                    log.info("step %d was already trained (version %d); returning its record", request.step,
-                             plan.weight_version)
-                    return self._response(plan)
-                with STEP_SECONDS.time():
-                    record = await asyncio.to_thread(self.core.execute, plan)
-                self.core.finish(plan, record)
-            except NotReady as exc:
-                await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-            except StepFailed as exc:
-                log.exception("step %d failed", request.step)
-                if self.core.broken and self.on_broken is not None:
-                    await self.on_broken()
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.out_of_memory else grpc.StatusCode.INTERNAL
-                hint = " (lower TETHER_MICRO_BATCH_TOKENS or set TETHER_GRADIENT_CHECKPOINTING=true)" \
-                    if exc.out_of_memory else ""
-                await context.abort(code, str(exc) + hint)
-            except TrainerBroken as exc:
-                log.error("trainer unusable until restarted: %s", exc)
-                if self.on_broken is not None:
-                    await self.on_broken()
-                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; restart the trainer to resume")
+            plan = self.core.plan(request.step, request.min_groups, request.max_groups, list(request.group_ids),
+                                  list(request.drop_group_ids))
+            if isinstance(plan, StepRecord):
+                log.info("step %d was already trained (version %d); returning its record", request.step,
+                         plan.weight_version)
+                return plan
+            log.info("training step %d on %d groups (version %d)", plan.step, len(plan.group_ids), self.core.version)
+            with STEP_SECONDS.time():
+                record = await asyncio.to_thread(self.core.execute, plan)
+            self.core.finish(plan, record)
             log.info("step %d -> version %d: %s", request.step, record.weight_version,
                      {k: round(v, 4) for k, v in record.metrics.items()})
-            return self._response(record)
+            return record
+
+    async def TrainStep(self, request, context):
+        # Shielded: a caller that goes away (a killed scheduler) cancels this handler, never the step,
+        # so the weights, the checkpoint and the step record cannot part ways.
+        step = asyncio.ensure_future(self._train(request))
+        try:
+            record = await asyncio.shield(step)
+        except NotReady as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except StepFailed as exc:
+            log.exception("step %d failed", request.step)
+            if self.core.broken and self.on_broken is not None:
+                await self.on_broken()
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.out_of_memory else grpc.StatusCode.INTERNAL
+            hint = " (lower TETHER_MICRO_BATCH_TOKENS or set TETHER_GRADIENT_CHECKPOINTING=true)" \
+                if exc.out_of_memory else ""
+            await context.abort(code, str(exc) + hint)
+        except TrainerBroken as exc:
+            log.error("trainer unusable until restarted: %s", exc)
+            if self.on_broken is not None:
+                await self.on_broken()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; restart the trainer to resume")
+        return self._response(record)
+
+    async def _push(self, version: int) -> trainer_pb2.PushWeightsResponse:
+        async with self.lock:  # the weights must not change under the broadcast
+            state = self.core.push_state(version)
+            report = await self.pusher.push(state, version)
+            await self.pusher.client.reset_prefix_cache()
+            return trainer_pb2.PushWeightsResponse(version=version, buckets=report.buckets, tensors=report.tensors,
+                                                   bytes=report.bytes, seconds=report.seconds)
+
+    async def PushWeights(self, request, context):
+        if self.pusher is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "path 2 is off (TETHER_WEIGHT_PUSH=checkpoint): load the checkpoint instead")
+        push = asyncio.ensure_future(self._push(request.version))
+        try:
+            resp = await asyncio.shield(push)  # a push cut off half-way would leave vLLM's session open
+        except (NotReady, TrainerBroken) as exc:
+            PUSHES.labels("refused").inc()
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
+        except (PushError, OSError, RuntimeError) as exc:
+            PUSHES.labels("failed").inc()
+            log.warning("weight push of version %d failed: %s", request.version, exc)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"weight push failed: {exc}")
+        PUSHES.labels("ok").inc()
+        PUSH_SECONDS.observe(resp.seconds)
+        return resp
 
     @staticmethod
     def _response(record: StepRecord) -> trainer_pb2.TrainStepResponse:
@@ -447,6 +516,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if st["last_step"] is None:
             del st["last_step"]
         return trainer_pb2.TrainerStatus(**st)
+
+    async def close_pusher(self) -> None:
+        if self.pusher is not None:
+            async with self.lock:
+                await self.pusher.close()
 
     async def keep_ranks_alive(self, every_s: float) -> None:
         """Multi-rank: an idle collective now and then, so the other ranks' wait never times out."""

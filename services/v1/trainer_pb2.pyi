@@ -61,15 +61,37 @@ class TrainStepResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., replayed: _Optional[bool] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("buffered_groups", "buffered_samples", "weight_version", "steps_done", "last_step")
+    __slots__ = ("buffered_groups", "buffered_samples", "weight_version", "steps_done", "last_step", "checkpoint_dir")
     BUFFERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     buffered_groups: int
     buffered_samples: int
     weight_version: int
     steps_done: int
     last_step: int
-    def __init__(self, buffered_groups: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., weight_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., last_step: _Optional[int] = ...) -> None: ...
+    checkpoint_dir: str
+    def __init__(self, buffered_groups: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., weight_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., last_step: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
+
+class PushWeightsRequest(_message.Message):
+    __slots__ = ("version",)
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    def __init__(self, version: _Optional[int] = ...) -> None: ...
+
+class PushWeightsResponse(_message.Message):
+    __slots__ = ("version", "buckets", "tensors", "bytes", "seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BUCKETS_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    buckets: int
+    tensors: int
+    bytes: int
+    seconds: float
+    def __init__(self, version: _Optional[int] = ..., buckets: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...

@@ -50,6 +50,11 @@ class TrainerStub:
                 request_serializer=tether_dot_v1_dot_types__pb2.Empty.SerializeToString,
                 response_deserializer=tether_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                 _registered_method=True)
+        self.PushWeights = channel.unary_unary(
+                '/tether.v1.Trainer/PushWeights',
+                request_serializer=tether_dot_v1_dot_trainer__pb2.PushWeightsRequest.SerializeToString,
+                response_deserializer=tether_dot_v1_dot_trainer__pb2.PushWeightsResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -75,6 +80,17 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PushWeights(self, request, context):
+        """Path 2 of the weight push: stream the weights of `version` (the newest trained) straight into
+        vLLM's workers (vLLM's weight-transfer API; the trainer is rank 0 of the transfer group), then drop
+        vLLM's prefix cache. The caller pauses generation around it. FAILED_PRECONDITION when path 2 is off
+        or `version` is not the trainer's current one; UNAVAILABLE when the push failed (vLLM keeps its
+        previous version label, but may hold part of the new weights: load the checkpoint instead).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +108,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.GetStatus,
                     request_deserializer=tether_dot_v1_dot_types__pb2.Empty.FromString,
                     response_serializer=tether_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
+            ),
+            'PushWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.PushWeights,
+                    request_deserializer=tether_dot_v1_dot_trainer__pb2.PushWeightsRequest.FromString,
+                    response_serializer=tether_dot_v1_dot_trainer__pb2.PushWeightsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -175,6 +196,33 @@ class Trainer:
             '/tether.v1.Trainer/GetStatus',
             tether_dot_v1_dot_types__pb2.Empty.SerializeToString,
             tether_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tether.v1.Trainer/PushWeights',
+            tether_dot_v1_dot_trainer__pb2.PushWeightsRequest.SerializeToString,
+            tether_dot_v1_dot_trainer__pb2.PushWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

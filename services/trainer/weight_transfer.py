@@ -1,5 +1,9 @@
 """Async client for vLLM's native weight-transfer routes (path 2 of the weight push, GPUs only).
 
+It lives with the trainer because the trainer drives path 2: it broadcasts the tensors while these
+routes tell vLLM's workers what to receive (tether.trainer.nccl_push), so both halves must be issued
+by the same process. The inference adapter keeps path 1 (checkpoint reloads) and pause/resume.
+
 vLLM serves these routes when started with `VLLM_SERVER_DEV_MODE=1` and
 `--weight-transfer-config '{"backend": "nccl"}'` (read from vllm/entrypoints/rl/online/api_router.py
 and vllm/distributed/weight_transfer/ of vLLM 0.32):
@@ -27,6 +31,7 @@ locally: it refuses calls out of order without sending them, and after a failed 
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 from typing import Any
@@ -191,6 +196,15 @@ class WeightTransferClient:
         """Drop the workers' side of the transfer group (vLLM refuses while a session is open)."""
         await self._post("shutdown", "/shutdown_weight_transfer_engine")
         self.state = TransferState.IDLE
+
+    async def reset_prefix_cache(self, attempts: int = 50, delay_s: float = 0.1) -> None:
+        """Drop KV computed by the old weights (a weight update does not). vLLM answers success=false
+        while requests still hold blocks: retry."""
+        for _ in range(attempts):
+            if (await self._post("reset_prefix_cache", "/reset_prefix_cache")).get("success"):
+                return
+            await asyncio.sleep(delay_s)
+        raise WeightTransferError("reset_prefix_cache", "kept failing (requests still hold KV blocks)")
 
     # -- read-only helpers ------------------------------------------------------------------------
 
