@@ -12,6 +12,7 @@ import functools
 import random
 import re
 
+import httpx
 import openai
 from openai.types.chat import ChatCompletionMessageParam
 
@@ -91,9 +92,16 @@ def demonstrations(n: int = DEMONSTRATIONS, seed: int = 0, tool_fraction: float 
 
 
 @functools.lru_cache(maxsize=16)
+def _pool(base_url: str) -> httpx.Client:
+    """One connection pool per endpoint, shared by every rollout's client (thread-safe). A client of
+    its own per rollout cost ~20 ms of CPU (an SSL context) and a new connection."""
+    return httpx.Client(timeout=60.0, limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
+
+
 def _client(base_url: str, api_key: str) -> openai.OpenAI:
-    """One pooled client per endpoint: rollouts run by the hundred, often from threads."""
-    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=1, timeout=60.0)
+    """The rollout's own client (its key), on the endpoint's shared pool."""
+    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=1, timeout=60.0,
+                         http_client=_pool(base_url))
 
 
 def _reply(client: openai.OpenAI, model: str, messages: list[ChatCompletionMessageParam]) -> str:

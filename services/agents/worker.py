@@ -15,6 +15,7 @@ import math
 import sys
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -60,6 +61,10 @@ class Worker:
         self.timeout_s = timeout_s
         headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
         self.http = httpx.AsyncClient(timeout=60.0, headers=headers)
+        # Harness functions block (they run their own agent loop): one thread per concurrent rollout.
+        # asyncio.to_thread's default pool holds only cpu_count + 4 threads, which capped the
+        # rollouts really in flight far below `concurrency` on small machines.
+        self.threads = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="harness")
         self.in_flight: set[str] = set()
         self.done = 0
         self.failed = 0
@@ -76,7 +81,8 @@ class Worker:
         ro = resp.json()
         auth = {"Authorization": f"Bearer {ro['api_key']}"}
         try:
-            call = asyncio.to_thread(self.fn, job["task"], ro["base_url"], ro["api_key"], ro["model"])
+            call = asyncio.get_running_loop().run_in_executor(
+                self.threads, self.fn, job["task"], ro["base_url"], ro["api_key"], ro["model"])
             reward = float(await asyncio.wait_for(call, timeout=self.timeout_s) if self.timeout_s else await call)
             if not math.isfinite(reward):
                 raise ValueError(f"harness returned a non-finite reward {reward}")
@@ -139,3 +145,4 @@ class Worker:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await self.http.aclose()
+            self.threads.shutdown(wait=False, cancel_futures=True)
