@@ -103,6 +103,9 @@ async def test_zero_variance_groups_are_filtered_and_failed_rollouts_excluded(re
     outcomes = {rec["group_id"]: rec for _, rec in await broker.read_all(r, keys.group_results)}
     assert outcomes["same"]["outcome"] == "filtered"
     assert outcomes["mixed"]["outcome"] == "trained" and outcomes["mixed"]["completed"] == 2
+    # What the policy sampled counts whatever the outcome (the failed rollout's token does not).
+    assert outcomes["same"]["generated_tokens"] == 2 and outcomes["same"]["tokens"] == 0
+    assert outcomes["mixed"]["generated_tokens"] == 2
     assert submitted == ["mixed"]
     await r.aclose()
 

@@ -9,8 +9,10 @@ uses the tool: reward starts low and RL raises it by shifting probability mass o
 from __future__ import annotations
 
 import functools
+import os
 import random
 import re
+import time
 
 import httpx
 import openai
@@ -109,6 +111,17 @@ def _reply(client: openai.OpenAI, model: str, messages: list[ChatCompletionMessa
     return completion.choices[0].message.content or ""
 
 
+# Simulated latency of the calc tool, as real tools and environments have (seconds; exponential with this
+# mean, so a few calls take several times longer; unset or 0 = none). bench/scheduling_modes sets it
+# with --tool-latency-s to compare the scheduling modes on rollouts of uneven length.
+TOOL_LATENCY_ENV = "CALCULATOR_TOOL_LATENCY_S"
+
+
+def tool_latency() -> float:
+    mean = float(os.environ.get(TOOL_LATENCY_ENV) or 0)
+    return random.expovariate(1 / mean) if mean > 0 else 0.0
+
+
 def rollout(task: dict, base_url: str, api_key: str, model: str) -> float:
     """Run one episode against an OpenAI-compatible endpoint and return its reward (1.0 or 0.0).
 
@@ -123,6 +136,7 @@ def rollout(task: dict, base_url: str, api_key: str, model: str) -> float:
         if match is None:
             return 0.0
         result = int(match.group(1)) + int(match.group(2))
+        time.sleep(tool_latency())
         messages.append({"role": "assistant", "content": reply})
         messages.append({"role": "user", "content": f"= {result}"})
         reply = _reply(client, model, messages)

@@ -8,7 +8,9 @@
   trains; weights are pushed between steps (vLLM pause?mode=keep -> load -> resume, so requests in
   flight continue under the new weights). No sample trains whose oldest token was sampled more than
   `max_staleness` versions before the weights being updated: dispatch is throttled to
-  (max_staleness + 1) x P groups in flight, and groups that still end up too old are dropped, counted.
+  (max_staleness + 1) x P groups running or ready, a step waits for any running group that would be too
+  old after it and trains the oldest ready groups first, so at most P groups come due in a step and none
+  has to be dropped (a group that still ends up too old is dropped, counted).
 
 Weights reach inference by path 1 (inference reloads the checkpoint the trainer wrote) or, with
 `weight_push="nccl"`, by path 2 (the trainer streams them into vLLM's workers while generation is
@@ -110,6 +112,7 @@ def step_summary(results: list[dict]) -> dict[str, float]:
         "groups_filtered": float(sum(g["outcome"] == "filtered" for g in results)),
         "samples": float(sum(g["samples"] for g in results)),
         "tokens": float(sum(g["tokens"] for g in results)),
+        "generated_tokens": float(sum(g.get("generated_tokens", 0) for g in results)),
         "forks": float(sum(g.get("forks", 0) for g in results)),
         "sequences_per_rollout": (sum(g["sequences"] for g in results) / len(rewards)) if rewards else 0.0,
     }
@@ -446,7 +449,9 @@ class Run:
                 await self.save_state(status="stopped")
                 return
             STEP.set(step)
-            while len(outstanding) < budget:
+            # Ready groups not yet trained count against the budget too (AReaL's rule: dispatched <=
+            # (version + k + 1) x P), so at most P groups are ever due in one step: the wait below fits.
+            while len(outstanding) + len(ready) < budget:
                 gid = f"{self.cfg.run_id}-a{step}-{n}"
                 task = rng.choice(self.tasks)
                 n += 1
@@ -474,6 +479,12 @@ class Run:
                 log.warning("dropping %d groups older than %d versions", len(stale), k)
             if len(ready) < P:
                 continue
+            # A group still running that would be too old after this step can only be trained in it:
+            # wait for it rather than drop it later. Those are the slow rollouts (long tool calls, long
+            # episodes); dropping them would bias training toward the fast ones.
+            if any(version - v >= k for v in outstanding.values()):
+                continue
+            ready.sort(key=lambda g: g.get("min_weight_version", version))  # the oldest first
             take, ready = ready[:P], ready[P:]
             trained_ids = {g["group_id"] for g in take}
             results = [g for g in window if g["outcome"] != "trained" or g["group_id"] in trained_ids]
