@@ -7,9 +7,13 @@ bench imports them from Tether's venv.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import signal
 import subprocess
+import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -102,3 +106,21 @@ def start_peer(name: str, upstream: str, workdir: Path, port: int) -> Peer:
 
 
 NAMES = ("agentlightning", "litellm")
+
+
+def run_alone(description: str, start, default_port: int, ready_line) -> None:
+    """A peer module's own command line: start the peer in front of --upstream, print `ready_line(peer)`,
+    and run until SIGTERM or Ctrl-C."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--upstream", required=True, help="OpenAI-compatible base URL, ending in /v1")
+    p.add_argument("--port", type=int, default=default_port)
+    args = p.parse_args()
+    peer = start(args.upstream, Path(tempfile.mkdtemp(prefix="tether-peer-")), args.port)
+    print(f"ready {ready_line(peer)}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        peer.proc.wait()
+    except (KeyboardInterrupt, SystemExit):
+        pass
+    finally:
+        peer.stop()

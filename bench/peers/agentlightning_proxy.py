@@ -17,17 +17,14 @@ Prints "ready <proxy base URL for rollout r0>" and runs until interrupted.
 
 from __future__ import annotations
 
-import argparse
-import signal
 import subprocess
 import sys
-import tempfile
 import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peers import Peer, http, venv_python, wait_healthy  # noqa: E402
+from peers import Peer, http, run_alone, venv_python, wait_healthy  # noqa: E402
 
 VERSION = "1.0.2"
 MODEL = "tether-policy"
@@ -73,19 +70,7 @@ def start(upstream: str, workdir: Path, port: int) -> AgentLightning:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--upstream", required=True, help="OpenAI-compatible base URL, ending in /v1")
-    p.add_argument("--port", type=int, default=8080)
-    args = p.parse_args()
-    peer = start(args.upstream, Path(tempfile.mkdtemp(prefix="tether-peer-agl-")), args.port)
-    print(f"ready {peer.targets(1)[0][0]}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        peer.proc.wait()
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    finally:
-        peer.stop()
+    run_alone(__doc__.splitlines()[0], start, 8080, lambda peer: peer.targets(1)[0][0])
 
 
 if __name__ == "__main__":

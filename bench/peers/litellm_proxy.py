@@ -14,18 +14,15 @@ Prints "ready <base URL> <key>" and runs until interrupted.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from peers import Peer, venv_python, wait_healthy  # noqa: E402
+from peers import Peer, run_alone, venv_python, wait_healthy  # noqa: E402
 
 VERSION = "1.108.7"
 MODEL = "tether-policy"
@@ -63,19 +60,7 @@ def start(upstream: str, workdir: Path, port: int) -> LiteLLM:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--upstream", required=True, help="OpenAI-compatible base URL, ending in /v1")
-    p.add_argument("--port", type=int, default=4000)
-    args = p.parse_args()
-    peer = start(args.upstream, Path(tempfile.mkdtemp(prefix="tether-peer-litellm-")), args.port)
-    print(f"ready {peer.url}/v1 {KEY}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    try:
-        peer.proc.wait()
-    except (KeyboardInterrupt, SystemExit):
-        pass
-    finally:
-        peer.stop()
+    run_alone(__doc__.splitlines()[0], start, 4000, lambda peer: f"{peer.url}/v1 {KEY}")
 
 
 if __name__ == "__main__":
