@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 CALCULATOR = REPO / "examples" / "calculator" / "agent.py"
 
 
-def _load_example():
+def load_example():
     from tether.agents.worker import load_function
 
     return load_function(f"{CALCULATOR}:tasks").__globals__
@@ -40,7 +40,7 @@ def prepare_calculator_model(seed: int, out_root: Path | None = None) -> Path:
     Cached by the code and parameters that produce it, so repeated runs skip the warm start."""
     from tether.trainer import tiny, warmstart
 
-    example = _load_example()
+    example = load_example()
     params = f"{seed}/{WARM_DEMOS}/{WARM_STEPS}/{WARM_LR}/{WARM_TOOL_FRACTION}"
     code = b"".join(p.read_bytes() for p in (Path(tiny.__file__), Path(warmstart.__file__), CALCULATOR))
     key = hashlib.sha256(code + params.encode()).hexdigest()[:16]
@@ -62,7 +62,7 @@ def prepare_calculator_model(seed: int, out_root: Path | None = None) -> Path:
 
 
 def write_tasks(path: Path) -> int:
-    tasks = _load_example()["tasks"]()
+    tasks = load_example()["tasks"]()
     path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     return len(tasks)
 

@@ -407,6 +407,9 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
     @app.post("/v1/rollouts/{rollout_id}/calls/{call_id}/reward")
     async def reward_call(rollout_id: str, call_id: str, request: Request) -> Response:
         await rollouts.authorize(rollout_id, _api_key(request), open_without_admin=False)
+        return await _reward_call(rollout_id, call_id, request)
+
+    async def _reward_call(rollout_id: str, call_id: str, request: Request) -> Response:
         body = load_json_object(await _read_body(request, max_body_bytes), allow_nan=True)
         return _json(await rollouts.reward_call(rollout_id, call_id, parse_reward(body)))
 
@@ -414,9 +417,7 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
     @app.post("/v1/calls/{call_id}/reward")
     @app.post("/rollouts/{path_rollout}/v1/calls/{call_id}/reward")
     async def reward_own_call(call_id: str, request: Request, path_rollout: str | None = None) -> Response:
-        rollout_id = await rollouts.authenticate(_api_key(request), path_rollout)
-        body = load_json_object(await _read_body(request, max_body_bytes), allow_nan=True)
-        return _json(await rollouts.reward_call(rollout_id, call_id, parse_reward(body)))
+        return await _reward_call(await rollouts.authenticate(_api_key(request), path_rollout), call_id, request)
 
     @app.post("/v1/rollouts/{rollout_id}/fail")
     async def fail_rollout(rollout_id: str, request: Request) -> Response:

@@ -96,6 +96,7 @@ async def amain(s: SchedulerSettings) -> None:
                                               s.metrics_port)
     await health.set(True)
     log.info("scheduler on %s:%d", s.scheduler_grpc_host, port)
+
     async def work() -> None:
         try:
             await (run.run() if tasks else run.serve(s.groups_per_step))
