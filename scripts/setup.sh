@@ -44,4 +44,11 @@ if ! "$VLLM_VENV/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != 
   # PyPI's torchvision/torchaudio builds break transformers imports next to torch 2.13.0+cpu.
   "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 fi
+# Tether's vLLM endpoint plugin (per-token weight-version spans); reinstalled whenever its source changes.
+plugin=services/inference/vllm_plugin
+installed=$("$VLLM_VENV/bin/python" -c 'import tether_vllm; print(tether_vllm.__file__)' 2>/dev/null || true)
+if [ -z "$installed" ] || ! cmp -s "$plugin/tether_vllm.py" "$installed"; then
+  "$VLLM_VENV/bin/pip" install -q --no-deps --no-build-isolation --force-reinstall "./$plugin"
+  rm -rf "$plugin/build" "$plugin"/*.egg-info
+fi
 echo "setup: ready (services: $VENV, vLLM: $VLLM_VENV)"

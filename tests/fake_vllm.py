@@ -12,9 +12,12 @@ The look-alike serves /v1/chat/completions and /v1/completions (both streaming o
   "text-then-tool"  say a few words, then call the first tool
   "stream-error"    stream one chunk, then vLLM's in-stream error event
 A request with `stop` ends with vLLM's stop_reason set to its first stop string; `max_tokens` below
-the answer's length cuts it (finish_reason "length"). Knobs on the server: `fail_next` (answer that
-many POSTs with vLLM's 500), `health_status` (what GET /health answers); `aborted` lists the requests
-whose client (the gateway) hung up before the answer was complete ("hold" or "stream").
+the answer's length cuts it (finish_reason "length"). A request with `return_weight_versions` gets each
+choice's weight-version spans as Tether's vLLM plugin gives them (in the choice, or in a
+"tether.weight_versions" chunk before [DONE]). Knobs on the server: `fail_next` (answer that many POSTs
+with vLLM's 500), `health_status` (what GET /health answers), `version_starts` (the spans: [(version,
+first output token)], default one version "3" throughout); `aborted` lists the requests whose client
+(the gateway) hung up before the answer was complete ("hold" or "stream").
 """
 
 from __future__ import annotations
@@ -61,6 +64,13 @@ def _last_text(body: dict) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return content if isinstance(content, str) else ""
+
+
+def weight_versions(starts: list[tuple[str, int]], n_tokens: int) -> list[dict]:
+    """The plugin's spans for an answer of n_tokens when version v took over at output token `start`."""
+    bounds = [a for _, a in starts[1:]] + [n_tokens]
+    return [{"version": v, "start": a, "end": min(b, n_tokens)}
+            for (v, a), b in zip(starts, bounds, strict=True) if a < n_tokens]
 
 
 def _chat_logprob(k: int, tok: str) -> dict:
@@ -178,11 +188,21 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
             "choices": [{"index": i, "message": message,
                          "logprobs": {"content": [_chat_logprob(j, TOKENS[j]) for j in range(k)]},
                          "finish_reason": plan.finish, "stop_reason": plan.stop_reason,
-                         "token_ids": choice_ids(i)[:k]} for i in range(n)],
+                         "token_ids": choice_ids(i)[:k], **self._versions(body, k)} for i in range(n)],
             "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": k * n,
                       "total_tokens": len(PROMPT_IDS) + k * n},
             "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS, "kv_transfer_params": None,
         })
+
+    def _versions(self, body: dict, n_tokens: int) -> dict:
+        if body.get("return_weight_versions") is not True:
+            return {}
+        return {"weight_versions": weight_versions(self.server.version_starts, n_tokens)}  # type: ignore[attr-defined]
+
+    def _versions_chunk(self, event, body: dict, n: int, n_tokens: int) -> None:
+        if body.get("return_weight_versions") is True:
+            event({"object": "tether.weight_versions",
+                   "choices": [{"index": i, **self._versions(body, n_tokens)} for i in range(n)]})
 
     def _prompt_ids(self, body: dict) -> list[int]:
         prompt = body.get("prompt")
@@ -202,7 +222,7 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
             "choices": [{"index": i, "text": plan.text(), "logprobs": self._completion_logprobs(range(k)),
                          "finish_reason": plan.finish, "stop_reason": plan.stop_reason,
                          "token_ids": choice_ids(i)[:k], "prompt_logprobs": None, "prompt_token_ids": prompt,
-                         "routed_experts": None} for i in range(n)],
+                         "routed_experts": None, **self._versions(body, k)} for i in range(n)],
             "usage": {"prompt_tokens": len(prompt), "completion_tokens": k * n,
                       "total_tokens": len(prompt) + k * n},
             "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
@@ -236,6 +256,7 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
                     "index": i, "text": TOKENS[k], "logprobs": self._completion_logprobs(range(k, k + 1)),
                     "finish_reason": plan.finish if last else None, "stop_reason": plan.stop_reason if last else None,
                     "prompt_token_ids": prompt if k == 0 else None, "token_ids": [choice_ids(i)[k]]}]})
+        self._versions_chunk(event, body, n, plan.n_tokens)
         self._end_stream(event)
 
     def _stream(self, body: dict, n: int, plan: _Plan) -> None:
@@ -263,6 +284,7 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
                                                 "finish_reason": plan.finish if last else None,
                                                 "stop_reason": plan.stop_reason if last else None,
                                                 "token_ids": [choice_ids(i)[k]]}]})
+            self._versions_chunk(event, body, n, plan.n_tokens)
             self._end_stream(event)
         except OSError:  # the gateway hung up: what vLLM sees as an abort
             self.server.aborted.append("stream")  # type: ignore[attr-defined]
@@ -287,6 +309,7 @@ class FakeVLLM(ThreadingHTTPServer):
         self.aborted: list[str] = []
         self.fail_next = 0
         self.health_status = 200
+        self.version_starts: list[tuple[str, int]] = [("3", 0)]
         self.conns: set[socket.socket] = set()
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
 

@@ -32,6 +32,7 @@ from fake_vllm import (
     choice_ids,
     gateway_settings,
     traces,
+    wait_traces,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -144,7 +145,7 @@ def test_n_greater_than_one_records_extra_choices(gw, rdb):
     [(_, trace)] = traces(rdb, gw.keys, rollout["rollout_id"])
     assert trace["response_token_ids"] == choice_ids(0)
     assert trace["extra_choices"] == [{"index": 1, "token_ids": choice_ids(1), "logprobs": LOGPROBS,
-                                       "finish_reason": "stop"}]
+                                       "finish_reason": "stop", "weight_spans": [[3, 0, 4]]}]
 
 
 def test_streaming_relays_sse_and_records_ids(gw, rdb, vllm):
@@ -169,6 +170,51 @@ def test_streaming_relays_sse_and_records_ids(gw, rdb, vllm):
     assert trace["prompt_token_ids"] == PROMPT_IDS and trace["response_token_ids"] == TOKEN_IDS
     assert trace["response_logprobs"] == LOGPROBS and trace["weight_version"] == 3
     assert trace["finish_reason"] == "stop"
+
+
+WEIGHT_VERSION_CASES = {
+    "chat": ("/v1/chat/completions", chat_body("x")),
+    "chat-stream": ("/v1/chat/completions", chat_body("x", stream=True)),
+    "completions": ("/v1/completions", {"model": MODEL, "prompt": "x"}),
+    "completions-stream": ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}),
+    "messages-stream": ("/v1/messages", {"model": MODEL, "max_tokens": 8, "stream": True,
+                                         "messages": [{"role": "user", "content": "x"}]}),
+    "responses": ("/v1/responses", {"model": MODEL, "input": "x"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHT_VERSION_CASES))
+def test_weights_changing_mid_call_are_recorded_per_token_span(gw, rdb, vllm, case):
+    """vLLM (through Tether's plugin) says which weights sampled which output tokens; the trace keeps
+    the spans, and the client sees neither the spans nor the plugin's extra stream chunk."""
+    path, body = WEIGHT_VERSION_CASES[case]
+    rollout = gw.new_rollout()
+    vllm.version_starts = [("3", 0), ("4", 2)]  # new weights arrived after the second token
+    try:
+        resp = gw.http.post(path, json=body, headers=bearer(rollout["api_key"]))
+    finally:
+        vllm.version_starts = [("3", 0)]
+    assert resp.status_code == 200, resp.text
+    assert vllm.requests[-1]["return_weight_versions"] is True
+    assert "weight_versions" not in resp.text
+    [trace] = wait_traces(rdb, gw.keys, rollout["rollout_id"])
+    assert trace["status"] == "ok", trace["error"]
+    assert trace["weight_spans"] == [[3, 0, 2], [4, 2, 4]]
+
+
+def test_weight_spans_that_do_not_fit_are_left_out(gw, rdb, vllm):
+    """vLLM says "default" until a version is first set, and spans must cover the response: otherwise
+    the trace has none, and the call's tokens count as sampled by the gateway's version."""
+    for starts in ([("default", 0)], [("3", 1)]):
+        rollout = gw.new_rollout()
+        vllm.version_starts = starts
+        try:
+            resp = gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+        finally:
+            vllm.version_starts = [("3", 0)]
+        assert resp.choices[0].message.content == "Hello, world"
+        [trace] = wait_traces(rdb, gw.keys, rollout["rollout_id"])
+        assert trace["status"] == "ok" and trace["weight_spans"] == []
 
 
 def test_streaming_keeps_ids_when_asked(gw):

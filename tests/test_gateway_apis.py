@@ -104,7 +104,8 @@ def test_completion_request_parsing_and_upstream_body():
     req = parse_completion_request(raw({"model": MODEL, "prompt": "what is"}), MODEL)
     assert not req.wants_logprobs and not req.wants_token_ids and not req.stream
     sent = json.loads(upstream_completion_body(req, "up"))
-    assert sent == {"model": "up", "prompt": "what is", "return_token_ids": True, "logprobs": 0}
+    assert sent == {"model": "up", "prompt": "what is", "return_token_ids": True, "logprobs": 0,
+                    "return_weight_versions": True}
     req = parse_completion_request(raw({"prompt": [[1, 2, 3]], "logprobs": 2, "return_token_ids": True,
                                         "stream": True}), MODEL)
     assert req.wants_logprobs and req.wants_token_ids and req.stream

@@ -30,6 +30,9 @@ def check_shapes(seqs: list[Sequence]) -> None:
         assert len(s.call_ids) == len(s.weight_versions) >= 1
         assert set(s.loss_mask) <= {0, 1}
         assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m == 0)
+        # The weight spans cover exactly the trainable positions, in order.
+        covered = [i for _, a, b in s.version_spans() for i in range(a, b)]
+        assert covered == [i for i, m in enumerate(s.loss_mask) if m == 1]
 
 
 # ---------------------------------------------------------------- facts from the brief / Agent Lightning
@@ -342,6 +345,38 @@ def test_response_spans_follow_merges_and_realigns():
     assert stats.realigns == 1
     assert s.token_ids == [1, 2, 3, 40, 5, 6, 7, 8]
     assert s.response_spans == [(1, 3), (5, 7), (7, 8)]
+
+
+def test_weight_spans_follow_calls_into_sequence_positions():
+    # c1 was sampled across a push (v3 then v4), c2 says nothing (its version 4 for all), c3 spans v4->v5.
+    calls = [
+        C("c1", [1, 2, 3], [7, 8], weight_version=3, weight_spans=((3, 0, 1), (4, 1, 2))),
+        C("c2", [1, 2, 3, 7, 8, 20, 21], [9], weight_version=4),
+        C("c3", [1, 2, 3, 7, 8, 20, 21, 9, 22], [10, 11, 12], weight_version=4,
+          weight_spans=((4, 0, 1), (5, 1, 3))),
+    ]
+    (s,), _ = merge_calls(calls)
+    assert s.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 1]
+    assert s.version_spans() == [(3, 3, 4), (4, 4, 5), (4, 7, 8), (4, 9, 10), (5, 10, 12)]
+    assert s.min_weight_version == 3
+    check_shapes([s])
+    # A call admitted at version 2 whose tokens were all sampled by version 3 trains as version 3.
+    (s,), _ = merge_calls([C("a", [1], [2, 3], weight_version=2, weight_spans=((3, 0, 2),))])
+    assert s.min_weight_version == 3 and s.version_spans() == [(3, 1, 3)]
+
+
+def test_weight_spans_lose_realigned_and_truncated_tokens():
+    # The re-rendered last token of a (the only one sampled by v2) is dropped by the realign: a's
+    # remaining tokens are all v5's, so the sequence's oldest version is 5.
+    calls = [C("a", [1], [2, 3, 4], weight_version=2, weight_spans=((5, 0, 2), (2, 2, 3))),
+             C("b", [1, 2, 3, 40, 5], [6], weight_version=5)]
+    (s,), stats = merge_calls(calls, realign_max=1)
+    assert stats.realigns == 1
+    assert s.version_spans() == [(5, 1, 3), (5, 5, 6)] and s.min_weight_version == 5
+    check_shapes([s])
+    (s,), _ = merge_calls([C("a", [1, 2], [3, 4, 5, 6], weight_spans=((7, 0, 1), (8, 1, 4)))],
+                          max_seq_len=4, overlong="truncate")
+    assert s.version_spans() == [(7, 2, 3), (8, 3, 4)]
 
 
 def test_validation():

@@ -10,16 +10,19 @@ import pytest
 
 from tether.common import broker
 from tether.common.records import RolloutEvent, Trace
+from tether.merger.main import to_proto
 from tether.merger.service import Merger, MergerConfig
+from tether.trainer.service import sample_from_proto
 
 
 async def _record(r, keys, rollout_id, calls, group_id, reward, status="completed", group_size=2, meta=None):
     await r.hset(keys.rollout(rollout_id), mapping={"task_id": "t1", "group_id": group_id,
                                                     "metadata": json.dumps(meta or {})})
-    for i, (prompt, response, ok) in enumerate(calls):
+    for i, (prompt, response, ok, *spans) in enumerate(calls):
         t = Trace(call_id=f"{rollout_id}-c{i}", rollout_id=rollout_id, api="chat.completions", request={},
                   status="ok" if ok else "error", prompt_token_ids=prompt, response_token_ids=response,
-                  response_logprobs=[-0.5] * len(response), weight_version=3)
+                  response_logprobs=[-0.5] * len(response), weight_version=3,
+                  weight_spans=spans[0] if spans else [])
         await broker.publish_once(r, keys, keys.traces, t.call_id, t.to_dict(), index_list=keys.rollout_calls(rollout_id))
     ev = RolloutEvent(rollout_id=rollout_id, task_id="t1", group_id=group_id, group_size=group_size, status=status,
                       reward=reward)
@@ -60,7 +63,9 @@ async def test_group_is_merged_scored_and_handed_over(redis_url):
         submitted.append((group_id, samples, rollouts))
 
     # Rollout a: two calls that extend each other (one sequence) plus a failed call that is dropped.
-    await _record(r, keys, "a", [([1, 2], [3, 4], True), ([1, 2, 3, 4, 5], [6], True), ([9], [9], False)], "g", 1.0)
+    # New weights (v4) arrived during its first call; its second call's spans do not cover its response.
+    await _record(r, keys, "a", [([1, 2], [3, 4], True, [[3, 0, 1], [4, 1, 2]]),
+                                 ([1, 2, 3, 4, 5], [6], True, [[4, 0, 2]]), ([9], [9], False)], "g", 1.0)
     await _record(r, keys, "b", [([1, 2], [7], True)], "g", 0.0)
     merger = Merger(r, keys, MergerConfig(), submit)
     await _run_until(merger, lambda: asyncio.sleep(0, len(submitted) == 1))
@@ -73,6 +78,9 @@ async def test_group_is_merged_scored_and_handed_over(redis_url):
     b = next(s for s in samples if s.rollout_id == "b")
     assert b.advantages[-1] == pytest.approx(-0.7071, abs=1e-4)
     assert a.weight_version == 3
+    assert a.weight_spans == [[3, 2, 3], [4, 3, 4], [3, 5, 6]]
+    assert b.weight_spans == [[3, 2, 3]]
+    assert sample_from_proto(to_proto(a)) == a  # what the trainer receives over gRPC
     # What the trainer consumed is also on the samples stream, and the group result is published.
     assert len(await broker.read_all(r, keys.samples)) == 2
     results = [rec for _, rec in await broker.read_all(r, keys.group_results)]

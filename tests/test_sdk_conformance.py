@@ -34,6 +34,7 @@ from fake_vllm import InProcessGateway, gateway_settings, wait_traces
 from pydantic import Field
 
 from tether.common.net import free_port
+from tether.common.records import spans_cover
 
 pytestmark = pytest.mark.slow
 
@@ -177,6 +178,48 @@ def test_chat_streaming(gw, rdb, vllm):
     assert text == direct_chat(vllm, messages)["choices"][0]["message"]["content"]
     trace = only_trace(gw, rdb, rollout, "chat.completions")
     assert_is_vllms_answer(trace, vllm, messages, chunks[-1].usage.completion_tokens)
+
+
+def _set_version(vllm: httpx.Client, version: int) -> None:
+    assert vllm.post("/update_weight_version", json={"new_version": str(version)}).status_code == 200
+
+
+def test_weights_pushed_mid_call_are_recorded_per_token_span(gw, rdb, vllm):
+    """New weights arrive while a streamed call samples (pause keep -> new version -> resume, as the
+    disaggregated scheduler pushes): vLLM's own record of which version sampled which tokens, through
+    Tether's plugin, lands in the trace; the client's stream stays plain OpenAI."""
+    assert vllm.get("/tether/plugin").json()["weight_versions"] == ["chat.completions", "completions"]
+    messages = [{"role": "user", "content": QUESTION}]
+    for attempt in range(3):  # the push must land while tokens are still being sampled
+        old, new = 40 + 2 * attempt, 41 + 2 * attempt
+        _set_version(vllm, old)
+        rollout = gw.new_rollout()
+        chunks = []
+        for chunk in gw.client(rollout).chat.completions.create(
+                model=MODEL, messages=messages, n=16, max_tokens=400, temperature=1.0, stream=True,
+                extra_body={"ignore_eos": True}):
+            chunks.append(chunk)
+            if len(chunks) == 20:
+                assert vllm.post("/pause", params={"mode": "keep"}).status_code == 200
+                _set_version(vllm, new)
+                assert vllm.post("/resume").status_code == 200
+        assert all("weight_versions" not in c.to_json() for c in chunks)
+        trace = only_trace(gw, rdb, rollout, "chat.completions")
+        choices = [(trace["response_token_ids"], trace["weight_spans"])] + [
+            (c["token_ids"], c["weight_spans"]) for c in trace["extra_choices"]]
+        assert len(choices) == 16
+        for ids, spans in choices:
+            assert len(ids) == 400 and spans_cover(spans, 400)
+            assert [v for v, _, _ in spans] in ([old], [new], [old, new])
+        if any(len(spans) == 2 for _, spans in choices):
+            break
+    else:
+        pytest.fail("no push landed mid-call in 3 attempts")
+    # A whole (non-streamed) answer carries its spans too.
+    rollout = gw.new_rollout()
+    gw.client(rollout).chat.completions.create(model=MODEL, messages=messages, max_tokens=MAX_TOKENS, **GREEDY)
+    trace = only_trace(gw, rdb, rollout, "chat.completions")
+    assert trace["weight_spans"] == [[new, 0, len(trace["response_token_ids"])]]
 
 
 async def test_chat_async_concurrent(gw, rdb, vllm):

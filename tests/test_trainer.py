@@ -23,6 +23,7 @@ from tether.trainer.train import (
     packing_keeps_samples_apart,
     target_logprobs,
     token_logprobs,
+    token_staleness_stats,
     train_step,
 )
 from tether.trainer.weights import save_checkpoint
@@ -181,6 +182,22 @@ def test_staleness_metrics():
                                                                          strict=True)]
     _, m = _step(base, samples, StepConfig(), lr=0.0, version=5)
     assert m["staleness_max"] == 4.0 and m["staleness_mean"] == pytest.approx(2.0)
+    assert m["token_staleness_max"] == 4.0 and m["mixed_version_fraction"] == 0.0
+    assert {k: m[k] for k in token_staleness_stats(samples, 5)} == token_staleness_stats(samples, 5)
+
+
+def test_token_staleness_counts_trainable_tokens_of_each_span():
+    def sample(mask, version, spans=()):
+        return SampleRecord(rollout_id="r", group_id="g", task_id="t", sequence_index=0, token_ids=[1] * len(mask),
+                            loss_mask=mask, rollout_logprobs=[0.0] * len(mask), advantages=[0.0] * len(mask),
+                            reward=0.0, weight_version=version, weight_spans=[list(x) for x in spans])
+    # Sampled across a push: 1 token by v3, 3 by v4; the other sample has no spans (all its 2 tokens v2).
+    mixed = sample([0, 1, 1, 0, 1, 1], 3, [(3, 1, 2), (4, 2, 3), (4, 4, 6)])
+    plain = sample([0, 0, 1, 1], 2)
+    got = token_staleness_stats([mixed, plain], version=5)
+    assert got == {"token_staleness_mean": pytest.approx((2 + 3 * 1 + 2 * 3) / 6), "token_staleness_max": 3.0,
+                   "mixed_version_fraction": 0.5}
+    assert token_staleness_stats([], 5)["token_staleness_mean"] == 0.0
     with pytest.raises(ValueError, match="off-policy"):
         StepConfig(off_policy="is")
 

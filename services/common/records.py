@@ -20,6 +20,16 @@ def _from_dict(cls, data: dict[str, Any]):
     return cls(**{k: v for k, v in data.items() if k in names})
 
 
+def spans_cover(spans: Any, n: int) -> bool:
+    """Weight spans [(version, start, end), ...] are contiguous, in order, and cover [0, n) exactly."""
+    at = 0
+    for _, start, end in spans:
+        if start != at or end <= start:
+            return False
+        at = end
+    return at == n
+
+
 @dataclass
 class Trace:
     """One LLM call, with the exact token ids vLLM consumed and produced."""
@@ -40,8 +50,12 @@ class Trace:
     upstream_latency_s: float = 0.0
     http_status: int = 200
     error: str | None = None
-    # Further choices when the client asked for n > 1: [{token_ids, logprobs, finish_reason}].
+    # Further choices when the client asked for n > 1: [{token_ids, logprobs, finish_reason, weight_spans}].
     extra_choices: list[dict[str, Any]] = field(default_factory=list)
+    # The weights that sampled the response, per token span: [[version, start, end), ...] over
+    # response_token_ids, from vLLM (several spans when new weights arrived mid-call); [] when vLLM did
+    # not say, and then every token counts as sampled by `weight_version`.
+    weight_spans: list[list[int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
@@ -86,6 +100,9 @@ class SampleRecord:
     reward: float
     weight_version: int
     rollout_sequences: int = 1
+    # [[version, start, end), ...] over token positions, covering the trainable tokens; [] = all of
+    # them sampled by `weight_version`.
+    weight_spans: list[list[int]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)

@@ -16,7 +16,7 @@ from typing import Any
 
 import orjson
 
-from tether.common.records import Trace
+from tether.common.records import Trace, spans_cover
 
 # Trace.api of each route.
 API_CHAT = "chat.completions"
@@ -29,6 +29,10 @@ MIN_LOGPROB = -9999.0
 # for, dropped when they are null.
 _VLLM_NULL_FIELDS = ("prompt_logprobs", "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics")
 _VLLM_NULL_CHOICE_FIELDS = ("prompt_logprobs", "routed_experts")
+# Asks Tether's vLLM plugin (services/inference/vllm_plugin) for each choice's weight-version spans: in
+# the choice of a whole response, and in one extra stream chunk of this `object` just before [DONE].
+WEIGHT_VERSIONS_FLAG = "return_weight_versions"
+WEIGHT_VERSIONS_CHUNK = "tether.weight_versions"
 
 
 class ApiError(Exception):
@@ -157,6 +161,7 @@ def upstream_chat_body(body: dict[str, Any], upstream_model: str) -> bytes:
     body["model"] = upstream_model
     body["return_token_ids"] = True
     body["logprobs"] = True
+    body[WEIGHT_VERSIONS_FLAG] = True
     body.pop("include_reasoning", None)
     return orjson.dumps(body)
 
@@ -199,6 +204,7 @@ def upstream_completion_body(req: ChatRequest, upstream_model: str) -> bytes:
     body["model"] = upstream_model
     body["return_token_ids"] = True
     body["logprobs"] = body.get("logprobs") or 0
+    body[WEIGHT_VERSIONS_FLAG] = True
     return orjson.dumps(body)
 
 
@@ -213,6 +219,7 @@ def strip_vllm_fields(obj: dict[str, Any], keep_logprobs: bool, keep_token_ids: 
     for choice in obj.get("choices") or ():
         if not isinstance(choice, dict):
             continue
+        choice.pop("weight_versions", None)
         if not keep_token_ids:
             choice.pop("token_ids", None)
             choice.pop("prompt_token_ids", None)  # completions carry the prompt's ids in the choice
@@ -268,11 +275,27 @@ def _ids(value: Any) -> list[int]:
     return [int(x) for x in value]
 
 
+def weight_spans(value: Any) -> list[list[int]]:
+    """The plugin's spans of one choice, `[{"version": "7", "start": 0, "end": 103}, ...]`, as
+    `[[7, 0, 103], ...]`; [] when absent or when a version is not an integer (vLLM says "default"
+    until a version is first set), so the call keeps the gateway's version."""
+    if not isinstance(value, list) or not value:
+        return []
+    out: list[list[int]] = []
+    for span in value:
+        try:
+            out.append([int(span["version"]), int(span["start"]), int(span["end"])])
+        except (TypeError, KeyError, ValueError):
+            return []
+    return out
+
+
 @dataclass
 class ChoiceTokens:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
+    weight_spans: list[list[int]] = field(default_factory=list)  # [[version, start, end], ...]
 
 
 @dataclass
@@ -306,6 +329,7 @@ def capture_response(resp: dict[str, Any]) -> Captured:
         c.token_ids = _ids(choice.get("token_ids"))
         c.logprobs = _logprob_values(choice.get("logprobs"))
         c.finish_reason = choice.get("finish_reason")
+        c.weight_spans = weight_spans(choice.get("weight_versions"))
     return cap
 
 
@@ -321,6 +345,7 @@ def capture_completion_response(resp: dict[str, Any]) -> Captured:
         c.token_ids = _ids(choice.get("token_ids"))
         c.logprobs = _completion_logprob_values(choice.get("logprobs"))
         c.finish_reason = choice.get("finish_reason")
+        c.weight_spans = weight_spans(choice.get("weight_versions"))
     return cap
 
 
@@ -344,6 +369,12 @@ class StreamCapture:
         for pos, choice in enumerate(chunk.get("choices") or ()):
             if isinstance(choice, dict):
                 self._feed_choice(pos, choice)
+
+    def feed_weight_versions(self, chunk: dict[str, Any]) -> None:
+        """The plugin's extra chunk (never relayed to the client): each choice's spans."""
+        for choice in chunk.get("choices") or ():
+            if isinstance(choice, dict) and isinstance(choice.get("index"), int):
+                self.captured.choice(choice["index"]).weight_spans = weight_spans(choice.get("weight_versions"))
 
     def _feed_choice(self, pos: int, choice: dict[str, Any]) -> None:
         c = self.captured.choice(int(choice.get("index", pos)))
@@ -396,14 +427,20 @@ def build_trace(
         trace.response_token_ids = first.token_ids
         trace.response_logprobs = first.logprobs
         trace.finish_reason = first.finish_reason
+        trace.weight_spans = _checked_spans(first)
         trace.extra_choices = [
-            {"index": i, "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason}
+            {"index": i, "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
+             "weight_spans": _checked_spans(c)}
             for i in indices[1:] for c in (captured.choices[i],)
         ]
     if not error and captured.missing_ids():
         trace.status = "error"
         trace.error = "upstream response carried no token ids (is vLLM too old for return_token_ids?)"
     return trace
+
+
+def _checked_spans(c: ChoiceTokens) -> list[list[int]]:
+    return c.weight_spans if c.weight_spans and spans_cover(c.weight_spans, len(c.token_ids)) else []
 
 
 def upstream_error(status: int, content: bytes, retry_after_s: int) -> ApiError:

@@ -35,7 +35,7 @@ from tether.common.records import Trace
 from tether.gateway import metrics as m
 from tether.gateway.admission import Admission, AdmissionTimeout
 from tether.gateway.apis import Api, MessagesApi, Relay
-from tether.gateway.capture import ApiError, Captured, build_trace, upstream_error
+from tether.gateway.capture import WEIGHT_VERSIONS_CHUNK, ApiError, Captured, build_trace, upstream_error
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RUNNING, RolloutRegistry, unauthorized
 from tether.gateway.routing import Replica, ReplicaPool, conversation_key
@@ -514,6 +514,9 @@ class StreamSession:
                 start = len(buf)
                 break
             if isinstance(chunk, dict):
+                if chunk.get("object") == WEIGHT_VERSIONS_CHUNK:  # for the trace, not the client
+                    self.capture.feed_weight_versions(chunk)
+                    continue
                 out += relay.chunk(payload, chunk)
         self._buf = buf[start:] if start < len(buf) else b""
         return b"".join(out)

@@ -9,6 +9,8 @@ from pathlib import Path
 # Hermes (<tool_call>{"name": ..., "arguments": ...}</tool_call>) is what the tiny model's template speaks
 # and what Qwen 2.5/3 models emit.
 DEFAULT_TOOL_PARSER = "hermes"
+# The vLLM endpoint plugin installed next to vLLM (scripts/setup.sh).
+PLUGIN = "tether"
 
 
 def vllm_command(python: str, model_dir: str, served_model: str, host: str, port: int,
@@ -38,6 +40,10 @@ def vllm_env(kv_cache_gib: int = 1) -> dict[str, str]:
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    # Endpoint plugins load only when named: ours returns per-token weight-version spans
+    # (services/inference/vllm_plugin). A list the caller set keeps its names.
+    plugins = [p for p in env.get("VLLM_PLUGINS", "").split(",") if p]
+    env["VLLM_PLUGINS"] = ",".join(plugins + ([] if PLUGIN in plugins else [PLUGIN]))
     return env
 
 

@@ -83,6 +83,12 @@ class Call:
     weight_version: int = 0
     status: str = "ok"  # calls with status != "ok" are dropped
     reward: float | None = None  # optional per-call reward
+    # (version, start, end) over response token indexes, contiguous from 0 (vLLM's per-token record of
+    # the weights that sampled them); empty = every token sampled by `weight_version`.
+    weight_spans: tuple[tuple[int, int, int], ...] = ()
+
+    def spans(self) -> tuple[tuple[int, int, int], ...]:
+        return self.weight_spans or ((self.weight_version, 0, len(self.response_token_ids)),)
 
 
 @dataclass
@@ -97,11 +103,30 @@ class Sequence:
     # [start, end) of each call's still-trainable response tokens, aligned with call_ids.
     response_spans: list[tuple[int, int]] = field(default_factory=list)
     truncated: bool = False  # trailing tokens were cut (overlong="truncate")
+    # Each call's Call.spans(), aligned with call_ids.
+    call_weight_spans: list[tuple[tuple[int, int, int], ...]] = field(default_factory=list)
+
+    def version_spans(self) -> list[tuple[int, int, int]]:
+        """(version, start, end) over this sequence's positions, for every trainable token: each
+        call's spans moved to where its response sits, cut to what is still trainable (realigned or
+        truncated tails are gone), neighbours of one version joined."""
+        out: list[tuple[int, int, int]] = []
+        for (a, b), spans in zip(self.response_spans, self.call_weight_spans, strict=True):
+            for version, start, end in spans:
+                lo, hi = a + start, min(a + end, b)
+                if lo >= hi:
+                    continue
+                if out and out[-1][0] == version and out[-1][2] == lo:
+                    out[-1] = (version, out[-1][1], hi)
+                else:
+                    out.append((version, lo, hi))
+        return out
 
     @property
     def min_weight_version(self) -> int:
-        """The oldest policy version that sampled any token of this sequence (0 when empty)."""
-        return min(self.weight_versions, default=0)
+        """The oldest policy version that sampled a trainable token of this sequence (the oldest
+        call's version when none is left, 0 when empty)."""
+        return min((v for v, _, _ in self.version_spans()), default=min(self.weight_versions, default=0))
 
 
 @dataclass
@@ -181,6 +206,7 @@ def _new_sequence(c: Call, p: list[int], r: list[int], lp: list[float]) -> _Open
         call_ids=[c.call_id],
         weight_versions=[c.weight_version],
         response_spans=[(len(p), len(p) + len(r))],
+        call_weight_spans=[c.spans()],
     )
     return _Open(seq, p, r)
 
@@ -375,6 +401,7 @@ def merge_calls(
         s.call_ids.append(c.call_id)
         s.weight_versions.append(c.weight_version)
         s.response_spans.append((start, start + len(r)))
+        s.call_weight_spans.append(c.spans())
         target.prompt, target.response = p, r
         stats.merged_calls += 1
         if recent[-1] is not target:

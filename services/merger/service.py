@@ -34,7 +34,7 @@ from prometheus_client import Gauge, Histogram
 
 from tether.algorithms.advantages import ESTIMATORS, discounted_call_rewards, group_advantages
 from tether.common import broker
-from tether.common.records import RolloutEvent, SampleRecord, Trace
+from tether.common.records import RolloutEvent, SampleRecord, Trace, spans_cover
 from tether.merger.merge import MODES, OVERLONG_POLICIES, Call, compact_mismatch, merge_calls
 
 log = logging.getLogger(__name__)
@@ -186,7 +186,18 @@ def trace_to_call(trace: Trace) -> tuple[Call | None, str | None]:
         return None, "bad_logprobs"
     return Call(call_id=trace.call_id, prompt_token_ids=list(trace.prompt_token_ids),
                 response_token_ids=list(trace.response_token_ids), response_logprobs=logprobs,
-                weight_version=int(trace.weight_version), status="ok"), None
+                weight_version=int(trace.weight_version), status="ok",
+                weight_spans=call_weight_spans(trace.weight_spans, len(trace.response_token_ids))), None
+
+
+def call_weight_spans(spans: Any, n: int) -> tuple[tuple[int, int, int], ...]:
+    """A trace's weight spans as merge input: kept only when they are integer triples that cover its
+    n response tokens in order (anything else counts as "not reported": the call's version for all)."""
+    try:
+        out = tuple((int(v), int(a), int(b)) for v, a, b in spans or ())
+    except (TypeError, ValueError):
+        return ()
+    return out if out and spans_cover(out, n) else ()
 
 
 def advantage_scale(returns: torch.Tensor, estimator: str, eps: float = 1e-6) -> float:
@@ -236,7 +247,7 @@ def build_samples(rollout: dict, advantage: float | list[float], scale: float = 
             sequence_index=i, token_ids=s["token_ids"], loss_mask=s["loss_mask"],
             rollout_logprobs=s["logprobs"], advantages=token_advantages(s, float(a), scale, float(u)),
             reward=float(rollout["reward"]), weight_version=int(s["weight_version"]),
-            rollout_sequences=len(seqs),
+            rollout_sequences=len(seqs), weight_spans=[list(w) for w in s.get("weight_spans", ())],
         )
         for i, (s, a, u) in enumerate(zip(seqs, advs, rets, strict=True))
     ]
@@ -304,7 +315,8 @@ class Merger:
                                   overlong=cfg.overlong)
         dropped.update(stats.dropped())
         out_seqs = [{"token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
-                     "weight_version": s.min_weight_version, "truncated": s.truncated} for s in seqs]
+                     "weight_version": s.min_weight_version, "weight_spans": s.version_spans(),
+                     "truncated": s.truncated} for s in seqs]
         merged: dict[str, Any] = {
             "rollout_id": event.rollout_id, "group_id": event.group_id, "task_id": event.task_id,
             "status": event.status if seqs or event.status != "completed" else "empty",

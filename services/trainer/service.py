@@ -60,6 +60,7 @@ def sample_from_proto(p) -> SampleRecord:
         token_ids=list(p.token_ids), loss_mask=list(p.loss_mask), rollout_logprobs=list(p.rollout_logprobs),
         advantages=list(p.advantages), reward=p.reward, weight_version=p.weight_version,
         rollout_sequences=p.rollout_sequences,
+        weight_spans=[[w.version, w.start, w.end] for w in p.weight_spans],
     )
 
 

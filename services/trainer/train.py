@@ -351,6 +351,27 @@ def off_policy_correction(train_logprobs: torch.Tensor, rollout_logprobs: torch.
 # --- the step -------------------------------------------------------------------------------------------
 
 # Per-step sums reduced over ranks, in this order (the last one is reduced with max).
+def token_staleness_stats(samples: list[SampleRecord], version: int) -> dict[str, float]:
+    """Staleness per trainable token (`version` minus the version that sampled it, from the samples'
+    weight spans; a sample without spans counts all its trainable tokens at its `weight_version`), and
+    the share of samples sampled by more than one version (weights that changed mid-rollout)."""
+    total = weighted = 0
+    worst = 0
+    mixed = 0
+    for s in samples:
+        spans = s.weight_spans or [[s.weight_version, 0, len(s.loss_mask)]]
+        mixed += len({v for v, _, _ in spans}) > 1
+        for v, a, b in spans:
+            n = sum(s.loss_mask[a:b])
+            if n:
+                total += n
+                weighted += n * (version - v)
+                worst = max(worst, version - v)
+    return {"token_staleness_mean": weighted / total if total else 0.0,
+            "token_staleness_max": float(worst),
+            "mixed_version_fraction": mixed / len(samples) if samples else 0.0}
+
+
 _SUMS = ("loss", "tokens", "cells", "trainable", "clip", "dual_clip", "policy_kl", "abs_diff", "k3",
          "truncated", "masked", "is_weight_sum", "micro_batches", "ref_kl")
 
@@ -445,6 +466,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
     elapsed = time.perf_counter() - start
     n_tok = max(sums["trainable"], 1.0)
     staleness = [version - s.weight_version for s in samples]
+    token_staleness = token_staleness_stats(samples, version)
     total_tokens = float(sum(lengths))
     return {
         "loss": sums["loss"],
@@ -461,6 +483,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
         "is_weight_mean": sums["is_weight_sum"] / n_tok,
         "staleness_max": float(max(staleness)),
         "staleness_mean": sum(staleness) / len(staleness),
+        **token_staleness,
         "pad_fraction": 1.0 - sums["tokens"] / sums["cells"] if sums["cells"] else 0.0,
         "micro_batches": sums["micro_batches"],
         "world_size": float(world),

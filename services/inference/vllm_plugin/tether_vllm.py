@@ -1,0 +1,162 @@
+"""vLLM endpoint plugin: per-token weight-version spans on the OpenAI chat and completions routes.
+
+vLLM 0.32 tracks, for every request, which weight version sampled which output tokens (the engine tags
+each step's outputs with the version `/update_weight_version` set; the output processor turns the tags
+into `CompletionOutput.weight_versions`, contiguous `[start, end)` spans over output-token indexes). Only
+`/inference/v1/generate` returns them. This plugin returns them on `/v1/chat/completions` and
+`/v1/completions` too, for requests that ask with `"return_weight_versions": true`:
+
+- whole responses: each choice gains `weight_versions: [{"version": "7", "start": 0, "end": 103}, ...]`;
+- streams: one extra chunk just before `data: [DONE]`,
+  `{"object": "tether.weight_versions", "choices": [{"index": 0, "weight_versions": [...]}]}`.
+
+Requests that do not ask are untouched, byte for byte. The plugin wraps the two response builders of
+each serving object when the app starts; it opens no new path into the engine.
+
+Loaded by vLLM from the `vllm.endpoint_plugins` entry point when `VLLM_PLUGINS` names `tether`
+(services/inference/launch.py sets it). `GET /tether/plugin` says it is there.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+log = logging.getLogger("tether_vllm")
+
+NAME = "tether"
+VERSION = "0.1.0"
+FLAG = "return_weight_versions"
+STREAM_OBJECT = "tether.weight_versions"
+_DONE = "data: [DONE]\n\n"
+
+
+def wants_versions(request: Any) -> bool:
+    extra = getattr(request, "model_extra", None) or {}
+    return extra.get(FLAG) is True
+
+
+def span_dicts(spans: Any) -> list[dict[str, Any]] | None:
+    """vLLM's WeightVersionSpan list as JSON objects; None when vLLM gave none."""
+    if not spans:
+        return None
+    return [{"version": str(s.version), "start": int(s.start), "end": int(s.end)} for s in spans]
+
+
+class SpanTap:
+    """Passes RequestOutputs through unchanged, keeping each choice's spans (set on its final output)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.spans: dict[int, list[dict[str, Any]]] = {}
+
+    def see(self, res: Any, prompt_index: int = 0) -> None:
+        for out in res.outputs:
+            spans = span_dicts(getattr(out, "weight_versions", None))
+            if spans is not None:
+                self.spans[prompt_index * self.n + out.index] = spans
+
+    async def chat(self, results: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        async for res in results:
+            self.see(res)
+            yield res
+
+    async def completions(self, results: AsyncIterator[tuple[int, Any]]) -> AsyncIterator[tuple[int, Any]]:
+        async for prompt_index, res in results:
+            self.see(res, prompt_index)
+            yield prompt_index, res
+
+    def stream_chunk(self) -> str:
+        choices = [{"index": i, "weight_versions": s} for i, s in sorted(self.spans.items())]
+        return f"data: {json.dumps({'object': STREAM_OBJECT, 'choices': choices})}\n\n"
+
+    def annotate(self, response: Any) -> Any:
+        for choice in getattr(response, "choices", None) or []:
+            spans = self.spans.get(choice.index)
+            if spans is not None:
+                choice.weight_versions = spans  # extra="allow": serialised with the choice
+        return response
+
+
+async def _stream_with_spans(tap: SpanTap, chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    async for chunk in chunks:
+        if chunk == _DONE and tap.spans:
+            yield tap.stream_chunk()
+        yield chunk
+
+
+def _n(request: Any) -> int:
+    return 1 if getattr(request, "n", None) is None else int(request.n)
+
+
+def wrap_chat(serving: Any) -> None:
+    full: Callable[..., Any] = serving.chat_completion_full_generator
+    stream: Callable[..., Any] = serving.chat_completion_stream_generator
+
+    async def full_generator(request: Any, result_generator: Any, *args: Any, **kwargs: Any) -> Any:
+        if not wants_versions(request):
+            return await full(request, result_generator, *args, **kwargs)
+        tap = SpanTap(_n(request))
+        return tap.annotate(await full(request, tap.chat(result_generator), *args, **kwargs))
+
+    def stream_generator(request: Any, result_generator: Any, *args: Any, **kwargs: Any) -> Any:
+        if not wants_versions(request):
+            return stream(request, result_generator, *args, **kwargs)
+        tap = SpanTap(_n(request))
+        return _stream_with_spans(tap, stream(request, tap.chat(result_generator), *args, **kwargs))
+
+    serving.chat_completion_full_generator = full_generator
+    serving.chat_completion_stream_generator = stream_generator
+
+
+def wrap_completions(serving: Any) -> None:
+    to_response: Callable[..., Any] = serving.request_output_to_completion_response
+    stream: Callable[..., Any] = serving.completion_stream_generator
+
+    def response(final_res_batch: list[Any], request: Any, *args: Any, **kwargs: Any) -> Any:
+        out = to_response(final_res_batch, request, *args, **kwargs)
+        if wants_versions(request):
+            tap = SpanTap(_n(request))
+            for prompt_index, res in enumerate(final_res_batch):
+                tap.see(res, prompt_index)
+            tap.annotate(out)
+        return out
+
+    def stream_generator(request: Any, engine_inputs: Any, result_generator: Any, *args: Any,
+                         **kwargs: Any) -> Any:
+        if not wants_versions(request):
+            return stream(request, engine_inputs, result_generator, *args, **kwargs)
+        tap = SpanTap(_n(request))
+        return _stream_with_spans(
+            tap, stream(request, engine_inputs, tap.completions(result_generator), *args, **kwargs))
+
+    serving.request_output_to_completion_response = response
+    serving.completion_stream_generator = stream_generator
+
+
+class WeightVersionsPlugin:
+    """The `vllm.endpoint_plugins` entry point (vLLM calls the class with no arguments)."""
+
+    name = NAME
+    required_tasks = ("generate",)
+
+    def __init__(self) -> None:
+        self.wrapped: list[str] = []
+
+    def attach_router(self, app: Any) -> None:
+        @app.get("/tether/plugin")
+        async def plugin_info() -> dict[str, Any]:
+            return {"plugin": NAME, "version": VERSION, "weight_versions": self.wrapped}
+
+    async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
+        chat = getattr(state, "openai_serving_chat", None)
+        if chat is not None:
+            wrap_chat(chat)
+            self.wrapped.append("chat.completions")
+        completions = getattr(state, "openai_serving_completion", None)
+        if completions is not None:
+            wrap_completions(completions)
+            self.wrapped.append("completions")
+        log.info("tether plugin: weight-version spans on %s", ", ".join(self.wrapped) or "no route")
