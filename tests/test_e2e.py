@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from stack_helpers import TETHER, alive
 
+from tether.common.records import spans_cover
+
 pytestmark = pytest.mark.slow
 
 
@@ -134,6 +136,19 @@ def test_disaggregated_async_respects_the_staleness_bound(tmp_path):
         assert m["mode"] == "disaggregated-async"
         assert m["staleness_max"] <= 1
         assert m["groups_trained"] == 3
+    for m in steps:
+        assert m["token_staleness_max"] <= 1 and 0.0 <= m["mixed_version_fraction"] <= 1.0
     traces = _cli(tmp_path, "traces")
     # Calls were served by several versions while the run went on, each recorded with its version.
     assert len({t["weight_version"] for t in traces}) >= 3
+    # vLLM said which version sampled each token: spans cover every answer, in order of version.
+    for t in traces:
+        if t["status"] == "ok":
+            assert spans_cover(t["weight_spans"], len(t["response_token_ids"])), t["weight_spans"]
+            versions = [v for v, _, _ in t["weight_spans"]]
+            assert versions == sorted(versions) and 0 <= versions[0] and versions[-1] <= 4
+    # Samples carry them over their trainable positions; a sample's version is its oldest token's.
+    for smp in _cli(tmp_path, "samples"):
+        spans = smp["weight_spans"]
+        assert [i for _, a, b in spans for i in range(a, b)] == [i for i, x in enumerate(smp["loss_mask"]) if x]
+        assert smp["weight_version"] == min(v for v, _, _ in spans)

@@ -264,6 +264,9 @@ class Run:
             "trainer_tokens_per_s": metrics.get("train_tokens_per_s", float("nan")),
             "staleness_max": float(max(staleness, default=0)),
             "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
+            # Per trainable token, from vLLM's per-token weight spans (the trainer's count).
+            **{k: metrics.get(k, float("nan"))
+               for k in ("token_staleness_max", "token_staleness_mean", "mixed_version_fraction")},
             "rollout_seconds": rollout_s, "push_seconds": push_s, "paused_seconds": paused_s,
             "step_seconds": step_s, "tokens_per_s": summary["tokens"] / max(step_s, 1e-9),
             "weight_push": self.push_path, "mode": self.cfg.mode, "time": time.time(),
