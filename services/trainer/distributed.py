@@ -63,6 +63,10 @@ def init(device_setting: str = "auto", fsdp: bool = False, timeout_s: float = 18
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
                                 device_id=device if device.type == "cuda" else None)
+    elif fsdp and not dist.is_initialized() and "RANK" not in os.environ:
+        # FSDP2 needs a process group even on one rank; started without torchrun, make a private one.
+        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device,
+                                timeout=timedelta(seconds=timeout_s))
     return Dist(rank=rank, world=world, local_rank=local_rank, device=device, fsdp=fsdp)
 
 
@@ -71,17 +75,20 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def wrap(model: torch.nn.Module, d: Dist) -> torch.nn.Module:
-    """The module to run forward/backward on: the model itself (one rank), DDP, or FSDP2 in place."""
+def wrap(model: torch.nn.Module, d: Dist, bf16: bool = False) -> torch.nn.Module:
+    """The module to run forward/backward on: the model itself (one rank), DDP, or FSDP2 in place.
+    With `bf16`, FSDP2 gathers parameters in bf16 (half the traffic and memory of fp32) and reduces
+    gradients in fp32; the sharded fp32 parameters stay the optimizer's master weights."""
     if d.fsdp:
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
         # Shard every transformer block (HF names them in _no_split_modules), then the root.
         block_names = set(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
             if type(module).__name__ in block_names:
-                fully_shard(module)
-        fully_shard(model)
+                fully_shard(module, **kw)
+        fully_shard(model, **kw)
         return model
     if d.active:
         from torch.nn.parallel import DistributedDataParallel

@@ -160,7 +160,7 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
         pack = False
     if s.gradient_checkpointing:
         enable_activation_checkpointing(model)
-    engine = distributed.wrap(model, d)
+    engine = distributed.wrap(model, d, bf16=s.bf16)
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=s.lr,
                                  betas=(0.9, s.adam_beta2), weight_decay=s.weight_decay)
     if resume is not None:

@@ -7,7 +7,7 @@ Named steps of `train_step`:
    (DESIGN.md pitfall 4). Every rank holds the whole batch, so every rank knows its statistics.
 2. `shard_rows` picks this rank's samples (balanced by tokens); `plan_micro_batches` packs them into
    rows without padding (`pack`: position ids restart at 0 for every sample, which HF models turn into
-   block-diagonal causal attention, or flash-attention varlen on GPUs), or into length-sorted padded
+   block-diagonal causal attention, with whatever attention kernel the model loaded with: sdpa by default), or into length-sorted padded
    rows (`micro_batches`) when packing is off.
 3. Forward each micro-batch; logprobs of the trainable target tokens only (`target_logprobs`).
 4. Off-policy correction (`off_policy_correction`): "ppo" takes the PPO ratio against the rollout
@@ -350,7 +350,6 @@ def off_policy_correction(train_logprobs: torch.Tensor, rollout_logprobs: torch.
 
 # --- the step -------------------------------------------------------------------------------------------
 
-# Per-step sums reduced over ranks, in this order (the last one is reduced with max).
 def token_staleness_stats(samples: list[SampleRecord], version: int) -> dict[str, float]:
     """Staleness per trainable token (`version` minus the version that sampled it, from the samples'
     weight spans; a sample without spans counts all its trainable tokens at its `weight_version`), and
@@ -372,6 +371,7 @@ def token_staleness_stats(samples: list[SampleRecord], version: int) -> dict[str
             "mixed_version_fraction": mixed / len(samples) if samples else 0.0}
 
 
+# Per-step sums reduced over ranks, in this order (the last one is reduced with max).
 _SUMS = ("loss", "tokens", "cells", "trainable", "clip", "dual_clip", "policy_kl", "abs_diff", "k3",
          "truncated", "masked", "is_weight_sum", "micro_batches", "ref_kl")
 
