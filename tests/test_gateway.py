@@ -335,8 +335,9 @@ def test_complete_waits_for_in_flight_calls(gw, rdb, vllm):
     [(trace_entry, trace)] = traces(rdb, gw.keys, rid)
     [(event_entry, _)] = events(rdb, gw.keys, rid)
     assert trace["status"] == "ok"
-    as_tuple = lambda e: tuple(int(x) for x in e.split("-"))  # noqa: E731
-    assert as_tuple(trace_entry) < as_tuple(event_entry)
+    # Entry ids of two streams: the millisecond each was written (the sequence parts count per stream,
+    # so within one millisecond the two cannot be ordered).
+    assert int(trace_entry.split("-")[0]) <= int(event_entry.split("-")[0])
 
 
 def test_rollout_auth(gw):
