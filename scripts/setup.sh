@@ -18,8 +18,14 @@ fi
 stamp="$VENV/.tether-installed"
 WITH_TESTS=0
 [ "${1:-}" = "--test" ] && WITH_TESTS=1
-want=$( (cat pyproject.toml; [ "$WITH_TESTS" = 1 ] && cat tests/oracle/requirements.txt) | sha256sum | cut -c1-16)
-if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ] || ! "$VENV/bin/python" -c "import tether.v1" 2>/dev/null; then
+base=$(sha256sum < pyproject.toml | cut -c1-16)
+with_tests=$(cat pyproject.toml tests/oracle/requirements.txt | sha256sum | cut -c1-16)
+want=$base
+[ "$WITH_TESTS" = 1 ] && want=$with_tests
+have=$(cat "$stamp" 2>/dev/null || true)
+# An environment set up for the tests serves the demo too.
+if [ "$have" = "$with_tests" ]; then want=$have; fi
+if [ "$have" != "$want" ] || ! "$VENV/bin/python" -c "import tether.v1" 2>/dev/null; then
   echo "setup: installing the services' packages into $VENV"
   "$VENV/bin/pip" install -q --upgrade pip
   # Pinned first: pip takes the CPU wheel from this machine's disk, never a CUDA build.

@@ -151,12 +151,17 @@ class WeightVersionsPlugin:
             return {"plugin": NAME, "version": VERSION, "weight_versions": self.wrapped}
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
-        chat = getattr(state, "openai_serving_chat", None)
-        if chat is not None:
-            wrap_chat(chat)
-            self.wrapped.append("chat.completions")
-        completions = getattr(state, "openai_serving_completion", None)
-        if completions is not None:
-            wrap_completions(completions)
-            self.wrapped.append("completions")
+        # A vLLM whose serving objects look different keeps serving, without spans (the gateway then
+        # records the versions it knows itself): never a reason for vLLM not to start.
+        for route, attr, wrap in (("chat.completions", "openai_serving_chat", wrap_chat),
+                                  ("completions", "openai_serving_completion", wrap_completions)):
+            serving = getattr(state, attr, None)
+            if serving is None:
+                continue
+            try:
+                wrap(serving)
+            except AttributeError as exc:
+                log.warning("tether plugin: no weight-version spans on %s: %s", route, exc)
+            else:
+                self.wrapped.append(route)
         log.info("tether plugin: weight-version spans on %s", ", ".join(self.wrapped) or "no route")
