@@ -259,7 +259,9 @@ def truncated_is_weights(
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
-def kl_to_reference(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3") -> torch.Tensor:
+def kl_to_reference(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: str = "k3"
+) -> torch.Tensor:
     """Per-token estimate of KL(policy || reference) from tokens sampled by the policy (Schulman 2020,
     "Approximating KL divergence"), to add as `kl_coef * estimate` to the token loss.
 

@@ -239,8 +239,9 @@ def _diverge_at(a: list[int], b: list[int]) -> int:
     return n
 
 
-def _limit_lengths(seqs: list[Sequence], max_seq_len: int | None, overlong: str,
-                   stats: MergeStats) -> list[Sequence]:
+def _limit_lengths(
+    seqs: list[Sequence], max_seq_len: int | None, overlong: str, stats: MergeStats
+) -> list[Sequence]:
     """Drop or truncate sequences longer than max_seq_len (only single calls can be: merging forks)."""
     if max_seq_len is None:
         return seqs
@@ -475,8 +476,9 @@ def format_mismatch(example: dict[str, Any], decode: cabc.Callable[[list[int]], 
 
 
 def _template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, **kwargs) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True,
-                                        return_dict=False, **kwargs)
+    out = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
+    )
     if hasattr(out, "tolist"):
         out = out.tolist()
     if out and isinstance(out[0], list):  # batched answer
@@ -501,8 +503,12 @@ def generation_prompt_tail(tokenizer, **template_kwargs) -> list[int]:
         return []
     gp = with_gp[len(base) :]
     try:
-        hist = _template_ids(tokenizer, user + [{"role": "assistant", "content": "y"},
-                                                {"role": "user", "content": "z"}], False, **template_kwargs)
+        hist = _template_ids(
+            tokenizer,
+            user + [{"role": "assistant", "content": "y"}, {"role": "user", "content": "z"}],
+            False,
+            **template_kwargs,
+        )
     except Exception:  # a template that cannot render this probe: strip the whole generation prompt
         return gp
     if hist[: len(base)] != base:
