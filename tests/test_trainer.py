@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tether.common.records import SampleRecord
+from tether.trainer import distributed, weights
 from tether.trainer.train import (
     StepConfig,
     collate,
@@ -235,6 +236,39 @@ def test_checkpoint_reloads_identically(tmp_path):
     again = AutoModelForCausalLM.from_pretrained(tmp_path / "v000006")
     ids = torch.tensor([[1, 2, 3, 4]])
     torch.testing.assert_close(again(ids).logits, model(ids).logits)
+
+
+def test_optimizer_shards_resume_the_run_and_gate_the_checkpoint(tmp_path):
+    """The optimizer state goes to torch.distributed.checkpoint shards inside the version folder:
+    loading them continues the run exactly; a checkpoint whose shards are incomplete is not resumed
+    from; a format-1 checkpoint (the whole state inside trainer_state.pt) still is."""
+    tokenizer = _tokenizer()
+    base = _model()
+    samples = _samples(base, n=4)
+    model, cont = copy.deepcopy(base), copy.deepcopy(base)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    train_step(model, opt, samples, StepConfig())
+    staging = weights.optimizer_staging(tmp_path, 1)
+    distributed.save_optimizer(model, opt, staging)
+    path = save_checkpoint(model, tokenizer, tmp_path, version=1, optimizer_dir=staging,
+                           trainer_state={"version": 1, "optimizer_dir": weights.OPTIMIZER_DIR})
+    assert (path / "optimizer" / ".metadata").is_file() and not staging.exists()
+    cont.load_state_dict(model.state_dict())
+    train_step(model, opt, samples, StepConfig())  # the uninterrupted run's second step
+
+    resume = weights.latest_resumable(tmp_path)
+    assert resume is not None and resume.version == 1
+    opt2 = torch.optim.Adam(cont.parameters(), lr=1e-2)
+    distributed.load_optimizer(cont, opt2, resume.path / resume.state["optimizer_dir"])
+    train_step(cont, opt2, samples, StepConfig())
+    for (name, a), b in zip(model.named_parameters(), cont.parameters(), strict=True):
+        torch.testing.assert_close(b, a, atol=0, rtol=0, msg=name)
+
+    (path / "optimizer" / ".metadata").unlink()  # as if the shards were never finished
+    assert weights.latest_resumable(tmp_path) is None
+    legacy = {"format": 1, "version": 1, "optimizer": opt.state_dict()}
+    torch.save(legacy, path / weights.STATE_FILE)
+    assert weights.latest_resumable(tmp_path).state["optimizer"]["param_groups"]
 
 
 def test_lora_step_and_merged_checkpoint(tmp_path):

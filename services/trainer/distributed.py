@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -153,20 +155,39 @@ def model_state(model: torch.nn.Module, d: Dist) -> dict[str, torch.Tensor] | No
     return sd if d.rank == 0 else None
 
 
-def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, d: Dist) -> dict | None:
-    """Optimizer state keyed by parameter names (portable across world sizes), on rank 0 only.
-    A collective under FSDP; the other ranks get None."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+@contextlib.contextmanager
+def _single_process_is_meant() -> Iterator[None]:
+    # One process without a process group is a supported setup here, not a mistake to warn about.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
-    if not d.fsdp and d.rank != 0:
-        return None
-    sd = get_optimizer_state_dict(model, optimizer,
-                                  options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return sd if d.rank == 0 else None
+
+def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Write the optimizer state into `folder` with torch.distributed.checkpoint: every rank writes
+    what it holds (FSDP2: its own shards; replicated state once), nothing is gathered. Keyed by
+    parameter names, so it loads on another world size. A collective when several ranks run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    with _single_process_is_meant():
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder),
+                 no_dist=not dist.is_initialized())
+
+
+def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
+    """Read `save_optimizer`'s folder into this rank's optimizer (each rank reads the shards it needs)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    with _single_process_is_meant():
+        dcp.load(state, checkpoint_id=str(folder), no_dist=not dist.is_initialized())
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
 def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, d: Dist) -> None:
-    """Load a state from `optimizer_state` (every rank passes the same full state)."""
+    """Load a whole, name-keyed optimizer state (format-1 checkpoints; every rank passes the same)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
     # Unsharded models take the name-keyed state as is; FSDP2 shards the full state itself.

@@ -164,7 +164,10 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
     optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=s.lr,
                                  betas=(0.9, s.adam_beta2), weight_decay=s.weight_decay)
     if resume is not None:
-        distributed.load_optimizer_state(model, optimizer, resume.state["optimizer"], d)
+        if resume.state.get("optimizer_dir"):
+            distributed.load_optimizer(model, optimizer, resume.path / resume.state["optimizer_dir"])
+        else:  # a format-1 checkpoint: the whole state inside trainer_state.pt
+            distributed.load_optimizer_state(model, optimizer, resume.state["optimizer"], d)
         for group in optimizer.param_groups:  # the moments resume; the hyper-parameters are today's settings
             group.update(lr=s.lr, betas=(0.9, s.adam_beta2), weight_decay=s.weight_decay)
         torch.set_rng_state(resume.state["rng"])
@@ -177,7 +180,7 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
         # The reference is the base model (never a resumed checkpoint), frozen.
         ref_model, _ = load_model(s.model_dir, s.seed)
         ref_model.requires_grad_(False).eval().to(d.device)
-    return StepRunner(model, engine, optimizer, cfg, d, ref_model=ref_model), tokenizer, resume
+    return StepRunner(model, engine, optimizer, cfg, d, ref_model=ref_model, checkpoint_root=root), tokenizer, resume
 
 
 def weight_pusher(s: TrainerSettings, d: Dist):

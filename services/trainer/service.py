@@ -37,7 +37,13 @@ from tether.trainer import distributed
 from tether.trainer.distributed import Dist
 from tether.trainer.nccl_push import PushError
 from tether.trainer.train import StepConfig, train_step
-from tether.trainer.weights import checkpoint_name, merged_lora_state_dict, save_checkpoint
+from tether.trainer.weights import (
+    OPTIMIZER_DIR,
+    checkpoint_name,
+    merged_lora_state_dict,
+    optimizer_staging,
+    save_checkpoint,
+)
 from tether.v1 import trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -113,7 +119,7 @@ class TrainerBroken(RuntimeError):
 class StepOutput:
     metrics: dict[str, float]
     model_state: dict[str, torch.Tensor] | None  # None: save the model's own tensors
-    optimizer_state: dict | None  # rank 0 only
+    optimizer_dir: Path | None  # where the ranks wrote the optimizer shards (None: not saved)
     adapter_state: dict[str, torch.Tensor] | None  # LoRA weights, rank 0 only
 
 
@@ -125,8 +131,10 @@ class StepRunner:
     """
 
     def __init__(self, model: torch.nn.Module, engine: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 cfg: StepConfig, d: Dist, ref_model: torch.nn.Module | None = None) -> None:
+                 cfg: StepConfig, d: Dist, ref_model: torch.nn.Module | None = None,
+                 checkpoint_root: Path | None = None) -> None:
         self.model = model
+        self.checkpoint_root = checkpoint_root  # every rank writes its optimizer shards under it
         self.ref_model = ref_model
         self.engine = engine
         self.optimizer = optimizer
@@ -148,7 +156,10 @@ class StepRunner:
                 if first else None
         else:
             model_state, adapter = distributed.model_state(self.model, self.d), None
-        optim = distributed.optimizer_state(self.model, self.optimizer, self.d)
+        optim = None
+        if self.checkpoint_root is not None:
+            optim = optimizer_staging(self.checkpoint_root, version + 1)
+            distributed.save_optimizer(self.model, self.optimizer, optim)
         return StepOutput(metrics, model_state, optim, adapter)
 
     # Rank 0 side: each command is broadcast, then run here too.
@@ -367,11 +378,12 @@ class TrainerCore:
                          "trained_groups": self.trained + plan.group_ids,
                          "dropped_groups": self.dropped + plan.drop_ids, "records": records,
                          "records_floor": floor, "last_step": plan.step}
-        state = {**plan.position, "optimizer": out.optimizer_state, "adapter": out.adapter_state,
+        state = {**plan.position, "optimizer_dir": OPTIMIZER_DIR if out.optimizer_dir else None,
+                 "adapter": out.adapter_state,
                  "rng": torch.get_rng_state(), "settings": self.settings}
         try:
             save_checkpoint(self.runner.hf_model, self.tokenizer, self.root, version, keep=self.keep,
-                            state_dict=out.model_state, trainer_state=state)
+                            state_dict=out.model_state, trainer_state=state, optimizer_dir=out.optimizer_dir)
         except Exception as exc:
             self.broken = f"checkpoint v{version} could not be written after the update: {exc!r}"
             raise TrainerBroken(self.broken) from exc

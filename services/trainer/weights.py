@@ -3,12 +3,17 @@
 Layout of the checkpoint folder (shared with inference, which loads `v<version>/` by path):
 
     v000007/                 model (*.safetensors, config.json) + tokenizer: what vLLM loads
-    v000007/trainer_state.pt optimizer state and the trainer's position (version, steps done, groups
-                             trained, a record of recent steps): what a restarted trainer resumes from
+    v000007/trainer_state.pt the trainer's position (version, steps done, groups trained, a record of
+                             recent steps, RNG, the LoRA adapter): what a restarted trainer resumes from
+    v000007/optimizer/       the optimizer state as torch.distributed.checkpoint shards, one file per
+                             rank that holds a shard (FSDP2: every rank writes only its own; nothing is
+                             gathered), keyed by parameter names and resharded on load
     buffer/                  groups accepted but not trained yet (see tether.trainer.service.GroupSpool)
 
 A version folder appears by one rename of a fully written (and fsynced) temporary folder, so every
-`v<digits>` folder holding `trainer_state.pt` is complete. vLLM reads only the safetensors.
+`v<digits>` folder holding `trainer_state.pt` is complete. The ranks write the optimizer shards into
+`.tmp-v000007-optimizer/` first, which rank 0 moves into the folder before the rename. vLLM reads only
+the safetensors. Format 1 checkpoints (the whole optimizer state inside trainer_state.pt) still load.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import torch
 log = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.pt"
-STATE_FORMAT = 1
+STATE_FORMAT = 2
+STATE_FORMATS_READ = (1, 2)
+OPTIMIZER_DIR = "optimizer"
 _VERSION_DIR = re.compile(r"^v(\d{6,})$")
 
 
@@ -50,14 +57,21 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+def optimizer_staging(root: Path, version: int) -> Path:
+    """Where the ranks write version `version`'s optimizer shards before save_checkpoint moves them in."""
+    return root / f".tmp-{checkpoint_name(version)}-{OPTIMIZER_DIR}"
+
+
 def save_checkpoint(model: torch.nn.Module, tokenizer, root: Path, version: int, keep: int = 3,
                     state_dict: dict[str, torch.Tensor] | None = None,
-                    trainer_state: dict[str, Any] | None = None) -> Path:
-    """Write `root/v<version>` (model + tokenizer [+ trainer_state.pt]) via a temporary folder and a
-    rename, so that neither inference nor a restarting trainer ever sees a half-written checkpoint.
+                    trainer_state: dict[str, Any] | None = None, optimizer_dir: Path | None = None) -> Path:
+    """Write `root/v<version>` (model + tokenizer [+ trainer_state.pt] [+ optimizer/]) via a temporary
+    folder and a rename, so that neither inference nor a restarting trainer ever sees a half-written
+    checkpoint.
 
     `state_dict` replaces the model's own tensors (the full state of a sharded model, merged LoRA
-    weights). Keeps the newest `keep` versions (0 = keep all)."""
+    weights). `optimizer_dir`: the optimizer shards the ranks wrote (optimizer_staging), moved in.
+    Keeps the newest `keep` versions (0 = keep all)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(version)
     tmp = root / f".tmp-{checkpoint_name(version)}-{os.getpid()}"
@@ -65,6 +79,8 @@ def save_checkpoint(model: torch.nn.Module, tokenizer, root: Path, version: int,
         shutil.rmtree(tmp)
     model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
     tokenizer.save_pretrained(tmp)
+    if optimizer_dir is not None:
+        os.replace(optimizer_dir, tmp / OPTIMIZER_DIR)
     if trainer_state is not None:
         torch.save({"format": STATE_FORMAT, **trainer_state}, tmp / STATE_FILE)
     _fsync_tree(tmp)
@@ -106,7 +122,7 @@ class Resume:
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
     state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True)
-    if state.get("format") != STATE_FORMAT:
+    if state.get("format") not in STATE_FORMATS_READ:
         raise ValueError(f"{path / STATE_FILE}: unknown trainer state format {state.get('format')!r}")
     return state
 
@@ -125,6 +141,9 @@ def latest_resumable(root: Path) -> Resume | None:
             continue
         if int(state["version"]) != version:
             log.warning("%s records version %s; skipped", path, state["version"])
+            continue
+        if state.get("optimizer_dir") and not (path / state["optimizer_dir"] / ".metadata").is_file():
+            log.warning("%s has no complete optimizer state; trying an older checkpoint", path)
             continue
         return Resume(version=version, path=path, state=state)
     return None
