@@ -273,8 +273,7 @@ def test_optimizer_shards_resume_the_run_and_gate_the_checkpoint(tmp_path):
 
 def test_lora_step_and_merged_checkpoint(tmp_path):
     pytest.importorskip("peft")
-    from tether.trainer.main import apply_lora
-    from tether.trainer.weights import merged_lora_state_dict
+    from tether.trainer.weights import apply_lora, merged_lora_state_dict
 
     base = _model()
     samples = _samples(base, n=4)

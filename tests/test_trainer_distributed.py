@@ -85,7 +85,7 @@ def test_two_gloo_ranks_match_one_rank(tmp_path):
 
 
 def test_torchrun_service_with_two_ranks_matches_one_rank(tmp_path):
-    from tether.trainer.service import load_model
+    from tether.trainer.weights import load_model
 
     model_dir = tiny_model_dir(tmp_path / "model")
     groups = group_requests(2)

@@ -24,8 +24,9 @@ from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
 from tether.trainer import distributed, weights
 from tether.trainer.distributed import Dist
-from tether.trainer.service import StepRunner, TrainerCore, TrainerServicer, load_model
+from tether.trainer.service import StepRunner, TrainerCore, TrainerServicer
 from tether.trainer.train import StepConfig, enable_activation_checkpointing, packing_keeps_samples_apart
+from tether.trainer.weights import apply_lora, load_model
 from tether.v1 import trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger("tether.trainer")
@@ -114,18 +115,6 @@ def step_config(s: TrainerSettings, pad_token_id: int) -> StepConfig:
                       micro_batch_tokens=s.micro_batch_tokens, pad_token_id=pad_token_id,
                       off_policy=s.off_policy, tis_cap=s.tis_cap, mask_low=s.mask_low, mask_high=s.mask_high,
                       pack=s.pack_samples, bf16=s.bf16, kl_coef=s.kl_coef, kl_estimator=s.kl_estimator)
-
-
-def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: str):
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as exc:
-        raise SystemExit("TETHER_LORA_RANK > 0 needs the `peft` package (`pip install peft`; it keeps the "
-                         "installed torch)") from exc
-    modules: str | list[str] = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules,
-                        task_type="CAUSAL_LM")
-    return get_peft_model(model, config)
 
 
 def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resume | None]:

@@ -549,11 +549,3 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             except Exception as exc:  # a rank already gone: nothing left to stop
                 log.warning("could not tell the other ranks to stop: %r", exc)
 
-
-def load_model(model_dir: str | Path, seed: int):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    return model, tokenizer

@@ -171,3 +171,26 @@ def merged_lora_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tenso
         key = key.replace(".base_layer.", ".")
         out[key] = value.detach() + deltas[key].to(value.dtype) if key in deltas else value.detach()
     return out
+
+
+def load_model(model_dir: str | Path, seed: int):
+    """The HF causal LM (fp32) and its tokenizer from a local folder, with the seed set first."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return model, tokenizer
+
+
+def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: str):
+    """LoRA adapters (peft) on `targets`: "all-linear" or comma-separated module names."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as exc:
+        raise SystemExit("TETHER_LORA_RANK > 0 needs the `peft` package (`pip install peft`; it keeps the "
+                         "installed torch)") from exc
+    modules: str | list[str] = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules,
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
