@@ -27,7 +27,7 @@ def C(cid, prompt, response, logprobs=None, **kw):
 def check_shapes(seqs: list[Sequence]) -> None:
     for s in seqs:
         assert len(s.token_ids) == len(s.loss_mask) == len(s.logprobs)
-        assert len(s.call_ids) == len(s.weight_versions) >= 1
+        assert len(s.call_ids) == len(s.call_weight_spans) == len(s.response_spans) >= 1
         assert set(s.loss_mask) <= {0, 1}
         assert all(lp == 0.0 for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m == 0)
         # The weight spans cover exactly the trainable positions, in order.
@@ -83,7 +83,7 @@ def test_three_call_episode_merges_into_one_sequence_exactly():
     assert s.loss_mask == [0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 1, 1, 1]
     assert s.logprobs == [0.0, 0.0, 0.0, -0.5, -0.25, 0.0, 0.0, 0.0, -1.5, 0.0, -0.125, -2.0, -3.0]
     assert s.call_ids == ["c1", "c2", "c3"]
-    assert s.weight_versions == [3, 4, 4]
+    assert [spans[0][0] for spans in s.call_weight_spans] == [3, 4, 4]
     assert s.min_weight_version == 3
     assert stats == MergeStats(
         calls_in=3,
@@ -481,7 +481,7 @@ def assert_invariants(calls, seqs, stats, *, exact: bool, max_seq_len=None):
     for s in seqs:
         idx = [pos[cid] for cid in s.call_ids]
         assert idx == sorted(idx)
-        assert s.weight_versions == [by_id[cid].weight_version for cid in s.call_ids]
+        assert [spans[0][0] for spans in s.call_weight_spans] == [by_id[cid].weight_version for cid in s.call_ids]
         if max_seq_len is not None:
             assert len(s.token_ids) <= max_seq_len
         assert not s.truncated or len(s.call_ids) == 1  # only single calls can be cut

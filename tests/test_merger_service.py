@@ -430,14 +430,20 @@ def test_n_greater_than_one_choices_become_sibling_sequences():
     merger = Merger(None, broker.Keys("t"), MergerConfig(), None)
     trace = Trace(call_id="c0", rollout_id="r", api="chat.completions", request={}, status="ok",
                   prompt_token_ids=[1, 2], response_token_ids=[3, 4], response_logprobs=[-0.1, -0.2],
-                  weight_version=2, extra_choices=[{"index": 1, "token_ids": [5], "logprobs": [-0.3],
-                                                    "finish_reason": "stop"}])
+                  weight_version=2, weight_spans=[[2, 0, 1], [3, 1, 2]],
+                  extra_choices=[{"index": 1, "token_ids": [5], "logprobs": [-0.3], "finish_reason": "stop",
+                                  "weight_spans": [[3, 0, 1]]},
+                                 {"index": 2, "token_ids": [6, 7], "logprobs": [-0.3, -0.4], "finish_reason": "stop",
+                                  "weight_spans": [[3, 0, 1]]}])  # spans that do not cover: not reported
     event = RolloutEvent(rollout_id="r", task_id="t", group_id="g", group_size=1, status="completed", reward=1.0)
     merged = merger.merge_records(event, [trace.to_dict()], {})
-    assert [s["token_ids"] for s in merged["sequences"]] == [[1, 2, 3, 4], [1, 2, 5]]
+    assert [s["token_ids"] for s in merged["sequences"]] == [[1, 2, 3, 4], [1, 2, 5], [1, 2, 6, 7]]
     assert merged["sequences"][1]["loss_mask"] == [0, 0, 1]
     assert merged["sequences"][1]["logprobs"] == [0.0, 0.0, -0.3]
-    assert merged["choice_branches"] == 1
+    assert merged["choice_branches"] == 2
+    # Each choice keeps the weights that sampled it; a sample's version is its oldest token's.
+    assert [(s["weight_spans"], s["weight_version"]) for s in merged["sequences"]] == [
+        ([(2, 2, 3), (3, 3, 4)], 2), ([(3, 2, 3)], 3), ([(2, 2, 4)], 2)]
 
 
 async def _status(merger):

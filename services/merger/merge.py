@@ -99,7 +99,6 @@ class Sequence:
     loss_mask: list[int]  # 1 = sampled by the policy, 0 = prompt/observation
     logprobs: list[float]  # vLLM's logprob where mask 1, 0.0 where mask 0
     call_ids: list[str]
-    weight_versions: list[int]  # one per call merged in, in call order
     # [start, end) of each call's still-trainable response tokens, aligned with call_ids.
     response_spans: list[tuple[int, int]] = field(default_factory=list)
     truncated: bool = False  # trailing tokens were cut (overlong="truncate")
@@ -126,7 +125,8 @@ class Sequence:
     def min_weight_version(self) -> int:
         """The oldest policy version that sampled a trainable token of this sequence (the oldest
         call's version when none is left, 0 when empty)."""
-        return min((v for v, _, _ in self.version_spans()), default=min(self.weight_versions, default=0))
+        return min((v for v, _, _ in self.version_spans()),
+                   default=min((v for spans in self.call_weight_spans for v, _, _ in spans), default=0))
 
 
 @dataclass
@@ -204,7 +204,6 @@ def _new_sequence(c: Call, p: list[int], r: list[int], lp: list[float]) -> _Open
         loss_mask=[0] * len(p) + [1] * len(r),
         logprobs=[0.0] * len(p) + lp,
         call_ids=[c.call_id],
-        weight_versions=[c.weight_version],
         response_spans=[(len(p), len(p) + len(r))],
         call_weight_spans=[c.spans()],
     )
@@ -400,7 +399,6 @@ def merge_calls(
         s.loss_mask.extend([1] * len(r))
         s.logprobs.extend(lp)
         s.call_ids.append(c.call_id)
-        s.weight_versions.append(c.weight_version)
         s.response_spans.append((start, start + len(r)))
         s.call_weight_spans.append(c.spans())
         target.prompt, target.response = p, r

@@ -83,10 +83,14 @@ def choice_branches(records: list[dict[str, Any]], kept: list[Call]) -> list[tup
             ids, lps = list(choice.get("token_ids") or []), list(choice.get("logprobs") or [])
             if not prompt or not ids or len(ids) != len(lps):
                 continue
+            version = int(d.get("weight_version", 0))
+            spans = call_weight_spans(choice.get("weight_spans"), len(ids)) or ((version, 0, len(ids)),)
+            n = len(prompt)
             out.append((d["call_id"], {
-                "token_ids": prompt + ids, "loss_mask": [0] * len(prompt) + [1] * len(ids),
-                "logprobs": [0.0] * len(prompt) + [float(x) for x in lps],
-                "weight_version": int(d.get("weight_version", 0)), "truncated": False}))
+                "token_ids": prompt + ids, "loss_mask": [0] * n + [1] * len(ids),
+                "logprobs": [0.0] * n + [float(x) for x in lps],
+                "weight_version": min(v for v, _, _ in spans),
+                "weight_spans": [(v, n + a, n + b) for v, a, b in spans], "truncated": False}))
     return out
 
 
@@ -314,9 +318,12 @@ class Merger:
                                   max_seq_len=cfg.max_seq_len, max_prompt_len=cfg.max_prompt_len,
                                   overlong=cfg.overlong)
         dropped.update(stats.dropped())
-        out_seqs = [{"token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
-                     "weight_version": s.min_weight_version, "weight_spans": s.version_spans(),
-                     "truncated": s.truncated} for s in seqs]
+        out_seqs = []
+        for s in seqs:
+            spans = s.version_spans()
+            out_seqs.append({"token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
+                             "weight_version": min(v for v, _, _ in spans) if spans else s.min_weight_version,
+                             "weight_spans": spans, "truncated": s.truncated})
         merged: dict[str, Any] = {
             "rollout_id": event.rollout_id, "group_id": event.group_id, "task_id": event.task_id,
             "status": event.status if seqs or event.status != "completed" else "empty",
