@@ -202,10 +202,21 @@ def test_weights_changing_mid_call_are_recorded_per_token_span(gw, rdb, vllm, ca
     assert trace["weight_spans"] == [[3, 0, 2], [4, 2, 4]]
 
 
+def test_vllms_default_weights_are_version_0(gw, rdb, vllm):
+    rollout = gw.new_rollout()
+    vllm.version_starts = [("default", 0), ("1", 2)]  # the first push landed after two tokens
+    try:
+        gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+    finally:
+        vllm.version_starts = [("3", 0)]
+    [trace] = wait_traces(rdb, gw.keys, rollout["rollout_id"])
+    assert trace["weight_spans"] == [[0, 0, 2], [1, 2, 4]]
+
+
 def test_weight_spans_that_do_not_fit_are_left_out(gw, rdb, vllm):
-    """vLLM says "default" until a version is first set, and spans must cover the response: otherwise
-    the trace has none, and the call's tokens count as sampled by the gateway's version."""
-    for starts in ([("default", 0)], [("3", 1)]):
+    """Spans must be integer versions that cover the response: otherwise the trace has none, and the
+    call's tokens count as sampled by the gateway's version."""
+    for starts in ([("v3", 0)], [("3", 1)]):
         rollout = gw.new_rollout()
         vllm.version_starts = starts
         try:

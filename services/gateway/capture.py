@@ -277,14 +277,16 @@ def _ids(value: Any) -> list[int]:
 
 def weight_spans(value: Any) -> list[list[int]]:
     """The plugin's spans of one choice, `[{"version": "7", "start": 0, "end": 103}, ...]`, as
-    `[[7, 0, 103], ...]`; [] when absent or when a version is not an integer (vLLM says "default"
-    until a version is first set), so the call keeps the gateway's version."""
+    `[[7, 0, 103], ...]`. vLLM says "default" until a version is first set: the weights it started
+    with, version 0 (as the inference adapter counts them). [] when absent or not integers, so the call
+    keeps the gateway's version."""
     if not isinstance(value, list) or not value:
         return []
     out: list[list[int]] = []
     for span in value:
         try:
-            out.append([int(span["version"]), int(span["start"]), int(span["end"])])
+            version = span["version"]
+            out.append([0 if version == "default" else int(version), int(span["start"]), int(span["end"])])
         except (TypeError, KeyError, ValueError):
             return []
     return out

@@ -67,13 +67,15 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     """`checkpoint_dir`/`version`: what this adapter last loaded. Weights can also arrive by path 2
     (the trainer streams them into vLLM directly), so the adapter trusts its own record only while vLLM
     reports that same version. `unsafe` is set while generation is held paused after a failed load
-    (health then says NOT_SERVING); the next successful load clears it."""
+    (health then says NOT_SERVING); it holds while vLLM still reports the version it had then: a
+    successful load, or a complete path-2 push (which sets a new version only at its end), clears it."""
 
     def __init__(self, vllm: VLLMControl, initial_checkpoint: str) -> None:
         self.vllm = vllm
         self.checkpoint_dir = initial_checkpoint
         self.version = 0
         self.unsafe: str | None = None
+        self.unsafe_at = 0  # the version vLLM reported when `unsafe` was set
         self.lock = asyncio.Lock()
 
     async def _version(self) -> int:
@@ -89,19 +91,28 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             version = await self._version()
         except (VLLMError, OSError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"vLLM not reachable: {exc}")
-        known = version == self.version and not self.unsafe
+        WEIGHT_VERSION.set(version)  # path-2 pushes set it without this adapter loading anything
+        known = self._vouches(version)
         return inference_pb2.WeightVersion(version=version, checkpoint_dir=self.checkpoint_dir if known else "")
+
+    def _vouches(self, served: int) -> bool:
+        """Whether the adapter's own record (checkpoint_dir, version) is what vLLM serves; clears
+        `unsafe` once vLLM reports another version than when a load failed."""
+        if self.unsafe and served != self.unsafe_at:
+            log.info("vLLM serves version %d now; no longer held after the failed load", served)
+            self.unsafe = None
+        return served == self.version and not self.unsafe
 
     async def _load(self, checkpoint_dir: str, version: int) -> int:
         async with self.lock:
             start = time.perf_counter()
             served = await self._version()
-            previous = (self.checkpoint_dir, self.version) if served == self.version and not self.unsafe else None
+            previous = (self.checkpoint_dir, self.version) if self._vouches(served) else None
             try:
                 await load_checkpoint(self.vllm, checkpoint_dir, version, previous)
             except LoadFailed as exc:
                 if not exc.restored:
-                    self.unsafe = str(exc)
+                    self.unsafe, self.unsafe_at = str(exc), served
                 raise
             self.unsafe = None
             loaded = await self._version()
@@ -140,7 +151,12 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         return await self._simple(context, self.vllm.pause(mode))
 
     async def Resume(self, request, context):
-        return await self._simple(context, self.vllm.resume())
+        async def resume() -> None:
+            if self.unsafe:
+                self._vouches(await self._version())
+            await self.vllm.resume()
+
+        return await self._simple(context, resume())
 
     async def Sleep(self, request, context):
         level = request.level or 1

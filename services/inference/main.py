@@ -11,14 +11,12 @@ import asyncio
 import logging
 from pathlib import Path
 
-import httpx
-
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
 from tether.inference.control import WEIGHT_VERSION, InferenceServicer
 from tether.inference.launch import start_vllm, vllm_command, vllm_env
-from tether.inference.vllm_client import VLLMControl, VLLMError
+from tether.inference.vllm_client import VLLMControl
 from tether.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("tether.inference")
@@ -41,29 +39,12 @@ class InferenceSettings(CommonSettings):
     vllm_start_timeout_s: float = 600.0
 
 
-async def label_first_weights(vllm: VLLMControl) -> bool:
-    """vLLM calls the weights it starts with "default"; name them version 0, so that per-token weight
-    spans (the vLLM plugin's) are integers from the first call on. A version already set stays.
-    False when vLLM could not be asked (try again)."""
-    try:
-        if await vllm.weight_version() == "default":
-            await vllm.set_weight_version(0)
-            log.info("vLLM's first weights labelled version 0")
-    except (VLLMError, httpx.HTTPError) as exc:
-        log.warning("could not label vLLM's first weights as version 0: %s", exc)
-        return False
-    return True
-
-
 async def watch_health(vllm: VLLMControl, health: Health, proc, servicer: InferenceServicer) -> None:
     serving = None
-    labelled = False
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {proc.returncode}")
         answering = await vllm.healthy()
-        if answering and not labelled:
-            labelled = await label_first_weights(vllm)
         ok = answering and not servicer.unsafe
         if ok != serving:
             await health.set(ok)
