@@ -169,7 +169,7 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
         # The reference is the base model (never a resumed checkpoint), frozen.
         ref_model, _ = load_model(s.model_dir, s.seed)
         ref_model.requires_grad_(False).eval().to(d.device)
-    return StepRunner(model, engine, optimizer, cfg, d, ref_model=ref_model, checkpoint_root=root), tokenizer, resume
+    return StepRunner(model, engine, optimizer, cfg, d, root, ref_model=ref_model), tokenizer, resume
 
 
 def weight_pusher(s: TrainerSettings, d: Dist):

@@ -119,7 +119,7 @@ class TrainerBroken(RuntimeError):
 class StepOutput:
     metrics: dict[str, float]
     model_state: dict[str, torch.Tensor] | None  # None: save the model's own tensors
-    optimizer_dir: Path | None  # where the ranks wrote the optimizer shards (None: not saved)
+    optimizer_dir: Path  # where the ranks wrote the optimizer shards
     adapter_state: dict[str, torch.Tensor] | None  # LoRA weights, rank 0 only
 
 
@@ -131,8 +131,8 @@ class StepRunner:
     """
 
     def __init__(self, model: torch.nn.Module, engine: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 cfg: StepConfig, d: Dist, ref_model: torch.nn.Module | None = None,
-                 checkpoint_root: Path | None = None) -> None:
+                 cfg: StepConfig, d: Dist, checkpoint_root: Path,
+                 ref_model: torch.nn.Module | None = None) -> None:
         self.model = model
         self.checkpoint_root = checkpoint_root  # every rank writes its optimizer shards under it
         self.ref_model = ref_model
@@ -156,10 +156,8 @@ class StepRunner:
                 if first else None
         else:
             model_state, adapter = distributed.model_state(self.model, self.d), None
-        optim = None
-        if self.checkpoint_root is not None:
-            optim = optimizer_staging(self.checkpoint_root, version + 1)
-            distributed.save_optimizer(self.model, self.optimizer, optim)
+        optim = optimizer_staging(self.checkpoint_root, version + 1)
+        distributed.save_optimizer(self.model, self.optimizer, optim)
         return StepOutput(metrics, model_state, optim, adapter)
 
     # Rank 0 side: each command is broadcast, then run here too.
@@ -378,7 +376,7 @@ class TrainerCore:
                          "trained_groups": self.trained + plan.group_ids,
                          "dropped_groups": self.dropped + plan.drop_ids, "records": records,
                          "records_floor": floor, "last_step": plan.step}
-        state = {**plan.position, "optimizer_dir": OPTIMIZER_DIR if out.optimizer_dir else None,
+        state = {**plan.position, "optimizer_dir": OPTIMIZER_DIR,
                  "adapter": out.adapter_state,
                  "rng": torch.get_rng_state(), "settings": self.settings}
         try:
