@@ -39,6 +39,7 @@ import redis
 
 from tether.common.broker import Keys
 from tether.gateway.main import GatewayServer, GatewaySettings
+from tether.inference.vllm_plugin import tether_vllm as plugin
 from tether.v1 import gateway_pb2, gateway_pb2_grpc
 
 MODEL = "tether-policy"
@@ -195,14 +196,16 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         })
 
     def _versions(self, body: dict, n_tokens: int) -> dict:
-        if body.get("return_weight_versions") is not True:
+        if body.get(plugin.FLAG) is not True:
             return {}
         return {"weight_versions": weight_versions(self.server.version_starts, n_tokens)}  # type: ignore[attr-defined]
 
     def _versions_chunk(self, event, body: dict, n: int, n_tokens: int) -> None:
-        if body.get("return_weight_versions") is True:
-            event({"object": "tether.weight_versions",
-                   "choices": [{"index": i, **self._versions(body, n_tokens)} for i in range(n)]})
+        """The plugin's own extra chunk (its serialiser), with this answer's spans."""
+        if body.get(plugin.FLAG) is True:
+            tap = plugin.SpanTap(n)
+            tap.spans = {i: weight_versions(self.server.version_starts, n_tokens) for i in range(n)}  # type: ignore[attr-defined]
+            event(tap.chunk_payload())
 
     def _prompt_ids(self, body: dict) -> list[int]:
         prompt = body.get("prompt")

@@ -100,6 +100,17 @@ def chat_response(message: dict, finish: str = "stop", stop_reason=None, n_token
 # --- completions: pure ----------------------------------------------------------------------------
 
 
+def test_the_gateway_speaks_the_vllm_plugins_contract():
+    """The request flag and the stream chunk's object are the plugin's own (it runs in vLLM's
+    environment, so the gateway keeps its copies: they must not drift)."""
+    from tether.gateway import capture
+    from tether.inference import launch
+    from tether.inference.vllm_plugin import tether_vllm as plugin
+
+    assert (capture.WEIGHT_VERSIONS_FLAG, capture.WEIGHT_VERSIONS_CHUNK) == (plugin.FLAG, plugin.STREAM_OBJECT)
+    assert launch.PLUGIN == plugin.NAME == plugin.WeightVersionsPlugin.name
+
+
 def test_completion_request_parsing_and_upstream_body():
     req = parse_completion_request(raw({"model": MODEL, "prompt": "what is"}), MODEL)
     assert not req.wants_logprobs and not req.wants_token_ids and not req.stream

@@ -377,6 +377,7 @@ def direct_completion(vllm: httpx.Client, prompt) -> dict:
 
 
 def test_completions_text_prompt(gw, rdb, vllm):
+    _set_version(vllm, 5)  # the plugin's spans on /v1/completions too
     rollout = gw.new_rollout()
     resp = gw.client(rollout).completions.create(model=MODEL, prompt=QUESTION, max_tokens=MAX_TOKENS, **GREEDY)
     trace = only_trace(gw, rdb, rollout, "completions")
@@ -387,9 +388,12 @@ def test_completions_text_prompt(gw, rdb, vllm):
     assert trace["response_logprobs"] == pytest.approx(own["logprobs"]["token_logprobs"], abs=1e-4)
     assert len(trace["response_token_ids"]) == resp.usage.completion_tokens
     assert resp.choices[0].text == own["text"]
+    assert trace["weight_spans"] == [[5, 0, len(trace["response_token_ids"])]]
+    assert "weight_versions" not in resp.to_json()
 
 
 def test_completions_token_ids_streaming(gw, rdb, vllm):
+    _set_version(vllm, 6)
     rollout = gw.new_rollout()
     prompt = tokenize(vllm, [{"role": "user", "content": QUESTION}])
     chunks = list(gw.client(rollout).completions.create(
@@ -403,6 +407,8 @@ def test_completions_token_ids_streaming(gw, rdb, vllm):
     streamed_lps = [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs]
     assert trace["response_logprobs"] == pytest.approx(own["logprobs"]["token_logprobs"], abs=1e-4)
     assert trace["response_logprobs"] == streamed_lps
+    assert trace["weight_spans"] == [[6, 0, len(streamed_ids)]]
+    assert all("weight_versions" not in c.to_json() for c in chunks)
 
 
 # --- openai: Responses ----------------------------------------------------------------------------

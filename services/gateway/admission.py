@@ -1,8 +1,8 @@
 """The admission gate: pause/drain around weight pushes, the in-flight count, and the weight version
 every admitted call is recorded with: the version read at admission and, when weights change without a
-pause, the version at its end as well. Which version sampled which token comes from vLLM itself
-(per-token spans through Tether's vLLM plugin, capture.py); these two are the gateway's own view, and
-what a call counts as when vLLM gives no spans.
+pause, the version at its end as well (`weight_version_end`, for reading traces). Which version sampled
+which token comes from vLLM itself (per-token spans through Tether's vLLM plugin, capture.py); when
+vLLM gives none, a call's tokens count as sampled by the version at admission.
 
 Also tracks, per rollout, calls between authentication and their trace being recorded, so that
 completing a rollout can wait for them. In-memory and single-loop: every method runs on the gateway's

@@ -178,18 +178,17 @@ class Proxy:
                            headers={"Retry-After": str(self.retry_after_s)}) from None
         handed_off = False
         try:
-            preferred = stored = None
+            # A rollout's calls stick by its id (call.sticky is call.tracked), record-only calls by
+            # their conversation.
+            preferred = stored = self.pool.remembered(call.sticky) if call.sticky is not None else None
             check: tuple[Awaitable, str] | None = None
             if call.tracked is not None:
                 if waited:  # the rollout may have finished meanwhile: ask again
                     state = _quiet(self.recorder.rollout_state(call.tracked))
-                preferred = stored = self.pool.remembered(call.tracked)
                 if preferred is None and not self.pool.single:
                     preferred = stored = await self._running(state, call.tracked)
                 else:
                     check = (state, call.tracked)
-            elif call.sticky is not None:
-                preferred = stored = self.pool.remembered(call.sticky)
             if handle.gone:
                 raise ClientGone()
             if call.req.stream:

@@ -91,17 +91,18 @@ class ReplicaPool:
 
     # --- choosing ------------------------------------------------------------------------------
 
-    def remembered(self, rollout_id: str) -> str | None:
-        return self._sticky.get(rollout_id)
+    # `key`: a rollout id, or a record-only call's conversation key.
+    def remembered(self, key: str) -> str | None:
+        return self._sticky.get(key)
 
-    def remember(self, rollout_id: str, url: str) -> None:
+    def remember(self, key: str, url: str) -> None:
         sticky = self._sticky
-        if rollout_id not in sticky and len(sticky) >= self._sticky_cap:
+        if key not in sticky and len(sticky) >= self._sticky_cap:
             del sticky[next(iter(sticky))]
-        sticky[rollout_id] = url
+        sticky[key] = url
 
-    def forget(self, rollout_id: str) -> None:
-        self._sticky.pop(rollout_id, None)
+    def forget(self, key: str) -> None:
+        self._sticky.pop(key, None)
 
     def pick(self, preferred: str | None = None, exclude: set[Replica] | frozenset = frozenset()) -> Replica | None:
         """The preferred replica if it is healthy (and not excluded), else the least-loaded healthy

@@ -27,7 +27,6 @@ from typing import Any
 log = logging.getLogger("tether_vllm")
 
 NAME = "tether"
-VERSION = "0.1.0"
 FLAG = "return_weight_versions"
 STREAM_OBJECT = "tether.weight_versions"
 _DONE = "data: [DONE]\n\n"
@@ -68,9 +67,13 @@ class SpanTap:
             self.see(res, prompt_index)
             yield prompt_index, res
 
-    def stream_chunk(self) -> str:
+    def chunk_payload(self) -> dict[str, Any]:
+        """The extra stream chunk's JSON object."""
         choices = [{"index": i, "weight_versions": s} for i, s in sorted(self.spans.items())]
-        return f"data: {json.dumps({'object': STREAM_OBJECT, 'choices': choices})}\n\n"
+        return {"object": STREAM_OBJECT, "choices": choices}
+
+    def stream_chunk(self) -> str:
+        return f"data: {json.dumps(self.chunk_payload())}\n\n"
 
     def annotate(self, response: Any) -> Any:
         for choice in getattr(response, "choices", None) or []:
@@ -148,7 +151,7 @@ class WeightVersionsPlugin:
     def attach_router(self, app: Any) -> None:
         @app.get("/tether/plugin")
         async def plugin_info() -> dict[str, Any]:
-            return {"plugin": NAME, "version": VERSION, "weight_versions": self.wrapped}
+            return {"plugin": NAME, "weight_versions": self.wrapped}
 
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         # A vLLM whose serving objects look different keeps serving, without spans (the gateway then
