@@ -63,3 +63,12 @@ def pytest_unconfigure(config):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
+
+
+@pytest.fixture(scope="module")
+def gw(redis_port, vllm):
+    """A GatewayServer in-process against the vLLM look-alike (a test module may define its own)."""
+    from fake_vllm import InProcessGateway, gateway_settings
+
+    with InProcessGateway(gateway_settings(redis_port, vllm.url)) as g:
+        yield g

@@ -408,3 +408,21 @@ def wait_traces(rdb: redis.Redis, keys: Keys, rollout_id: str, n: int = 1, timeo
         if len(found) >= n or time.monotonic() > deadline:
             return found
         time.sleep(0.02)
+
+
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+def bearer(key: str) -> dict:
+    return {"authorization": f"Bearer {key}"}
+
+
+def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict:
+    """An answer in OpenAI's error shape: {"error": {message, type, param, code}} and nothing else."""
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, body
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if code is not None:
+        assert body["error"]["code"] == code, body
+    return body["error"]

@@ -14,35 +14,15 @@ import httpx
 import openai
 import pytest
 import torch
-from fake_vllm import ADMIN, MODEL, TOKEN_IDS, InProcessGateway, gateway_settings, wait_traces
+from fake_vllm import ADMIN, MODEL, TOKEN_IDS, assert_openai_error, bearer, wait_traces
 
 from tether.algorithms.advantages import discounted_call_rewards
 from tether.common import broker
 from tether.merger.service import Merger, MergerConfig
 
-ERROR_FIELDS = {"message", "type", "param", "code"}
-
-
-@pytest.fixture(scope="module")
-def gw(redis_port, vllm):
-    with InProcessGateway(gateway_settings(redis_port, vllm.url)) as g:
-        yield g
-
-
-def bearer(key: str) -> dict:
-    return {"authorization": f"Bearer {key}"}
-
 
 def reward_path(rollout_id: str, call_id: str) -> str:
     return f"/v1/rollouts/{rollout_id}/calls/{call_id}/reward"
-
-
-def assert_error(resp: httpx.Response, status: int, code: str | None = None) -> None:
-    assert resp.status_code == status, resp.text
-    err = resp.json()["error"]
-    assert set(err) == ERROR_FIELDS and err["message"], err
-    if code is not None:
-        assert err["code"] == code, err
 
 
 def completion(gw, rollout: dict, prompt: list[int]) -> str:
@@ -190,14 +170,14 @@ def test_auth_unknown_calls_and_finished_rollouts(gw, rdb):
     call_id = completion(gw, ro, [1, 2, 3])
     other_call = completion(gw, other, [1, 2, 3])
     path = reward_path(rid, call_id)
-    assert_error(gw.http.post(path, json={"reward": 1.0}), 401, "invalid_api_key")
-    assert_error(gw.http.post(path, json={"reward": 1.0}, headers=bearer("tr-not-a-key")), 401, "invalid_api_key")
-    assert_error(gw.http.post(path, json={"reward": 1.0}, headers=bearer(other["api_key"])), 403, "forbidden")
+    assert_openai_error(gw.http.post(path, json={"reward": 1.0}), 401, "invalid_api_key")
+    assert_openai_error(gw.http.post(path, json={"reward": 1.0}, headers=bearer("tr-not-a-key")), 401, "invalid_api_key")
+    assert_openai_error(gw.http.post(path, json={"reward": 1.0}, headers=bearer(other["api_key"])), 403, "forbidden")
     # Unknown ids, another rollout's call, and ids that are not calls at all.
     for cid in (f"call-{uuid.uuid4().hex}", other_call, f"rollout-final:{rid}", "x" * 300, "%00", "ca%C3%A9ll"):
-        assert_error(gw.http.post(reward_path(rid, cid), json={"reward": 1.0}, headers=bearer(key)), 404,
+        assert_openai_error(gw.http.post(reward_path(rid, cid), json={"reward": 1.0}, headers=bearer(key)), 404,
                      "call_not_found")
-    assert_error(gw.http.post(reward_path(f"nope{uuid.uuid4().hex}", call_id), json={"reward": 1.0},
+    assert_openai_error(gw.http.post(reward_path(f"nope{uuid.uuid4().hex}", call_id), json={"reward": 1.0},
                               headers=bearer(ADMIN)), 404, "rollout_not_found")
     # The rollout's key in x-api-key (Anthropic clients) works too, as does the admin token.
     assert gw.http.post(path, json={"reward": 0.25}, headers={"x-api-key": key}).status_code == 200
@@ -206,10 +186,10 @@ def test_auth_unknown_calls_and_finished_rollouts(gw, rdb):
     assert rdb.hget(gw.keys.call_rewards(rid), other_call) is None
 
     gw.http.post(f"/v1/rollouts/{rid}/fail", json={}, headers=bearer(key)).raise_for_status()
-    assert_error(gw.http.post(path, json={"reward": 1.0}, headers=bearer(key)), 409, "rollout_finished")
+    assert_openai_error(gw.http.post(path, json={"reward": 1.0}, headers=bearer(key)), 409, "rollout_finished")
     gw.http.post(f"/v1/rollouts/{other['rollout_id']}/complete", json={"reward": 1},
                  headers=bearer(other["api_key"])).raise_for_status()
-    assert_error(gw.http.post(reward_path(other["rollout_id"], other_call), json={"reward": 1.0},
+    assert_openai_error(gw.http.post(reward_path(other["rollout_id"], other_call), json={"reward": 1.0},
                               headers=bearer(other["api_key"])), 409, "rollout_finished")
     assert rdb.hget(gw.keys.call_rewards(rid), call_id) == "0.5"
 
@@ -228,7 +208,7 @@ def test_bad_bodies_are_4xx_and_store_nothing(gw, rdb, raw, status, code):
     ro = gw.new_rollout()
     call_id = completion(gw, ro, [1, 2, 3])
     resp = gw.http.post(reward_path(ro["rollout_id"], call_id), content=raw, headers=bearer(ro["api_key"]))
-    assert_error(resp, status, code)
+    assert_openai_error(resp, status, code)
     assert not rdb.exists(gw.keys.call_rewards(ro["rollout_id"]))
 
 
@@ -261,7 +241,7 @@ def test_a_harness_rewards_its_calls_from_its_base_url_and_key(gw, rdb):
     with pytest.raises(openai.PermissionDeniedError):
         openai.OpenAI(base_url=ro["rollout_base_url"], api_key=other["api_key"], max_retries=0).post(
             f"/calls/{first}/reward", body={"reward": 1}, cast_to=object)
-    assert_error(gw.http.post(f"/v1/calls/{first}/reward", json={"reward": 1}), 401, "invalid_api_key")
-    assert_error(gw.http.post(f"/v1/calls/{first}/reward", json={"reward": "x"}, headers=bearer(ro["api_key"])),
+    assert_openai_error(gw.http.post(f"/v1/calls/{first}/reward", json={"reward": 1}), 401, "invalid_api_key")
+    assert_openai_error(gw.http.post(f"/v1/calls/{first}/reward", json={"reward": "x"}, headers=bearer(ro["api_key"])),
                  422, "invalid_reward")
     assert rdb.hgetall(gw.keys.call_rewards(ro["rollout_id"])) == {first: "0.75", second: "-1.0"}

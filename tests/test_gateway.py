@@ -24,11 +24,14 @@ import pytest
 import redis
 from fake_vllm import (
     ADMIN,
+    ERROR_FIELDS,
     LOGPROBS,
     MODEL,
     PROMPT_IDS,
     TOKEN_IDS,
     InProcessGateway,
+    assert_openai_error,
+    bearer,
     choice_ids,
     gateway_settings,
     traces,
@@ -49,16 +52,7 @@ from tether.gateway.capture import (
 )
 from tether.v1 import gateway_pb2, types_pb2
 
-ERROR_FIELDS = {"message", "type", "param", "code"}
-
-
 # --- fixtures -------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def gw(redis_port, vllm):
-    with InProcessGateway(gateway_settings(redis_port, vllm.url)) as g:
-        yield g
 
 
 def events(rdb: redis.Redis, keys: Keys, rollout_id: str) -> list[tuple[str, dict]]:
@@ -70,22 +64,8 @@ def events(rdb: redis.Redis, keys: Keys, rollout_id: str) -> list[tuple[str, dic
     return out
 
 
-def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict:
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    if code is not None:
-        assert body["error"]["code"] == code, body
-    return body["error"]
-
-
 def chat_body(content: str = "hi", **kw) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **kw}
-
-
-def bearer(key: str) -> dict:
-    return {"authorization": f"Bearer {key}"}
 
 
 # --- happy paths through the openai SDK ----------------------------------------------------------

@@ -478,12 +478,6 @@ def test_responses_stream_event_sequence():
 # --- the routes, against the vLLM look-alike ------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def gw(redis_port, vllm):
-    with InProcessGateway(gateway_settings(redis_port, vllm.url)) as g:
-        yield g
-
-
 def claude(gw: InProcessGateway, rollout: dict, base_url: str | None = None) -> anthropic.Anthropic:
     return anthropic.Anthropic(base_url=base_url or gw.url, api_key=rollout["api_key"], max_retries=0)
 

@@ -22,6 +22,7 @@ from fake_vllm import (
     TOKEN_IDS,
     FakeVLLM,
     InProcessGateway,
+    bearer,
     gateway_settings,
     wait_traces,
 )
@@ -56,10 +57,6 @@ def healthy(two):
     for f in two:
         f.fail_next = 0
         f.health_status = 200
-
-
-def bearer(key: str) -> dict:
-    return {"authorization": f"Bearer {key}"}
 
 
 def chat(gw: InProcessGateway, key: str, content: str = "hi", **kw) -> httpx.Response:
