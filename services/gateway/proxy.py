@@ -37,7 +37,7 @@ from tether.gateway.admission import Admission, AdmissionTimeout
 from tether.gateway.apis import Api, MessagesApi, Relay
 from tether.gateway.capture import WEIGHT_VERSIONS_CHUNK, ApiError, Captured, build_trace, upstream_error
 from tether.gateway.recorder import Recorder
-from tether.gateway.rollouts import RUNNING, RolloutRegistry, unauthorized
+from tether.gateway.rollouts import RUNNING, RolloutRegistry, rollout_finished, unauthorized
 from tether.gateway.routing import Replica, ReplicaPool, conversation_key
 from tether.gateway.sessions import Sessions, session_rollout_id
 from tether.gateway.upstream import Aborted, ConnectFailed, Exchange, UpstreamError, UpstreamTimeout
@@ -165,8 +165,7 @@ class Proxy:
         if status is None:
             raise unauthorized("API key of an unknown rollout")
         if status != RUNNING:
-            raise ApiError(409, f"rollout {rollout_id} is already {status}", "invalid_request_error",
-                           "rollout_finished")
+            raise rollout_finished(rollout_id, status)
         return replica
 
     async def _admitted(self, call: Call, state: Awaitable | None, handle: CallHandle) -> Reply | StreamSession:

@@ -68,6 +68,14 @@ def unauthorized(message: str = "Missing or unknown API key") -> ApiError:
     return ApiError(401, message, "invalid_request_error", "invalid_api_key")
 
 
+def rollout_not_found(rollout_id: str) -> ApiError:
+    return ApiError(404, f"no rollout {rollout_id}", "invalid_request_error", "rollout_not_found")
+
+
+def rollout_finished(rollout_id: str, status: str) -> ApiError:
+    return ApiError(409, f"rollout {rollout_id} is already {status}", "invalid_request_error", "rollout_finished")
+
+
 @dataclass
 class NewRollout:
     rollout_id: str
@@ -215,7 +223,7 @@ class RolloutRegistry:
         pipe.llen(self.keys.rollout_calls(rollout_id))
         h, calls = await pipe.execute()
         if not h:
-            raise ApiError(404, f"no rollout {rollout_id}", "invalid_request_error", "rollout_not_found")
+            raise rollout_not_found(rollout_id)
         return _state(rollout_id, h, int(calls))
 
     async def exists(self, rollout_id: str) -> bool:
@@ -233,10 +241,9 @@ class RolloutRegistry:
             fields += ["reason", reason]
         res = await self._finish(keys=[self.keys.rollout(rollout_id)], args=fields)
         if int(res[0]) == 0:
-            raise ApiError(404, f"no rollout {rollout_id}", "invalid_request_error", "rollout_not_found")
+            raise rollout_not_found(rollout_id)
         if int(res[0]) < 0:
-            raise ApiError(409, f"rollout {rollout_id} is already {res[1]}", "invalid_request_error",
-                           "rollout_finished")
+            raise rollout_finished(rollout_id, res[1])
         event = RolloutEvent(rollout_id=rollout_id, task_id=res[2], group_id=res[3], group_size=int(res[4] or 1),
                              status=status, reward=reward, finished_at=finished_at)
         # The status is final now: shield the rest so that a cancelled request still publishes the event.
@@ -260,10 +267,9 @@ class RolloutRegistry:
             if code == 1:
                 return {"rollout_id": rollout_id, "call_id": call_id, "reward": reward, "replaced": not int(res[2])}
             if code == 0:
-                raise ApiError(404, f"no rollout {rollout_id}", "invalid_request_error", "rollout_not_found")
+                raise rollout_not_found(rollout_id)
             if code == -1:
-                raise ApiError(409, f"rollout {rollout_id} is already {res[1]}", "invalid_request_error",
-                               "rollout_finished")
+                raise rollout_finished(rollout_id, res[1])
             # A stream's trace is written just after its last byte left: while calls of this rollout are
             # in flight here, the call may be one of them, recorded in a moment.
             left = deadline - time.monotonic()
