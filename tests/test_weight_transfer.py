@@ -563,8 +563,8 @@ async def test_scheduler_weight_push_wiring(tmp_path):
 
     from tether.common.broker import Keys
     from tether.common.grpc_server import channel, start_server
+    from tether.common.vllm_client import VLLMControl
     from tether.inference.control import InferenceServicer
-    from tether.inference.vllm_client import VLLMControl
     from tether.scheduler.run import Run, RunConfig, Stubs
     from tether.trainer.distributed import Dist
     from tether.trainer.main import TrainerSettings, build, weight_pusher

@@ -13,7 +13,7 @@ import time
 import grpc
 from prometheus_client import Gauge, Histogram
 
-from tether.inference.vllm_client import VLLMControl, VLLMError
+from tether.common.vllm_client import VLLMControl, VLLMError
 from tether.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 
 log = logging.getLogger(__name__)

@@ -31,12 +31,13 @@ locally: it refuses calls out of order without sending them, and after a failed 
 
 from __future__ import annotations
 
-import asyncio
 import enum
 import logging
 from typing import Any
 
 import httpx
+
+from tether.common.vllm_client import VLLMControl, VLLMError
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,7 @@ class WeightTransferClient:
         # only once the NCCL group is up: the timeout must cover a whole bucket transfer.
         self._own_http = http is None
         self.http = http or httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
+        self.control = VLLMControl(base_url, http=self.http)  # the dev-mode routes, on the same connection
         self.state = TransferState.IDLE
         self.updates_sent = 0  # update_weights calls that succeeded in the open session
 
@@ -197,23 +199,20 @@ class WeightTransferClient:
         await self._post("shutdown", "/shutdown_weight_transfer_engine")
         self.state = TransferState.IDLE
 
-    async def reset_prefix_cache(self, attempts: int = 50, delay_s: float = 0.1) -> None:
-        """Drop KV computed by the old weights (a weight update does not). vLLM answers success=false
-        while requests still hold blocks: retry."""
-        for _ in range(attempts):
-            if (await self._post("reset_prefix_cache", "/reset_prefix_cache")).get("success"):
-                return
-            await asyncio.sleep(delay_s)
-        raise WeightTransferError("reset_prefix_cache", "kept failing (requests still hold KV blocks)")
+    async def reset_prefix_cache(self) -> None:
+        """Drop KV computed by the old weights (a weight update does not)."""
+        try:
+            await self.control.reset_prefix_cache()
+        except VLLMError as exc:
+            raise WeightTransferError("reset_prefix_cache", str(exc)) from exc
 
     # -- read-only helpers ------------------------------------------------------------------------
 
     async def weight_version(self) -> str | None:
-        resp = await self.http.get("/weight_info")
-        if resp.status_code >= 400:
-            raise WeightTransferError("weight_info", f"GET /weight_info -> {resp.status_code}",
-                                      status=resp.status_code, detail=_error_detail(resp))
-        return resp.json().get("weight_version")
+        try:
+            return await self.control.weight_version()
+        except VLLMError as exc:
+            raise WeightTransferError("weight_info", str(exc)) from exc
 
     async def inference_world_size(self) -> int:
         """Number of inference workers (TP x PP x DP): the transfer group's world size is this + 1."""

@@ -1,4 +1,5 @@
-"""Async client for vLLM's dev-mode control endpoints (VLLM_SERVER_DEV_MODE=1)."""
+"""Async client for vLLM's dev-mode control endpoints (VLLM_SERVER_DEV_MODE=1): the inference adapter's,
+and the trainer's around a path-2 push."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ class VLLMError(RuntimeError):
 
 
 class VLLMControl:
-    def __init__(self, base_url: str, timeout_s: float = 300.0) -> None:
-        self.http = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
+    def __init__(self, base_url: str, timeout_s: float = 300.0, http: httpx.AsyncClient | None = None) -> None:
+        self.http = http or httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
 
     async def close(self) -> None:
         await self.http.aclose()
