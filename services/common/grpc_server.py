@@ -18,6 +18,17 @@ log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+_RUNNING_TO_END: set[asyncio.Task] = set()
+
+
+async def run_to_end(coro: Awaitable[Any]) -> Any:
+    """Await `coro` in its own task that a cancelled caller (a client that went away mid-RPC) does not
+    cancel: it runs to its end, held here until then (the loop keeps only weak references to tasks)."""
+    task = asyncio.ensure_future(coro)
+    _RUNNING_TO_END.add(task)
+    task.add_done_callback(_RUNNING_TO_END.discard)
+    return await asyncio.shield(task)
+
 
 class Health:
     """Health the service sets from its real state (all names at once)."""

@@ -13,6 +13,7 @@ import time
 import grpc
 from prometheus_client import Gauge, Histogram
 
+from tether.common.grpc_server import run_to_end
 from tether.common.vllm_client import VLLMControl, VLLMError
 from tether.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 
@@ -129,9 +130,8 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "checkpoint_dir is required")
         # Shielded: a caller that goes away mid-load (a killed scheduler) must not leave vLLM paused
         # with half its weights replaced.
-        load = asyncio.ensure_future(self._load(request.checkpoint_dir, request.version))
         try:
-            version = await asyncio.shield(load)
+            version = await run_to_end(self._load(request.checkpoint_dir, request.version))
         except (LoadFailed, VLLMError, OSError) as exc:
             log.error("weight load failed: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"weight load failed: {exc}")

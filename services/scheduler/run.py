@@ -237,12 +237,16 @@ class Run:
                 log.warning("after a path-2 push vLLM serves version %d, not %d; loading %s instead", served,
                             want, resp.checkpoint_dir)
             PUSH_FALLBACKS.inc()
-        loaded = await self.stubs.inference.LoadWeights(
-            inference_pb2.LoadWeightsRequest(checkpoint_dir=resp.checkpoint_dir, version=want))
-        if loaded.version != want:
-            raise RuntimeError(f"inference reports version {loaded.version}, expected {want}")
+        await self._load_checkpoint(resp.checkpoint_dir, want)
         self.push_path = "checkpoint" if self.cfg.weight_push == "checkpoint" else "checkpoint-fallback"
-        return loaded.version
+        return want
+
+    async def _load_checkpoint(self, checkpoint_dir: str, version: int) -> None:
+        """Path 1: inference reloads the checkpoint as a whole and must then report its version."""
+        loaded = await self.stubs.inference.LoadWeights(
+            inference_pb2.LoadWeightsRequest(checkpoint_dir=checkpoint_dir, version=version))
+        if loaded.version != version:
+            raise RuntimeError(f"inference reports version {loaded.version}, expected {version}")
 
     def write_metrics(self, record: dict[str, Any]) -> None:
         with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
@@ -318,9 +322,8 @@ class Run:
                                                                                  trainer.checkpoint_dir):
             log.info("inference serves version %d (%s), the trainer is at %d: loading %s", served.version,
                      served.checkpoint_dir or "pushed", trainer.weight_version, trainer.checkpoint_dir)
-            loaded = await self.stubs.inference.LoadWeights(inference_pb2.LoadWeightsRequest(
-                checkpoint_dir=trainer.checkpoint_dir, version=trainer.weight_version))
-            return loaded.version
+            await self._load_checkpoint(trainer.checkpoint_dir, trainer.weight_version)
+            return trainer.weight_version
         await self.stubs.inference.Resume(types_pb2.Empty())
         return served.version
 

@@ -32,6 +32,7 @@ import orjson
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
+from tether.common.grpc_server import run_to_end
 from tether.common.records import SampleRecord
 from tether.trainer import distributed
 from tether.trainer.distributed import Dist
@@ -470,9 +471,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     async def TrainStep(self, request, context):
         # Shielded: a caller that goes away (a killed scheduler) cancels this handler, never the step,
         # so the weights, the checkpoint and the step record cannot part ways.
-        step = asyncio.ensure_future(self._train(request))
         try:
-            record = await asyncio.shield(step)
+            record = await run_to_end(self._train(request))
         except NotReady as exc:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         except StepFailed as exc:
@@ -502,9 +502,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         if self.pusher is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "path 2 is off (TETHER_WEIGHT_PUSH=checkpoint): load the checkpoint instead")
-        push = asyncio.ensure_future(self._push(request.version))
         try:
-            resp = await asyncio.shield(push)  # a push cut off half-way would leave vLLM's session open
+            resp = await run_to_end(self._push(request.version))  # cut off half-way, vLLM's session stays open
         except (NotReady, TrainerBroken) as exc:
             PUSHES.labels("refused").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
