@@ -125,8 +125,10 @@ class Sequence:
     def min_weight_version(self) -> int:
         """The oldest policy version that sampled a trainable token of this sequence (the oldest
         call's version when none is left, 0 when empty)."""
-        return min((v for v, _, _ in self.version_spans()),
-                   default=min((v for spans in self.call_weight_spans for v, _, _ in spans), default=0))
+        return min(
+            (v for v, _, _ in self.version_spans()),
+            default=min((v for spans in self.call_weight_spans for v, _, _ in spans), default=0),
+        )
 
 
 @dataclass
