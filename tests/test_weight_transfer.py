@@ -353,14 +353,10 @@ class FakeVLLM:
 
         @app.post("/collective_rpc")
         def collective_rpc(method: str = Body(), kwargs: dict[str, Any] = Body()):  # noqa: B008
-            from safetensors.torch import load_file
-
             if method != "reload_weights" or self.active:
                 self._violation(f"collective_rpc {method} (weight update active: {self.active})")
             folder = kwargs["weights_path"]
-            loaded: dict[str, torch.Tensor] = {}
-            for f in sorted(Path(folder).glob("*.safetensors")):
-                loaded.update(load_file(f))
+            loaded = _checkpoint(folder)
             if folder in self.fail_reload:
                 name = next(iter(loaded))
                 self.weights[name] = loaded[name]

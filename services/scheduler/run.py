@@ -134,8 +134,9 @@ class Run:
         return {k: json.dumps(v) for k, v in self.state.items()}
 
     async def save_state(self, **changes: Any) -> None:
+        """Update the run state and write the changed fields (finish_step writes them all at once)."""
         self.state.update(changes)
-        await self.r.hset(self.keys.run, mapping=self._encoded())
+        await self.r.hset(self.keys.run, mapping={k: json.dumps(v) for k, v in changes.items()})
 
     async def load_state(self) -> dict[str, Any]:
         raw = await self.r.hgetall(self.keys.run)
