@@ -196,7 +196,9 @@ def trace_to_call(trace: Trace) -> tuple[Call | None, str | None]:
 
 def call_weight_spans(spans: Any, n: int) -> tuple[tuple[int, int, int], ...]:
     """A trace's weight spans as merge input: kept only when they are integer triples that cover its
-    n response tokens in order (anything else counts as "not reported": the call's version for all)."""
+    n response tokens in order (anything else counts as "not reported": the call's version for all).
+    The gateway records only such spans; this checks again because the trace store is durable and
+    outlives gateway versions (and anything with Redis access can write to it)."""
     try:
         out = tuple((int(v), int(a), int(b)) for v, a, b in spans or ())
     except (TypeError, ValueError):
