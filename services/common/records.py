@@ -56,6 +56,10 @@ class Trace:
     # response_token_ids, from vLLM (several spans when new weights arrived mid-call); [] when vLLM did
     # not say, and then every token counts as sampled by `weight_version`.
     weight_spans: list[list[int]] = field(default_factory=list)
+    # What the gateway did to the request on its way to vLLM, by what it concerned: e.g.
+    # {"ignored": ["context_management", ...]} for fields accepted without effect, tools it dropped,
+    # a max_tokens it applied. {} when it forwarded the request as sent.
+    adjustments: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)

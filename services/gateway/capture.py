@@ -118,6 +118,8 @@ class ChatRequest:
     # The client itself asked for these, so they stay in what it receives.
     wants_logprobs: bool
     wants_token_ids: bool
+    # What the gateway changed or ignored (Trace.adjustments).
+    adjustments: dict[str, Any] = field(default_factory=dict)
 
 
 def check_model(body: dict[str, Any], served_model: str) -> None:
@@ -412,14 +414,14 @@ class CompletionStreamCapture(StreamCapture):
 def build_trace(
     *, call_id: str, rollout_id: str, request: dict[str, Any], captured: Captured | None, error: str | None,
     http_status: int, weight_version: int, started_at: float, finished_at: float, latency_s: float,
-    upstream_latency_s: float, api: str = API_CHAT,
+    upstream_latency_s: float, api: str = API_CHAT, adjustments: dict[str, Any] | None = None,
 ) -> Trace:
     """The record of one call. A call with an error (or without token ids) is never a sample.
     `request` is the body as the client sent it, whichever API it spoke."""
     trace = Trace(call_id=call_id, rollout_id=rollout_id, api=api, request=request,
                   status="error" if error else "ok", weight_version=weight_version, started_at=started_at,
                   finished_at=finished_at, latency_s=latency_s, upstream_latency_s=upstream_latency_s,
-                  http_status=http_status, error=error)
+                  http_status=http_status, error=error, adjustments=adjustments or {})
     if captured is None:
         return trace
     trace.prompt_token_ids = captured.prompt_token_ids

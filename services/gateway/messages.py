@@ -71,6 +71,7 @@ class MessagesRequest:
     body: dict[str, Any]  # as the client sent it (recorded in the trace)
     stream: bool
     chat: dict[str, Any]  # the chat completions body sent to vLLM (without model and token-id flags)
+    adjustments: dict[str, Any] = field(default_factory=dict)  # Trace.adjustments
     stop_sequences: list[str] = field(default_factory=list)
 
 

@@ -383,7 +383,7 @@ class Proxy:
                             api=call.api.name, captured=captured, error=error, http_status=http_status,
                             weight_version=call.weight_version, started_at=call.started_at,
                             finished_at=time.time(), latency_s=time.perf_counter() - call.t0,
-                            upstream_latency_s=call.upstream_latency_s)
+                            upstream_latency_s=call.upstream_latency_s, adjustments=call.req.adjustments)
         # Shallow on purpose: Trace.to_dict's field walk is the same, without its call overhead.
         record = {name: getattr(trace, name) for name in _TRACE_FIELDS}
         record["weight_version_end"] = self.admission.weight_version

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -57,6 +57,7 @@ class ResponsesRequest:
     body: dict[str, Any]  # as the client sent it (recorded in the trace)
     stream: bool
     chat: dict[str, Any]  # the chat completions body sent to vLLM (without model and token-id flags)
+    adjustments: dict[str, Any] = field(default_factory=dict)  # Trace.adjustments
     wants_logprobs: bool = False
 
 
