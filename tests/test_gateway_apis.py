@@ -204,7 +204,10 @@ def test_messages_request_translates_to_chat():
                                                     "description": "add two numbers"}}],
         "tool_choice": "auto", "parallel_tool_calls": False,
         "response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}},
+        "chat_template_kwargs": {"enable_thinking": False},
     }
+    assert req.adjustments == {"chat_template_kwargs": {"enable_thinking": False},
+                               "ignored": ["cache_control", "inference_geo", "metadata", "output_config.effort"]}
     # A tool-only assistant turn has no content, as OpenAI clients send it.
     req = parse_messages_request(raw({"max_tokens": 1, "tools": [TOOL], "tool_choice": {"type": "tool", "name": "add"},
                                       "messages": [{"role": "assistant", "content": [
@@ -222,23 +225,25 @@ def test_messages_request_translates_to_chat():
     ({"max_tokens": "5", "messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
     ({"max_tokens": 5}, "messages"),
     ({"max_tokens": 5, "messages": []}, "messages"),
-    ({"max_tokens": 5, "messages": [{"role": "system", "content": "x"}]}, "messages.0.role"),
+    ({"max_tokens": 5, "messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"max_tokens": 5, "messages": [{"role": "system", "content": [{"type": "image"}]}]}, "messages.0.content.0"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": 3}]}, "messages.0.content"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "document"}]}]}, "messages.0.content.0.type"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"text": "no type"}]}]}, "messages.0.content.0"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "text", "text": 1}]}]},
      "messages.0.content.0.text"),
-    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "thinking", "thinking": "hm"}]}]},
+    ({"max_tokens": 5, "messages": [{"role": "assistant", "content": [{"type": "server_tool_use", "id": "s"}]}]},
      "messages.0.content.0.type"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "tool_result"}]}]},
      "messages.0.content.0.tool_use_id"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "container": "c"}, "container"),
-    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "thinking": {"type": "enabled",
-                                                                                     "budget_tokens": 1024}},
-     "thinking"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "thinking": "on"}, "thinking"),
+    ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "output_config": {"verbosity": "low"}},
+     "output_config.verbosity"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "web_search_20250305",
-                                                                                 "name": "web_search"}]},
-     "tools.0.type"),
+                                                                                 "name": "web_search"}],
+      "tool_choice": {"type": "tool", "name": "web_search"}},
+     "tool_choice.name"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "stop_sequences": "STOP"}, "stop_sequences"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "temperature"),
     ({"max_tokens": 5, "messages": [{"role": "user", "content": "x"}], "system": 5}, "system"),
@@ -384,7 +389,9 @@ def test_responses_request_translates_to_chat():
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "prompt": {"id": "p"}}, "prompt"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0.type"),
+    ({"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function"}]}]},
+     "tools.0.tools.0.name"),
+    ({"input": "x", "tools": [{"type": "namespace", "tools": []}]}, "tools.0.name"),
     ({"input": "x", "tools": [{"type": "function"}]}, "tools.0.name"),
     ({"input": "x", "tool_choice": {"type": "allowed_tools"}}, "tool_choice.type"),
     ({"input": "x", "tool_choice": "sometimes"}, "tool_choice"),
@@ -393,7 +400,8 @@ def test_responses_request_translates_to_chat():
     ({"input": "x", "instructions": ["a"]}, "instructions"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input.0.role"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input.0.type"),
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "apply_patch"}]}, "input.0.input"),
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input.0.content.0.type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input.0.content.0.file_id"),
     ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": {}}]}, "input.0.arguments"),
@@ -801,7 +809,7 @@ def test_responses_errors(gw, rdb):
         client.responses.create(model=MODEL, input="x", previous_response_id="resp_123")
     assert exc.value.body["code"] == "unsupported_parameter" and exc.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError, match="web_search"):
-        client.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
+        client.responses.create(model=MODEL, input="x", tool_choice={"type": "web_search_preview"})
     with pytest.raises(openai.NotFoundError):
         client.responses.create(model="gpt-5", input="x")
     with pytest.raises(openai.NotFoundError, match="stores no responses"):  # so nothing can be fetched

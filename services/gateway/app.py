@@ -438,6 +438,12 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
 
     # --- operations ----------------------------------------------------------------------------
 
+    # Claude Code probes its base URL with HEAD before its first call.
+    @app.head("/")
+    @app.head("/rollouts/{rollout_id}")
+    async def probe(rollout_id: str | None = None) -> Response:
+        return Response(status_code=200)
+
     @app.get("/health")
     async def health() -> Response:
         try:

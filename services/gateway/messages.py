@@ -7,11 +7,25 @@ chunks into Anthropic's event sequence (message_start, content_block_start, cont
 content_block_stop, message_delta, message_stop). Errors on these routes use Anthropic's shape
 (`anthropic_error_body`). No I/O here; apis.py wires these into the proxy.
 
-What maps: system -> a system message; text blocks -> content; tool_use -> assistant tool_calls;
-tool_result -> tool messages; images (base64 or url) -> image_url parts; max_tokens, temperature,
-top_p, top_k, stop_sequences, tools, tool_choice, output_config.format (a JSON schema). What does not
-(400, naming it): thinking, server tools, documents, and any request field not in `_TRANSLATED` or
-`_IGNORED`.
+What maps: system, and `role: "system"` entries inside `messages` (Claude Code sends agent lists and
+reminders mid-conversation), -> system messages in place; text blocks -> content; tool_use -> assistant
+tool_calls; tool_result -> tool messages; images (base64 or url) -> image_url parts; max_tokens,
+temperature, top_p, top_k, stop_sequences, custom tools, tool_choice, output_config.format (a JSON
+schema); `thinking` -> the chat template's reasoning switch, `chat_template_kwargs.enable_thinking`
+(true for `enabled` and `adaptive`, false for `disabled`; vLLM drops kwargs a template does not use, so
+this is a no-op for templates without the switch).
+
+What is accepted with no effect, and recorded in Trace.adjustments (what Claude Code sends as shipped):
+`metadata`, `context_management` (no server-side context edits happen here: the agent's `messages` are
+the prompt), `output_config.effort`, `thinking.budget_tokens`, `cache_control` on any block or tool,
+service hints (`service_tier`, `inference_geo`, ...) -> "ignored"; thinking / redacted_thinking blocks of
+earlier assistant turns (their signatures are Anthropic's; the gateway never emits them) ->
+"dropped_blocks"; server tools (`web_search_*`, `code_execution_*`, `bash_*`, ...: Anthropic runs or
+defines them, vLLM cannot) -> "dropped_tools". Headers such as `anthropic-beta` are not read at all.
+
+What does not map (400, naming it): documents, server tool results, a tool_choice naming a dropped tool,
+and any request field not in `_TRANSLATED` or `_IGNORED` (an unknown field may change generation, so it
+is refused rather than silently lost).
 """
 
 from __future__ import annotations
@@ -39,15 +53,21 @@ from tether.gateway.capture import (
 # Request fields that are translated, and those accepted but with no effect here.
 _TRANSLATED = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
                "top_k", "tools", "tool_choice", "thinking", "output_config"}
-# Accepted with no effect: routing, caching and attribution hints of Anthropic's service.
+# Accepted with no effect: routing, caching, attribution and context-editing hints of Anthropic's service.
 _IGNORED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "diagnostics", "user_profile_id",
-            "workspace_id"}
+            "workspace_id", "context_management"}
 _KNOWN = _TRANSLATED | _IGNORED
 _UNSUPPORTED_HINTS = {
     "container": "no code-execution containers here",
     "mcp_servers": "the gateway does not call MCP servers",
-    "context_management": "send the whole conversation in 'messages'",
 }
+# Anthropic custom tools carry no type or this one; every other type names a server (or Anthropic-defined)
+# tool, which only Anthropic's service can run or describe.
+_CUSTOM_TOOL = "custom"
+# Blocks of earlier assistant turns that are Anthropic's own reasoning record (signed or encrypted).
+_DROPPED_BLOCKS = ("thinking", "redacted_thinking")
+_THINKING_ON = {"enabled": True, "adaptive": True, "disabled": False}
+_OUTPUT_CONFIG = {"format", "effort"}
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
@@ -103,18 +123,18 @@ def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
     raise unsupported([f"{where}.source.type"], f"image source '{source.get('type')}' (use base64 or url)")
 
 
-def _system(system: Any) -> str | list[dict[str, Any]] | None:
+def _system(system: Any, where: str = "system") -> str | list[dict[str, Any]] | None:
     if system is None:
         return None
     if isinstance(system, str):
         return system
     if not isinstance(system, list):
-        raise invalid("system", "must be a string or an array of text blocks")
+        raise invalid(where, "must be a string or an array of text blocks")
     texts = []
     for i, block in enumerate(system):
         if not isinstance(block, dict) or block.get("type") != "text":
-            raise invalid(f"system.{i}", "must be a text block")
-        texts.append({"type": "text", "text": _text_of(block, f"system.{i}")})
+            raise invalid(f"{where}.{i}", "must be a text block")
+        texts.append({"type": "text", "text": _text_of(block, f"{where}.{i}")})
     return _parts(texts) if texts else None
 
 
@@ -171,13 +191,16 @@ def _user_messages(content: list[Any], where: str) -> list[dict[str, Any]]:
     return out
 
 
-def _assistant_message(content: list[Any], where: str) -> dict[str, Any]:
+def _assistant_message(content: list[Any], where: str, dropped: dict[str, int]) -> dict[str, Any] | None:
+    """The chat message of an assistant turn; None when it held only dropped blocks."""
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     for j, block in enumerate(content):
         at = f"{where}.{j}"
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
+        if kind in _DROPPED_BLOCKS:
+            dropped[kind] = dropped.get(kind, 0) + 1
+        elif kind == "text":
             texts.append(_text_of(block, at))
         elif kind == "tool_use":
             call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
@@ -193,13 +216,15 @@ def _assistant_message(content: list[Any], where: str) -> dict[str, Any]:
             raise invalid(at, "must be a content block object with a 'type'")
         else:
             raise unsupported([f"{at}.type"], f"content block '{kind}' in an assistant message")
+    if not texts and not calls and content:
+        return None
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
     if calls:
         msg["tool_calls"] = calls
     return msg
 
 
-def _chat_messages(messages: Any) -> list[dict[str, Any]]:
+def _chat_messages(messages: Any, dropped: dict[str, int]) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise invalid("messages", "must be a non-empty array")
     out: list[dict[str, Any]] = []
@@ -208,8 +233,13 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise invalid(where, "must be an object")
         role, content = m.get("role"), m.get("content")
-        if role not in ("user", "assistant"):
-            raise invalid(f"{where}.role", "must be 'user' or 'assistant'")
+        if role not in ("user", "assistant", "system"):
+            raise invalid(f"{where}.role", "must be 'user', 'assistant' or 'system'")
+        if role == "system":
+            # In place, not hoisted into the leading system prompt: the agent put it where the model
+            # should read it, and moving it would change every later prompt's prefix.
+            out.append({"role": "system", "content": _system(content, f"{where}.content") or ""})
+            continue
         if isinstance(content, str):
             out.append({"role": role, "content": content})
             continue
@@ -217,22 +247,23 @@ def _chat_messages(messages: Any) -> list[dict[str, Any]]:
             raise invalid(f"{where}.content", "must be a string or an array of content blocks")
         if role == "user":
             out.extend(_user_messages(content, f"{where}.content"))
-        else:
-            out.append(_assistant_message(content, f"{where}.content"))
+        elif (msg := _assistant_message(content, f"{where}.content", dropped)) is not None:
+            out.append(msg)
     return out
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
+def _tools(tools: Any, dropped: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Custom tools as chat functions; server tools are left out and listed in `dropped`."""
     if not isinstance(tools, list):
         raise invalid("tools", "must be an array")
     out = []
     for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
             raise invalid(f"tools.{i}", "must be an object")
-        kind = tool.get("type", "custom")
-        if kind != "custom":
-            raise unsupported([f"tools.{i}.type"], f"server tool '{kind}'; only custom tools (name, "
-                              "description, input_schema) can be forwarded")
+        kind = tool.get("type") or _CUSTOM_TOOL
+        if kind != _CUSTOM_TOOL:
+            dropped.append({"type": kind, "name": tool.get("name")})
+            continue
         name = tool.get("name")
         if not isinstance(name, str) or not name:
             raise invalid(f"tools.{i}.name", "must be a non-empty string")
@@ -268,19 +299,47 @@ def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
     raise invalid("tool_choice.type", "must be one of 'auto', 'any', 'tool', 'none'")
 
 
-def _request_fields(body: dict[str, Any]) -> None:
-    reject_unknown_fields(body, _KNOWN, _UNSUPPORTED_HINTS,
-                          "this gateway translates Messages to chat completions")
-    thinking = body.get("thinking")
-    if thinking is not None and not (isinstance(thinking, dict) and thinking.get("type") == "disabled"):
-        raise unsupported(["thinking"], "extended thinking is not available through this gateway")
+def _thinking(thinking: Any, ignored: set[str]) -> bool | None:
+    """The template's enable_thinking for Anthropic's `thinking`, None to leave the template's default.
+    A thinking type this gateway does not know yet is a hint, not an error: Claude Code sends whatever
+    its own release knows."""
+    if thinking is None:
+        return None
+    if not isinstance(thinking, dict):
+        raise invalid("thinking", "must be an object with a 'type'")
+    if thinking.get("budget_tokens") is not None:
+        ignored.add("thinking.budget_tokens")  # a template switch has no budget
+    enable = _THINKING_ON.get(thinking.get("type"))
+    if enable is None:
+        ignored.add("thinking")
+    return enable
 
 
-def _response_format(config: Any) -> dict[str, Any] | None:
+def _uses_cache_control(body: dict[str, Any]) -> bool:
+    """Whether any system block, tool or content block (tool_result contents too) carries cache_control."""
+    blocks: list[Any] = []
+    for key in ("system", "tools"):
+        if isinstance(body.get(key), list):
+            blocks += body[key]
+    for m in body.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):
+            blocks += content
+            blocks += [part for b in content if isinstance(b, dict) and isinstance(b.get("content"), list)
+                       for part in b["content"]]
+    return any(isinstance(b, dict) and "cache_control" in b for b in blocks)
+
+
+def _response_format(config: Any, ignored: set[str]) -> dict[str, Any] | None:
     """output_config: `format` (a JSON schema) maps to chat's response_format; `effort` is a hint
     with no chat equivalent for most models, so it is ignored."""
     if not isinstance(config, dict):
         raise invalid("output_config", "must be an object")
+    if extra := sorted(set(config) - _OUTPUT_CONFIG):
+        raise unsupported([f"output_config.{k}" for k in extra], "this gateway translates Messages to chat "
+                          "completions")
+    if config.get("effort") is not None:
+        ignored.add("output_config.effort")
     fmt = config.get("format")
     if fmt is None:
         return None
@@ -293,13 +352,18 @@ def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
     """Validate an Anthropic Messages request and translate it to a chat completions body."""
     body = load_json_object(raw)
     check_model(body, served_model)
-    _request_fields(body)
+    reject_unknown_fields(body, _KNOWN, _UNSUPPORTED_HINTS, "this gateway translates Messages to chat completions")
     stream = check_stream(body)
     max_tokens = number_field(body, "max_tokens", integer=True)
     if max_tokens is None or max_tokens < 1:
         raise invalid("max_tokens", "is required and must be an integer >= 1")
+    ignored = {k for k in body if k in _IGNORED}
+    if _uses_cache_control(body):
+        ignored.add("cache_control")
+    dropped_blocks: dict[str, int] = {}
+    dropped_tools: list[dict[str, Any]] = []
 
-    messages = _chat_messages(body.get("messages"))
+    messages = _chat_messages(body.get("messages"), dropped_blocks)
     system = _system(body.get("system"))
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
@@ -316,18 +380,33 @@ def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
         if stops:
             chat["stop"] = stops
     if body.get("tools") is not None:
-        tools = _tools(body["tools"])
+        tools = _tools(body["tools"], dropped_tools)
         if tools:
             chat["tools"] = tools
     if body.get("tool_choice") is not None:
         choice, parallel = _tool_choice(body["tool_choice"])
+        if isinstance(choice, dict) and choice["function"]["name"] in {t.get("name") for t in dropped_tools}:
+            raise unsupported(["tool_choice.name"], f"tool '{choice['function']['name']}' is a server tool, "
+                              "which this gateway cannot run")
         if "tools" in chat or choice == "none":
             chat["tool_choice"] = choice
         if parallel is not None and "tools" in chat:
             chat["parallel_tool_calls"] = parallel
-    if body.get("output_config") is not None and (fmt := _response_format(body["output_config"])) is not None:
+    if body.get("output_config") is not None and (
+            fmt := _response_format(body["output_config"], ignored)) is not None:
         chat["response_format"] = fmt
-    return MessagesRequest(body=body, stream=stream, chat=chat, stop_sequences=list(stops or []))
+    adjustments: dict[str, Any] = {}
+    if (enable := _thinking(body.get("thinking"), ignored)) is not None:
+        chat["chat_template_kwargs"] = {"enable_thinking": enable}
+        adjustments["chat_template_kwargs"] = {"enable_thinking": enable}
+    if ignored:
+        adjustments["ignored"] = sorted(ignored)
+    if dropped_tools:
+        adjustments["dropped_tools"] = dropped_tools
+    if dropped_blocks:
+        adjustments["dropped_blocks"] = dropped_blocks
+    return MessagesRequest(body=body, stream=stream, chat=chat, adjustments=adjustments,
+                           stop_sequences=list(stops or []))
 
 
 def parse_count_tokens_request(raw: bytes, served_model: str) -> dict[str, Any]:
@@ -337,8 +416,9 @@ def parse_count_tokens_request(raw: bytes, served_model: str) -> dict[str, Any]:
     body.pop("stream", None)
     req = parse_messages_request(orjson.dumps(body), served_model)
     out = {"messages": req.chat["messages"], "add_generation_prompt": True}
-    if "tools" in req.chat:
-        out["tools"] = req.chat["tools"]
+    for key in ("tools", "chat_template_kwargs"):  # both change the rendered prompt
+        if key in req.chat:
+            out[key] = req.chat[key]
     return out
 
 

@@ -9,8 +9,29 @@ response.output_text.done, response.content_part.done, response.output_item.done
 function_call_arguments events, and response.completed or response.incomplete). No I/O here.
 
 The gateway stores no responses: `previous_response_id` and `conversation` are answered 400 (send
-the whole conversation in `input`), and `store` is accepted but nothing is stored. Function tools
-map to chat tools; hosted tools (web search, file search, computer use, MCP, ...) are refused.
+the whole conversation in `input`), and `store` is accepted but nothing is stored.
+
+Tools (what Codex sends as shipped): function tools map to chat tools; a `namespace` tool (Codex groups
+its multi-agent and MCP tools so) is unwrapped into its function members, and a call of one goes back as
+a function_call item with its `namespace`, which is how Codex finds the handler; a freeform `custom` tool
+(apply_patch with a Lark grammar, when a model is configured for it) becomes a function of one string
+argument `input`, with the grammar in its description, and its calls go back as `custom_tool_call`
+items, so Codex runs them as it would against OpenAI; history items `custom_tool_call` /
+`custom_tool_call_output` map the same way. Tools only OpenAI's service runs (web_search, file_search,
+code_interpreter, image_generation, computer_use*, mcp, local_shell, tool_search, ...) are left out and
+listed in Trace.adjustments "dropped_tools" instead of failing the call: Codex always sends web_search,
+and the model can still answer without it.
+
+Accepted with no effect, listed in adjustments "ignored": store, prompt_cache_key, client_metadata,
+metadata, include entries other than output-text logprobs (e.g. reasoning.encrypted_content: no
+encrypted reasoning exists here), reasoning.summary (effort maps to chat's reasoning_effort).
+History items only OpenAI can read (reasoning with encrypted_content, compaction, hosted tool calls) are
+left out, counted in adjustments "dropped_items". Any other unknown field or item type is a 400
+naming it.
+
+Streams end with response.completed carrying usage (input/output/total tokens), which Codex requires;
+a length cut ends with response.incomplete, as OpenAI's does (Codex then fails the turn with
+"Incomplete response returned, reason: max_output_tokens").
 """
 
 from __future__ import annotations
@@ -39,9 +60,10 @@ from tether.gateway.capture import (
 _TRANSLATED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
                "tools", "tool_choice", "parallel_tool_calls", "text", "top_logprobs", "include", "reasoning",
                "previous_response_id", "conversation", "background"}
-# Accepted with no effect: bookkeeping this gateway does not keep (it stores nothing).
+# Accepted with no effect: bookkeeping this gateway does not keep (it stores nothing) and hints of
+# OpenAI's service (caching, attribution, Codex's session and turn ids).
 _IGNORED = {"store", "metadata", "user", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
-            "stream_options", "prompt_cache_retention"}
+            "stream_options", "prompt_cache_retention", "client_metadata"}
 _KNOWN = _TRANSLATED | _IGNORED
 _UNSUPPORTED_HINTS = {
     "prompt": "stored prompts live on OpenAI's servers; send 'instructions' and 'input'",
@@ -50,6 +72,24 @@ _UNSUPPORTED_HINTS = {
 }
 _NO_STATE = "this gateway stores no responses or conversations; send the whole conversation in 'input'"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# History items that are the record of something only OpenAI's service ran or can read: reasoning (its
+# encrypted_content), hosted tool calls, remote compaction. vLLM gets the conversation without them.
+_DROPPED_ITEMS = {"reasoning", "compaction", "compaction_summary", "web_search_call", "file_search_call",
+                  "image_generation_call", "code_interpreter_call", "computer_call", "computer_call_output",
+                  "local_shell_call", "local_shell_call_output", "mcp_call", "mcp_list_tools",
+                  "mcp_approval_request", "mcp_approval_response", "tool_search_call", "tool_search_output"}
+# The one string argument a freeform (custom) tool's text travels in as a chat function call.
+CUSTOM_INPUT = "input"
+
+
+@dataclass(frozen=True)
+class ClientTool:
+    """What a chat function stands for when it is not a plain top-level function tool: a member of a
+    namespace tool, or a freeform (custom) tool whose text is the `input` argument."""
+
+    name: str
+    namespace: str | None = None
+    custom: bool = False
 
 
 @dataclass
@@ -59,6 +99,7 @@ class ResponsesRequest:
     chat: dict[str, Any]  # the chat completions body sent to vLLM (without model and token-id flags)
     adjustments: dict[str, Any] = field(default_factory=dict)  # Trace.adjustments
     wants_logprobs: bool = False
+    tools: dict[str, ClientTool] = field(default_factory=dict)  # chat function name -> what it stands for
 
 
 # --- request: Responses -> chat ------------------------------------------------------------------
@@ -112,17 +153,28 @@ def _function_output(output: Any, where: str) -> str | list[dict[str, Any]]:
     raise invalid(where, "must be a string or an array of content parts")
 
 
-def _input_messages(items: Any) -> list[dict[str, Any]]:
+def _call(call_id: Any, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _input_messages(items: Any, names: dict[tuple[str | None, str], str], dropped: dict[str, int]) -> list[dict[str, Any]]:
+    """Chat messages for the input items; `names` maps (namespace, name) of a call to its chat function,
+    `dropped` counts the items left out, by type."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise invalid("input", "must be a non-empty string or a non-empty array of input items")
     out: list[dict[str, Any]] = []
+    after_assistant = False  # the last item kept was an assistant message or a call: calls join it
     for i, item in enumerate(items):
         where = f"input.{i}"
         if not isinstance(item, dict):
             raise invalid(where, "must be an object")
         kind = item.get("type", "message")
+        call: dict[str, Any] | None = None
+        if kind in _DROPPED_ITEMS:
+            dropped[kind] = dropped.get(kind, 0) + 1
+            continue
         if kind == "message":
             role = item.get("role")
             if role not in ("user", "assistant", "system", "developer"):
@@ -133,69 +185,126 @@ def _input_messages(items: Any) -> list[dict[str, Any]]:
             else:
                 # Chat templates know system, not developer: the two mean the same here.
                 out.append({"role": "system" if role == "developer" else role, "content": content})
-        elif kind == "function_call":
-            call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments")
-            for field_name, value in (("call_id", call_id), ("name", name)):
-                if not isinstance(value, str) or not value:
-                    raise invalid(f"{where}.{field_name}", "must be a non-empty string")
+            after_assistant = role == "assistant"
+            continue
+        if kind == "function_call":
+            call_id, name, args = _required(item, where, "call_id", "name"), item.get("name"), item.get("arguments")
             if not isinstance(args, str):
                 raise invalid(f"{where}.arguments", "must be a string (JSON)")
-            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+            namespace = item.get("namespace") if isinstance(item.get("namespace"), str) else None
+            call = _call(call_id, names.get((namespace, name), name), args)
+        elif kind == "custom_tool_call":
+            call_id, name, text = _required(item, where, "call_id", "name"), item.get("name"), item.get("input")
+            if not isinstance(text, str):
+                raise invalid(f"{where}.input", "must be a string")
+            call = _call(call_id, names.get((None, name), name), orjson.dumps({CUSTOM_INPUT: text}).decode())
+        elif kind in ("function_call_output", "custom_tool_call_output"):
+            call_id = _required(item, where, "call_id")
+            out.append({"role": "tool", "tool_call_id": call_id,
+                        "content": _function_output(item.get("output"), f"{where}.output")})
+        else:
+            raise unsupported([f"{where}.type"], f"input item '{kind}'")
+        if call is not None:
             # Calls of one turn join the assistant message they follow.
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant" and (
-                    last.get("tool_calls") or _follows_message(items, i)):
+            if last is not None and last["role"] == "assistant" and after_assistant:
                 last.setdefault("tool_calls", []).append(call)
                 if not last["content"]:
                     last["content"] = None
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
-            call_id = item.get("call_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise invalid(f"{where}.call_id", "must be a non-empty string")
-            out.append({"role": "tool", "tool_call_id": call_id,
-                        "content": _function_output(item.get("output"), f"{where}.output")})
-        else:
-            raise unsupported([f"{where}.type"], f"input item '{kind}'")
+        after_assistant = call is not None
     return out
 
 
-def _follows_message(items: list[Any], i: int) -> bool:
-    prev = items[i - 1]
-    return isinstance(prev, dict) and prev.get("type", "message") == "message" and prev.get("role") == "assistant"
+def _required(item: dict[str, Any], where: str, *names: str) -> Any:
+    """The first of `names` after checking each is a non-empty string."""
+    for name in names:
+        if not isinstance(item.get(name), str) or not item[name]:
+            raise invalid(f"{where}.{name}", "must be a non-empty string")
+    return item[names[0]]
 
 
-def _tools(tools: Any) -> list[dict[str, Any]]:
+def _function(name: str, tool: dict[str, Any], parameters: Any) -> dict[str, Any]:
+    fn: dict[str, Any] = {"name": name, "parameters": parameters or {"type": "object"}}
+    if isinstance(tool.get("description"), str):
+        fn["description"] = tool["description"]
+    if isinstance(tool.get("strict"), bool):
+        fn["strict"] = tool["strict"]
+    return {"type": "function", "function": fn}
+
+
+def _custom_function(name: str, tool: dict[str, Any]) -> dict[str, Any]:
+    """A freeform tool as a function of one string: chat templates and tool parsers only know JSON
+    arguments. Its grammar (e.g. Codex's apply_patch Lark grammar) goes into the description, where the
+    model can read what the text must look like; nothing enforces it."""
+    description = tool.get("description") if isinstance(tool.get("description"), str) else ""
+    fmt = tool.get("format") if isinstance(tool.get("format"), dict) else {}
+    if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
+        syntax = fmt.get("syntax") if isinstance(fmt.get("syntax"), str) else "grammar"
+        description = f"{description}\n\nThe input must match this {syntax} grammar:\n{fmt['definition']}".strip()
+    schema = {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}}, "required": [CUSTOM_INPUT],
+              "additionalProperties": False}
+    fn = {"name": name, "parameters": schema}
+    if description:
+        fn["description"] = description
+    return {"type": "function", "function": fn}
+
+
+def _tools(tools: Any, dropped: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, ClientTool]]:
+    """Chat functions for function tools, the members of namespace tools and freeform tools, and what
+    each chat name stands for where it is not a plain function. Tools only OpenAI's service can run
+    (web search, file search, code interpreter, MCP, local shell, ...) are listed in `dropped`.
+
+    A namespace member keeps its own name unless another tool has it too, then it becomes
+    `{namespace}__{name}`: the model sees flat names either way, and the mapping back depends only on the
+    request's tool list, so every turn of an agent renders the same tool names."""
     if not isinstance(tools, list):
         raise invalid("tools", "must be an array")
-    out = []
+    members: list[tuple[str, dict[str, Any], str | None, str]] = []  # (where, tool, namespace, kind)
     for i, tool in enumerate(tools):
+        where = f"tools.{i}"
         if not isinstance(tool, dict):
-            raise invalid(f"tools.{i}", "must be an object")
-        if tool.get("type") != "function":
-            raise unsupported([f"tools.{i}.type"], f"tool type '{tool.get('type')}'; only function tools "
-                              "can be forwarded")
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise invalid(f"tools.{i}.name", "must be a non-empty string")
-        fn: dict[str, Any] = {"name": name, "parameters": tool.get("parameters") or {"type": "object"}}
-        if isinstance(tool.get("description"), str):
-            fn["description"] = tool["description"]
-        if isinstance(tool.get("strict"), bool):
-            fn["strict"] = tool["strict"]
-        out.append({"type": "function", "function": fn})
-    return out
+            raise invalid(where, "must be an object")
+        kind = tool.get("type")
+        if kind == "namespace":
+            namespace = _required(tool, where, "name")
+            if not isinstance(tool.get("tools"), list):
+                raise invalid(f"{where}.tools", "must be an array")
+            for j, member in enumerate(tool["tools"]):
+                if not isinstance(member, dict):
+                    raise invalid(f"{where}.tools.{j}", "must be an object")
+                if member.get("type") in ("function", "custom"):
+                    members.append((f"{where}.tools.{j}", member, namespace, member["type"]))
+                else:
+                    dropped.append({"type": member.get("type"), "name": member.get("name"), "namespace": namespace})
+        elif kind in ("function", "custom"):
+            members.append((where, tool, None, kind))
+        else:
+            dropped.append({"type": kind, "name": tool.get("name")})
+    counts: dict[str, int] = {}
+    for where, tool, _, _ in members:
+        name = _required(tool, where, "name")
+        counts[name] = counts.get(name, 0) + 1
+    out, client = [], {}
+    for _, tool, namespace, kind in members:
+        name = tool["name"]
+        chat_name = f"{namespace}__{name}" if namespace is not None and counts[name] > 1 else name
+        custom = kind == "custom"
+        if namespace is not None or custom:
+            client[chat_name] = ClientTool(name, namespace, custom)
+        out.append(_custom_function(chat_name, tool) if custom else _function(chat_name, tool, tool.get("parameters")))
+    return out, client
 
 
-def _tool_choice(choice: Any) -> Any:
+def _tool_choice(choice: Any, names: dict[tuple[str | None, str], str]) -> Any:
     if choice in ("auto", "none", "required"):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         name = choice.get("name")
         if not isinstance(name, str) or not name:
             raise invalid("tool_choice.name", "must be a non-empty string")
-        return {"type": "function", "function": {"name": name}}
+        return {"type": "function", "function": {"name": names.get((None, name), name)}}
     if isinstance(choice, dict):
         raise unsupported(["tool_choice.type"], f"tool_choice '{choice.get('type')}'")
     raise invalid("tool_choice", "must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}")
@@ -242,7 +351,12 @@ def parse_responses_request(raw: bytes, served_model: str) -> ResponsesRequest:
     check_model(body, served_model)
     _check_fields(body)
     stream = check_stream(body)
-    messages = _input_messages(body.get("input"))
+    ignored = {k for k in body if k in _IGNORED and body[k] is not None}
+    dropped_tools: list[dict[str, Any]] = []
+    tools, client_tools = _tools(body["tools"], dropped_tools) if body.get("tools") is not None else ([], {})
+    names = {(t.namespace, t.name): chat_name for chat_name, t in client_tools.items()}
+    dropped_items: dict[str, int] = {}
+    messages = _input_messages(body.get("input"), names, dropped_items)
     instructions = body.get("instructions")
     if instructions is not None:
         if not isinstance(instructions, str):
@@ -257,12 +371,10 @@ def parse_responses_request(raw: bytes, served_model: str) -> ResponsesRequest:
     for name in ("temperature", "top_p"):
         if (value := number_field(body, name)) is not None:
             chat[name] = value
-    if body.get("tools") is not None:
-        tools = _tools(body["tools"])
-        if tools:
-            chat["tools"] = tools
+    if tools:
+        chat["tools"] = tools
     if body.get("tool_choice") is not None:
-        choice = _tool_choice(body["tool_choice"])
+        choice = _tool_choice(body["tool_choice"], names)
         if "tools" in chat or choice == "none":
             chat["tool_choice"] = choice
     parallel = body.get("parallel_tool_calls")
@@ -279,13 +391,34 @@ def parse_responses_request(raw: bytes, served_model: str) -> ResponsesRequest:
             raise invalid("reasoning", "must be an object")
         if reasoning.get("effort") is not None:
             chat["reasoning_effort"] = reasoning["effort"]
+        # Summaries of reasoning are written by OpenAI's service; the reasoning itself stays in the tokens.
+        ignored.update(f"reasoning.{k}" for k, v in reasoning.items() if k != "effort" and v is not None)
     include = body.get("include")
     if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
         raise invalid("include", "must be an array of strings")
     wants_logprobs = LOGPROBS_INCLUDE in (include or ())
+    if any(x != LOGPROBS_INCLUDE for x in include or ()):
+        ignored.add("include")  # e.g. reasoning.encrypted_content: there is no encrypted reasoning here
     if (top := number_field(body, "top_logprobs", integer=True)) is not None:
         chat["top_logprobs"] = top
-    return ResponsesRequest(body=body, stream=stream, chat=chat, wants_logprobs=wants_logprobs)
+    adjustments: dict[str, Any] = {}
+    if ignored:
+        adjustments["ignored"] = sorted(ignored)
+    if dropped_tools:
+        adjustments["dropped_tools"] = dropped_tools
+    if dropped_items:
+        adjustments["dropped_items"] = dropped_items
+    if client_tools:
+        adjustments["renamed_tools"] = {chat_name: _qualified(t) for chat_name, t in client_tools.items()
+                                        if chat_name != t.name}
+        adjustments["custom_tools"] = sorted(t.name for t in client_tools.values() if t.custom)
+        adjustments = {k: v for k, v in adjustments.items() if v}
+    return ResponsesRequest(body=body, stream=stream, chat=chat, adjustments=adjustments,
+                            wants_logprobs=wants_logprobs, tools=client_tools)
+
+
+def _qualified(tool: ClientTool) -> str:
+    return f"{tool.namespace}.{tool.name}" if tool.namespace else tool.name
 
 
 # --- response: chat -> Responses -----------------------------------------------------------------
@@ -317,9 +450,35 @@ def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
+               tool: ClientTool | None = None) -> dict[str, Any]:
+    """A function_call item, or a custom_tool_call one for a freeform tool (its text from the `input`
+    argument). A namespace member's call names its namespace, which is how Codex finds the handler."""
+    if tool is not None and tool.custom:
+        return {"type": "custom_tool_call", "id": item_id, "call_id": call_id, "name": tool.name,
+                "input": custom_input(arguments), "status": status}
+    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+    if tool is not None:
+        item["name"] = tool.name
+        if tool.namespace is not None:
+            item["namespace"] = tool.namespace
+    return item
+
+
+def custom_input(arguments: str) -> str:
+    """A freeform tool's text from the chat call's JSON arguments. A model that did not write the one
+    string argument still gets its call through: the raw arguments are the text (the trace holds the
+    exact tokens either way)."""
+    try:
+        args = orjson.loads(arguments)
+    except orjson.JSONDecodeError:
+        return arguments
+    if isinstance(args, dict) and isinstance(args.get(CUSTOM_INPUT), str):
+        return args[CUSTOM_INPUT]
+    if isinstance(args, dict) and len(args) == 1 and isinstance(text := next(iter(args.values())), str):
+        return text
+    return arguments
 
 
 def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
@@ -368,8 +527,10 @@ def response_from_chat(resp: dict[str, Any], captured: Captured, req: ResponsesR
         output.append(_message_item(_new_id("msg"), text, status, logprobs))
     for call in calls:
         fn = as_dict(call.get("function"))
-        output.append(_call_item(_new_id("fc"), call.get("id") or _new_id("call"), fn.get("name", ""),
-                                 fn.get("arguments") or "", "completed"))
+        name = fn.get("name", "")
+        tool = req.tools.get(name)
+        output.append(_call_item(_new_id("ctc" if tool and tool.custom else "fc"), call.get("id") or _new_id("call"),
+                                 name, fn.get("arguments") or "", "completed", tool))
     usage = as_dict(resp.get("usage"))
     tokens = _usage(usage.get("prompt_tokens", len(captured.prompt_token_ids)),
                     usage.get("completion_tokens", captured.completion_tokens()))
@@ -400,6 +561,7 @@ class ResponsesStream:
         self._text: list[str] = []
         self._logprobs: list[dict[str, Any]] = []
         self._calls: dict[int, dict[str, Any]] = {}  # chat tool call index -> its item
+        self._chat_args: dict[int, list[str]] = {}  # chat tool call index -> its JSON argument deltas
         self._finish: str | None = None
 
     def _event(self, kind: str, data: dict[str, Any]) -> bytes:
@@ -435,8 +597,10 @@ class ResponsesStream:
 
     def _open_call(self, index: int, call_id: str, name: str) -> list[bytes]:
         out = self._close()
-        item = _call_item(_new_id("fc"), call_id, name, "", "in_progress")
+        tool = self.req.tools.get(name)
+        item = _call_item(_new_id("ctc" if tool and tool.custom else "fc"), call_id, name, "", "in_progress", tool)
         self._open = self._calls[index] = item
+        self._chat_args[index] = []
         out.append(self._event("response.output_item.added", {"output_index": self._index(), "item": item}))
         return out
 
@@ -455,6 +619,15 @@ class ResponsesStream:
             out.append(self._event("response.content_part.done", {
                 "item_id": item["id"], "output_index": index, "content_index": 0, "part": part}))
             done = _message_item(item["id"], text, _status(self._finish), self._logprobs)
+        elif item["type"] == "custom_tool_call":
+            # The text is only known once the JSON arguments are whole: it goes out as one delta.
+            index_of_call = next(k for k, v in self._calls.items() if v is item)
+            item["input"] = custom_input("".join(self._chat_args[index_of_call]))
+            out.append(self._event("response.custom_tool_call_input.delta", {
+                "item_id": item["id"], "output_index": index, "delta": item["input"]}))
+            out.append(self._event("response.custom_tool_call_input.done", {
+                "item_id": item["id"], "output_index": index, "input": item["input"]}))
+            done = {**item, "status": "completed"}
         else:
             out.append(self._event("response.function_call_arguments.done", {
                 "item_id": item["id"], "output_index": index, "name": item["name"],
@@ -503,6 +676,9 @@ class ResponsesStream:
         item = self._calls[index]
         args = fn.get("arguments")
         if isinstance(args, str) and args:
+            self._chat_args[index].append(args)
+            if item["type"] == "custom_tool_call":
+                return out
             item["arguments"] += args
             if item is self._open:
                 out.append(self._event("response.function_call_arguments.delta", {
