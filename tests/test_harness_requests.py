@@ -604,3 +604,19 @@ def test_head_probe_is_not_an_api_call(gw):
     """HEAD / is only a liveness probe: no key needed, nothing recorded, no body."""
     resp = httpx.head(gw.url + "/")
     assert resp.status_code == 200 and resp.content == b""
+
+
+def test_claude_code_count_tokens_renders_the_same_prompt():
+    """count_tokens asks vLLM's /tokenize for the very prompt the call would get: the same messages,
+    tools and template switch."""
+    from tether.gateway.messages import parse_count_tokens_request
+
+    body = claude_code_body()
+    body.pop("stream")
+    req = parse_messages_request(orjson.dumps(body), MODEL)
+    assert parse_count_tokens_request(orjson.dumps(body), MODEL) == {
+        "messages": req.chat["messages"],
+        "add_generation_prompt": True,
+        "tools": req.chat["tools"],
+        "chat_template_kwargs": {"enable_thinking": True},
+    }

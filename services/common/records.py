@@ -57,8 +57,12 @@ class Trace:
     # not say, and then every token counts as sampled by `weight_version`.
     weight_spans: list[list[int]] = field(default_factory=list)
     # What the gateway did to the request on its way to vLLM, by what it concerned: e.g.
-    # {"ignored": ["context_management", ...]} for fields accepted without effect, tools it dropped,
-    # a max_tokens it applied. {} when it forwarded the request as sent.
+    # {"ignored": ["context_management", ...]} for fields accepted without effect (sorted; dotted for a
+    # sub-field, "output_config.effort"), "dropped_tools" [{"type", "name"}] for tools vLLM cannot run,
+    # "dropped_blocks" / "dropped_items" ({type: count}) for history only the hosted service can read,
+    # "chat_template_kwargs" it set, "renamed_tools" {chat name: "namespace.name"} and "custom_tools"
+    # [names] for Responses tools it flattened, a max_tokens it applied. {} when it forwarded the
+    # request as sent.
     adjustments: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
