@@ -551,7 +551,8 @@ def test_completions_bad_input_is_400(gw, rdb):
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
     with pytest.raises(openai.BadRequestError, match="one prompt per request"):
         gw.client(rollout).completions.create(model=MODEL, prompt=["a", "b"])
-    assert wait_traces(rdb, gw.keys, rollout["rollout_id"], timeout_s=0) == []
+    recorded = wait_traces(rdb, gw.keys, rollout["rollout_id"], 5, timeout_s=0)
+    assert [t["http_status"] for t in recorded] == [400] * 5 and all(t["status"] == "error" for t in recorded)
 
 
 def test_messages_through_the_anthropic_sdk(gw, rdb, vllm):
