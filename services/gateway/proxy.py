@@ -79,8 +79,8 @@ class CallHandle:
 
 
 class Refused:
-    """What is recorded of a call refused before it was parsed: the request as sent when it is a JSON
-    object, else a short note about the body (a rejected call's trace must still say what came in)."""
+    """The request of a call refused before it parsed (in place of the parsed request): the body as
+    sent when it is a JSON object, else a short note about it (the trace must still say what came in)."""
 
     __slots__ = ("body", "stream", "adjustments")
 
