@@ -383,8 +383,12 @@ def test_bad_chat_requests(gw, rdb):
         resp = post("/v1/chat/completions", content=raw, headers=key)
         assert 400 <= resp.status_code < 500, (raw, resp.status_code, resp.text)
         assert set(resp.json()["error"]) == ERROR_FIELDS
-    # Nothing was recorded for calls that never reached vLLM.
-    assert traces(rdb, gw.keys, rollout["rollout_id"]) == []
+    # Each refused call the key tied to the rollout is an error trace without token ids (never a
+    # sample); the 401s belong to no rollout (tests/test_gateway_visibility.py checks the fields).
+    recorded = [t for _, t in traces(rdb, gw.keys, rollout["rollout_id"])]
+    assert len(recorded) == 15
+    assert all(t["status"] == "error" and 400 <= t["http_status"] < 500 and t["prompt_token_ids"] == []
+               for t in recorded)
 
 
 def test_upstream_4xx_passes_through_and_is_recorded(gw, rdb):
@@ -466,7 +470,8 @@ def test_paused_too_long_is_429_with_retry_after(gw, rdb):
         assert gw.control.GetAdmission(types_pb2.Empty()).in_flight == 0
     finally:
         gw.resume(12)
-    assert traces(rdb, gw.keys, rollout["rollout_id"]) == []
+    [(_, trace)] = traces(rdb, gw.keys, rollout["rollout_id"])
+    assert trace["status"] == "error" and trace["http_status"] == 429 and "admission_paused" in trace["error"]
 
 
 def test_pause_drain_timeout_reports_in_flight(gw, vllm):

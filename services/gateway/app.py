@@ -8,6 +8,12 @@ ASGI (`CallRoutes`), in front of the FastAPI app that serves everything else: ev
 them, and FastAPI's routing, dependency solving and middleware stack cost more per call than all
 the gateway's own work. While a call waits on vLLM, its route watches for the client leaving and
 then aborts the upstream request (streaming or not).
+
+What the gateway refuses is visible: every error answer counts in tether_gateway_errors_total by
+route template, status and code, and every 4xx gets one line on the `tether.gateway.refused` logger
+(route, status, code, parameter, rollout; never a key). A rollout's call refused before it reached
+vLLM is also recorded as an error trace (proxy.py). `access_log` adds one line per request on
+`tether.gateway.access`; `cors_origins` wraps the whole app (call routes included) in CORS.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -45,6 +52,8 @@ from tether.gateway.routing import ReplicaPool
 from tether.gateway.sessions import Sessions
 
 log = logging.getLogger(__name__)
+refused_log = logging.getLogger("tether.gateway.refused")
+access_log = logging.getLogger("tether.gateway.access")
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
 _SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
@@ -62,14 +71,34 @@ def _is_messages(path: str) -> bool:
 def error_payload(path: str, status: int, message: str, type: str, code: str | None = None,
                   param: str | None = None) -> bytes:
     """An error body in the dialect of the route: Anthropic's on /v1/messages..., OpenAI's elsewhere."""
-    m.child(m.ERRORS, str(status), code or "").inc()
     if _is_messages(path):
         return orjson.dumps(anthropic_error_body(status, message))
     return orjson.dumps(error_body(message, type, code, param))
 
 
+def note_error(route: str, status: int, code: str | None, param: str | None, rollout_id: str | None) -> None:
+    """Count an error answer by route template and code; log a refused call (4xx) in one line. The
+    line names what an operator needs to find the harness at fault, and never a key."""
+    m.child(m.ERRORS, route, str(status), code or "").inc()
+    if 400 <= status < 500 and refused_log.isEnabledFor(logging.INFO):
+        refused_log.info("refused route=%s status=%d code=%s param=%s rollout=%s", route, status, code or "-",
+                         param or "-", rollout_id or "-", extra={
+                             "route": route, "status": status, "code": code, "param": param,
+                             "rollout_id": rollout_id})
+
+
+def _route_of(scope: Scope) -> str:
+    return getattr(scope.get("route"), "path", None) or "unmatched"
+
+
+def _path_rollout(scope: Scope) -> str | None:
+    params = scope.get("path_params") or {}
+    return params.get("rollout_id") or params.get("path_rollout")
+
+
 def _error(request: Request, status: int, message: str, type: str, code: str | None = None,
            param: str | None = None, headers: dict[str, str] | None = None) -> Response:
+    note_error(_route_of(request.scope), status, code, param, _path_rollout(request.scope))
     body = error_payload(request.url.path, status, message, type, code, param)
     return Response(body, status_code=status, headers=headers, media_type="application/json")
 
@@ -79,6 +108,11 @@ def _bearer(request: Request) -> str | None:
     return _bearer_of(auth) if auth else None
 
 
+# A key as the routes read it: one string, or (when a client sent several different ones) all of
+# them in order of precedence, for `resolve_key` to pick the first the gateway knows.
+Keys = str | tuple[str, ...] | None
+
+
 def _bearer_of(auth: str) -> str | None:
     scheme, _, token = auth.partition(" ")
     if scheme.lower() != "bearer":
@@ -86,9 +120,29 @@ def _bearer_of(auth: str) -> str | None:
     return token.strip() or None
 
 
-def _api_key(request: Request) -> str | None:
-    """Bearer (OpenAI clients) or x-api-key (Anthropic clients)."""
-    return _bearer(request) or request.headers.get("x-api-key", "").strip() or None
+def _api_key(request: Request) -> Keys:
+    """Bearer (OpenAI clients), x-api-key (Anthropic clients) or api-key (Azure-style clients)."""
+    h = request.headers
+    return _one_or_all(_bearer(request), h.get("x-api-key", "").strip() or None, h.get("api-key", "").strip() or None)
+
+
+def _one_or_all(bearer: str | None, x_api_key: str | None, azure: str | None) -> Keys:
+    if (bearer is not None) + (x_api_key is not None) + (azure is not None) < 2:
+        return bearer or x_api_key or azure
+    keys = tuple(dict.fromkeys(k for k in (bearer, x_api_key, azure) if k is not None))
+    return keys if len(keys) > 1 else keys[0]
+
+
+def _doubled_v1(path: str) -> str | None:
+    """For /v1/v1/... (or /v1/v1beta/..., and the same under /rollouts/{id}), the base URL the client
+    should have been given (relative to the gateway root); None for any other path."""
+    prefix, rest = "", path
+    if path.startswith("/rollouts/"):
+        rollout_id, sep, tail = path[10:].partition("/")
+        if not sep:
+            return None
+        prefix, rest = f"/rollouts/{rollout_id}", "/" + tail
+    return prefix if rest.startswith(("/v1/v1/", "/v1/v1beta/")) else None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -107,8 +161,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
 class MetricsMiddleware:
     """Requests by route template and status, and latency, for the FastAPI routes (pure ASGI)."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, access: bool = False) -> None:
         self.app = app
+        self.access = access
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -125,19 +180,32 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_status)
         finally:
-            route = scope.get("route")
-            label = getattr(route, "path", None) or "unmatched"
+            label = _route_of(scope)
+            latency = time.perf_counter() - t0
             m.child(m.REQUESTS, label, str(status[0]), "").inc()
-            m.child(m.LATENCY, label).observe(time.perf_counter() - t0)
+            m.child(m.LATENCY, label).observe(latency)
+            if self.access:
+                log_access(scope["method"], label, status[0], latency, _path_rollout(scope))
+
+
+def log_access(method: str, route: str, status: int, latency_s: float, rollout_id: str | None) -> None:
+    access_log.info("%s %s %d %.1fms rollout=%s", method, route, status, latency_s * 1000, rollout_id or "-",
+                    extra={"method": method, "route": route, "status": status,
+                           "latency_ms": round(latency_s * 1000, 3), "rollout_id": rollout_id})
 
 
 class CallRoutes:
     """The API routes agents call, as plain ASGI in front of `fallback` (the FastAPI app)."""
 
     def __init__(self, fallback: ASGIApp, proxy: Proxy, apis: dict[str, Api], max_body_bytes: int,
-                 retry_after_s: int) -> None:
+                 retry_after_s: int, resolve_key: Callable[[tuple[str, ...], bool], Awaitable[str]],
+                 public_url: str = "", access: bool = False) -> None:
         self.fallback = fallback
         self.proxy = proxy
+        self.rollouts = proxy.rollouts
+        self.resolve_key = resolve_key
+        self.public_url = public_url.rstrip("/")
+        self.access = access
         self.apis = apis  # "/chat/completions" -> Api
         self.max_body_bytes = max_body_bytes
         self.retry_after_s = retry_after_s
@@ -163,34 +231,72 @@ class CallRoutes:
             if hit is not None:
                 await self._call(scope, receive, send, *hit)
                 return
+            prefix = _doubled_v1(path)
+            if prefix is not None:
+                await self._doubled(scope, send, prefix)
+                return
         await self.fallback(scope, receive, send)
+
+    async def _doubled(self, scope: Scope, send: Send, prefix: str) -> None:
+        # A client that appends /v1 itself (Anthropic's and Google's SDKs, Claude Code, Gemini CLI) was
+        # given a base URL that ends in /v1 already: say which base URL to give it instead.
+        path = scope["path"]
+        message = (f"No route {path}: the path has /v1 twice, because this client appends /v1 (or /v1beta) to "
+                   f"its base URL and the base URL it was given already ends in /v1. Set its base URL to "
+                   f"'{self.public_url}{prefix}' (no /v1); only OpenAI clients take '{self.public_url}{prefix}/v1'.")
+        t0 = time.perf_counter()
+        rollout_id = prefix[10:] or None
+        status = await _send_error(send, path, 404, message, "invalid_request_error", "doubled_v1",
+                                   route="unmatched", rollout_id=rollout_id)
+        m.child(m.REQUESTS, "unmatched", str(status), "").inc()
+        if self.access:
+            log_access(scope["method"], "unmatched", status, time.perf_counter() - t0, rollout_id)
 
     async def _call(self, scope: Scope, receive: Receive, send: Send, api: Api, route: str,
                     rollout_id: str | None) -> None:
         t0 = time.perf_counter()
         handle = CallHandle()
         status = 500
+        key, length = _call_headers(scope["headers"])
         try:
-            status = await self._serve(scope, receive, send, api, rollout_id, handle)
+            status = await self._serve(scope, receive, send, api, route, rollout_id, handle, key, length)
         finally:
+            latency = time.perf_counter() - t0
             m.child(m.REQUESTS, route, str(status), handle.replica).inc()
-            m.child(m.LATENCY, route).observe(time.perf_counter() - t0)
+            m.child(m.LATENCY, route).observe(latency)
+            if self.access:
+                log_access(scope["method"], route, status, latency, self._rollout_of(key, rollout_id))
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, api: Api, rollout_id: str | None,
-                     handle: CallHandle) -> int:
+    def _rollout_of(self, key: Keys, path_rollout: str | None) -> str | None:
+        """For log lines: the path's rollout, else the rollout of a key seen before (no lookup)."""
+        if path_rollout is not None:
+            return path_rollout
+        for k in key if isinstance(key, tuple) else (key,):
+            owner = self.rollouts.cached_owner(k)
+            if owner is not None:
+                return owner
+        return None
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, api: Api, route: str,
+                     rollout_id: str | None, handle: CallHandle, key: Keys, length: int | None) -> int:
         path = scope["path"]
         watcher: asyncio.Task | None = None
         try:
             if scope["method"] != "POST":
                 raise ApiError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": "POST"})
-            key, length = _call_headers(scope["headers"])
-            raw = await self._body(receive, length)
+            if type(key) is tuple:  # several keys sent: the first the gateway knows wins
+                key = await self.resolve_key(key, rollout_id is None)
+            try:
+                raw = await self._body(receive, length)
+            except ApiError as exc:  # over the limit: recorded for a known rollout all the same
+                await self.proxy.refuse(api, key, rollout_id, exc)
+                raise
             watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, handle))
             out = await self.proxy.handle(api, key, raw, rollout_id, handle)
         except BaseException as exc:
             if watcher is not None:
                 watcher.cancel()
-            return await self._failed(send, path, scope["method"], exc)
+            return await self._failed(send, path, scope["method"], exc, route, self._rollout_of(key, rollout_id))
         call_id = (b"x-tether-call-id", handle.call_id.encode())
         if isinstance(out, StreamSession):
             return await self._stream(send, out, watcher, call_id)
@@ -200,21 +306,24 @@ class CallRoutes:
         await send({"type": "http.response.body", "body": out.body})
         return out.status
 
-    async def _failed(self, send: Send, path: str, method: str, exc: BaseException) -> int:
+    async def _failed(self, send: Send, path: str, method: str, exc: BaseException, route: str,
+                      rollout_id: str | None) -> int:
         if isinstance(exc, ClientGone):
             return 499
         if isinstance(exc, ApiError):
             return await _send_error(send, path, exc.status, exc.message, exc.type, exc.code, exc.param,
-                                     exc.headers)
+                                     exc.headers, route=route, rollout_id=rollout_id)
         if isinstance(exc, RedisError):
             log.error("redis: %r", exc)
             return await _send_error(send, path, 503, "The gateway's store is unavailable; retry later",
                                      "server_error", "store_unavailable",
-                                     headers={"Retry-After": str(self.retry_after_s)})
+                                     headers={"Retry-After": str(self.retry_after_s)}, route=route,
+                                     rollout_id=rollout_id)
         if not isinstance(exc, Exception):  # cancellation and exits go on
             raise exc
         log.error("unexpected error on %s %s", method, path, exc_info=exc)
-        return await _send_error(send, path, 500, "internal gateway error", "server_error", "internal_error")
+        return await _send_error(send, path, 500, "internal gateway error", "server_error", "internal_error",
+                                 route=route, rollout_id=rollout_id)
 
     async def _stream(self, send: Send, session: StreamSession, watcher: asyncio.Task | None,
                       call_id: tuple[bytes, bytes]) -> int:
@@ -262,9 +371,10 @@ class CallRoutes:
         return b"".join(chunks)
 
 
-def _call_headers(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, int | None]:
-    """(API key from Bearer or x-api-key, content-length)."""
-    bearer = x_api_key = None
+def _call_headers(headers: list[tuple[bytes, bytes]]) -> tuple[Keys, int | None]:
+    """(API key from Bearer, x-api-key or api-key — all of them, in that order, when several differ —,
+    content-length)."""
+    bearer = x_api_key = azure = None
     length: int | None = None
     for name, value in headers:
         if name == b"authorization":
@@ -273,7 +383,11 @@ def _call_headers(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, int |
             x_api_key = value.decode("latin-1").strip() or None
         elif name == b"content-length" and value.isdigit():
             length = int(value)
-    return bearer or x_api_key, length
+        elif name == b"api-key":
+            azure = value.decode("latin-1").strip() or None
+    if x_api_key is None and azure is None:
+        return bearer, length
+    return _one_or_all(bearer, x_api_key, azure), length
 
 
 async def _watch_disconnect(receive: Receive, handle: CallHandle) -> None:
@@ -285,7 +399,9 @@ async def _watch_disconnect(receive: Receive, handle: CallHandle) -> None:
 
 
 async def _send_error(send: Send, path: str, status: int, message: str, type: str, code: str | None = None,
-                      param: str | None = None, headers: dict[str, str] | None = None) -> int:
+                      param: str | None = None, headers: dict[str, str] | None = None, *, route: str,
+                      rollout_id: str | None = None) -> int:
+    note_error(route, status, code, param, rollout_id)
     body = error_payload(path, status, message, type, code, param)
     raw_headers = [*_JSON_HEADERS, (b"content-length", b"%d" % len(body))]
     raw_headers += [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items()]
@@ -296,10 +412,12 @@ async def _send_error(send: Send, path: str, status: int, message: str, type: st
 
 def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, admission: Admission,
                pool: ReplicaPool, redis_ping: Callable[[], Awaitable[Any]], served_model: str, public_url: str,
-               default_group_size: int, max_body_bytes: int, retry_after_s: int) -> ASGIApp:
+               default_group_size: int, max_body_bytes: int, retry_after_s: int, access: bool = False,
+               cors_origins: list[str] | None = None) -> ASGIApp:
     app = FastAPI(title="Tether gateway", docs_url=None, redoc_url=None, openapi_url=None)
-    app.add_middleware(MetricsMiddleware)
-    base_url = public_url.rstrip("/") + "/v1"
+    app.add_middleware(MetricsMiddleware, access=access)
+    root_url = public_url.rstrip("/")
+    base_url = root_url + "/v1"
     m.IN_FLIGHT.set_function(lambda: admission.in_flight)
     m.PAUSED.set_function(lambda: float(admission.paused))
     m.WEIGHT_VERSION.set_function(lambda: admission.weight_version)
@@ -339,6 +457,22 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
         log.exception("unexpected error on %s %s", request.method, request.url.path)
         return _error(request, 500, "internal gateway error", "server_error", "internal_error")
 
+    # --- keys ----------------------------------------------------------------------------------
+
+    async def resolve_key(keys: tuple[str, ...], sessions_ok: bool, admin_ok: bool = False) -> str:
+        """The first of several keys one request sent that the gateway knows (a client may carry a
+        stale Bearer from its environment beside the right x-api-key); the first one if none is."""
+        for key in keys:
+            if (sessions_ok and sessions.session_of(key) is not None) or (admin_ok and rollouts.is_admin(key)):
+                return key
+            if await rollouts.owner(key) is not None:
+                return key
+        return keys[0]
+
+    async def key_of(request: Request, path_rollout: str | None = None, admin_ok: bool = False) -> str | None:
+        key = _api_key(request)
+        return await resolve_key(key, path_rollout is None, admin_ok) if isinstance(key, tuple) else key
+
     # --- the rest of the APIs agents call --------------------------------------------------------
 
     upstream_model = proxy.upstream_model
@@ -356,8 +490,9 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
                        "conversation in 'input')", code="response_not_found", param="response_id")
 
     async def count_tokens(request: Request, rollout_id: str | None) -> Response:
+        key = await key_of(request, rollout_id)
         raw = await _read_body(request, max_body_bytes)
-        return _json(await proxy.count_tokens(messages_api, _api_key(request), raw, rollout_id))
+        return _json(await proxy.count_tokens(messages_api, key, raw, rollout_id))
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(request: Request) -> Response:
@@ -367,9 +502,16 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
     async def rollout_messages_count_tokens(rollout_id: str, request: Request) -> Response:
         return await count_tokens(request, rollout_id)
 
+    model_card = {"id": served_model, "object": "model", "created": created, "owned_by": "tether"}
+
     def model_list() -> Response:
-        return _json({"object": "list", "data": [
-            {"id": served_model, "object": "model", "created": created, "owned_by": "tether"}]})
+        return _json({"object": "list", "data": [model_card]})
+
+    def one_model(model_id: str) -> Response:
+        if model_id != served_model:
+            raise ApiError(404, f"The model '{model_id}' does not exist; this gateway serves '{served_model}'",
+                           param="model", code="model_not_found")
+        return _json(model_card)
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -377,8 +519,18 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
 
     @app.get("/rollouts/{rollout_id}/v1/models")
     async def rollout_models(rollout_id: str, request: Request) -> Response:
-        await rollouts.authenticate(_api_key(request), rollout_id)
+        await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
         return model_list()
+
+    # ":path": served names may hold a slash (an HF repo id such as "Qwen/Qwen3-8B").
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        return one_model(model_id)
+
+    @app.get("/rollouts/{rollout_id}/v1/models/{model_id:path}")
+    async def rollout_model(rollout_id: str, model_id: str, request: Request) -> Response:
+        await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
+        return one_model(model_id)
 
     # --- rollouts ------------------------------------------------------------------------------
 
@@ -387,8 +539,12 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
         rollouts.require_admin(_bearer(request))
         req = parse_create(load_json_object(await _read_body(request, max_body_bytes)), default_group_size)
         new = await rollouts.create(req)
+        rollout_root = f"{root_url}/rollouts/{new.rollout_id}"
+        # OpenAI clients take a base URL that ends in /v1; Anthropic's and Google's SDKs (Claude Code,
+        # Gemini CLI) append /v1/... or /v1beta/... themselves, so theirs is the root form.
         return _json({"rollout_id": new.rollout_id, "api_key": new.api_key, "base_url": base_url,
-                      "rollout_base_url": f"{public_url.rstrip('/')}/rollouts/{new.rollout_id}/v1",
+                      "rollout_base_url": f"{rollout_root}/v1", "anthropic_base_url": root_url,
+                      "rollout_anthropic_base_url": rollout_root, "gemini_base_url": root_url,
                       "model": served_model}, 201)
 
     @app.get("/v1/rollouts/{rollout_id}")
@@ -406,7 +562,8 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
 
     @app.post("/v1/rollouts/{rollout_id}/calls/{call_id}/reward")
     async def reward_call(rollout_id: str, call_id: str, request: Request) -> Response:
-        await rollouts.authorize(rollout_id, _api_key(request), open_without_admin=False)
+        await rollouts.authorize(rollout_id, await key_of(request, rollout_id, admin_ok=True),
+                                 open_without_admin=False)
         return await _reward_call(rollout_id, call_id, request)
 
     async def _reward_call(rollout_id: str, call_id: str, request: Request) -> Response:
@@ -417,7 +574,8 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
     @app.post("/v1/calls/{call_id}/reward")
     @app.post("/rollouts/{path_rollout}/v1/calls/{call_id}/reward")
     async def reward_own_call(call_id: str, request: Request, path_rollout: str | None = None) -> Response:
-        return await _reward_call(await rollouts.authenticate(_api_key(request), path_rollout), call_id, request)
+        key = await key_of(request, path_rollout)
+        return await _reward_call(await rollouts.authenticate(key, path_rollout), call_id, request)
 
     @app.post("/v1/rollouts/{rollout_id}/fail")
     async def fail_rollout(rollout_id: str, request: Request) -> Response:
@@ -457,4 +615,9 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    return CallRoutes(app, proxy, apis, max_body_bytes, retry_after_s)
+    routes: ASGIApp = CallRoutes(app, proxy, apis, max_body_bytes, retry_after_s, resolve_key, public_url, access)
+    if cors_origins:
+        # Around everything, so the call routes answer preflights and carry the headers too.
+        routes = CORSMiddleware(routes, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"],
+                                expose_headers=["x-tether-call-id", "retry-after"], max_age=600)
+    return routes

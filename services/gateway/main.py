@@ -80,6 +80,12 @@ class GatewaySettings(CommonSettings):
     # SIGTERM: how long in-flight HTTP requests may take to finish.
     shutdown_grace_s: float = Field(30.0, ge=0)
     redis_check_s: float = Field(2.0, gt=0)
+    # One log line per request (method, route template, status, latency, rollout; never a key) on the
+    # logger tether.gateway.access. Off by default: at full load it is most of a call's logging cost.
+    access_log: bool = False
+    # Origins browser-hosted harnesses call from ("https://a.example,https://b.example", or "*"); CORS
+    # stays off (no headers, preflights unanswered) while unset.
+    cors_origins: str | None = None
 
     @field_validator("vllm_url", "public_url")
     @classmethod
@@ -95,6 +101,19 @@ class GatewaySettings(CommonSettings):
             if url.strip() and not url.strip().startswith(("http://", "https://")):
                 raise ValueError(f"{url.strip()!r} is not an http(s):// URL")
         return v
+
+    @field_validator("cors_origins")
+    @classmethod
+    def _origins(cls, v: str | None) -> str | None:
+        for origin in (v or "").split(","):
+            origin = origin.strip()
+            if origin and origin != "*" and not origin.startswith(("http://", "https://")):
+                raise ValueError(f"{origin!r} is not an origin (scheme://host[:port]) or *")
+        return v
+
+    @property
+    def cors_origin_list(self) -> list[str]:
+        return [o.strip().rstrip("/") for o in (self.cors_origins or "").split(",") if o.strip()]
 
     @field_validator("deployment_keys")
     @classmethod
@@ -187,7 +206,8 @@ class GatewayServer:
         app = create_app(proxy=self.proxy, rollouts=self.rollouts, sessions=self.sessions, admission=self.admission,
                          pool=self.pool, redis_ping=self.redis.ping, served_model=s.served_model,
                          public_url=self.public_url, default_group_size=s.default_group_size,
-                         max_body_bytes=s.max_body_bytes, retry_after_s=s.retry_after_s)
+                         max_body_bytes=s.max_body_bytes, retry_after_s=s.retry_after_s, access=s.access_log,
+                         cors_origins=s.cors_origin_list)
         self._health_task = asyncio.create_task(self.pool.watch(s.health_check_s, s.health_timeout_s))
 
         def register(server: grpc.aio.Server) -> list[str]:

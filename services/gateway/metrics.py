@@ -15,7 +15,8 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 
 REQUESTS = Counter("tether_gateway_requests_total", "HTTP requests", ["route", "status", "replica"])
 LATENCY = Histogram("tether_gateway_request_latency_seconds", "HTTP request latency (to the last byte sent)",
                     ["route"], buckets=_LATENCY_BUCKETS)
-ERRORS = Counter("tether_gateway_errors_total", "Error answers", ["status", "code"])
+# route: the template (the call routes', FastAPI's, or "unmatched"), never a raw path: bounded labels.
+ERRORS = Counter("tether_gateway_errors_total", "Error answers", ["route", "status", "code"])
 UPSTREAM_LATENCY = Histogram("tether_gateway_upstream_latency_seconds", "Time vLLM took to answer a call",
                              ["replica"], buckets=_LATENCY_BUCKETS)
 PROMPT_TOKENS = Counter("tether_gateway_prompt_tokens_total", "Prompt tokens of recorded calls", ["replica"])

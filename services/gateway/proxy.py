@@ -78,6 +78,36 @@ class CallHandle:
             self.exchange.abort(Aborted(CLIENT_GONE))
 
 
+class Refused:
+    """The request of a call refused before it parsed (in place of the parsed request): the body as
+    sent when it is a JSON object, else a short note about it (the trace must still say what came in)."""
+
+    __slots__ = ("body", "stream", "adjustments")
+
+    def __init__(self, raw: bytes | None, exc: ApiError) -> None:
+        self.stream = False
+        self.adjustments: dict[str, Any] = {}
+        body: Any = None
+        if raw is not None:
+            try:
+                body = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                pass
+        if isinstance(body, dict):
+            self.body = body
+        elif raw is None:
+            self.body = {"unparsed": f"body not read ({exc.message})"}
+        else:
+            text = raw[:200].decode("utf-8", "replace")
+            self.body = {"unparsed": f"{len(raw)} bytes, not a JSON object: {text!r}"}
+
+
+def refusal(exc: ApiError) -> str:
+    """A refused call's Trace.error: the code and parameter first, so a reader can group by them."""
+    param = f" (param '{exc.param}')" if exc.param else ""
+    return f"refused {exc.status} {exc.code or exc.type}{param}: {exc.message}"
+
+
 @dataclass
 class Reply:
     status: int
@@ -149,7 +179,12 @@ class Proxy:
             # The status check is in flight while the call is parsed, admitted and (when its replica
             # is known) already sent: it is awaited before anything is answered.
             state = _quiet(self.recorder.rollout_state(rollout_id))
-            call = Call(rollout_id, rollout_id, None, api, api.parse(raw))
+            try:
+                req = api.parse(raw)
+            except ApiError as exc:
+                await self._record_refused(Call(rollout_id, rollout_id, None, api, Refused(raw, exc)), exc, state)
+                raise
+            call = Call(rollout_id, rollout_id, None, api, req)
             handle.call_id = call.call_id
             out = await self._admitted(call, state, handle)
             handed_off = isinstance(out, StreamSession)
@@ -172,9 +207,11 @@ class Proxy:
         try:
             call.weight_version, waited = await self.admission.admit(self.admission_wait_s)
         except AdmissionTimeout:
-            raise ApiError(429, f"Admission is paused (weight update); waited {self.admission_wait_s:g} s",
-                           "rate_limit_error", "admission_paused",
-                           headers={"Retry-After": str(self.retry_after_s)}) from None
+            err = ApiError(429, f"Admission is paused (weight update); waited {self.admission_wait_s:g} s",
+                           "rate_limit_error", "admission_paused", headers={"Retry-After": str(self.retry_after_s)})
+            if call.tracked is not None:  # asked again: the rollout may have finished during the wait
+                await self._record_refused(call, err, self.recorder.rollout_state(call.tracked))
+            raise err from None
         handed_off = False
         try:
             # A rollout's calls stick by its id (call.sticky is call.tracked), record-only calls by
@@ -198,6 +235,38 @@ class Proxy:
         finally:
             if not handed_off:
                 self.admission.release()
+
+    async def refuse(self, api: Api, api_key: str | None, path_rollout: str | None, exc: ApiError,
+                     raw: bytes | None = None) -> None:
+        """Record a call the route refused before handing it over (a body over the limit), when its
+        key names a rollout (the route's answer is `exc` whatever happens here)."""
+        try:
+            if path_rollout is None and self.sessions.session_of(api_key) is not None:
+                return
+            rollout_id = await self.rollouts.owner(api_key)
+        except RedisError:
+            return
+        if rollout_id is None or (path_rollout is not None and rollout_id != path_rollout):
+            return
+        self.admission.track(rollout_id)  # as in handle: a concurrent complete waits for this record
+        try:
+            call = Call(rollout_id, rollout_id, None, api, Refused(raw, exc))
+            await self._record_refused(call, exc, self.recorder.rollout_state(rollout_id))
+        finally:
+            self.admission.untrack(rollout_id)
+
+    async def _record_refused(self, call: Call, exc: ApiError, state: Awaitable) -> None:
+        """Record a rollout's call refused before it reached vLLM (an error trace, so the rollout's
+        traces say why its harness failed), while the rollout runs; the answer carries its call id."""
+        try:
+            status, _ = await state
+        except RedisError:
+            return
+        if status != RUNNING:
+            return
+        call.weight_version = call.weight_version or self.admission.weight_version
+        exc.headers = {**exc.headers, "x-tether-call-id": call.call_id}
+        await self._record_error(call, exc.status, refusal(exc))
 
     async def count_tokens(self, api: MessagesApi, api_key: str | None, raw: bytes,
                            path_rollout: str | None = None) -> dict[str, Any]:

@@ -189,6 +189,19 @@ class RolloutRegistry:
             self._key_cache[api_key] = rollout_id
         return rollout_id
 
+    def cached_owner(self, api_key: str | None) -> str | None:
+        """The rollout of a key already seen (no Redis): for log lines, which never wait on a lookup."""
+        return self._key_cache.get(api_key) if api_key else None
+
+    async def owner(self, api_key: str | None) -> str | None:
+        """The rollout id of an API key, None when missing or unknown (`authenticate` without the 401)."""
+        if not api_key:
+            return None
+        try:
+            return await self._owner(api_key)
+        except ApiError:
+            return None
+
     async def authorize(self, rollout_id: str, bearer: str | None, open_without_admin: bool) -> None:
         """Allow the rollout's own key, the admin token, or (reads only) anyone when no admin token
         is configured."""
