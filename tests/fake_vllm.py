@@ -19,8 +19,8 @@ with vLLM's error of status `fail_status`: 500 as a request that finished with a
 retryable overload), `health_status` (what GET /health answers), `version_starts` (the spans:
 [(version, first output token)], default one version "3" throughout); `aborted` lists the requests
 whose client (the gateway) hung up before the answer was complete ("hold" or "stream").
-Context length: `max_model_len` (reported by /v1/models and /tokenize; None: not reported, not
-checked) bounds prompt + output as vLLM 0.32 does: a prompt that fills it and a limit above it get
+Context length: `max_model_len` (reported by /v1/models unless `report_context` is False, and by
+/tokenize; None: not checked) bounds prompt + output as vLLM 0.32 does: a prompt that fills it and a limit above it get
 its 400s, a smaller limit is lowered to the room the prompt leaves (the limit generated under is
 appended to `applied`). `context_errors = "legacy"` answers as vLLM before 0.32 did instead: a 400
 naming the prompt length whenever prompt + limit exceeds the context.
@@ -128,12 +128,13 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
+        self.server.get_paths.append(self.path)  # type: ignore[attr-defined]
         if self.path == "/health":
             status = self.server.health_status  # type: ignore[attr-defined]
             self._send(status, {} if status == 200 else {"error": "unhealthy"})
             return
         card: dict[str, Any] = {"id": MODEL, "object": "model"}
-        if self.server.max_model_len is not None:  # type: ignore[attr-defined]
+        if self.server.max_model_len is not None and self.server.report_context:  # type: ignore[attr-defined]
             card["max_model_len"] = self.server.max_model_len  # type: ignore[attr-defined]
         self._send(200, {"object": "list", "data": [card]})
 
@@ -355,11 +356,13 @@ class FakeVLLM(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), FakeVLLMHandler)
         self.requests: list[dict] = []
         self.paths: list[str] = []
+        self.get_paths: list[str] = []
         self.aborted: list[str] = []
         self.fail_next = 0
         self.fail_status = 500
         self.health_status = 200
         self.max_model_len: int | None = 512
+        self.report_context = True  # False: /v1/models omits max_model_len (a server that does not say)
         self.context_errors = "v0.32"
         self.applied: list[int] = []
         self.version_starts: list[tuple[str, int]] = [("3", 0)]

@@ -36,8 +36,9 @@ class MaxTokens:
     reason: str | None
 
 
-def decide_max_tokens(requested: int | None, default: int | None, context_len: int | None,
-                      prompt_len: int | None = None) -> MaxTokens:
+def decide_max_tokens(
+    requested: int | None, default: int | None, context_len: int | None, prompt_len: int | None = None
+) -> MaxTokens:
     """The output limit to send. `default` applies when `requested` is None (None: no default);
     both are bounded by the room `context_len - prompt_len`. Unknown lengths are None: without
     `prompt_len` the bound is the whole context (vLLM fits what is sent to the prompt itself),
@@ -67,7 +68,12 @@ def applied_max_tokens(decision: MaxTokens, context_len: int | None, prompt_len:
         if applied is not None and applied > room:
             applied = room
     reason = decision.reason
-    if reason is None and decision.requested is not None and applied is not None and applied < decision.requested:
+    if (
+        reason is None
+        and decision.requested is not None
+        and applied is not None
+        and applied < decision.requested
+    ):
         reason = CLAMPED
     if reason is None:
         return None
@@ -91,7 +97,9 @@ _ABOVE_CONTEXT = re.compile(r"max_(?:completion_)?tokens=\d+ cannot be greater t
 # context length is 512 tokens. However, you requested 32100 tokens (100 in the messages, 32000 in
 # the completion)." (completions: "100 in the prompt" or "in your prompt").
 _LEGACY_CONTEXT = re.compile(r"maximum context length is (\d+) tokens")
-_LEGACY_PROMPT = re.compile(r"\((\d+) in (?:the messages|the prompt|your prompt)[,;]\s*\d+ (?:in|for) the completion")
+_LEGACY_PROMPT = re.compile(
+    r"\((\d+) in (?:the messages|the prompt|your prompt)[,;]\s*\d+ (?:in|for) the completion"
+)
 
 
 def budget_error(message: str) -> tuple[int, int | None] | None:

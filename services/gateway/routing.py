@@ -203,8 +203,8 @@ class ReplicaPool:
             await asyncio.sleep(interval_s)
 
     def status(self) -> list[dict]:
-        return [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "reason": r.reason or None}
-                for r in self.replicas]
+        return [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "reason": r.reason or None,
+                 "max_model_len": r.max_model_len} for r in self.replicas]
 
     async def aclose(self) -> None:
         for r in self.replicas:
