@@ -473,7 +473,8 @@ def build_parser() -> argparse.ArgumentParser:
     serving.add_argument("--gpu-memory-utilization", type=float)
     serving.add_argument("--vllm-arg", action="append", default=[], type=_shell_words, metavar="ARGS",
                          help="more vLLM flags, split like a shell would (repeatable), e.g. "
-                         "--vllm-arg '--max-num-seqs 64 --enable-prefix-caching'")
+                         "--vllm-arg '--max-num-seqs 64 --enable-prefix-caching'; one flag alone: "
+                         "--vllm-arg=--enable-prefix-caching")
     up.set_defaults(fn=cmd_up)
 
     down = sub.add_parser("down", help="stop the stack started here")

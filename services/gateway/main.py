@@ -50,8 +50,8 @@ class GatewaySettings(CommonSettings):
     # Replicas: GET /health every health_check_s puts a replica back (or takes it out).
     health_check_s: float = Field(5.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
-    # Upstream 5xx, timeouts and broken connections are sent again (while nothing reached the client)
-    # up to upstream_retries times, after retry_backoff_s, doubling.
+    # Upstream 502/503/504, timeouts and broken connections are sent again (while nothing reached the
+    # client) up to upstream_retries times, after retry_backoff_s, doubling. A 500 is not (proxy.py).
     upstream_retries: int = Field(2, ge=0)
     retry_backoff_s: float = Field(0.25, ge=0)
     upstream_connect_timeout_s: float = Field(10.0, gt=0)
