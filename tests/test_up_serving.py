@@ -45,11 +45,21 @@ def test_up_serves_the_models_context_and_clamps_claude_codes_max_tokens(tmp_pat
         stack.start_redis()
         inference, vllm, gateway = free_port(), free_port(), free_port()
         args = build_parser().parse_args(["up", "--model", str(model)])
-        stack.start("inference", "tether.inference", {**serving_env(args), **inference_wiring(
-            stack, model, inference, vllm)})
-        stack.start("gateway", "tether.gateway", {
-            "TETHER_GATEWAY_PORT": str(gateway), "TETHER_GATEWAY_GRPC_PORT": str(free_port()),
-            "TETHER_VLLM_URL": f"http://127.0.0.1:{vllm}", "TETHER_HEALTH_CHECK_S": "0.5"})
+        stack.start(
+            "inference",
+            "tether.inference",
+            {**serving_env(args), **inference_wiring(stack, model, inference, vllm)},
+        )
+        stack.start(
+            "gateway",
+            "tether.gateway",
+            {
+                "TETHER_GATEWAY_PORT": str(gateway),
+                "TETHER_GATEWAY_GRPC_PORT": str(free_port()),
+                "TETHER_VLLM_URL": f"http://127.0.0.1:{vllm}",
+                "TETHER_HEALTH_CHECK_S": "0.5",
+            },
+        )
         stack.wait_grpc("inference", f"127.0.0.1:{inference}", 600)
         gw = f"http://127.0.0.1:{gateway}"
         stack.wait_http("gateway", f"{gw}/health", 60)
@@ -59,15 +69,20 @@ def test_up_serves_the_models_context_and_clamps_claude_codes_max_tokens(tmp_pat
             assert time.monotonic() < deadline, httpx.get(f"{gw}/health").json()
             time.sleep(0.3)
 
-        body = {"model": "tether-policy", "max_tokens": 32000, "stream": True,
-                "messages": [{"role": "user", "content": "what is 3 + 4 ?"}]}
+        body = {
+            "model": "tether-policy",
+            "max_tokens": 32000,
+            "stream": True,
+            "messages": [{"role": "user", "content": "what is 3 + 4 ?"}],
+        }
         # vLLM alone refuses what Claude Code sends ...
         direct = httpx.post(f"http://127.0.0.1:{vllm}/v1/chat/completions", json=body, timeout=60)
         assert direct.status_code == 400, direct.text
         assert budget_error(direct.json()["error"]["message"]) == (CONTEXT, None)  # what a resend would read
         # ... the gateway fits it to the context.
-        with httpx.stream("POST", f"{gw}/v1/messages", json=body, headers={"x-api-key": KEY},
-                          timeout=300) as resp:
+        with httpx.stream(
+            "POST", f"{gw}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=300
+        ) as resp:
             assert resp.status_code == 200, resp.read()
             events = resp.read().decode()
         assert "event: message_stop" in events and "event: error" not in events
@@ -85,7 +100,10 @@ def test_up_serves_the_models_context_and_clamps_claude_codes_max_tokens(tmp_pat
         assert trace["status"] == "ok", trace["error"]
         prompt = len(trace["prompt_token_ids"])
         assert trace["request"]["max_tokens"] == 32000
-        assert trace["adjustments"]["max_tokens"] == {"requested": 32000, "applied": CONTEXT - prompt,
-                                                      "reason": "clamped_to_context"}
+        assert trace["adjustments"]["max_tokens"] == {
+            "requested": 32000,
+            "applied": CONTEXT - prompt,
+            "reason": "clamped_to_context",
+        }
     finally:
         stack.stop()
