@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import shlex
 import signal
 import sys
 import time
@@ -214,7 +215,8 @@ def cmd_up(args) -> int:
     _stop_on_signals(stack)
     try:
         start_stack(stack, model_dir, lr=args.lr, seed=args.seed, group_size=args.group_size, scheduler_env={
-            "TETHER_RUN_ID": run_dir.name, "TETHER_GROUPS_PER_STEP": str(args.groups_per_step)})
+            "TETHER_RUN_ID": run_dir.name, "TETHER_GROUPS_PER_STEP": str(args.groups_per_step)},
+            serving_env=serving_env(args))
         print(f"gateway: {stack.addresses['gateway_url']}/v1", flush=True)
         print(f"create rollouts with POST {stack.addresses['gateway_url']}/v1/rollouts; stop with `tether down` "
               "or Ctrl-C", flush=True)
@@ -231,6 +233,30 @@ def cmd_up(args) -> int:
         return 1
     finally:
         stack.stop()
+
+
+def serving_env(args) -> dict[str, str]:
+    """The inference service's settings for the serving flags given (InferenceSettings); a flag not
+    given leaves the setting to the environment (a user's TETHER_MAX_MODEL_LEN) or its default."""
+    env = {}
+    for flag, name in (("max_model_len", "TETHER_MAX_MODEL_LEN"), ("dtype", "TETHER_DTYPE"),
+                       ("tensor_parallel_size", "TETHER_TENSOR_PARALLEL_SIZE"),
+                       ("gpu_memory_utilization", "TETHER_GPU_MEMORY_UTILIZATION")):
+        value = getattr(args, flag)
+        if value is not None:
+            env[name] = str(value)
+    if args.vllm_arg:
+        # Each value is split as a shell would; the words travel as one quoted string.
+        env["TETHER_VLLM_EXTRA_ARGS"] = shlex.join(word for arg in args.vllm_arg for word in shlex.split(arg))
+    return env
+
+
+def _shell_words(value: str) -> str:
+    try:
+        shlex.split(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{value!r}: {exc}") from None
+    return value
 
 
 def _stack_state() -> dict:
@@ -438,6 +464,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--group-size", type=int, default=4, help="default group size of new rollouts")
     up.add_argument("--groups-per-step", type=int, default=1)
     up.add_argument("--run-dir")
+    serving = up.add_argument_group("serving (vLLM)")
+    serving.add_argument("--max-model-len", type=int,
+                         help="context length to serve (default: the model's max_position_embeddings)")
+    serving.add_argument("--dtype", help="weights and activations dtype (default: float32, so that the "
+                         "trainer's logprobs match vLLM's)")
+    serving.add_argument("--tensor-parallel-size", type=int)
+    serving.add_argument("--gpu-memory-utilization", type=float)
+    serving.add_argument("--vllm-arg", action="append", default=[], type=_shell_words, metavar="ARGS",
+                         help="more vLLM flags, split like a shell would (repeatable), e.g. "
+                         "--vllm-arg '--max-num-seqs 64 --enable-prefix-caching'; one flag alone: "
+                         "--vllm-arg=--enable-prefix-caching")
     up.set_defaults(fn=cmd_up)
 
     down = sub.add_parser("down", help="stop the stack started here")

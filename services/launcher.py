@@ -76,8 +76,10 @@ class Stack:
         return self.run_dir / "logs"
 
     def base_env(self) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_") or k in (
-            "TETHER_ADMIN_TOKEN", "TETHER_LOG_LEVEL")}
+        """Every process's environment: the user's, TETHER_* settings included (each service reads the
+        ones it knows, e.g. TETHER_DEFAULT_MAX_TOKENS the gateway), then the stack's own wiring. A
+        service's `start` env (its ports and addresses) is laid over this, so the wiring always wins."""
+        env = dict(os.environ)
         env.update(TETHER_REDIS_URL=self.redis_url, TETHER_NAMESPACE=self.namespace,
                    PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         return env
@@ -201,8 +203,9 @@ def tail(path: Path, lines: int = 30) -> str:
 
 
 def start_stack(stack: Stack, model_dir: Path, *, lr: float, seed: int, scheduler_env: dict[str, str],
-                group_size: int, vllm_timeout_s: float = 900.0) -> None:
-    """Start Redis, inference (vLLM), trainer, merger, gateway and scheduler; wait for health."""
+                group_size: int, vllm_timeout_s: float = 900.0, serving_env: dict[str, str] | None = None) -> None:
+    """Start Redis, inference (vLLM), trainer, merger, gateway and scheduler; wait for health.
+    `serving_env`: the inference service's TETHER_* serving settings (context length, dtype, ...)."""
     stack.model_dir = str(model_dir)
     stack.start_redis()
     ports = {name: free_port() for name in ("vllm", "inference", "trainer", "merger", "gateway",
@@ -211,10 +214,8 @@ def start_stack(stack: Stack, model_dir: Path, *, lr: float, seed: int, schedule
     stack.addresses = {"gateway_url": f"http://127.0.0.1:{ports['gateway']}", "vllm_url": f"http://{a['vllm']}",
                        **{k: v for k, v in a.items() if k not in ("gateway", "vllm")}}
     stack.write_state()
-    stack.start("inference", "tether.inference", {
-        "TETHER_INFERENCE_GRPC_PORT": str(ports["inference"]), "TETHER_VLLM_PORT": str(ports["vllm"]),
-        "TETHER_VLLM_PYTHON": default_vllm_python(), "TETHER_MODEL_DIR": str(model_dir),
-        "TETHER_VLLM_LOG": str(stack.log_dir / "vllm.log")})
+    stack.start("inference", "tether.inference", {**(serving_env or {}), **inference_wiring(
+        stack, model_dir, ports["inference"], ports["vllm"])})
     stack.start("trainer", "tether.trainer", {
         "TETHER_TRAINER_GRPC_PORT": str(ports["trainer"]), "TETHER_MODEL_DIR": str(model_dir),
         "TETHER_CHECKPOINT_DIR": str(stack.run_dir / "checkpoints"), "TETHER_LR": repr(lr),
@@ -238,6 +239,13 @@ def start_stack(stack: Stack, model_dir: Path, *, lr: float, seed: int, schedule
         **scheduler_env}, restart=True)
     stack.wait_grpc("scheduler", a["scheduler"], 60)
     stack.write_state()
+
+
+def inference_wiring(stack: Stack, model_dir: Path, grpc_port: int, vllm_port: int) -> dict[str, str]:
+    """What the launcher sets for the inference service: where it serves, which vLLM and model."""
+    return {"TETHER_INFERENCE_GRPC_PORT": str(grpc_port), "TETHER_VLLM_PORT": str(vllm_port),
+            "TETHER_VLLM_PYTHON": default_vllm_python(), "TETHER_MODEL_DIR": str(model_dir),
+            "TETHER_VLLM_LOG": str(stack.log_dir / "vllm.log")}
 
 
 def start_agents(stack: Stack, fn_spec: str, concurrency: int, workers: int = 1) -> None:

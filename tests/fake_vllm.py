@@ -15,9 +15,15 @@ A request with `stop` ends with vLLM's stop_reason set to its first stop string;
 the answer's length cuts it (finish_reason "length"). A request with `return_weight_versions` gets each
 choice's weight-version spans as Tether's vLLM plugin gives them (in the choice, or in a
 "tether.weight_versions" chunk before [DONE]). Knobs on the server: `fail_next` (answer that many POSTs
-with vLLM's 500), `health_status` (what GET /health answers), `version_starts` (the spans: [(version,
-first output token)], default one version "3" throughout); `aborted` lists the requests whose client
-(the gateway) hung up before the answer was complete ("hold" or "stream").
+with vLLM's error of status `fail_status`: 500 as a request that finished with an error, 503 as vLLM's
+retryable overload), `health_status` (what GET /health answers), `version_starts` (the spans:
+[(version, first output token)], default one version "3" throughout); `aborted` lists the requests
+whose client (the gateway) hung up before the answer was complete ("hold" or "stream").
+Context length: `max_model_len` (reported by /v1/models unless `report_context` is False, and by
+/tokenize; None: not checked) bounds prompt + output as vLLM 0.32 does: a prompt that fills it and a limit above it get
+its 400s, a smaller limit is lowered to the room the prompt leaves (the limit generated under is
+appended to `applied`). `context_errors = "legacy"` answers as vLLM before 0.32 did instead: a 400
+naming the prompt length whenever prompt + limit exceeds the context.
 """
 
 from __future__ import annotations
@@ -81,14 +87,13 @@ def _chat_logprob(k: int, tok: str) -> dict:
 class _Plan:
     """What the fake answers for one request: how many tokens, which text and tool-call pieces."""
 
-    def __init__(self, body: dict) -> None:
+    def __init__(self, body: dict, limit: int | None) -> None:
         last = _last_text(body)
         tools = body.get("tools") or []
         self.tool_name = tools[0]["function"]["name"] if tools and last in ("use-tool", "text-then-tool") else None
         self.prefix = 2 if last == "text-then-tool" else (0 if self.tool_name else 4)
         # Arguments text per streamed tool-call delta (the first one also names the call).
         self.tool_pieces = ["", *TOOL_ARGS, ""] if self.prefix == 0 else list(TOOL_ARGS)
-        limit = body.get("max_tokens")
         self.n_tokens = min(4, limit) if isinstance(limit, int) else 4
         stop = body.get("stop")
         self.stop_reason = stop[0] if isinstance(stop, list) and stop else (stop or None)
@@ -123,11 +128,15 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         self.wfile.write(data)
 
     def do_GET(self) -> None:
+        self.server.get_paths.append(self.path)  # type: ignore[attr-defined]
         if self.path == "/health":
             status = self.server.health_status  # type: ignore[attr-defined]
             self._send(status, {} if status == 200 else {"error": "unhealthy"})
             return
-        self._send(200, {"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+        card: dict[str, Any] = {"id": MODEL, "object": "model"}
+        if self.server.max_model_len is not None and self.server.report_context:  # type: ignore[attr-defined]
+            card["max_model_len"] = self.server.max_model_len  # type: ignore[attr-defined]
+        self._send(200, {"object": "list", "data": [card]})
 
     def _client_left_within(self, seconds: float) -> bool:
         """Wait up to `seconds`; True as soon as the client closes its side."""
@@ -148,16 +157,20 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         self.server.paths.append(self.path)  # type: ignore[attr-defined]
         if self.server.fail_next > 0 and self.path != "/tokenize":  # type: ignore[attr-defined]
             self.server.fail_next -= 1  # type: ignore[attr-defined]
-            self._send(500, {"error": {"message": "engine overloaded", "type": "InternalServerError", "param": None,
-                                       "code": 500}})
+            status = self.server.fail_status  # type: ignore[attr-defined]
+            # vLLM's GenerationError (a request that finished with an error, e.g. its grammar failed)
+            # and RetryableRequestError.
+            message, kind = {500: ("Internal server error", "InternalServerError"),
+                             503: ("Request could not be served now; retry", "ServiceUnavailableError")}[status]
+            self._send(status, {"error": {"message": message, "type": kind, "param": None, "code": status}})
             return
         if _last_text(body).startswith("hold:"):
             if self._client_left_within(float(_last_text(body).split(":")[1])):
                 self.server.aborted.append("hold")  # type: ignore[attr-defined]
                 return
         if self.path == "/tokenize":
-            self._send(200, {"count": len(PROMPT_IDS), "max_model_len": 512, "tokens": PROMPT_IDS,
-                             "token_strs": None})
+            self._send(200, {"count": len(PROMPT_IDS), "max_model_len": self.server.max_model_len,  # type: ignore[attr-defined]
+                             "tokens": PROMPT_IDS, "token_strs": None})
             return
         last = _last_text(body)
         if last.startswith("sleep:"):
@@ -168,7 +181,10 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
                              "type": "BadRequestError", "param": None, "code": 400})
             return
         n = int(body.get("n") or 1)
-        plan = _Plan(body)
+        fits, limit = self._fit(body)
+        if not fits:
+            return
+        plan = _Plan(body, limit)
         if self.path == "/v1/completions":
             if body.get("stream"):
                 self._stream_completion(body, n, plan)
@@ -194,6 +210,37 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
                       "total_tokens": len(PROMPT_IDS) + k * n},
             "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS, "kv_transfer_params": None,
         })
+
+    def _fit(self, body: dict) -> tuple[bool, int | None]:
+        """Check prompt + output against the context as vLLM does; (False after answering its 400,
+        or True and the output limit generated under)."""
+        param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        limit = body.get(param)
+        context = self.server.max_model_len  # type: ignore[attr-defined]
+        if context is None:
+            return True, limit
+        prompt = len(self._prompt_ids(body))
+        error = None
+        if self.server.context_errors == "legacy":  # type: ignore[attr-defined]
+            if prompt + (limit or 0) > context:
+                error = (f"This model's maximum context length is {context} tokens. However, you requested "
+                         f"{prompt + (limit or 0)} tokens ({prompt} in the messages, {limit or 0} in the "
+                         "completion). Please reduce the length of the messages or completion.")
+        elif limit is not None and limit > context:  # renderers/params.py, before the prompt is rendered
+            error = (f"{param}={limit} cannot be greater than max_model_len={context}. Please request fewer "
+                     "output tokens.")
+        elif prompt >= context:
+            error = (f"This model's maximum context length is {context} tokens. However, your prompt contains "
+                     f"{prompt} input tokens, which exceeds this limit even without any output tokens. Please "
+                     "reduce the length of the input prompt.")
+        if error is not None:
+            self._send(400, {"error": {"message": error, "type": "BadRequestError", "param": param, "code": 400}})
+            return False, None
+        if limit is None:  # vLLM's defaults: the whole room for chat, 16 tokens for completions
+            limit = 16 if self.path == "/v1/completions" else context
+        applied = min(limit, context - prompt)  # get_max_tokens
+        self.server.applied.append(applied)  # type: ignore[attr-defined]
+        return True, applied
 
     def _versions(self, body: dict, n_tokens: int) -> dict:
         if body.get(plugin.FLAG) is not True:
@@ -309,9 +356,15 @@ class FakeVLLM(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), FakeVLLMHandler)
         self.requests: list[dict] = []
         self.paths: list[str] = []
+        self.get_paths: list[str] = []
         self.aborted: list[str] = []
         self.fail_next = 0
+        self.fail_status = 500
         self.health_status = 200
+        self.max_model_len: int | None = 512
+        self.report_context = True  # False: /v1/models omits max_model_len (a server that does not say)
+        self.context_errors = "v0.32"
+        self.applied: list[int] = []
         self.version_starts: list[tuple[str, int]] = [("3", 0)]
         self.conns: set[socket.socket] = set()
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)

@@ -208,10 +208,10 @@ def test_health_checks_take_a_replica_out_and_put_it_back(gw, two):
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_upstream_5xx_is_retried_and_recorded(redis_port, rdb, stream):
+def test_upstream_503_is_retried_and_recorded(redis_port, rdb, stream):
     with FakeVLLM() as up, InProcessGateway(gateway_settings(redis_port, up.url, retry_backoff_s=0.01)) as g:
         rollout = g.new_rollout()
-        up.fail_next = 2
+        up.fail_status, up.fail_next = 503, 2
         resp = chat(g, rollout["api_key"], stream=stream)
         assert resp.status_code == 200, resp.text
         [trace] = wait_traces(rdb, g.keys, rollout["rollout_id"], 1)
@@ -221,10 +221,27 @@ def test_upstream_5xx_is_retried_and_recorded(redis_port, rdb, stream):
 
         up.fail_next = 3  # one more than the gateway retries
         resp = chat(g, rollout["api_key"], stream=stream)
-        assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_error"
+        assert resp.status_code == 503 and resp.json()["error"]["code"] == "upstream_unavailable"
         trace = wait_traces(rdb, g.keys, rollout["rollout_id"], 2)[1]
-        assert trace["status"] == "error" and trace["retries"] == 2 and trace["http_status"] == 502
-        assert 'tether_gateway_retries_total{reason="http_500"' in g.http.get("/metrics").text
+        assert trace["status"] == "error" and trace["retries"] == 2 and trace["http_status"] == 503
+        assert len(up.requests) == 6
+        assert 'tether_gateway_retries_total{reason="http_503"' in g.http.get("/metrics").text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_upstream_500_is_not_retried(redis_port, rdb, stream):
+    """vLLM's 500 is a request that failed in the engine (its grammar, its generation): sent again it
+    fails again, so the client gets 502 at once."""
+    with FakeVLLM() as up, InProcessGateway(gateway_settings(redis_port, up.url, retry_backoff_s=0.01)) as g:
+        rollout = g.new_rollout()
+        up.fail_next = 3
+        resp = chat(g, rollout["api_key"], stream=stream)
+        assert resp.status_code == 502 and resp.json()["error"]["code"] == "upstream_error", resp.text
+        assert "Internal server error" in resp.json()["error"]["message"]
+        assert len(up.requests) == 1 and up.fail_next == 2
+        [trace] = wait_traces(rdb, g.keys, rollout["rollout_id"], 1)
+        assert trace["status"] == "error" and trace["retries"] == 0 and trace["http_status"] == 502
+        assert "retries_total{reason=\"http_500\"" not in g.http.get("/metrics").text
 
 
 def test_upstream_timeout_is_retried_then_503(redis_port, rdb):

@@ -56,7 +56,9 @@ class Api(Protocol):
 
     def parse(self, raw: bytes) -> Any: ...  # with .body (recorded) and .stream
 
-    def upstream(self, req: Any) -> bytes: ...
+    def max_tokens(self, req: Any) -> Any: ...  # the client's output limit as sent (None: none)
+
+    def upstream(self, req: Any, max_tokens: int | None = None) -> bytes: ...  # max_tokens: limits.py's
 
     def capture(self, resp: dict[str, Any]) -> Captured: ...
 
@@ -110,8 +112,12 @@ class ChatApi(_OpenAIPassthrough):
     def parse(self, raw: bytes) -> ChatRequest:
         return parse_chat_request(raw, self.served_model)
 
-    def upstream(self, req: ChatRequest) -> bytes:
-        return upstream_body(req, self.upstream_model)
+    def max_tokens(self, req: ChatRequest) -> Any:
+        limit = req.body.get("max_completion_tokens")  # vLLM's order
+        return req.body.get("max_tokens") if limit is None else limit
+
+    def upstream(self, req: ChatRequest, max_tokens: int | None = None) -> bytes:
+        return upstream_body(req, self.upstream_model, max_tokens)
 
     def capture(self, resp: dict[str, Any]) -> Captured:
         return capture_response(resp)
@@ -126,8 +132,11 @@ class CompletionsApi(_OpenAIPassthrough):
     def parse(self, raw: bytes) -> ChatRequest:
         return parse_completion_request(raw, self.served_model)
 
-    def upstream(self, req: ChatRequest) -> bytes:
-        return upstream_completion_body(req, self.upstream_model)
+    def max_tokens(self, req: ChatRequest) -> Any:
+        return req.body.get("max_tokens")
+
+    def upstream(self, req: ChatRequest, max_tokens: int | None = None) -> bytes:
+        return upstream_completion_body(req, self.upstream_model, max_tokens)
 
     def capture(self, resp: dict[str, Any]) -> Captured:
         return capture_completion_response(resp)
@@ -147,8 +156,11 @@ class MessagesApi:
     def parse(self, raw: bytes) -> messages.MessagesRequest:
         return messages.parse_messages_request(raw, self.served_model)
 
-    def upstream(self, req: messages.MessagesRequest) -> bytes:
-        return upstream_chat_body(req.chat, self.upstream_model)
+    def max_tokens(self, req: messages.MessagesRequest) -> Any:
+        return req.chat.get("max_tokens")
+
+    def upstream(self, req: messages.MessagesRequest, max_tokens: int | None = None) -> bytes:
+        return upstream_chat_body(req.chat, self.upstream_model, max_tokens)
 
     def capture(self, resp: dict[str, Any]) -> Captured:
         return capture_response(resp)
@@ -174,8 +186,11 @@ class ResponsesApi:
     def parse(self, raw: bytes) -> responses.ResponsesRequest:
         return responses.parse_responses_request(raw, self.served_model)
 
-    def upstream(self, req: responses.ResponsesRequest) -> bytes:
-        return upstream_chat_body(req.chat, self.upstream_model)
+    def max_tokens(self, req: responses.ResponsesRequest) -> Any:
+        return req.chat.get("max_tokens")  # max_output_tokens, translated
+
+    def upstream(self, req: responses.ResponsesRequest, max_tokens: int | None = None) -> bytes:
+        return upstream_chat_body(req.chat, self.upstream_model, max_tokens)
 
     def capture(self, resp: dict[str, Any]) -> Captured:
         return capture_response(resp)

@@ -152,15 +152,23 @@ def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
                        wants_token_ids=body.get("return_token_ids") is True)
 
 
-def upstream_body(req: ChatRequest, upstream_model: str) -> bytes:
+def upstream_body(req: ChatRequest, upstream_model: str, max_tokens: int | None = None) -> bytes:
     """The body forwarded to vLLM: always ask for token ids and logprobs. `include_reasoning` is
-    dropped because include_reasoning=false makes vLLM drop both."""
-    return upstream_chat_body(req.body, upstream_model)
+    dropped because include_reasoning=false makes vLLM drop both. `max_tokens`: the output limit the
+    gateway decided (limits.py), None to send the client's."""
+    return upstream_chat_body(req.body, upstream_model, max_tokens)
 
 
-def upstream_chat_body(body: dict[str, Any], upstream_model: str) -> bytes:
+def upstream_chat_body(body: dict[str, Any], upstream_model: str, max_tokens: int | None = None) -> bytes:
     body = dict(body)
     body["model"] = upstream_model
+    if max_tokens is not None:
+        # vLLM reads max_completion_tokens first: the limit goes where the client put it (both, if
+        # it sent both), else into max_tokens.
+        if body.get("max_completion_tokens") is not None:
+            body["max_completion_tokens"] = max_tokens
+        if body.get("max_tokens") is not None or body.get("max_completion_tokens") is None:
+            body["max_tokens"] = max_tokens
     body["return_token_ids"] = True
     body["logprobs"] = True
     body[WEIGHT_VERSIONS_FLAG] = True
@@ -200,10 +208,12 @@ def parse_completion_request(raw: bytes, served_model: str) -> ChatRequest:
                        wants_token_ids=body.get("return_token_ids") is True)
 
 
-def upstream_completion_body(req: ChatRequest, upstream_model: str) -> bytes:
+def upstream_completion_body(req: ChatRequest, upstream_model: str, max_tokens: int | None = None) -> bytes:
     """For completions, `logprobs: 0` already returns the sampled token's logprob."""
     body = dict(req.body)
     body["model"] = upstream_model
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
     body["return_token_ids"] = True
     body["logprobs"] = body.get("logprobs") or 0
     body[WEIGHT_VERSIONS_FLAG] = True
@@ -447,9 +457,16 @@ def _checked_spans(c: ChoiceTokens) -> list[list[int]]:
     return c.weight_spans if c.weight_spans and spans_cover(c.weight_spans, len(c.token_ids)) else []
 
 
+# vLLM's error types (exception_handling/error_response.py) for errors the request caused.
+_CLIENT_ERROR_TYPES = {"BadRequestError": 400, "NotFoundError": 404, "UnprocessableEntityError": 422}
+
+
 def upstream_error(status: int, content: bytes, retry_after_s: int) -> ApiError:
-    """Map a vLLM error answer to the client's: 4xx keep their status, 5xx become 502 (503 stays)."""
+    """Map a vLLM error answer to the client's: 4xx keep their status, 503 stays, other 5xx become 502
+    unless the body itself blames the request (a 4xx `code` or a client error type: the request is
+    at fault, and resending it would not help): that 4xx then."""
     message, type_, code, param = f"upstream answered HTTP {status}", "upstream_error", None, None
+    blamed = None
     try:
         data = orjson.loads(content)
     except orjson.JSONDecodeError:
@@ -460,9 +477,16 @@ def upstream_error(status: int, content: bytes, retry_after_s: int) -> ApiError:
         type_ = str(err.get("type") or type_)
         code = None if err.get("code") is None else str(err.get("code"))
         param = err.get("param") if isinstance(err.get("param"), str) else None
+        raw_code = err.get("code")
+        if isinstance(raw_code, int) and not isinstance(raw_code, bool) and 400 <= raw_code < 500:
+            blamed = raw_code
+        else:
+            blamed = _CLIENT_ERROR_TYPES.get(type_)
     if status < 500:
         return ApiError(status, message, type_, code, param)
     if status == 503:
         return ApiError(503, message, "server_error", "upstream_unavailable",
                         headers={"Retry-After": str(retry_after_s)})
+    if blamed is not None:
+        return ApiError(blamed, message, "invalid_request_error", str(blamed), param)
     return ApiError(502, f"upstream error: {message}", "server_error", "upstream_error")

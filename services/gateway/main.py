@@ -50,11 +50,16 @@ class GatewaySettings(CommonSettings):
     # Replicas: GET /health every health_check_s puts a replica back (or takes it out).
     health_check_s: float = Field(5.0, gt=0)
     health_timeout_s: float = Field(2.0, gt=0)
-    # Upstream 5xx, timeouts and broken connections are sent again (while nothing reached the client)
-    # up to upstream_retries times, after retry_backoff_s, doubling.
+    # Upstream 502/503/504, timeouts and broken connections are sent again (while nothing reached the
+    # client) up to upstream_retries times, after retry_backoff_s, doubling. A 500 is not (proxy.py).
     upstream_retries: int = Field(2, ge=0)
     retry_backoff_s: float = Field(0.25, ge=0)
     upstream_connect_timeout_s: float = Field(10.0, gt=0)
+    # Output limit of a call whose client names none (chat max_tokens/max_completion_tokens,
+    # completions max_tokens, Responses max_output_tokens), bounded by the served context; 0 = none
+    # (vLLM's own: the whole room left for chat, 16 tokens for completions). A client's limit above
+    # the context is always lowered to fit (limits.py).
+    default_max_tokens: int = Field(4096, ge=0)
     # Record-only sessions: "key=session,key2=other" (or one bare key: session "default").
     deployment_keys: str | None = None
     # The model name agents send; calls naming another model get 404.
@@ -202,7 +207,8 @@ class GatewayServer:
                            recorder=self.recorder, keys=keys, served_model=s.served_model,
                            upstream_model=s.upstream_model or s.served_model,
                            admission_wait_s=s.admission_wait_s, retry_after_s=s.retry_after_s,
-                           max_retries=s.upstream_retries, retry_backoff_s=s.retry_backoff_s)
+                           max_retries=s.upstream_retries, retry_backoff_s=s.retry_backoff_s,
+                           default_max_tokens=s.default_max_tokens or None)
         app = create_app(proxy=self.proxy, rollouts=self.rollouts, sessions=self.sessions, admission=self.admission,
                          pool=self.pool, redis_ping=self.redis.ping, served_model=s.served_model,
                          public_url=self.public_url, default_group_size=s.default_group_size,

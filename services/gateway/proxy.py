@@ -9,11 +9,17 @@ request); it returns a `Reply` (a complete JSON body) or a `StreamSession` (SSE 
 `finish()` however the stream ends).
 
 Retries: a connect failure takes the replica out and moves the call to another one at once
-(`failovers`); an upstream 5xx, a timeout or a connection that broke before any answer is sent again
-after a backoff (`retries`, at most `max_retries`), to the same replica unless it was taken out. A
-stream is only retried before its first event has been read, so the client never sees a restart.
-Both counts and the replica are recorded in the trace, with the weight version at admission and at
-the end of the call.
+(`failovers`); an upstream 502/503/504, a timeout or a connection that broke before any answer is sent
+again after a backoff (`retries`, at most `max_retries`), to the same replica unless it was taken out.
+A 500 is not: vLLM answers 500 for a request that failed in the engine (a grammar that does not
+compile, a generation that finished with an error), and the same request fails the same way again;
+it reaches the client as 502 (or as the 4xx its body names). A stream is only retried before its
+first event has been read, so the client never sees a restart. Both counts and the replica are
+recorded in the trace, with the weight version at admission and at the end of the call.
+
+Output limits: the body sent carries the limit limits.py decides (the gateway's default, or the
+client's clamped to the served context); a 400 that says the limit did not fit is sent once more with
+the room its message names. The trace records what applied (adjustments["max_tokens"]).
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from tether.gateway import metrics as m
 from tether.gateway.admission import Admission, AdmissionTimeout
 from tether.gateway.apis import Api, MessagesApi, Relay
 from tether.gateway.capture import WEIGHT_VERSIONS_CHUNK, ApiError, Captured, build_trace, upstream_error
+from tether.gateway.limits import MaxTokens, applied_max_tokens, budget_error, client_limit, decide_max_tokens
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RUNNING, RolloutRegistry, rollout_finished, unauthorized
 from tether.gateway.routing import Replica, ReplicaPool, conversation_key
@@ -47,7 +54,9 @@ log = logging.getLogger(__name__)
 TOKENIZE_PATH = "/tokenize"
 CLIENT_GONE = "client went away"
 _TRACE_FIELDS = tuple(f.name for f in fields(Trace))
-_RETRY_STATUS = frozenset((500, 502, 503, 504))
+# What another try can cure: a proxy or server between us and vLLM that failed, or vLLM overloaded
+# (its retryable errors answer 503). A 500 comes from a request that failed and would fail again.
+_RETRY_STATUS = frozenset((502, 503, 504))
 
 
 def _quiet(fut: asyncio.Future) -> asyncio.Future:
@@ -118,7 +127,8 @@ class Call:
     """One call in progress."""
 
     __slots__ = ("rollout_id", "tracked", "session", "sticky", "api", "req", "weight_version", "call_id",
-                 "started_at", "t0", "t_up", "upstream_latency_s", "replica", "retries", "failovers")
+                 "started_at", "t0", "t_up", "upstream_latency_s", "replica", "retries", "failovers",
+                 "max_tokens", "context_len")
 
     def __init__(self, rollout_id: str, tracked: str | None, session: str | None, api: Api, req: Any) -> None:
         self.call_id = f"call-{uuid.uuid4().hex}"
@@ -136,13 +146,15 @@ class Call:
         self.replica: Replica | None = None
         self.retries = 0
         self.failovers = 0
+        self.max_tokens: MaxTokens | None = None  # the output limit decided (None: the client's, untouched)
+        self.context_len: int | None = None  # the context that decision was bounded by
 
 
 class Proxy:
     def __init__(self, *, pool: ReplicaPool, rollouts: RolloutRegistry, sessions: Sessions, admission: Admission,
                  recorder: Recorder, keys: broker.Keys, served_model: str, upstream_model: str,
                  admission_wait_s: float, retry_after_s: int, max_retries: int = 2,
-                 retry_backoff_s: float = 0.25) -> None:
+                 retry_backoff_s: float = 0.25, default_max_tokens: int | None = None) -> None:
         self.pool = pool
         self.rollouts = rollouts
         self.sessions = sessions
@@ -155,6 +167,7 @@ class Proxy:
         self.retry_after_s = retry_after_s
         self.max_retries = max_retries
         self.retry_backoff_s = retry_backoff_s
+        self.default_max_tokens = default_max_tokens
         self._finishing: set[asyncio.Task] = set()  # stream finalisers still recording
 
     # --- one call ------------------------------------------------------------------------------
@@ -302,10 +315,11 @@ class Proxy:
         rollout's status check) is awaited once the first request is on its way; if it fails, that
         request is aborted. On return `call.replica` counts the call in flight; the caller ends that
         with `_leave`."""
-        body = call.api.upstream(call.req)
+        body = self._upstream_body(call)
         path = call.api.path
         exclude: set[Replica] = set()
         stale_resends = 0
+        refitted = False
         t_up = call.t_up = time.perf_counter()
         while True:
             replica = self.pool.pick(preferred, exclude)
@@ -364,6 +378,10 @@ class Proxy:
                     call.upstream_latency_s = time.perf_counter() - t_up
                     raise await self._unavailable(call, exc) from None
                 continue
+            if status == 400 and not refitted and (refit := self._refit(call, content)) is not None:
+                self._leave(call)
+                refitted, body = True, refit
+                continue
             if status in _RETRY_STATUS:
                 m.child(m.UPSTREAM_ERRORS, replica.url, f"http_{status}").inc()
                 if call.retries < self.max_retries and not handle.gone:
@@ -379,6 +397,33 @@ class Proxy:
                 self.recorder.remember_replica(call.tracked, replica.url)
         call.upstream_latency_s = time.perf_counter() - t_up
         return ex, status, content
+
+    def _upstream_body(self, call: Call, context_len: int | None = None, prompt_len: int | None = None) -> bytes:
+        """The body for vLLM, with the output limit decided (limits.py) unless the client's limit is
+        malformed (vLLM's 400 then names it). Lengths not given: the served context, prompt unknown."""
+        decidable, requested = client_limit(call.api.max_tokens(call.req))
+        if not decidable:
+            return call.api.upstream(call.req)
+        call.context_len = context_len or self.pool.context_len
+        call.max_tokens = decision = decide_max_tokens(requested, self.default_max_tokens, call.context_len,
+                                                       prompt_len)
+        return call.api.upstream(call.req, decision.send if decision.reason else None)
+
+    def _refit(self, call: Call, content: bytes) -> bytes | None:
+        """After a 400: the body to send once more when its message says the output limit did not fit
+        the context (and names enough to fit it), else None."""
+        if call.max_tokens is None or call.max_tokens.send is None:
+            return None
+        fit = budget_error(upstream_error(400, content, self.retry_after_s).message)
+        if fit is None:
+            return None
+        sent = call.max_tokens.send
+        body = self._upstream_body(call, *fit)
+        if call.max_tokens.send is None or call.max_tokens.send >= sent:
+            return None  # no room to give (a prompt that fills the context): the 400 stands
+        log.info("call %s: max_tokens %d does not fit a context of %d tokens; sending %d", call.call_id, sent,
+                 fit[0], call.max_tokens.send)
+        return body
 
     async def _backoff(self, call: Call, replica: Replica, reason: str, handle: CallHandle) -> bool:
         """Wait before sending again; False when retries are used up (or the client left)."""
@@ -448,6 +493,11 @@ class Proxy:
     def trace_record(self, call: Call, captured: Captured | None, error: str | None, http_status: int) -> dict:
         """The published record: the Trace's fields plus the gateway's own (replica, retries,
         failovers, weight_version_end, and session for record-only calls)."""
+        if call.max_tokens is not None:
+            note = applied_max_tokens(call.max_tokens, call.context_len,
+                                      len(captured.prompt_token_ids) if captured and captured.prompt_token_ids else None)
+            if note is not None:
+                call.req.adjustments["max_tokens"] = note
         trace = build_trace(call_id=call.call_id, rollout_id=call.rollout_id, request=call.req.body,
                             api=call.api.name, captured=captured, error=error, http_status=http_status,
                             weight_version=call.weight_version, started_at=call.started_at,

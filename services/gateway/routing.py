@@ -7,6 +7,9 @@ whose replica is out, goes to the healthy replica with the fewest calls in fligh
 A replica is taken out when a connection to it fails or its GET /health does not answer 200, and put
 back when /health answers 200 again (checked every `health_check_s`). When every replica is out,
 calls still try them (least loaded first): a connection attempt tells the truth faster than waiting.
+A replica's context length (`max_model_len` of its GET /v1/models) is read with the first health
+check that passes and again whenever it comes back (a restarted vLLM may serve another length);
+`context_len` is the smallest one known, which bounds the output limit of every call (limits.py).
 
 Record-only calls (a deployment key, no rollout) stick too, by `conversation_key`: the client's own
 cache key when it gives one (OpenAI's `prompt_cache_key`, else `user`; Anthropic's
@@ -63,7 +66,7 @@ def conversation_key(body: dict[str, Any]) -> str:
 
 
 class Replica:
-    __slots__ = ("url", "client", "healthy", "in_flight", "reason")
+    __slots__ = ("url", "client", "healthy", "in_flight", "reason", "max_model_len")
 
     def __init__(self, url: str, client: UpstreamClient) -> None:
         self.url = url
@@ -71,6 +74,19 @@ class Replica:
         self.healthy = True
         self.in_flight = 0
         self.reason = ""
+        self.max_model_len: int | None = None  # from GET /v1/models; None until read
+
+
+def served_context_len(models: bytes) -> int | None:
+    """The smallest `max_model_len` in a GET /v1/models answer (vLLM reports it for every model it
+    serves), None when it names none."""
+    try:
+        data = orjson.loads(models).get("data")
+    except (ValueError, AttributeError):
+        return None
+    lengths = [m["max_model_len"] for m in data if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)
+               and not isinstance(m["max_model_len"], bool) and m["max_model_len"] > 0] if isinstance(data, list) else []
+    return min(lengths, default=None)
 
 
 class ReplicaPool:
@@ -88,6 +104,11 @@ class ReplicaPool:
     @property
     def single(self) -> bool:
         return len(self.replicas) == 1
+
+    @property
+    def context_len(self) -> int | None:
+        """The smallest context length the replicas reported, None while none has."""
+        return min((r.max_model_len for r in self.replicas if r.max_model_len is not None), default=None)
 
     # --- choosing ------------------------------------------------------------------------------
 
@@ -153,8 +174,21 @@ class ReplicaPool:
         if status != 200:
             self.mark_down(replica, f"GET /health answered {status}")
             return False
+        if replica.max_model_len is None or not replica.healthy:
+            await self._read_context_len(replica, timeout_s)
         self.mark_up(replica)
         return True
+
+    async def _read_context_len(self, replica: Replica, timeout_s: float) -> None:
+        try:
+            status, body = await asyncio.wait_for(replica.client.get("/v1/models", timeout_s), timeout_s + 1)
+        except (UpstreamError, TimeoutError) as exc:
+            log.warning("vLLM replica %s: GET /v1/models failed: %s", replica.url, exc)
+            return
+        length = served_context_len(body) if status == 200 else None
+        if length != replica.max_model_len:
+            log.info("vLLM replica %s serves a context of %s tokens", replica.url, length)
+        replica.max_model_len = length
 
     async def check_all(self, timeout_s: float) -> None:
         await asyncio.gather(*(self.check(r, timeout_s) for r in self.replicas))
@@ -169,8 +203,8 @@ class ReplicaPool:
             await asyncio.sleep(interval_s)
 
     def status(self) -> list[dict]:
-        return [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "reason": r.reason or None}
-                for r in self.replicas]
+        return [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "reason": r.reason or None,
+                 "max_model_len": r.max_model_len} for r in self.replicas]
 
     async def aclose(self) -> None:
         for r in self.replicas:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 from pathlib import Path
@@ -13,19 +14,41 @@ DEFAULT_TOOL_PARSER = "hermes"
 PLUGIN = "tether"
 
 
+def model_context_length(model_dir: str) -> int | None:
+    """The context length the model was built for: `max_position_embeddings` of its config.json (of
+    its text model for a multimodal one); None when the config does not say (vLLM then derives it)."""
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    for cfg in (config, config.get("text_config")):
+        value = cfg.get("max_position_embeddings") if isinstance(cfg, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
 def vllm_command(python: str, model_dir: str, served_model: str, host: str, port: int,
-                 max_model_len: int, dtype: str = "float32", extra: list[str] | None = None,
-                 tool_parser: str | None = DEFAULT_TOOL_PARSER) -> list[str]:
-    """The vLLM server command line. `tool_parser` names the vLLM parser that turns the model's text into
-    tool_calls (vLLM's strict tool grammar, on by default, also writes forced calls in its format);
-    None turns tool calls off. `extra` comes last, so its flags (another --tool-call-parser) win."""
+                 max_model_len: int | None, dtype: str = "float32", extra: list[str] | None = None,
+                 tool_parser: str | None = DEFAULT_TOOL_PARSER, tensor_parallel_size: int | None = None,
+                 gpu_memory_utilization: float | None = None) -> list[str]:
+    """The vLLM server command line. `max_model_len` None leaves the context length to vLLM (the
+    model's own). `tool_parser` names the vLLM parser that turns the model's text into tool_calls
+    (vLLM's strict tool grammar, on by default, also writes forced calls in its format); None turns
+    tool calls off. `extra` comes last, so its flags (another --tool-call-parser) win."""
     tools = ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser] if tool_parser else []
-    # fp32 + processed logprobs so the trainer's fp32 forward reproduces vLLM's logprobs.
+    optional = [
+        *(["--max-model-len", str(max_model_len)] if max_model_len is not None else []),
+        *(["--tensor-parallel-size", str(tensor_parallel_size)] if tensor_parallel_size is not None else []),
+        *(["--gpu-memory-utilization", repr(gpu_memory_utilization)] if gpu_memory_utilization is not None
+          else []),
+    ]
+    # fp32 (the default) + processed logprobs so the trainer's fp32 forward reproduces vLLM's logprobs.
     return [
         python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", model_dir, "--served-model-name", served_model,
         "--host", host, "--port", str(port), "--dtype", dtype,
-        "--max-model-len", str(max_model_len),
+        *optional,
         "--logprobs-mode", "processed_logprobs",
         "--disable-uvicorn-access-log",
         *tools,

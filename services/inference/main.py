@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shlex
 from pathlib import Path
+
+from pydantic import Field, field_validator
 
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
 from tether.common.vllm_client import VLLMControl
 from tether.inference.control import WEIGHT_VERSION, InferenceServicer
-from tether.inference.launch import start_vllm, vllm_command, vllm_env
+from tether.inference.launch import model_context_length, start_vllm, vllm_command, vllm_env
 from tether.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("tether.inference")
@@ -33,10 +36,30 @@ class InferenceSettings(CommonSettings):
     vllm_python: str = "python"
     model_dir: str = ""
     served_model: str = "tether-policy"
-    max_model_len: int = 512
+    # Context length served; unset: the model's own (max_position_embeddings of its config.json).
+    max_model_len: int | None = Field(None, ge=1)
+    # fp32 by default, so that the trainer's fp32 forward reproduces vLLM's logprobs.
+    dtype: str = "float32"
+    tensor_parallel_size: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    # More vLLM flags, one shell-quoted string (`tether up --vllm-arg ...` joins its values here).
     vllm_extra_args: str = ""
     vllm_log: str = "vllm.log"
     vllm_start_timeout_s: float = 600.0
+
+    @field_validator("vllm_extra_args")
+    @classmethod
+    def _shell_words(cls, v: str) -> str:
+        shlex.split(v)  # an unbalanced quote fails here, at start, not as a vLLM usage error
+        return v
+
+
+def command(s: InferenceSettings) -> list[str]:
+    """The vLLM command these settings ask for."""
+    max_model_len = s.max_model_len if s.max_model_len is not None else model_context_length(s.model_dir)
+    return vllm_command(s.vllm_python, s.model_dir, s.served_model, s.vllm_host, s.vllm_port, max_model_len,
+                        s.dtype, shlex.split(s.vllm_extra_args), tensor_parallel_size=s.tensor_parallel_size,
+                        gpu_memory_utilization=s.gpu_memory_utilization)
 
 
 async def watch_health(vllm: VLLMControl, health: Health, proc, servicer: InferenceServicer) -> None:
@@ -59,9 +82,8 @@ async def amain(s: InferenceSettings) -> None:
     if s.vllm_launch:
         if not s.model_dir:
             raise SystemExit("TETHER_MODEL_DIR is required when TETHER_VLLM_LAUNCH is true")
-        cmd = vllm_command(s.vllm_python, s.model_dir, s.served_model, s.vllm_host, s.vllm_port,
-                           s.max_model_len, extra=s.vllm_extra_args.split())
-        log.info("starting vLLM: %s", " ".join(cmd))
+        cmd = command(s)
+        log.info("starting vLLM: %s", shlex.join(cmd))
         proc = start_vllm(cmd, vllm_env(), Path(s.vllm_log))
     vllm = VLLMControl(f"http://{s.vllm_host}:{s.vllm_port}")
     servicer = InferenceServicer(vllm, s.model_dir)
