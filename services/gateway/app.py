@@ -8,6 +8,10 @@ ASGI (`CallRoutes`), in front of the FastAPI app that serves everything else: ev
 them, and FastAPI's routing, dependency solving and middleware stack cost more per call than all
 the gateway's own work. While a call waits on vLLM, its route watches for the client leaving and
 then aborts the upstream request (streaming or not).
+
+Google's Gemini API answers under /v1beta/models/{model}:{method} (and /v1/..., where the google-genai
+Python SDK goes by default), in Google's error shape, with the key also taken from `x-goog-api-key`
+or `?key=`; its calls cross `CallRoutes` too, matched only once the exact-path lookup has missed.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -27,9 +32,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tether.gateway import gemini
 from tether.gateway import metrics as m
 from tether.gateway.admission import Admission
-from tether.gateway.apis import Api, ChatApi, CompletionsApi, MessagesApi, ResponsesApi
+from tether.gateway.apis import Api, ChatApi, CompletionsApi, GeminiApi, GeminiCall, MessagesApi, ResponsesApi
 from tether.gateway.capture import ApiError, error_body, load_json_object
 from tether.gateway.messages import anthropic_error_body
 from tether.gateway.proxy import CallHandle, ClientGone, Proxy, StreamSession
@@ -59,10 +65,17 @@ def _is_messages(path: str) -> bool:
     return path.endswith("/v1/messages") or "/v1/messages/" in path
 
 
+def _is_gemini(path: str) -> bool:
+    return "/v1beta/" in path or (":" in path and "/models/" in path)
+
+
 def error_payload(path: str, status: int, message: str, type: str, code: str | None = None,
                   param: str | None = None) -> bytes:
-    """An error body in the dialect of the route: Anthropic's on /v1/messages..., OpenAI's elsewhere."""
+    """An error body in the dialect of the route: Anthropic's on /v1/messages..., Google's on the
+    Gemini routes, OpenAI's elsewhere."""
     m.child(m.ERRORS, str(status), code or "").inc()
+    if _is_gemini(path):
+        return orjson.dumps(gemini.gemini_error_body(status, message))
     if _is_messages(path):
         return orjson.dumps(anthropic_error_body(status, message))
     return orjson.dumps(error_body(message, type, code, param))
@@ -87,8 +100,14 @@ def _bearer_of(auth: str) -> str | None:
 
 
 def _api_key(request: Request) -> str | None:
-    """Bearer (OpenAI clients) or x-api-key (Anthropic clients)."""
-    return _bearer(request) or request.headers.get("x-api-key", "").strip() or None
+    """Bearer (OpenAI clients), x-api-key (Anthropic clients), or x-goog-api-key / ?key= (Google's)."""
+    return (_bearer(request) or request.headers.get("x-api-key", "").strip()
+            or request.headers.get("x-goog-api-key", "").strip() or request.query_params.get("key") or None)
+
+
+def _query_param(query: bytes, name: str) -> str | None:
+    values = urllib.parse.parse_qs(query.decode("latin-1")).get(name)
+    return values[0] if values else None
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -135,8 +154,9 @@ class CallRoutes:
     """The API routes agents call, as plain ASGI in front of `fallback` (the FastAPI app)."""
 
     def __init__(self, fallback: ASGIApp, proxy: Proxy, apis: dict[str, Api], max_body_bytes: int,
-                 retry_after_s: int) -> None:
+                 retry_after_s: int, gemini_api: GeminiApi | None = None) -> None:
         self.fallback = fallback
+        self.gemini = gemini_api
         self.proxy = proxy
         self.apis = apis  # "/chat/completions" -> Api
         self.max_body_bytes = max_body_bytes
@@ -156,12 +176,37 @@ class CallRoutes:
                     return hit[0], hit[1], rollout_id
         return None
 
+    def _match_gemini(self, path: str) -> tuple[str, str, str, str | None] | None:
+        """(model, method, route, rollout_id) of /v1beta/models/{model}:{method} (or /v1/...,
+        optionally under /rollouts/{rollout_id}); the model may hold slashes ("org/name")."""
+        rollout_id = None
+        rest = path
+        if path.startswith("/rollouts/"):
+            rollout_id, sep, tail = path[10:].partition("/")
+            if not sep or not rollout_id:
+                return None
+            rest = "/" + tail
+        for prefix in ("/v1beta/models/", "/v1/models/"):
+            if rest.startswith(prefix):
+                model, sep, method = rest[len(prefix):].rpartition(":")
+                if sep and model and method in gemini.METHODS:
+                    route = f"{prefix}{{model}}:{method}"
+                    return model, method, route if rollout_id is None else f"/rollouts/{{rollout_id}}{route}", \
+                        rollout_id
+        return None
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             path = scope["path"]
             hit = self._match(path)
             if hit is not None:
                 await self._call(scope, receive, send, *hit)
+                return
+            if ":" in path and self.gemini is not None and (g := self._match_gemini(path)) is not None:
+                model, method, route, rollout_id = g
+                # Google streams one JSON array unless asked for SSE (`alt=sse`, what its SDKs send).
+                sse = _query_param(scope.get("query_string", b""), "alt") == "sse"
+                await self._call(scope, receive, send, self.gemini.call(model, method, sse), route, rollout_id)
                 return
         await self.fallback(scope, receive, send)
 
@@ -184,6 +229,8 @@ class CallRoutes:
             if scope["method"] != "POST":
                 raise ApiError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": "POST"})
             key, length = _call_headers(scope["headers"])
+            if key is None and isinstance(api, GeminiCall) and scope.get("query_string"):
+                key = _query_param(scope["query_string"], "key")  # Google's clients may put it in the URL
             raw = await self._body(receive, length)
             watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, handle))
             out = await self.proxy.handle(api, key, raw, rollout_id, handle)
@@ -219,7 +266,9 @@ class CallRoutes:
     async def _stream(self, send: Send, session: StreamSession, watcher: asyncio.Task | None,
                       call_id: tuple[bytes, bytes]) -> int:
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, call_id]})
+            kind = getattr(session.relay, "content_type", None)  # Gemini's JSON-array streams
+            headers = _SSE_HEADERS if kind is None else [(b"content-type", kind), *_SSE_HEADERS[1:]]
+            await send({"type": "http.response.start", "status": 200, "headers": [*headers, call_id]})
             while True:
                 frames = await session.next()
                 if frames is None:
@@ -263,13 +312,13 @@ class CallRoutes:
 
 
 def _call_headers(headers: list[tuple[bytes, bytes]]) -> tuple[str | None, int | None]:
-    """(API key from Bearer or x-api-key, content-length)."""
+    """(API key from Bearer, x-api-key or x-goog-api-key, content-length)."""
     bearer = x_api_key = None
     length: int | None = None
     for name, value in headers:
         if name == b"authorization":
             bearer = _bearer_of(value.decode("latin-1"))
-        elif name == b"x-api-key":
+        elif name == b"x-api-key" or name == b"x-goog-api-key":
             x_api_key = value.decode("latin-1").strip() or None
         elif name == b"content-length" and value.isdigit():
             length = int(value)
@@ -451,4 +500,57 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    return CallRoutes(app, proxy, apis, max_body_bytes, retry_after_s)
+    gemini_api = GeminiApi(served_model, upstream_model)
+    _gemini_routes(app, proxy, rollouts, gemini_api, served_model, max_body_bytes)
+    return CallRoutes(app, proxy, apis, max_body_bytes, retry_after_s, gemini_api)
+
+
+def _gemini_routes(app: FastAPI, proxy: Proxy, rollouts: RolloutRegistry, gemini_api: GeminiApi,
+                   served_model: str, max_body_bytes: int) -> None:
+    """Google's model listing and countTokens (the calls themselves go through CallRoutes). GET
+    models is served under /v1beta only: /v1/models is OpenAI's list."""
+
+    def model_list() -> Response:
+        return _json({"models": [gemini.model_resource(served_model)]})
+
+    def one_model(model: str) -> Response:
+        gemini.check_path_model(model, served_model)
+        return _json(gemini.model_resource(served_model))
+
+    @app.get("/v1beta/models")
+    async def gemini_models() -> Response:
+        return model_list()
+
+    @app.get("/rollouts/{rollout_id}/v1beta/models")
+    async def rollout_gemini_models(rollout_id: str, request: Request) -> Response:
+        await rollouts.authenticate(_api_key(request), rollout_id)
+        return model_list()
+
+    @app.get("/v1beta/models/{model:path}")
+    async def gemini_model(model: str) -> Response:
+        return one_model(model)
+
+    @app.get("/rollouts/{rollout_id}/v1beta/models/{model:path}")
+    async def rollout_gemini_model(rollout_id: str, model: str, request: Request) -> Response:
+        await rollouts.authenticate(_api_key(request), rollout_id)
+        return one_model(model)
+
+    async def model_method(target: str, request: Request, rollout_id: str | None) -> Response:
+        model, _, method = target.rpartition(":")
+        if method != gemini.COUNT_TOKENS or not model:
+            raise ApiError(404, f"'{target}' is not served here: this gateway serves generateContent, "
+                           "streamGenerateContent and countTokens", code="not_found")
+        raw = await _read_body(request, max_body_bytes)
+        call = gemini_api.call(model, method, False)
+        out = await proxy.count_tokens(call, _api_key(request), raw, rollout_id)  # type: ignore[arg-type]
+        return _json({"totalTokens": out["input_tokens"]})
+
+    @app.post("/v1beta/models/{target:path}")
+    @app.post("/v1/models/{target:path}")
+    async def gemini_model_method(target: str, request: Request) -> Response:
+        return await model_method(target, request, None)
+
+    @app.post("/rollouts/{rollout_id}/v1beta/models/{target:path}")
+    @app.post("/rollouts/{rollout_id}/v1/models/{target:path}")
+    async def rollout_gemini_model_method(rollout_id: str, target: str, request: Request) -> Response:
+        return await model_method(target, request, rollout_id)
