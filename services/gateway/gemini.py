@@ -181,10 +181,33 @@ def _number(obj: dict[str, Any], key: str, where: str, integer: bool = False) ->
     return value
 
 
-def _object(value: Any, where: str) -> dict[str, Any]:
+def _camel(obj: dict[str, Any]) -> dict[str, Any]:
+    """Field names as lowerCamelCase. Google's API parses proto JSON, which takes a field's proto name
+    too ("mime_type" for "mimeType"), and the google-genai Python SDK sends those inside parts, tools,
+    schemas and thinkingConfig. Where both are given, the camelCase one counts."""
+    if not any("_" in k for k in obj):
+        return obj
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        if "_" in key:
+            head, *rest = key.split("_")
+            out[head + "".join(w[:1].upper() + w[1:] for w in rest)] = value
+    for key, value in obj.items():
+        if "_" not in key:
+            out[key] = value
+    return out
+
+
+def _raw_object(value: Any, where: str) -> dict[str, Any]:
+    """A JSON object whose keys are data (a JSON Schema, property names), not Google field names."""
     if not isinstance(value, dict):
         raise invalid(where, "must be an object")
     return value
+
+
+def _object(value: Any, where: str) -> dict[str, Any]:
+    """A Google message object, its field names camelCased (`_camel`)."""
+    return _camel(_raw_object(value, where))
 
 
 def _list(value: Any, where: str) -> list[Any]:
@@ -326,7 +349,8 @@ def _model_message(parts: list[Any], where: str, index: int, t: _Translation) ->
             texts.append(part["text"])
         elif kind == "functionCall":
             fc = _object(part["functionCall"], f"{at}.functionCall")
-            name, args, call_id = fc.get("name"), fc.get("args", {}), fc.get("id")
+            name, args, call_id = fc.get("name"), fc.get("args"), fc.get("id")
+            args = {} if args is None else args
             if not isinstance(name, str) or not name:
                 raise invalid(f"{at}.functionCall.name", "must be a non-empty string")
             if not isinstance(args, dict):
@@ -395,6 +419,7 @@ def json_schema(schema: Any, where: str) -> dict[str, Any]:
     (its lowercase types are left as they are)."""
     if not isinstance(schema, dict):
         raise invalid(where, "must be a schema object")
+    schema = _camel(schema)
     out: dict[str, Any] = {}
     for key, value in schema.items():
         if key in _SCHEMA_DROP or value is None:
@@ -407,7 +432,7 @@ def json_schema(schema: Any, where: str) -> dict[str, Any]:
             else:
                 raise invalid(f"{where}.type", "must be a type name")
         elif key == "properties":
-            props = _object(value, f"{where}.properties")
+            props = _raw_object(value, f"{where}.properties")
             out["properties"] = {k: json_schema(v, f"{where}.properties.{k}") for k, v in props.items()}
         elif key == "items":
             out["items"] = json_schema(value, f"{where}.items")
@@ -448,7 +473,7 @@ def _tools(tools: Any, adjustments: dict[str, Any]) -> list[dict[str, Any]]:
             if not isinstance(name, str) or not name:
                 raise invalid(f"{where}.name", "must be a non-empty string")
             if decl.get("parametersJsonSchema") is not None:
-                params = _object(decl["parametersJsonSchema"], f"{where}.parametersJsonSchema")
+                params = _raw_object(decl["parametersJsonSchema"], f"{where}.parametersJsonSchema")
             elif decl.get("parameters") is not None:
                 params = json_schema(decl["parameters"], f"{where}.parameters")
             else:
@@ -569,7 +594,7 @@ def _response_format(config: dict[str, Any], chat: dict[str, Any]) -> None:
         chat["response_format"] = {"type": "json_object"}
         return
     if where is not None:
-        schema = _object(schema, where)
+        schema = _raw_object(schema, where)
     chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
 
 
@@ -601,7 +626,8 @@ def parse_generate_request(raw: bytes, served_model: str, path_model: str, strea
     return _translate(body, stream)
 
 
-def _translate(body: dict[str, Any], stream: bool) -> GeminiRequest:
+def _translate(sent: dict[str, Any], stream: bool) -> GeminiRequest:
+    body = _camel(sent)
     reject_unknown_fields(body, _KNOWN, _HINTS, _WHY, null_is_absent=True)
     if body.get("cachedContent") is not None:
         raise unsupported(["cachedContent"], _HINTS["cachedContent"])
@@ -623,7 +649,7 @@ def _translate(body: dict[str, Any], stream: bool) -> GeminiRequest:
     if t.ignored:
         adjustments["ignored"] = sorted(t.ignored)
     return GeminiRequest(
-        body=body, stream=stream, chat=chat, adjustments=adjustments, include_thoughts=include_thoughts
+        body=sent, stream=stream, chat=chat, adjustments=adjustments, include_thoughts=include_thoughts
     )
 
 
@@ -631,7 +657,7 @@ def parse_count_tokens_request(raw: bytes, served_model: str, path_model: str) -
     """countTokens: the body for vLLM's /tokenize of the chat messages a generateContent call with the
     same contents (or the given `generateContentRequest`) would send."""
     check_path_model(path_model, served_model)
-    body = load_json_object(raw)
+    body = _camel(load_json_object(raw))
     inner = body.get("generateContentRequest")
     if inner is not None:
         if body.get("contents") is not None:
