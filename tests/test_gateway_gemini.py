@@ -179,9 +179,11 @@ def test_generation_config_and_tools_translate():
     chat = req.chat
     assert chat["stream"] is True
     # allowedFunctionNames keeps only those; ANY with several left is "required".
+    # ANY: calls held to their schemas (strict), as Google's constrained decoding holds them.
+    strict = {"type": "function", "function": {**ADD_CHAT["function"], "strict": True}}
     assert chat["tools"] == [
-        ADD_CHAT,
-        {"type": "function", "function": {"name": "js", "parameters": {"type": "object"}}},
+        strict,
+        {"type": "function", "function": {"name": "js", "parameters": {"type": "object"}, "strict": True}},
     ]
     assert chat["tool_choice"] == "required"
     assert {
@@ -226,7 +228,7 @@ def test_generation_config_and_tools_translate():
     ("config", "choice", "strict"),
     [
         ({"mode": "AUTO"}, "auto", False),
-        ({"mode": "ANY"}, {"type": "function", "function": {"name": "add"}}, False),
+        ({"mode": "ANY"}, {"type": "function", "function": {"name": "add"}}, True),
         ({"mode": "NONE"}, "none", False),
         ({"mode": "VALIDATED"}, "auto", True),
     ],
@@ -640,7 +642,8 @@ def test_function_call_through_the_sdk(gw, rdb, vllm, stream):
     [call] = calls
     assert (call.id, call.name, call.args) == (TOOL_CALL_ID, "add", {"a": 3, "b": 4})
     sent = vllm.requests[-1]
-    assert sent["tools"] == [ADD_CHAT] and sent["tool_choice"] == {
+    assert sent["tools"] == [{"type": "function", "function": {**ADD_CHAT["function"], "strict": True}}]
+    assert sent["tool_choice"] == {
         "type": "function",
         "function": {"name": "add"},
     }

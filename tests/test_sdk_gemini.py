@@ -145,6 +145,7 @@ def test_function_calling_loop(gw, rdb, vllm):
             "function": {
                 "name": "calc",
                 "description": "add two digits",
+                "strict": True,
                 "parameters": {
                     "type": "object",
                     "properties": {"a": DIGIT, "b": DIGIT},

@@ -522,9 +522,11 @@ def _tool_choice(config: Any, chat: dict[str, Any]) -> None:
             chat["tool_choice"] = "required"
     else:
         chat["tool_choice"] = "auto"
-        if mode == "VALIDATED":  # calls held to their schema: vLLM's strict tool grammar
-            for tool in tools:
-                tool["function"]["strict"] = True
+    if mode in ("ANY", "VALIDATED"):
+        # Google decodes these calls constrained to their schema; vLLM 0.32 does so only for strict
+        # functions (without it a forced call's arguments are free text).
+        for tool in tools:
+            tool["function"]["strict"] = True
 
 
 def _generation_config(config: Any, chat: dict[str, Any], t: _Translation) -> bool:
