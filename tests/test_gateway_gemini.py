@@ -721,6 +721,9 @@ def test_key_forms_and_rollout_path(gw, rdb):
         client(gw, b, base).models.generate_content(model=MODEL, contents="hi")
     assert exc.value.code == 403
     assert wait_traces(rdb, gw.keys, b["rollout_id"], timeout_s=0) == []
+    # ?key= counts on the Gemini routes only (a key in a URL ends up in logs; only Google's clients need it).
+    assert gw.http.get(f"/rollouts/{a['rollout_id']}/v1beta/models?key={a['api_key']}").status_code == 200
+    assert gw.http.get(f"/rollouts/{a['rollout_id']}/v1/models?key={a['api_key']}").status_code == 401
 
 
 def test_errors_are_google_shaped(gw, rdb):

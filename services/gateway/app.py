@@ -100,9 +100,13 @@ def _bearer_of(auth: str) -> str | None:
 
 
 def _api_key(request: Request) -> str | None:
-    """Bearer (OpenAI clients), x-api-key (Anthropic clients), or x-goog-api-key / ?key= (Google's)."""
-    return (_bearer(request) or request.headers.get("x-api-key", "").strip()
-            or request.headers.get("x-goog-api-key", "").strip() or request.query_params.get("key") or None)
+    """Bearer (OpenAI clients), x-api-key (Anthropic clients), or x-goog-api-key / ?key= (Google's,
+    whose clients may put it in the URL: taken there on the Gemini routes only)."""
+    key = (_bearer(request) or request.headers.get("x-api-key", "").strip()
+           or request.headers.get("x-goog-api-key", "").strip())
+    if not key and _is_gemini(request.url.path):
+        key = request.query_params.get("key", "").strip()
+    return key or None
 
 
 def _query_param(query: bytes, name: str) -> str | None:
@@ -191,8 +195,9 @@ class CallRoutes:
                 model, sep, method = rest[len(prefix):].rpartition(":")
                 if sep and model and method in gemini.METHODS:
                     route = f"{prefix}{{model}}:{method}"
-                    return model, method, route if rollout_id is None else f"/rollouts/{{rollout_id}}{route}", \
-                        rollout_id
+                    if rollout_id is not None:
+                        route = f"/rollouts/{{rollout_id}}{route}"
+                    return model, method, route, rollout_id
         return None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
