@@ -4,7 +4,8 @@ answer, turn the answer into the client's, and relay a stream as the client's SS
 
 Chat and completions pass through to the same vLLM routes (only vLLM-only fields are stripped);
 Anthropic Messages and OpenAI Responses are translated to chat completions (messages.py,
-responses.py), because vLLM 0.32 returns no token ids on its own /v1/messages and /v1/responses.
+responses.py), because vLLM 0.32 returns no token ids on its own /v1/messages and /v1/responses; so is
+Google's Gemini API (gemini.py), which vLLM does not serve at all.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any, Protocol
 
 import orjson
 
-from tether.gateway import messages, responses
+from tether.gateway import gemini, messages, responses
 from tether.gateway.capture import (
     API_CHAT,
     API_COMPLETIONS,
@@ -200,3 +201,48 @@ class ResponsesApi:
 
     def relay(self, req: responses.ResponsesRequest) -> Relay:
         return responses.ResponsesStream(req, self.served_model)
+
+
+class GeminiApi:
+    """Google's generateContent. The model and whether to stream are in the path, not the body, so a
+    route binds them per call (`call`); the bound object is the Api the proxy drives."""
+
+    def __init__(self, served_model: str, upstream_model: str) -> None:
+        self.served_model = served_model
+        self.upstream_model = upstream_model
+
+    def call(self, path_model: str, method: str, sse: bool) -> GeminiCall:
+        return GeminiCall(self, path_model, method == gemini.STREAM_GENERATE, sse)
+
+    def count_tokens_body(self, raw: bytes, path_model: str) -> bytes:
+        body = gemini.parse_count_tokens_request(raw, self.served_model, path_model)
+        return orjson.dumps({"model": self.upstream_model, **body})
+
+
+class GeminiCall:
+    name, path = gemini.API_GEMINI, CHAT_PATH
+    __slots__ = ("api", "path_model", "stream", "sse")
+
+    def __init__(self, api: GeminiApi, path_model: str, stream: bool, sse: bool) -> None:
+        self.api = api
+        self.path_model = path_model
+        self.stream = stream
+        self.sse = sse
+
+    def parse(self, raw: bytes) -> gemini.GeminiRequest:
+        return gemini.parse_generate_request(raw, self.api.served_model, self.path_model, self.stream)
+
+    def upstream(self, req: gemini.GeminiRequest) -> bytes:
+        return upstream_chat_body(req.chat, self.api.upstream_model)
+
+    def capture(self, resp: dict[str, Any]) -> Captured:
+        return capture_response(resp)
+
+    def reply(self, req: gemini.GeminiRequest, resp: dict[str, Any], captured: Captured) -> dict[str, Any]:
+        return gemini.response_from_chat(resp, captured, req, self.api.served_model)
+
+    def relay(self, req: gemini.GeminiRequest) -> Relay:
+        return gemini.GeminiStream(req, self.api.served_model, self.sse)
+
+    def count_tokens_body(self, raw: bytes) -> bytes:
+        return self.api.count_tokens_body(raw, self.path_model)

@@ -14,6 +14,10 @@ route template, status and code, and every 4xx gets one line on the `tether.gate
 (route, status, code, parameter, rollout; never a key). A rollout's call refused before it reached
 vLLM is also recorded as an error trace (proxy.py). `access_log` adds one line per request on
 `tether.gateway.access`; `cors_origins` wraps the whole app (call routes included) in CORS.
+
+Google's Gemini API answers under /v1beta/models/{model}:{method} (and /v1/..., where the google-genai
+Python SDK goes by default), in Google's error shape, with the key also taken from `x-goog-api-key`
+or `?key=`; its calls cross `CallRoutes` too, matched only once the exact-path lookup has missed.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -34,9 +39,10 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tether.gateway import gemini
 from tether.gateway import metrics as m
 from tether.gateway.admission import Admission
-from tether.gateway.apis import Api, ChatApi, CompletionsApi, MessagesApi, ResponsesApi
+from tether.gateway.apis import Api, ChatApi, CompletionsApi, GeminiApi, GeminiCall, MessagesApi, ResponsesApi
 from tether.gateway.capture import ApiError, error_body, load_json_object
 from tether.gateway.messages import anthropic_error_body
 from tether.gateway.proxy import CallHandle, ClientGone, Proxy, StreamSession
@@ -68,9 +74,16 @@ def _is_messages(path: str) -> bool:
     return path.endswith("/v1/messages") or "/v1/messages/" in path
 
 
+def _is_gemini(path: str) -> bool:
+    return "/v1beta/" in path or (":" in path and "/models/" in path)
+
+
 def error_payload(path: str, status: int, message: str, type: str, code: str | None = None,
                   param: str | None = None) -> bytes:
-    """An error body in the dialect of the route: Anthropic's on /v1/messages..., OpenAI's elsewhere."""
+    """An error body in the dialect of the route: Anthropic's on /v1/messages..., Google's on the
+    Gemini routes, OpenAI's elsewhere."""
+    if _is_gemini(path):
+        return orjson.dumps(gemini.gemini_error_body(status, message))
     if _is_messages(path):
         return orjson.dumps(anthropic_error_body(status, message))
     return orjson.dumps(error_body(message, type, code, param))
@@ -121,9 +134,20 @@ def _bearer_of(auth: str) -> str | None:
 
 
 def _api_key(request: Request) -> Keys:
-    """Bearer (OpenAI clients), x-api-key (Anthropic clients) or api-key (Azure-style clients)."""
+    """Bearer (OpenAI clients), x-api-key (Anthropic clients; Google's x-goog-api-key counts as one) or
+    api-key (Azure-style clients); on the Gemini routes also ?key= (Google's clients may put it in the
+    URL)."""
     h = request.headers
-    return _one_or_all(_bearer(request), h.get("x-api-key", "").strip() or None, h.get("api-key", "").strip() or None)
+    x_api_key = h.get("x-api-key", "").strip() or h.get("x-goog-api-key", "").strip() or None
+    keys = _one_or_all(_bearer(request), x_api_key, h.get("api-key", "").strip() or None)
+    if keys is None and _is_gemini(request.url.path):
+        keys = request.query_params.get("key", "").strip() or None
+    return keys
+
+
+def _query_param(query: bytes, name: str) -> str | None:
+    values = urllib.parse.parse_qs(query.decode("latin-1")).get(name)
+    return values[0] if values else None
 
 
 def _one_or_all(bearer: str | None, x_api_key: str | None, azure: str | None) -> Keys:
@@ -199,8 +223,9 @@ class CallRoutes:
 
     def __init__(self, fallback: ASGIApp, proxy: Proxy, apis: dict[str, Api], max_body_bytes: int,
                  retry_after_s: int, resolve_key: Callable[[tuple[str, ...], bool], Awaitable[str]],
-                 public_url: str = "", access: bool = False) -> None:
+                 public_url: str = "", access: bool = False, gemini_api: GeminiApi | None = None) -> None:
         self.fallback = fallback
+        self.gemini = gemini_api
         self.proxy = proxy
         self.rollouts = proxy.rollouts
         self.resolve_key = resolve_key
@@ -231,11 +256,37 @@ class CallRoutes:
             if hit is not None:
                 await self._call(scope, receive, send, *hit)
                 return
+            if ":" in path and self.gemini is not None and (g := self._match_gemini(path)) is not None:
+                model, method, route, rollout_id = g
+                # Google streams one JSON array unless asked for SSE (`alt=sse`, what its SDKs send).
+                sse = _query_param(scope.get("query_string", b""), "alt") == "sse"
+                await self._call(scope, receive, send, self.gemini.call(model, method, sse), route, rollout_id)
+                return
             prefix = _doubled_v1(path)
             if prefix is not None:
                 await self._doubled(scope, send, prefix)
                 return
         await self.fallback(scope, receive, send)
+
+    def _match_gemini(self, path: str) -> tuple[str, str, str, str | None] | None:
+        """(model, method, route, rollout_id) of /v1beta/models/{model}:{method} (or /v1/...,
+        optionally under /rollouts/{rollout_id}); the model may hold slashes ("org/name")."""
+        rollout_id = None
+        rest = path
+        if path.startswith("/rollouts/"):
+            rollout_id, sep, tail = path[10:].partition("/")
+            if not sep or not rollout_id:
+                return None
+            rest = "/" + tail
+        for prefix in ("/v1beta/models/", "/v1/models/"):
+            if rest.startswith(prefix):
+                model, sep, method = rest[len(prefix):].rpartition(":")
+                if sep and model and method in gemini.METHODS:
+                    route = f"{prefix}{{model}}:{method}"
+                    if rollout_id is not None:
+                        route = f"/rollouts/{{rollout_id}}{route}"
+                    return model, method, route, rollout_id
+        return None
 
     async def _doubled(self, scope: Scope, send: Send, prefix: str) -> None:
         # A client that appends /v1 itself (Anthropic's and Google's SDKs, Claude Code, Gemini CLI) was
@@ -258,6 +309,8 @@ class CallRoutes:
         handle = CallHandle()
         status = 500
         key, length = _call_headers(scope["headers"])
+        if key is None and isinstance(api, GeminiCall) and scope.get("query_string"):
+            key = _query_param(scope["query_string"], "key")  # Google's clients may put it in the URL
         try:
             status = await self._serve(scope, receive, send, api, route, rollout_id, handle, key, length)
         finally:
@@ -328,7 +381,9 @@ class CallRoutes:
     async def _stream(self, send: Send, session: StreamSession, watcher: asyncio.Task | None,
                       call_id: tuple[bytes, bytes]) -> int:
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": [*_SSE_HEADERS, call_id]})
+            kind = getattr(session.relay, "content_type", None)  # Gemini's JSON-array streams
+            headers = _SSE_HEADERS if kind is None else [(b"content-type", kind), *_SSE_HEADERS[1:]]
+            await send({"type": "http.response.start", "status": 200, "headers": [*headers, call_id]})
             while True:
                 frames = await session.next()
                 if frames is None:
@@ -372,14 +427,14 @@ class CallRoutes:
 
 
 def _call_headers(headers: list[tuple[bytes, bytes]]) -> tuple[Keys, int | None]:
-    """(API key from Bearer, x-api-key or api-key — all of them, in that order, when several differ —,
-    content-length)."""
+    """(API key from Bearer, x-api-key (or Google's x-goog-api-key) or api-key — all of them, in that
+    order, when several differ —, content-length)."""
     bearer = x_api_key = azure = None
     length: int | None = None
     for name, value in headers:
         if name == b"authorization":
             bearer = _bearer_of(value.decode("latin-1"))
-        elif name == b"x-api-key":
+        elif name == b"x-api-key" or name == b"x-goog-api-key":
             x_api_key = value.decode("latin-1").strip() or None
         elif name == b"content-length" and value.isdigit():
             length = int(value)
@@ -615,9 +670,64 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    routes: ASGIApp = CallRoutes(app, proxy, apis, max_body_bytes, retry_after_s, resolve_key, public_url, access)
+    gemini_api = GeminiApi(served_model, upstream_model)
+    _gemini_routes(app, proxy, rollouts, gemini_api, served_model, max_body_bytes, key_of)
+    routes: ASGIApp = CallRoutes(app, proxy, apis, max_body_bytes, retry_after_s, resolve_key, public_url, access,
+                                 gemini_api)
     if cors_origins:
         # Around everything, so the call routes answer preflights and carry the headers too.
         routes = CORSMiddleware(routes, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"],
                                 expose_headers=["x-tether-call-id", "retry-after"], max_age=600)
     return routes
+
+
+def _gemini_routes(app: FastAPI, proxy: Proxy, rollouts: RolloutRegistry, gemini_api: GeminiApi,
+                   served_model: str, max_body_bytes: int,
+                   key_of: Callable[[Request, str | None], Awaitable[str | None]]) -> None:
+    """Google's model listing and countTokens (the calls themselves go through CallRoutes). GET
+    models is served under /v1beta only: /v1/models is OpenAI's list."""
+
+    def model_list() -> Response:
+        return _json({"models": [gemini.model_resource(served_model)]})
+
+    def one_model(model: str) -> Response:
+        gemini.check_path_model(model, served_model)
+        return _json(gemini.model_resource(served_model))
+
+    @app.get("/v1beta/models")
+    async def gemini_models() -> Response:
+        return model_list()
+
+    @app.get("/rollouts/{rollout_id}/v1beta/models")
+    async def rollout_gemini_models(rollout_id: str, request: Request) -> Response:
+        await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
+        return model_list()
+
+    @app.get("/v1beta/models/{model:path}")
+    async def gemini_model(model: str) -> Response:
+        return one_model(model)
+
+    @app.get("/rollouts/{rollout_id}/v1beta/models/{model:path}")
+    async def rollout_gemini_model(rollout_id: str, model: str, request: Request) -> Response:
+        await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
+        return one_model(model)
+
+    async def model_method(target: str, request: Request, rollout_id: str | None) -> Response:
+        model, _, method = target.rpartition(":")
+        if method != gemini.COUNT_TOKENS or not model:
+            raise ApiError(404, f"'{target}' is not served here: this gateway serves generateContent, "
+                           "streamGenerateContent and countTokens", code="not_found")
+        raw = await _read_body(request, max_body_bytes)
+        call = gemini_api.call(model, method, False)
+        out = await proxy.count_tokens(call, await key_of(request, rollout_id), raw, rollout_id)  # type: ignore[arg-type]
+        return _json({"totalTokens": out["input_tokens"]})
+
+    @app.post("/v1beta/models/{target:path}")
+    @app.post("/v1/models/{target:path}")
+    async def gemini_model_method(target: str, request: Request) -> Response:
+        return await model_method(target, request, None)
+
+    @app.post("/rollouts/{rollout_id}/v1beta/models/{target:path}")
+    @app.post("/rollouts/{rollout_id}/v1/models/{target:path}")
+    async def rollout_gemini_model_method(rollout_id: str, target: str, request: Request) -> Response:
+        return await model_method(target, request, rollout_id)
