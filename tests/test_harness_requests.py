@@ -207,12 +207,15 @@ def test_claude_code_streamed_through_the_gateway(gw, rdb, vllm):
     assert events[-2][1]["delta"]["stop_reason"] == "end_turn"
 
     sent = vllm.requests[-1]
-    assert sent["messages"] == CC_CHAT_MESSAGES and sent["stream"] is True and sent["max_tokens"] == 32000
+    # Claude Code asks for 32000 whatever the prompt: clamped to the served context (512 here).
+    assert sent["messages"] == CC_CHAT_MESSAGES and sent["stream"] is True and sent["max_tokens"] == 512
     assert sent["chat_template_kwargs"] == {"enable_thinking": True}
     assert [t["function"]["name"] for t in sent["tools"]] == ["Bash", "Read", "Edit", "Glob"]
     assert not {"metadata", "thinking", "context_management", "output_config", "system"} & set(sent)
     [trace] = wait_traces(rdb, gw.keys, rollout["rollout_id"])
     assert_exact(trace, "anthropic.messages")
+    limit = trace["adjustments"].pop("max_tokens")
+    assert (limit["requested"], limit["reason"]) == (32000, "clamped_to_context")
     assert trace["adjustments"] == CC_ADJUSTMENTS and trace["request"] == claude_code_body()
 
 
@@ -541,6 +544,7 @@ def test_codex_streamed_through_the_gateway(gw, rdb, vllm):
     assert not {"store", "include", "prompt_cache_key", "client_metadata", "reasoning"} & set(sent)
     [trace] = wait_traces(rdb, gw.keys, rollout["rollout_id"])
     assert_exact(trace, "responses")
+    assert trace["adjustments"].pop("max_tokens")["reason"] == "default"  # Codex sends no limit
     assert trace["adjustments"] == {
         "ignored": CODEX_IGNORED,
         "dropped_tools": [{"type": "web_search", "name": None}],

@@ -232,8 +232,11 @@ class GeminiCall:
     def parse(self, raw: bytes) -> gemini.GeminiRequest:
         return gemini.parse_generate_request(raw, self.api.served_model, self.path_model, self.stream)
 
-    def upstream(self, req: gemini.GeminiRequest) -> bytes:
-        return upstream_chat_body(req.chat, self.api.upstream_model)
+    def max_tokens(self, req: gemini.GeminiRequest) -> Any:
+        return req.chat.get("max_tokens")  # generationConfig.maxOutputTokens, translated
+
+    def upstream(self, req: gemini.GeminiRequest, max_tokens: int | None = None) -> bytes:
+        return upstream_chat_body(req.chat, self.api.upstream_model, max_tokens)
 
     def capture(self, resp: dict[str, Any]) -> Captured:
         return capture_response(resp)
