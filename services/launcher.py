@@ -76,8 +76,9 @@ class Stack:
         return self.run_dir / "logs"
 
     def base_env(self) -> dict[str, str]:
+        # The guided-call treatment passes through so that a run can measure it switched off.
         env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_") or k in (
-            "TETHER_ADMIN_TOKEN", "TETHER_LOG_LEVEL")}
+            "TETHER_ADMIN_TOKEN", "TETHER_LOG_LEVEL", "TETHER_GUIDED", "TETHER_GUIDED_TOLERANCE")}
         env.update(TETHER_REDIS_URL=self.redis_url, TETHER_NAMESPACE=self.namespace,
                    PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         return env
