@@ -223,3 +223,76 @@ def test_forced_tool_call_tokens_are_found(real_gw, rdb, vllm_url, stream):
         # Kept tokens agree with the unconstrained policy; masked ones are where the grammar moved mass.
         assert (abs(lp - score) <= 1e-3) == (i not in masked), (i, lp, score)
     assert free["guided_by"] == [] and free["constrained_spans"] == []
+
+
+# --- merger and trainer: constrained tokens are masked and counted ----------------------------------
+
+
+def _trace(call_id, prompt, response, **kw) -> dict:
+    return dict(
+        call_id=call_id,
+        rollout_id="r",
+        api="chat.completions",
+        request={},
+        status="ok",
+        prompt_token_ids=prompt,
+        response_token_ids=response,
+        response_logprobs=[-0.5] * len(response),
+        weight_version=2,
+        **kw,
+    )
+
+
+def test_merger_masks_the_constrained_tokens_of_traces():
+    from tether.common.broker import Keys
+    from tether.common.records import RolloutEvent
+    from tether.merger.service import Merger, MergerConfig, build_samples
+
+    records = [
+        # A forced call: tokens 0-2 written by the grammar, token 3 free; a further choice fully masked.
+        _trace(
+            "c1",
+            [1, 2],
+            [3, 4, 5, 6],
+            guided_by=["tool_choice=required"],
+            constrained_spans=[[0, 3]],
+            extra_choices=[
+                {"index": 1, "token_ids": [7, 8], "logprobs": [0.0, 0.0], "constrained_spans": [[0, 2]]}
+            ],
+        ),
+        _trace("c2", [1, 2, 3, 4, 5, 6, 9], [10, 11]),
+        # Spans a trace should never carry: the whole response is masked rather than trusted.
+        _trace("c3", [20], [21, 22], constrained_spans=[[1, 9]]),
+    ]
+    event = RolloutEvent(
+        rollout_id="r", task_id="t", group_id="g", group_size=1, status="completed", reward=1.0
+    )
+    merged = Merger(None, Keys("t"), MergerConfig(), None).merge_records(event, records, {})
+    main, other, branch = merged["sequences"]
+    assert main["token_ids"] == [1, 2, 3, 4, 5, 6, 9, 10, 11]
+    assert main["loss_mask"] == [0, 0, 0, 0, 0, 1, 0, 1, 1]
+    assert main["logprobs"] == [0.0] * 5 + [-0.5, 0.0, -0.5, -0.5]
+    assert main["constrained_tokens"] == 3 and main["weight_spans"] == [(2, 5, 6), (2, 7, 9)]
+    assert other["loss_mask"] == [0, 0, 0] and other["constrained_tokens"] == 2
+    assert branch["loss_mask"] == [0, 0, 0, 0] and branch["constrained_tokens"] == 2
+    samples = build_samples(dict(merged, reward=1.0), 1.0)
+    assert [s.constrained_tokens for s in samples] == [3, 2, 2]
+
+
+def test_trainer_counts_masked_constrained_tokens():
+    import dataclasses
+
+    import torch
+    from test_trainer import _model, _samples
+
+    from tether.trainer.train import StepConfig, train_step
+
+    model = _model()
+    samples = _samples(model)
+    # Constrained tokens arrive as mask 0: whatever vLLM reported there is never compared.
+    marked = [dataclasses.replace(s, constrained_tokens=i) for i, s in enumerate(samples)]
+    metrics = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), marked, StepConfig())
+    assert metrics["constrained_tokens_masked"] == sum(range(len(samples)))
+    assert metrics["logprob_abs_diff"] < 1e-5
+    plain = train_step(model, torch.optim.SGD(model.parameters(), lr=0.0), samples, StepConfig())
+    assert plain["constrained_tokens_masked"] == 0.0

@@ -487,7 +487,8 @@ class Merger:
                   "realigns": sum(x.get("realigns", 0) for x in ok),
                   "truncated": sum(x.get("truncated", 0) for x in ok),
                   # What the policy sampled, trained on or not (filtered groups too): rollout throughput.
-                  "generated_tokens": sum(sum(s["loss_mask"]) for x in ok for s in x["sequences"]),
+                  "generated_tokens": sum(sum(s["loss_mask"]) + s.get("constrained_tokens", 0)
+                                         for x in ok for s in x["sequences"]),
                   "mismatched_calls": sum(x.get("mismatched_calls", 0) for x in rollouts),
                   "dropped_calls": dict(dropped), "mismatches": examples, "timed_out": timed_out,
                   "finished_at": time.time()}
