@@ -60,19 +60,19 @@ CONSTRAINED_TOKENS = Counter(
 
 # Keys whose presence can make a body guided; orjson writes `"key":` with no space, and inside a JSON
 # string the same text would read `\"key\":`, so a substring test is a cheap, exact pre-filter.
+# Codex and others send `"strict":false` on every tool: only a true one makes a body worth parsing.
 _KEYS = tuple(
     f'"{k}":'.encode()
     for k in (
         "tool_choice",
         "response_format",
         "structured_outputs",
-        "strict",
         "allowed_token_ids",
         "bad_words",
         "logit_bias",
         "min_tokens",
     )
-) + (b'"guided_',)
+) + (b'"guided_', b'"strict":true')
 # vLLM < 0.32's request fields; 0.32 ignores them (with a warning): the rescore then finds nothing.
 _LEGACY = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
