@@ -657,7 +657,9 @@ def test_messages_tools_reach_vllm_as_functions_with_strict(gw, vllm):
     tools = [{**TOOL, "strict": True}, {**TOOL, "name": "loose", "description": "d"}]
     claude(gw, rollout).messages.create(model=MODEL, max_tokens=16, tools=tools,
                                         messages=[{"role": "user", "content": "hi"}])
-    strict, loose = vllm.requests[-1]["tools"]
+    # The call's own request: a strict tool makes it guided, and the gateway's rescore comes after it.
+    strict, loose = next(r for r, path in zip(vllm.requests[::-1], vllm.paths[::-1], strict=False)
+                         if path == "/v1/chat/completions")["tools"]
     assert strict == {"type": "function", "function": {"name": "add", "parameters": TOOL["input_schema"],
                                                        "description": TOOL["description"],
                                                        "strict": True}}

@@ -425,8 +425,9 @@ def test_long_episode_is_fast_enough():
 
 
 @st.composite
-def call_lists(draw):
-    """Random rollouts: threads that grow (so merges happen), retries, rewrites, errors, empties."""
+def call_lists(draw, constrained: bool = False):
+    """Random rollouts: threads that grow (so merges happen), retries, rewrites, errors, empties; with
+    `constrained`, some calls carry grammar-constrained response spans (forced tool calls)."""
     n = draw(st.integers(0, 14))
     tok = st.integers(0, 4)  # small alphabet: accidental prefix matches do happen
     contexts: list[list[int]] = []  # prompt + response of every call so far
@@ -446,9 +447,21 @@ def call_lists(draw):
         status = "ok" if draw(st.integers(0, 7)) else "error"
         # Distinct logprobs per (call, position) so "equals a response logprob" is meaningful.
         lps = [-(i + 1) - (k + 1) / 100 for k in range(len(resp))]
-        calls.append(Call(f"c{i}", prompt, resp, lps, weight_version=draw(st.integers(0, 3)), status=status))
+        spans: tuple[tuple[int, int], ...] = ()
+        if constrained and resp and draw(st.integers(0, 2)) == 0:
+            cuts = sorted(set(draw(st.lists(st.integers(0, len(resp)), min_size=2, max_size=4))))
+            spans = tuple((a, b) for a, b in zip(cuts[::2], cuts[1::2], strict=False) if a < b)
+        calls.append(Call(f"c{i}", prompt, resp, lps, weight_version=draw(st.integers(0, 3)), status=status,
+                          constrained=spans))
         contexts.append(prompt + resp)
     return calls
+
+
+def constrained_reference(c: Call) -> tuple[list[int], list[float]]:
+    """The response's mask and logprobs as a sequence must hold them, written independently of merge."""
+    bad = {k for a, b in c.constrained for k in range(a, b)}
+    mask = [0 if k in bad else 1 for k in range(len(c.response_token_ids))]
+    return mask, [0.0 if k in bad else lp for k, lp in enumerate(c.response_logprobs)]
 
 
 def reference_kept(calls: list[Call]) -> list[Call]:
@@ -487,27 +500,34 @@ def assert_invariants(calls, seqs, stats, *, exact: bool, max_seq_len=None):
         assert not s.truncated or len(s.call_ids) == 1  # only single calls can be cut
         # Spans locate every trainable token: a prefix of that call's response, with its logprobs.
         assert len(s.response_spans) == len(s.call_ids)
+        # Constrained tokens keep mask 0 and logprob 0.0 at their place, after realign and truncation.
         covered: list[int] = []
         prev_end = 0
+        n_constrained = 0
         for cid, (a, b) in zip(s.call_ids, s.response_spans, strict=True):
             c = by_id[cid]
             assert prev_end <= a < b <= len(s.token_ids)
             prev_end = b
+            mask, lps = constrained_reference(c)
             assert s.token_ids[a:b] == c.response_token_ids[: b - a]
-            assert s.logprobs[a:b] == c.response_logprobs[: b - a]
-            covered.extend(range(a, b))
+            assert s.loss_mask[a:b] == mask[: b - a]
+            assert s.logprobs[a:b] == lps[: b - a]
+            covered.extend(i for i in range(a, b) if s.loss_mask[i])
+            n_constrained += (b - a) - sum(mask[: b - a])
         assert covered == [i for i, m in enumerate(s.loss_mask) if m]
+        assert s.constrained_tokens == n_constrained
     opened = len(kept) - stats.merged_calls - stats.calls_dropped_prompt_len  # sequences started
     assert opened >= 0 and stats.forks == max(opened - 1, 0)
     assert stats.truncated == sum(s.truncated for s in seqs)
     mask1 = sum(sum(s.loss_mask) for s in seqs)
     if exact:
-        assert mask1 == sum(len(by_id[cid].response_token_ids) for cid in all_ids)
+        free = {cid: [k for k, m in enumerate(constrained_reference(by_id[cid])[0]) if m] for cid in all_ids}
+        assert mask1 == sum(len(free[cid]) for cid in all_ids)
         for s in seqs:
             toks = [t for t, m in zip(s.token_ids, s.loss_mask, strict=True) if m]
             lps = [lp for lp, m in zip(s.logprobs, s.loss_mask, strict=True) if m]
-            assert toks == [t for cid in s.call_ids for t in by_id[cid].response_token_ids]
-            assert lps == [lp for cid in s.call_ids for lp in by_id[cid].response_logprobs]
+            assert toks == [by_id[cid].response_token_ids[k] for cid in s.call_ids for k in free[cid]]
+            assert lps == [by_id[cid].response_logprobs[k] for cid in s.call_ids for k in free[cid]]
             # Each call's exact sampling context is a prefix of the sequence, its response right after.
             for cid in s.call_ids:
                 c = by_id[cid]
@@ -515,15 +535,18 @@ def assert_invariants(calls, seqs, stats, *, exact: bool, max_seq_len=None):
                 assert (
                     s.token_ids[: n + len(c.response_token_ids)] == c.prompt_token_ids + c.response_token_ids
                 )
-                assert s.loss_mask[n : n + len(c.response_token_ids)] == [1] * len(c.response_token_ids)
+                assert s.loss_mask[n : n + len(c.response_token_ids)] == constrained_reference(c)[0]
     else:
         assert mask1 <= sum(len(by_id[cid].response_token_ids) for cid in all_ids)
-        # Whatever is trained is a token vLLM sampled, with its logprob, for a call of that sequence.
+        # Whatever is trained is a token vLLM sampled unconstrained, with its logprob, for a call of
+        # that sequence.
         for s in seqs:
             sampled = {
                 (t, lp)
                 for cid in s.call_ids
-                for t, lp in zip(by_id[cid].response_token_ids, by_id[cid].response_logprobs, strict=True)
+                for t, lp, m in zip(by_id[cid].response_token_ids, by_id[cid].response_logprobs,
+                                    constrained_reference(by_id[cid])[0], strict=True)
+                if m
             }
             for t, m, lp in zip(s.token_ids, s.loss_mask, s.logprobs, strict=True):
                 if m:
@@ -564,6 +587,55 @@ def test_property_with_strip_and_realign(calls, realign_max, tail, max_len, max_
     assert stats.realigns <= stats.merged_calls
     if max_prompt is not None:
         assert all(len(p) <= max_prompt for p in first_prompts(calls, seqs))
+
+
+@PROPS
+@given(call_lists(constrained=True), st.none() | st.integers(1, 12))
+def test_property_exact_merge_with_constrained_tokens(calls, max_len):
+    seqs, stats = merge_calls(calls, max_seq_len=max_len, overlong="truncate")
+    assert_invariants(calls, seqs, stats, exact=max_len is None, max_seq_len=max_len)
+
+
+@PROPS
+@given(
+    call_lists(constrained=True),
+    st.integers(0, 3),
+    st.lists(st.integers(0, 4), max_size=2),
+    st.none() | st.integers(1, 12),
+    st.sampled_from(["drop", "truncate"]),
+)
+def test_property_constrained_tokens_survive_realign_and_truncation(calls, realign_max, tail, max_len, overlong):
+    seqs, stats = merge_calls(calls, strip_tail=tail, realign_max=realign_max, max_seq_len=max_len,
+                              overlong=overlong)
+    assert_invariants(calls, seqs, stats, exact=False, max_seq_len=max_len)
+
+
+@PROPS
+@given(call_lists(constrained=True))
+def test_property_per_call_constrained(calls):
+    seqs, _ = merge_calls(calls, mode="per-call")
+    check_shapes(seqs)
+    for s, c in zip(seqs, reference_kept(calls), strict=True):
+        mask, lps = constrained_reference(c)
+        n = len(c.prompt_token_ids)
+        assert s.loss_mask == [0] * n + mask and s.logprobs == [0.0] * n + lps
+        assert s.constrained_tokens == len(mask) - sum(mask)
+
+
+def test_constrained_tokens_are_masked_where_they_sit():
+    # A forced tool call: tokens 1..3 of the second response were written by the grammar.
+    calls = [C("a", [1, 2], [3, 4]), C("b", [1, 2, 3, 4, 5], [6, 7, 8, 9, 10], constrained=((1, 4),))]
+    [s], _ = merge_calls(calls)
+    assert s.token_ids == [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+    assert s.loss_mask == [0, 0, 1, 1, 0, 1, 0, 0, 0, 1]
+    assert s.logprobs == [0.0, 0.0, -0.1, -0.2, 0.0, -0.1, 0.0, 0.0, 0.0, -0.5]
+    assert s.constrained_tokens == 3
+    assert s.version_spans() == [(0, 2, 4), (0, 5, 6), (0, 9, 10)]
+    # Truncation cuts constrained tokens with the rest; a cut leaving only constrained tokens drops it.
+    [t], _ = merge_calls([calls[1]], max_seq_len=7, overlong="truncate")
+    assert t.loss_mask == [0] * 5 + [1, 0] and t.constrained_tokens == 1
+    none, stats = merge_calls([C("c", [1], [2, 3], constrained=((0, 2),))], max_seq_len=2, overlong="truncate")
+    assert none == [] and stats.calls_dropped_overlong == 1
 
 
 def first_prompts(calls, seqs):

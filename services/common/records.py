@@ -64,6 +64,13 @@ class Trace:
     # [names] for Responses tools it flattened, a max_tokens it applied. {} when it forwarded the
     # request as sent.
     adjustments: dict[str, Any] = field(default_factory=dict)
+    # Grammar-guided sampling (tool_choice required or named, response_format, structured_outputs, ...):
+    # what guided the call ([] = nothing), the response tokens the grammar changed as [start, end) spans
+    # over response_token_ids (not trained on: their logprobs are the masked distribution's, not the
+    # policy's; docs/merging.md), and how they were found ({"method": "rescore"|"whole"|"off", ...}).
+    guided_by: list[str] = field(default_factory=list)
+    constrained_spans: list[list[int]] = field(default_factory=list)
+    guidance: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)
@@ -111,6 +118,9 @@ class SampleRecord:
     # [[version, start, end), ...] over token positions, covering the trainable tokens; [] = all of
     # them sampled by `weight_version`.
     weight_spans: list[list[int]] = field(default_factory=list)
+    # Sampled tokens of this sequence kept out of the loss (loss_mask 0) because a grammar constrained
+    # them (Trace.constrained_spans): counted by the trainer per step.
+    constrained_tokens: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return _to_dict(self)

@@ -28,6 +28,7 @@ from tether.common.settings import CommonSettings
 from tether.gateway.admission import Admission
 from tether.gateway.app import create_app
 from tether.gateway.control import SERVICE_NAME, GatewayControlServicer
+from tether.gateway.guided import GuidedCheck
 from tether.gateway.proxy import Proxy
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RolloutRegistry
@@ -80,6 +81,12 @@ class GatewaySettings(CommonSettings):
     upstream_timeout_s: float = Field(600.0, gt=0)
     upstream_max_connections: int = Field(1024, ge=1)
     max_body_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    # Grammar-guided calls (tool_choice required/named, response_format, ...): "mask" rescores each one
+    # unconstrained and records the tokens the grammar changed (beyond guided_tolerance nats) so that they
+    # are not trained on; "off" records only that the call was guided (docs/merging.md).
+    guided: str = Field("mask", pattern="^(mask|off)$")
+    guided_tolerance: float = Field(1e-3, gt=0)
+    guided_timeout_s: float = Field(30.0, gt=0)
     # Completing a rollout waits this long for its in-flight calls to be recorded.
     finish_wait_s: float = Field(10.0, ge=0)
     # SIGTERM: how long in-flight HTTP requests may take to finish.
@@ -208,7 +215,9 @@ class GatewayServer:
                            upstream_model=s.upstream_model or s.served_model,
                            admission_wait_s=s.admission_wait_s, retry_after_s=s.retry_after_s,
                            max_retries=s.upstream_retries, retry_backoff_s=s.retry_backoff_s,
-                           default_max_tokens=s.default_max_tokens or None)
+                           default_max_tokens=s.default_max_tokens or None,
+                           guided=GuidedCheck(s.upstream_model or s.served_model, s.guided, s.guided_tolerance,
+                                              s.guided_timeout_s))
         app = create_app(proxy=self.proxy, rollouts=self.rollouts, sessions=self.sessions, admission=self.admission,
                          pool=self.pool, redis_ping=self.redis.ping, served_model=s.served_model,
                          public_url=self.public_url, default_group_size=s.default_group_size,

@@ -42,6 +42,7 @@ from tether.gateway import metrics as m
 from tether.gateway.admission import Admission, AdmissionTimeout
 from tether.gateway.apis import Api, MessagesApi, Relay
 from tether.gateway.capture import WEIGHT_VERSIONS_CHUNK, ApiError, Captured, build_trace, upstream_error
+from tether.gateway.guided import GuidedCheck, annotate, guidance
 from tether.gateway.limits import MaxTokens, applied_max_tokens, budget_error, client_limit, decide_max_tokens
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RUNNING, RolloutRegistry, rollout_finished, unauthorized
@@ -128,7 +129,7 @@ class Call:
 
     __slots__ = ("rollout_id", "tracked", "session", "sticky", "api", "req", "weight_version", "call_id",
                  "started_at", "t0", "t_up", "upstream_latency_s", "replica", "retries", "failovers",
-                 "max_tokens", "context_len")
+                 "max_tokens", "context_len", "guided_by", "guided")
 
     def __init__(self, rollout_id: str, tracked: str | None, session: str | None, api: Api, req: Any) -> None:
         self.call_id = f"call-{uuid.uuid4().hex}"
@@ -148,13 +149,16 @@ class Call:
         self.failovers = 0
         self.max_tokens: MaxTokens | None = None  # the output limit decided (None: the client's, untouched)
         self.context_len: int | None = None  # the context that decision was bounded by
+        self.guided_by: list[str] = []  # what constrains its sampling (guided.py)
+        self.guided: dict | None = None  # the constrained tokens, found before recording
 
 
 class Proxy:
     def __init__(self, *, pool: ReplicaPool, rollouts: RolloutRegistry, sessions: Sessions, admission: Admission,
                  recorder: Recorder, keys: broker.Keys, served_model: str, upstream_model: str,
                  admission_wait_s: float, retry_after_s: int, max_retries: int = 2,
-                 retry_backoff_s: float = 0.25, default_max_tokens: int | None = None) -> None:
+                 retry_backoff_s: float = 0.25, default_max_tokens: int | None = None,
+                 guided: GuidedCheck | None = None) -> None:
         self.pool = pool
         self.rollouts = rollouts
         self.sessions = sessions
@@ -169,6 +173,7 @@ class Proxy:
         self.retry_backoff_s = retry_backoff_s
         self.default_max_tokens = default_max_tokens
         self._finishing: set[asyncio.Task] = set()  # stream finalisers still recording
+        self.guided = guided or GuidedCheck(upstream_model)
 
     # --- one call ------------------------------------------------------------------------------
 
@@ -316,6 +321,7 @@ class Proxy:
         request is aborted. On return `call.replica` counts the call in flight; the caller ends that
         with `_leave`."""
         body = self._upstream_body(call)
+        call.guided_by = guidance(body)
         path = call.api.path
         exclude: set[Replica] = set()
         stale_resends = 0
@@ -461,6 +467,7 @@ class Proxy:
             await self._record_error(call, 502, "upstream answered a body that is not a JSON object")
             raise ApiError(502, "upstream answered an invalid body", "server_error", "upstream_error") from None
         captured = call.api.capture(resp)
+        await self.inspect_guided(call, captured)
         await self._record(call, captured, None, 200)
         return Reply(200, orjson.dumps(call.api.reply(call.req, resp, captured)))
 
@@ -503,6 +510,8 @@ class Proxy:
                             weight_version=call.weight_version, started_at=call.started_at,
                             finished_at=time.time(), latency_s=time.perf_counter() - call.t0,
                             upstream_latency_s=call.upstream_latency_s, adjustments=call.req.adjustments)
+        if call.guided_by:
+            annotate(trace, call.guided_by, call.guided)
         # Shallow on purpose: Trace.to_dict's field walk is the same, without its call overhead.
         record = {name: getattr(trace, name) for name in _TRACE_FIELDS}
         record["weight_version_end"] = self.admission.weight_version
@@ -512,6 +521,12 @@ class Proxy:
         if call.session is not None:
             record["session"] = call.session
         return record
+
+    async def inspect_guided(self, call: Call, captured: Captured | None) -> None:
+        """A guided call's constrained tokens (guided.py), found on the replica that served it while
+        the call still holds its admission slot (so no weight push comes between)."""
+        if call.guided_by and captured is not None:
+            call.guided = await self.guided.inspect(call.replica, captured)
 
     async def _publish(self, call: Call, record: dict) -> None:
         index = "" if call.session is not None else self.keys.rollout_calls(call.rollout_id)
@@ -662,6 +677,8 @@ class StreamSession:
             error = self.error or self.capture.error
             if error is None and not self.capture.done:
                 error = "stream ended before [DONE] (client went away or upstream stopped)"
+            if error is None:
+                await proxy.inspect_guided(call, self.capture.captured)
             record = proxy.trace_record(call, self.capture.captured, error, 200)
             try:
                 await proxy._publish(call, record)

@@ -74,7 +74,8 @@ def to_proto(s: SampleRecord) -> types_pb2.Sample:
         token_ids=s.token_ids, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
         advantages=s.advantages, reward=s.reward, weight_version=s.weight_version,
         rollout_sequences=s.rollout_sequences,
-        weight_spans=[types_pb2.WeightSpan(version=v, start=a, end=b) for v, a, b in s.weight_spans])
+        weight_spans=[types_pb2.WeightSpan(version=v, start=a, end=b) for v, a, b in s.weight_spans],
+        constrained_tokens=s.constrained_tokens)
 
 
 class MergerStatusServicer(merger_pb2_grpc.MergerServicer):

@@ -52,6 +52,10 @@ Options:
 Mode ``"per-call"``: steps 1 and 2, then every kept call becomes its own sequence (``forks`` and
 ``merged_calls`` stay 0); ``max_prompt_len`` / ``max_seq_len`` / ``overlong`` apply per call.
 
+A call's ``constrained`` spans (response tokens a grammar constrained, DESIGN.md / docs/merging.md
+"Constrained decoding") enter the sequence with mask 0 and logprob 0.0; ``Sequence.constrained_tokens``
+counts those still in it after realign and truncation.
+
 Every sequence records ``response_spans``: one ``[start, end)`` per call (aligned with ``call_ids``)
 locating the tokens of that call's response that are still trainable in ``token_ids``.
 
@@ -86,6 +90,21 @@ class Call:
     # (version, start, end) over response token indexes, contiguous from 0 (vLLM's per-token record of
     # the weights that sampled them); empty = every token sampled by `weight_version`.
     weight_spans: tuple[tuple[int, int, int], ...] = ()
+    # [start, end) over response token indexes that a grammar constrained (Trace.constrained_spans): they
+    # enter the sequence with mask 0 and logprob 0.0, like context -- vLLM's logprob there is the masked
+    # distribution's, not the policy's.
+    constrained: tuple[tuple[int, int], ...] = ()
+
+    def response_mask(self) -> tuple[list[int], list[float]]:
+        """Loss mask and logprobs of the response as it enters a sequence: 1 and vLLM's logprob, except
+        0 and 0.0 on constrained tokens."""
+        n = len(self.response_token_ids)
+        mask, lps = [1] * n, list(self.response_logprobs)
+        for a, b in self.constrained:
+            a, b = max(a, 0), min(b, n)
+            mask[a:b] = [0] * max(b - a, 0)
+            lps[a:b] = [0.0] * max(b - a, 0)
+        return mask, lps
 
     def spans(self) -> tuple[tuple[int, int, int], ...]:
         return self.weight_spans or ((self.weight_version, 0, len(self.response_token_ids)),)
@@ -96,7 +115,7 @@ class Sequence:
     """One training sequence made of one or more calls."""
 
     token_ids: list[int]
-    loss_mask: list[int]  # 1 = sampled by the policy, 0 = prompt/observation
+    loss_mask: list[int]  # 1 = sampled by the policy, 0 = prompt/observation or grammar-constrained
     logprobs: list[float]  # vLLM's logprob where mask 1, 0.0 where mask 0
     call_ids: list[str]
     # [start, end) of each call's still-trainable response tokens, aligned with call_ids.
@@ -105,20 +124,31 @@ class Sequence:
     # Each call's Call.spans(), aligned with call_ids.
     call_weight_spans: list[tuple[tuple[int, int, int], ...]] = field(default_factory=list)
 
+    @property
+    def constrained_tokens(self) -> int:
+        """Response tokens still in the sequence that are masked because a grammar constrained them:
+        inside a call's response span every token is mask 1 unless constrained, and realign/truncation
+        cut the spans together with the tokens, so this stays right after both."""
+        return sum((b - a) - sum(self.loss_mask[a:b]) for a, b in self.response_spans)
+
     def version_spans(self) -> list[tuple[int, int, int]]:
         """(version, start, end) over this sequence's positions, for every trainable token: each
         call's spans moved to where its response sits, cut to what is still trainable (realigned or
         truncated tails are gone), neighbours of one version joined."""
         out: list[tuple[int, int, int]] = []
+        mask = self.loss_mask
         for (a, b), spans in zip(self.response_spans, self.call_weight_spans, strict=True):
             for version, start, end in spans:
                 lo, hi = a + start, min(a + end, b)
                 if lo >= hi:
                     continue
-                if out and out[-1][0] == version and out[-1][2] == lo:
-                    out[-1] = (version, out[-1][1], hi)
-                else:
-                    out.append((version, lo, hi))
+                # Constrained tokens inside a response are not trainable: the spans skip them.
+                pieces = [(lo, hi)] if 0 not in mask[lo:hi] else _runs_of_ones(mask, lo, hi)
+                for lo, hi in pieces:
+                    if out and out[-1][0] == version and out[-1][2] == lo:
+                        out[-1] = (version, out[-1][1], hi)
+                    else:
+                        out.append((version, lo, hi))
         return out
 
     @property
@@ -129,6 +159,22 @@ class Sequence:
             (v for v, _, _ in self.version_spans()),
             default=min((v for spans in self.call_weight_spans for v, _, _ in spans), default=0),
         )
+
+
+def _runs_of_ones(mask: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
+    """[start, end) runs of mask 1 inside [lo, hi)."""
+    runs: list[tuple[int, int]] = []
+    i = lo
+    while i < hi:
+        if mask[i]:
+            j = i
+            while j < hi and mask[j]:
+                j += 1
+            runs.append((i, j))
+            i = j
+        else:
+            i += 1
+    return runs
 
 
 @dataclass
@@ -201,9 +247,10 @@ def _filter(calls: list[Call], stats: MergeStats) -> list[tuple[Call, list[int],
 
 
 def _new_sequence(c: Call, p: list[int], r: list[int], lp: list[float]) -> _Open:
+    mask, lp = c.response_mask() if c.constrained else ([1] * len(r), lp)
     seq = Sequence(
         token_ids=p + r,
-        loss_mask=[0] * len(p) + [1] * len(r),
+        loss_mask=[0] * len(p) + mask,
         logprobs=[0.0] * len(p) + lp,
         call_ids=[c.call_id],
         response_spans=[(len(p), len(p) + len(r))],
@@ -397,8 +444,9 @@ def merge_calls(
         s.loss_mask.extend([0] * extra)
         s.logprobs.extend([0.0] * extra)
         start = len(s.token_ids)
+        mask, lp = c.response_mask() if c.constrained else ([1] * len(r), lp)
         s.token_ids.extend(r)
-        s.loss_mask.extend([1] * len(r))
+        s.loss_mask.extend(mask)
         s.logprobs.extend(lp)
         s.call_ids.append(c.call_id)
         s.response_spans.append((start, start + len(r)))

@@ -83,12 +83,14 @@ def choice_branches(records: list[dict[str, Any]], kept: list[Call]) -> list[tup
             ids, lps = list(choice.get("token_ids") or []), list(choice.get("logprobs") or [])
             if not prompt or not ids or len(ids) != len(lps):
                 continue
+            mask, lps = Call("", prompt, ids, [float(x) for x in lps],
+                             constrained=call_constrained(choice.get("constrained_spans"), len(ids))).response_mask()
             version = int(d.get("weight_version", 0))
             spans = call_weight_spans(choice.get("weight_spans"), len(ids)) or ((version, 0, len(ids)),)
             n = len(prompt)
             out.append((d["call_id"], {
-                "token_ids": prompt + ids, "loss_mask": [0] * n + [1] * len(ids),
-                "logprobs": [0.0] * n + [float(x) for x in lps],
+                "token_ids": prompt + ids, "loss_mask": [0] * n + mask,
+                "logprobs": [0.0] * n + lps, "constrained_tokens": len(ids) - sum(mask),
                 "weight_version": min(v for v, _, _ in spans),
                 "weight_spans": [(v, n + a, n + b) for v, a, b in spans], "truncated": False}))
     return out
@@ -191,7 +193,21 @@ def trace_to_call(trace: Trace) -> tuple[Call | None, str | None]:
     return Call(call_id=trace.call_id, prompt_token_ids=list(trace.prompt_token_ids),
                 response_token_ids=list(trace.response_token_ids), response_logprobs=logprobs,
                 weight_version=int(trace.weight_version), status="ok",
-                weight_spans=call_weight_spans(trace.weight_spans, len(trace.response_token_ids))), None
+                weight_spans=call_weight_spans(trace.weight_spans, len(trace.response_token_ids)),
+                constrained=call_constrained(trace.constrained_spans, len(trace.response_token_ids))), None
+
+
+def call_constrained(spans: Any, n: int) -> tuple[tuple[int, int], ...]:
+    """A trace's constrained spans as merge input. Spans that are not in-range integer pairs mask the
+    whole response: the trace said the grammar changed something, and training on tokens whose logprobs
+    may be the masked distribution's is the error this guards against."""
+    if not spans:
+        return ()
+    try:
+        out = tuple((int(a), int(b)) for a, b in spans)
+    except (TypeError, ValueError):
+        return ((0, n),)
+    return out if all(0 <= a < b <= n for a, b in out) else ((0, n),)
 
 
 def call_weight_spans(spans: Any, n: int) -> tuple[tuple[int, int, int], ...]:
@@ -254,6 +270,7 @@ def build_samples(rollout: dict, advantage: float | list[float], scale: float = 
             rollout_logprobs=s["logprobs"], advantages=token_advantages(s, float(a), scale, float(u)),
             reward=float(rollout["reward"]), weight_version=int(s["weight_version"]),
             rollout_sequences=len(seqs), weight_spans=[list(w) for w in s.get("weight_spans", ())],
+            constrained_tokens=int(s.get("constrained_tokens", 0)),
         )
         for i, (s, a, u) in enumerate(zip(seqs, advs, rets, strict=True))
     ]
@@ -325,7 +342,8 @@ class Merger:
             spans = s.version_spans()
             out_seqs.append({"token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
                              "weight_version": min(v for v, _, _ in spans) if spans else s.min_weight_version,
-                             "weight_spans": spans, "truncated": s.truncated})
+                             "weight_spans": spans, "truncated": s.truncated,
+                             "constrained_tokens": s.constrained_tokens})
         merged: dict[str, Any] = {
             "rollout_id": event.rollout_id, "group_id": event.group_id, "task_id": event.task_id,
             "status": event.status if seqs or event.status != "completed" else "empty",
@@ -358,7 +376,7 @@ class Merger:
             if cfg.per_call_returns and calls:
                 seq["returns"] = [g[parent]]
                 seq["return"] = g[parent]
-                seq["spans"] = [[seq["loss_mask"].index(1), len(seq["token_ids"])]]
+                seq["spans"] = [[seq["weight_spans"][0][1], len(seq["token_ids"])]]  # the choice's response
         out_seqs.extend(seq for _, seq in branches)
         merged["choice_branches"] = len(branches)
         if branches and merged["status"] == "empty":
@@ -469,7 +487,8 @@ class Merger:
                   "realigns": sum(x.get("realigns", 0) for x in ok),
                   "truncated": sum(x.get("truncated", 0) for x in ok),
                   # What the policy sampled, trained on or not (filtered groups too): rollout throughput.
-                  "generated_tokens": sum(sum(s["loss_mask"]) for x in ok for s in x["sequences"]),
+                  "generated_tokens": sum(sum(s["loss_mask"]) + s.get("constrained_tokens", 0)
+                                         for x in ok for s in x["sequences"]),
                   "mismatched_calls": sum(x.get("mismatched_calls", 0) for x in rollouts),
                   "dropped_calls": dict(dropped), "mismatches": examples, "timed_out": timed_out,
                   "finished_at": time.time()}

@@ -266,6 +266,7 @@ class Run:
             "loss": metrics.get("loss", float("nan")),
             "grad_norm": metrics.get("grad_norm", float("nan")),
             "clip_fraction": metrics.get("clip_fraction", float("nan")),
+            "constrained_tokens_masked": metrics.get("constrained_tokens_masked", 0.0),
             "trainer_tokens_per_s": metrics.get("train_tokens_per_s", float("nan")),
             "staleness_max": float(max(staleness, default=0)),
             "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
@@ -547,6 +548,7 @@ class Run:
             metrics, push_s, update_s = await self.push(step, trained)
             record = {"step": step, "weight_version": self.state["weight_version"], **summary,
                       "logprob_abs_diff": metrics.get("logprob_abs_diff", float("nan")),
+                      "constrained_tokens_masked": metrics.get("constrained_tokens_masked", 0.0),
                       "push_seconds": push_s, "paused_seconds": update_s,
                       "step_seconds": time.perf_counter() - t0, "time": time.time()}
             self.write_metrics(record)

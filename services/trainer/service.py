@@ -68,6 +68,7 @@ def sample_from_proto(p) -> SampleRecord:
         advantages=list(p.advantages), reward=p.reward, weight_version=p.weight_version,
         rollout_sequences=p.rollout_sequences,
         weight_spans=[[w.version, w.start, w.end] for w in p.weight_spans],
+        constrained_tokens=p.constrained_tokens,
     )
 
 

@@ -493,4 +493,7 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
         "logprob_abs_diff_max": max_abs_diff,
         "logprob_k3_kl": sums["k3"] / n_tok,
         "ref_kl": sums["ref_kl"] / n_tok,
+        # Sampled tokens the merger kept out of the loss because a grammar constrained them (their vLLM
+        # logprobs are the masked distribution's): counted, so that a run sees what it did not train on.
+        "constrained_tokens_masked": float(sum(s.constrained_tokens for s in samples)),
     }

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tether/v1/types.proto\x12\ttether.v1\"\x9b\x02\n\x06Sample\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x16\n\x0esequence_index\x18\x04 \x01(\x05\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x11\n\tloss_mask\x18\x06 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x07 \x03(\x02\x12\x12\n\nadvantages\x18\x08 \x03(\x02\x12\x0e\n\x06reward\x18\t \x01(\x02\x12\x16\n\x0eweight_version\x18\n \x01(\x03\x12\x19\n\x11rollout_sequences\x18\x0b \x01(\x05\x12+\n\x0cweight_spans\x18\x0c \x03(\x0b\x32\x15.tether.v1.WeightSpan\"9\n\nWeightSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\x07\n\x05\x45mptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15tether/v1/types.proto\x12\ttether.v1\"\xb7\x02\n\x06Sample\x12\x12\n\nrollout_id\x18\x01 \x01(\t\x12\x10\n\x08group_id\x18\x02 \x01(\t\x12\x0f\n\x07task_id\x18\x03 \x01(\t\x12\x16\n\x0esequence_index\x18\x04 \x01(\x05\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x11\n\tloss_mask\x18\x06 \x03(\x05\x12\x18\n\x10rollout_logprobs\x18\x07 \x03(\x02\x12\x12\n\nadvantages\x18\x08 \x03(\x02\x12\x0e\n\x06reward\x18\t \x01(\x02\x12\x16\n\x0eweight_version\x18\n \x01(\x03\x12\x19\n\x11rollout_sequences\x18\x0b \x01(\x05\x12+\n\x0cweight_spans\x18\x0c \x03(\x0b\x32\x15.tether.v1.WeightSpan\x12\x1a\n\x12\x63onstrained_tokens\x18\r \x01(\x05\"9\n\nWeightSpan\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\r\n\x05start\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\x07\n\x05\x45mptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,9 +32,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tether.v1.types_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLE']._serialized_start=37
-  _globals['_SAMPLE']._serialized_end=320
-  _globals['_WEIGHTSPAN']._serialized_start=322
-  _globals['_WEIGHTSPAN']._serialized_end=379
-  _globals['_EMPTY']._serialized_start=381
-  _globals['_EMPTY']._serialized_end=388
+  _globals['_SAMPLE']._serialized_end=348
+  _globals['_WEIGHTSPAN']._serialized_start=350
+  _globals['_WEIGHTSPAN']._serialized_end=407
+  _globals['_EMPTY']._serialized_start=409
+  _globals['_EMPTY']._serialized_end=416
 # @@protoc_insertion_point(module_scope)
