@@ -214,7 +214,8 @@ def cmd_up(args) -> int:
     _stop_on_signals(stack)
     try:
         start_stack(stack, model_dir, lr=args.lr, seed=args.seed, group_size=args.group_size, scheduler_env={
-            "TETHER_RUN_ID": run_dir.name, "TETHER_GROUPS_PER_STEP": str(args.groups_per_step)})
+            "TETHER_RUN_ID": run_dir.name, "TETHER_GROUPS_PER_STEP": str(args.groups_per_step)},
+            max_model_len=args.max_model_len)
         print(f"gateway: {stack.addresses['gateway_url']}/v1", flush=True)
         print(f"create rollouts with POST {stack.addresses['gateway_url']}/v1/rollouts; stop with `tether down` "
               "or Ctrl-C", flush=True)
@@ -437,6 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--seed", type=int, default=0)
     up.add_argument("--group-size", type=int, default=4, help="default group size of new rollouts")
     up.add_argument("--groups-per-step", type=int, default=1)
+    up.add_argument("--max-model-len", type=int, help="vLLM's context length (default: the adapter's, 512); "
+                    "the model's max_position_embeddings must allow it")
     up.add_argument("--run-dir")
     up.set_defaults(fn=cmd_up)
 

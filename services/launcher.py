@@ -201,8 +201,9 @@ def tail(path: Path, lines: int = 30) -> str:
 
 
 def start_stack(stack: Stack, model_dir: Path, *, lr: float, seed: int, scheduler_env: dict[str, str],
-                group_size: int, vllm_timeout_s: float = 900.0) -> None:
-    """Start Redis, inference (vLLM), trainer, merger, gateway and scheduler; wait for health."""
+                group_size: int, vllm_timeout_s: float = 900.0, max_model_len: int | None = None) -> None:
+    """Start Redis, inference (vLLM), trainer, merger, gateway and scheduler; wait for health.
+    `max_model_len` overrides the inference adapter's vLLM context length (a long-context model)."""
     stack.model_dir = str(model_dir)
     stack.start_redis()
     ports = {name: free_port() for name in ("vllm", "inference", "trainer", "merger", "gateway",
@@ -214,7 +215,8 @@ def start_stack(stack: Stack, model_dir: Path, *, lr: float, seed: int, schedule
     stack.start("inference", "tether.inference", {
         "TETHER_INFERENCE_GRPC_PORT": str(ports["inference"]), "TETHER_VLLM_PORT": str(ports["vllm"]),
         "TETHER_VLLM_PYTHON": default_vllm_python(), "TETHER_MODEL_DIR": str(model_dir),
-        "TETHER_VLLM_LOG": str(stack.log_dir / "vllm.log")})
+        "TETHER_VLLM_LOG": str(stack.log_dir / "vllm.log"),
+        **({"TETHER_MAX_MODEL_LEN": str(max_model_len)} if max_model_len else {})})
     stack.start("trainer", "tether.trainer", {
         "TETHER_TRAINER_GRPC_PORT": str(ports["trainer"]), "TETHER_MODEL_DIR": str(model_dir),
         "TETHER_CHECKPOINT_DIR": str(stack.run_dir / "checkpoints"), "TETHER_LR": repr(lr),
