@@ -10,6 +10,7 @@ Configuration per harness, as a user types it: docs/harness-notes-harnesses.md.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from harness_run import (
@@ -134,6 +135,18 @@ def test_mini_swe_agent(stack, tmp_path):
 def test_aider(stack, tmp_path):
     def launch(ro, home, work):
         (work / "notes.txt").write_text("3 + 4\n")
+        # aider downloads litellm's model price list from GitHub once a day, with no switch to turn it
+        # off; a fresh copy of the list litellm ships in aider's cache makes it skip the download.
+        caches = home / ".aider" / "caches"
+        caches.mkdir(parents=True)
+        shutil.copy(
+            next(
+                AIDER.parent.parent.glob(
+                    "lib/python3*/site-packages/litellm/model_prices_and_context_window_backup.json"
+                )
+            ),
+            caches / "model_prices_and_context_window.json",
+        )
         env = _litellm_env(home)
         return run_harness(
             [
@@ -264,7 +277,13 @@ def test_gemini_cli(stack, tmp_path):
                 }
             )
         )
-        env = harness_env(home, GOOGLE_GEMINI_BASE_URL=gateway_root(ro), GEMINI_API_KEY=ro["api_key"])
+        # Headless runs must trust the folder (Gemini CLI's documented switch for automation).
+        env = harness_env(
+            home,
+            GOOGLE_GEMINI_BASE_URL=gateway_root(ro),
+            GEMINI_API_KEY=ro["api_key"],
+            GEMINI_CLI_TRUST_WORKSPACE="true",
+        )
         return run_harness([str(NPM_BIN / "gemini"), "-p", TASK], env, work)
 
     # `gemini -p` exits 0 when the turn ends.
