@@ -129,6 +129,10 @@ def harness_env(home: Path, **extra: str) -> dict[str, str]:
     return env
 
 
+# Routes whose answers are LLM calls, each of which must be traced (count_tokens is answered, not recorded).
+_CALL_ROUTE = re.compile(
+    r"(/chat/completions|/completions|/messages|/responses|:streamGenerateContent|:generateContent)$"
+)
 _REQUESTS = re.compile(r"^tether_gateway_requests_total\{(?P<labels>[^}]*)\} (?P<value>\S+)$")
 
 
@@ -251,11 +255,15 @@ def exercise(
                 stack.complete(ro, reward)
     finally:
         after = stack.request_counts()
-        errors = {
-            f"{route} {status}": n - before.get((route, status), 0)
+        delta = {
+            (route, status): n - before.get((route, status), 0)
             for (route, status), n in after.items()
-            if int(status) >= 400 and n > before.get((route, status), 0)
+            if n > before.get((route, status), 0)
         }
+        errors = {f"{route} {status}": n for (route, status), n in delta.items() if int(status) >= 400}
+        answered = sum(
+            n for (route, status), n in delta.items() if status.startswith("2") and _CALL_ROUTE.search(route)
+        )
     traces = {ro["rollout_id"]: stack.tether("traces", "--rollout", ro["rollout_id"]) for ro in rollouts}
     outcome = Outcome(name, runs, rollouts, traces, errors)
     context = "\n\n".join(r.tail() for r in runs) + f"\n\n--- gateway log\n{stack.gateway_log()}"
@@ -265,6 +273,11 @@ def exercise(
             assert exit_ok(run), f"{name} exited with {run.returncode}\n{context}"
         unexpected = {k: v for k, v in errors.items() if not allowed_errors(*k.rsplit(" ", 1))}
         assert not unexpected, f"gateway error answers during {name}: {unexpected}\n{context}"
+        # Every call the gateway answered during the runs is in one of the two rollouts' traces.
+        assert sum(len(ts) for ts in traces.values()) == answered, (
+            answered,
+            {k: len(v) for k, v in traces.items()},
+        )
         for ro in rollouts:
             calls = traces[ro["rollout_id"]]
             assert calls, f"{name} made no recorded call in rollout {ro['rollout_id']}\n{context}"
