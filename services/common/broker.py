@@ -79,6 +79,24 @@ class Keys:
     def published(self, record_id: str) -> str:  # string: idempotency marker
         return f"{self.ns}:published:{record_id}"
 
+    @property
+    def session_rewards(self) -> str:  # stream: rewards of record-only session calls (gateway -> merger)
+        return f"{self.ns}:session-rewards"
+
+    def rollout_training(self, rollout_id: str) -> str:  # string: TrainingOutcome JSON (merger -> gateway)
+        return f"{self.ns}:rollout:{rollout_id}:training"
+
+    @property
+    def merger_estimator(self) -> str:  # string: the running merger's advantage estimator (merger -> gateway)
+        return f"{self.ns}:merger:estimator"
+
+    @property
+    def baselines(self) -> str:  # hash: "task:<id>" / "global" -> running reward average (merger)
+        return f"{self.ns}:baselines"
+
+    def baseline_applied(self, group_id: str) -> str:  # string: advantages a group got from the baselines
+        return f"{self.ns}:baseline-applied:{group_id}"
+
 
 # redis-py 8 gives every socket read a 5 s timeout: on a loaded 2-core host a blocking stream read
 # (XREADGROUP BLOCK) can overrun it and kill a consumer. Reads get a minute; a stall past that is real.
