@@ -162,11 +162,12 @@ def decode(fields: dict[str, str]) -> dict[str, Any]:
 
 
 async def read_group(
-    r: aioredis.Redis, stream: str, group: str, consumer: str, count: int = 64, block_ms: int = 1000,
+    r: aioredis.Redis, stream: str, group: str, consumer: str, count: int = 64, block_ms: int | None = 1000,
     claim_idle_ms: int = 60_000,
 ) -> list[tuple[str, dict[str, Any]]]:
     """New entries for this consumer, decoded. Entries left pending (by a dead consumer) for over
-    `claim_idle_ms` are claimed first (XAUTOCLAIM answers 2 fields on Redis 6.2, 3 on 7.x)."""
+    `claim_idle_ms` are claimed first (XAUTOCLAIM answers 2 fields on Redis 6.2, 3 on 7.x). `block_ms`
+    None: answer at once."""
     claimed = await r.xautoclaim(stream, group, consumer, min_idle_time=claim_idle_ms, start_id="0-0",
                                  count=count)
     entries = claimed[1] if isinstance(claimed, list | tuple) and len(claimed) >= 2 else []

@@ -573,6 +573,7 @@ class Merger:
                   # What the policy sampled, trained on or not (filtered groups too): rollout throughput.
                   "generated_tokens": sum(sum(s["loss_mask"]) for x in ok for s in x["sequences"]),
                   "mismatched_calls": sum(x.get("mismatched_calls", 0) for x in rollouts),
+                  "side_sequences_excluded": sum(x.get("side_sequences_excluded", 0) for x in rollouts),
                   "dropped_calls": dict(dropped), "mismatches": examples, "timed_out": timed_out,
                   "finished_at": time.time()}
 
@@ -709,11 +710,17 @@ class Merger:
         # running_baseline.
         await self.r.set(self.keys.merger_estimator, self.cfg.estimator)
         ticker = asyncio.create_task(self._deadline_loop()) if self.cfg.group_timeout_s > 0 else None
-        sessions = asyncio.create_task(self.run_sessions(consumer)) if self.cfg.session_training else None
+        if self.cfg.session_training:
+            await broker.ensure_group(self.r, self.keys.session_rewards, "merger", start="$")
         try:
             while True:
                 try:
-                    entries = await broker.read_group(self.r, stream, "merger", consumer)
+                    if self.cfg.session_training:
+                        # One loop reads both streams in turn: a second task blocked in its own
+                        # XREADGROUP would hold up cancelling the merger (redis-py).
+                        await self.poll_sessions(consumer)
+                    entries = await broker.read_group(self.r, stream, "merger", consumer,
+                                                      block_ms=250 if self.cfg.session_training else 1000)
                 except broker.TRANSIENT as exc:
                     log.warning("Redis read failed (%s); retrying", exc)
                     await asyncio.sleep(1.0)
@@ -730,10 +737,9 @@ class Merger:
                     await self.handle_with_retry(event)
                     await self.r.xack(stream, "merger", entry_id)
         finally:
-            for task in (ticker, sessions):
-                if task is not None:
-                    task.cancel()
-                    await asyncio.gather(task, return_exceptions=True)
+            if ticker is not None:
+                ticker.cancel()
+                await asyncio.gather(ticker, return_exceptions=True)
 
     # ------------------------------------------------------------------ record-only sessions
 
@@ -755,28 +761,23 @@ class Merger:
         await self.handle_event(event, records=[trace], estimator="running_baseline")
         return (await self.r.get(self.keys.group_done(group_id))) or "pending"
 
-    async def run_sessions(self, consumer: str = "merger-0") -> None:
-        """Consume ``Keys.session_rewards`` (from the time session training was first turned on: the
-        consumer group starts at "$"; a restart goes on where it stopped), each entry exactly once."""
+    async def poll_sessions(self, consumer: str = "merger-0") -> None:
+        """Consume what is waiting on ``Keys.session_rewards`` (consumer group ``merger``, created at "$"
+        when session training is first turned on; a restart goes on where it stopped), each entry
+        acknowledged once handled: scoring is idempotent, so a redelivery is recognised (``seen``)."""
         stream = self.keys.session_rewards
-        await broker.ensure_group(self.r, stream, "merger", start="$")
-        while True:
+        entries = await broker.read_group(self.r, stream, "merger", consumer, block_ms=None)
+        for entry_id, record in entries:
             try:
-                entries = await broker.read_group(self.r, stream, "merger", consumer)
-            except broker.TRANSIENT as exc:
-                log.warning("Redis read failed (%s); retrying", exc)
-                await asyncio.sleep(1.0)
-                continue
-            for entry_id, record in entries:
-                try:
-                    outcome = await self._retrying(self.handle_session_reward, record, what=f"session entry {entry_id}")
-                except (ValueError, KeyError, TypeError) as exc:
-                    await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record)
-                    outcome = "dead_letter"
-                SESSION_REWARDS.labels(outcome).inc()
-                if outcome == "trained":
-                    self.counts.session_rewards_trained += 1
-                await self.r.xack(stream, "merger", entry_id)
+                outcome = await self._retrying(self.handle_session_reward, record,
+                                            what=f"session entry {entry_id}")
+            except (ValueError, KeyError, TypeError) as exc:
+                await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record)
+                outcome = "dead_letter"
+            SESSION_REWARDS.labels(outcome).inc()
+            if outcome == "trained":
+                self.counts.session_rewards_trained += 1
+            await self.r.xack(stream, "merger", entry_id)
 
     async def _retrying(self, fn, *args, what: str):
         # The trainer may be restarting: keep the entry unacknowledged and retry; every step is idempotent.
