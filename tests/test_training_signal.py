@@ -242,6 +242,45 @@ async def test_side_call_rules_in_the_service(redis_url):
         MergerConfig(baseline_alpha=0.0)
 
 
+def test_settings_of_the_new_options(monkeypatch):
+    from tether.merger.main import MergerSettings, config_from_settings
+
+    for k, v in {
+        "TETHER_REDIS_URL": "redis://127.0.0.1:1/0",
+        "TETHER_MERGER_GRPC_PORT": "1",
+        "TETHER_TRAINER_ADDRESS": "127.0.0.1:2",
+        "TETHER_ADVANTAGE_ESTIMATOR": "running_baseline",
+        "TETHER_BASELINE_ALPHA": "0.25",
+        "TETHER_SESSION_TRAINING": "true",
+        "TETHER_SIDE_CALLS": "last_chain",
+        "TETHER_SIDE_CALL_PATTERNS": '["^You are a title generator", "memory extraction subagent"]',
+    }.items():
+        monkeypatch.setenv(k, v)
+    cfg = config_from_settings(MergerSettings(strip_tail=[]))
+    assert (cfg.estimator, cfg.baseline_alpha, cfg.session_training, cfg.side_calls) == (
+        "running_baseline",
+        0.25,
+        True,
+        "last_chain",
+    )
+    assert cfg.side_call_patterns == ("^You are a title generator", "memory extraction subagent")
+    # Off by default.
+    for k in (
+        "TETHER_ADVANTAGE_ESTIMATOR",
+        "TETHER_SESSION_TRAINING",
+        "TETHER_SIDE_CALLS",
+        "TETHER_SIDE_CALL_PATTERNS",
+    ):
+        monkeypatch.delenv(k)
+    cfg = config_from_settings(MergerSettings(strip_tail=[]))
+    assert (cfg.estimator, cfg.session_training, cfg.side_calls, cfg.side_call_patterns) == (
+        "grpo",
+        False,
+        "keep",
+        (),
+    )
+
+
 # ---------------------------------------------------------------- with the gateway
 
 
