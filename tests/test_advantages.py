@@ -267,3 +267,63 @@ def test_reinforce_pp_baseline_with_token_whitening_matches_verl(verl_algos, bat
     # verl whitens per token over the batch; whiten() does the same when handed the broadcast tokens.
     ours = whiten(centered, mask)
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+# --- running baseline (no group: single-rollout tasks, recorded production traffic) -------------------
+
+
+def test_running_baseline_known_values() -> None:
+    from tether.algorithms.advantages import running_baseline_advantages
+
+    # One task, alpha 0.5, no state: the first reward meets the global baseline, 0 while none exists.
+    adv, tasks, g = running_baseline_advantages([1.0, 0.0, 1.0], ["a", "a", "a"], {}, None, alpha=0.5)
+    assert adv.dtype == torch.float32 and adv.tolist() == [1.0, -1.0, 0.5]
+    assert tasks == {"a": 0.75} and g == 0.75
+    # A new task's first reward is measured against the global average, then seeds its own.
+    adv, tasks, g = running_baseline_advantages([0.25, 0.25], ["b", "b"], {"a": 0.75}, 0.75, alpha=0.5)
+    assert adv.tolist() == [-0.5, 0.0] and tasks == {"b": 0.25} and g == pytest.approx(0.375)
+    # Known tasks keep their own baseline; the input state is not modified.
+    state = {"a": 0.75, "b": 0.25}
+    adv, tasks, _ = running_baseline_advantages([1.0, 1.0], ["a", "b"], state, 0.5, alpha=0.1)
+    assert adv.tolist() == pytest.approx([0.25, 0.75]) and state == {"a": 0.75, "b": 0.25}
+    assert tasks == pytest.approx({"a": 0.775, "b": 0.325})
+    # fp32 rewards are not rounded on the way (0.95 stays 0.95 to fp32 precision).
+    adv, _, _ = running_baseline_advantages(torch.tensor([0.95]), ["c"], {}, None)
+    assert adv.item() == torch.tensor(0.95, dtype=torch.float32).item()
+
+
+def test_running_baseline_rejects_bad_input() -> None:
+    from tether.algorithms.advantages import running_baseline_advantages
+
+    for alpha in (0.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="alpha"):
+            running_baseline_advantages([1.0], ["a"], {}, None, alpha=alpha)
+    with pytest.raises(ValueError, match="one task id each"):
+        running_baseline_advantages([1.0, 2.0], ["a"], {}, None)
+
+
+@props
+@given(rewards=st.lists(grid_reward, min_size=1, max_size=12), alpha=st.sampled_from([0.05, 0.1, 0.5, 1.0]))
+def test_running_baseline_is_the_ema_closed_form(rewards: list[float], alpha: float) -> None:
+    """Against the closed form of an EMA seeded with its first value: b_n = (1-a)^(n-1) x_0 +
+    sum_k a (1-a)^(n-1-k) x_k; each advantage is the reward minus the baseline before it. Applying the
+    rewards one call at a time (state carried over, as the merger does across groups) gives the same."""
+    from tether.algorithms.advantages import running_baseline_advantages
+
+    x = np.asarray(rewards, dtype=np.float64)
+
+    def closed(n: int) -> float:  # baseline after the first n rewards (n >= 1)
+        return (1 - alpha) ** (n - 1) * x[0] + sum(alpha * (1 - alpha) ** (n - 1 - k) * x[k] for k in range(1, n))
+
+    expected = [x[0]] + [x[n] - closed(n) for n in range(1, len(x))]
+    adv, tasks, _ = running_baseline_advantages(x.tolist(), ["t"] * len(x), {}, None, alpha)
+    np.testing.assert_allclose(adv.numpy(), np.asarray(expected, dtype=np.float32), atol=1e-5)
+    assert tasks["t"] == pytest.approx(closed(len(x)), abs=1e-9)
+    state: dict[str, float] = {}
+    g = None
+    one_by_one = []
+    for r in rewards:
+        a, upd, g = running_baseline_advantages([r], ["t"], state, g, alpha)
+        state.update(upd)
+        one_by_one.append(a.item())
+    np.testing.assert_allclose(one_by_one, adv.numpy(), atol=1e-6)

@@ -511,8 +511,10 @@ async def test_status_over_grpc_carries_every_counter():
     for i, name in enumerate(ints):
         setattr(c, name, 100 + i)
     c.dropped_by_reason.update({"error": 3, "overlong": 4})
+    c.untrainable_by_reason.update({"group_of_one": 5})
     c.pending.update({"g1", "g2"})
     st = await _status(merger)
     assert {name: getattr(st, name) for name in ints} == {name: 100 + i for i, name in enumerate(ints)}
     assert dict(st.calls_dropped_by_reason) == {"error": 3, "overlong": 4} and st.groups_pending == 2
-    assert len(ints) + 2 == len(dataclasses.fields(MergerCounts))
+    assert dict(st.untrainable_by_reason) == {"group_of_one": 5}
+    assert len(ints) + 3 == len(dataclasses.fields(MergerCounts))

@@ -3,7 +3,14 @@
 Imported by the merger (advantages) and the trainer (losses); no I/O, no config objects.
 """
 
-from .advantages import ESTIMATORS, discounted_call_rewards, group_advantages, whiten
+from .advantages import (
+    ALL_ESTIMATORS,
+    ESTIMATORS,
+    discounted_call_rewards,
+    group_advantages,
+    running_baseline_advantages,
+    whiten,
+)
 from .losses import (
     KL_ESTIMATORS,
     LOSS_MODES,
@@ -16,6 +23,7 @@ from .losses import (
 )
 
 __all__ = [
+    "ALL_ESTIMATORS",
     "ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_MODES",
@@ -25,6 +33,7 @@ __all__ = [
     "group_advantages",
     "logprob_mismatch",
     "ppo_token_loss",
+    "running_baseline_advantages",
     "token_weights",
     "truncated_is_weights",
     "whiten",

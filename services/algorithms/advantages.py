@@ -23,15 +23,27 @@ Estimators (``ESTIMATORS``):
 A group of one rollout has no baseline and gets advantage 0 under every estimator (verl instead keeps
 the raw reward there). A zero-variance group gets all-zero advantages; filtering such groups is the
 caller's decision.
+
+Estimator without a group (``BASELINE_ESTIMATORS``), for tasks run once (single-rollout tasks, recorded
+production traffic):
+
+- ``running_baseline``: ``r - b_task``, where ``b_task`` is an exponential moving average of the
+  rewards seen so far for the same task id (``running_baseline_advantages``; the caller keeps the
+  state, e.g. in Redis). A task's first reward is measured against the global running average of
+  every task's rewards (0 before any reward was seen) and then seeds the task's average. This is the
+  moving-average baseline of REINFORCE (Williams 1992) kept per task; it is biased while a task's
+  average is young and lags a policy that improves quickly (smaller ``alpha``: steadier, slower).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")
+ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")  # group estimators (group_advantages)
+BASELINE_ESTIMATORS = ("running_baseline",)  # no group: running_baseline_advantages
+ALL_ESTIMATORS = ESTIMATORS + BASELINE_ESTIMATORS
 
 
 def group_advantages(rewards: torch.Tensor, estimator: str = "grpo", eps: float = 1e-6) -> torch.Tensor:
@@ -119,3 +131,48 @@ def discounted_call_rewards(call_rewards: Sequence[float] | torch.Tensor, gamma:
         running = float(r[c]) + gamma * running
         out[c] = running
     return out.to(torch.float32)
+
+
+def running_baseline_advantages(
+    rewards: Sequence[float] | torch.Tensor,
+    task_ids: Sequence[str],
+    task_baselines: Mapping[str, float],
+    global_baseline: float | None,
+    alpha: float = 0.1,
+) -> tuple[torch.Tensor, dict[str, float], float | None]:
+    """Advantages against a per-task running baseline, applied in order (``running_baseline``).
+
+    Args:
+        rewards: (N,) reward of each unit (rollout or recorded call), in the order they are applied.
+        task_ids: (N,) the task each reward belongs to; a unit's baseline is its task's.
+        task_baselines: each known task's running average before these rewards (not modified).
+        global_baseline: running average of every task's rewards before these, ``None`` when no reward
+            was seen yet.
+        alpha: EMA weight of a new reward, in (0, 1]: ``b <- b + alpha * (r - b)``.
+
+    Returns:
+        ``(advantages, updated, global)``: (N,) fp32 ``r - b`` with ``b`` the task's average before
+        ``r`` (for a task's first reward: the global average, or 0 when there is none); the new average
+        of every task touched (a task's first reward seeds it: ``b = r``); the new global average
+        (seeded the same way).
+
+    Known values: alpha 0.5, no state, rewards 1, 0, 1 on one task give advantages 1, -1, 0.5
+    (baselines 0 -> 1 -> 0.5 -> 0.75).
+    """
+    if not 0.0 < alpha <= 1.0:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    r = torch.as_tensor(rewards, dtype=torch.float64)
+    if r.dim() != 1 or r.shape[0] != len(task_ids):
+        raise ValueError(
+            f"rewards must be 1-D (N,) with one task id each, got {tuple(r.shape)} / {len(task_ids)}"
+        )
+    updated: dict[str, float] = {}
+    g = None if global_baseline is None else float(global_baseline)
+    adv = torch.empty_like(r)
+    for i, task in enumerate(task_ids):
+        x = float(r[i])
+        b = updated.get(task, task_baselines.get(task))
+        adv[i] = x - (b if b is not None else (g if g is not None else 0.0))
+        updated[task] = x if b is None else b + alpha * (x - b)
+        g = x if g is None else g + alpha * (x - g)
+    return adv.to(torch.float32), updated, g

@@ -79,6 +79,24 @@ class Keys:
     def published(self, record_id: str) -> str:  # string: idempotency marker
         return f"{self.ns}:published:{record_id}"
 
+    @property
+    def session_rewards(self) -> str:  # stream: rewards of record-only session calls (gateway -> merger)
+        return f"{self.ns}:session-rewards"
+
+    def rollout_training(self, rollout_id: str) -> str:  # string: TrainingOutcome JSON (merger -> gateway)
+        return f"{self.ns}:rollout:{rollout_id}:training"
+
+    @property
+    def merger_estimator(self) -> str:  # string: the running merger's advantage estimator (merger -> gateway)
+        return f"{self.ns}:merger:estimator"
+
+    @property
+    def baselines(self) -> str:  # hash: "task:<id>" / "global" -> running reward average (merger)
+        return f"{self.ns}:baselines"
+
+    def baseline_applied(self, group_id: str) -> str:  # string: advantages a group got from the baselines
+        return f"{self.ns}:baseline-applied:{group_id}"
+
 
 # redis-py 8 gives every socket read a 5 s timeout: on a loaded 2-core host a blocking stream read
 # (XREADGROUP BLOCK) can overrun it and kill a consumer. Reads get a minute; a stall past that is real.
@@ -144,11 +162,12 @@ def decode(fields: dict[str, str]) -> dict[str, Any]:
 
 
 async def read_group(
-    r: aioredis.Redis, stream: str, group: str, consumer: str, count: int = 64, block_ms: int = 1000,
+    r: aioredis.Redis, stream: str, group: str, consumer: str, count: int = 64, block_ms: int | None = 1000,
     claim_idle_ms: int = 60_000,
 ) -> list[tuple[str, dict[str, Any]]]:
     """New entries for this consumer, decoded. Entries left pending (by a dead consumer) for over
-    `claim_idle_ms` are claimed first (XAUTOCLAIM answers 2 fields on Redis 6.2, 3 on 7.x)."""
+    `claim_idle_ms` are claimed first (XAUTOCLAIM answers 2 fields on Redis 6.2, 3 on 7.x). `block_ms`
+    None: answer at once."""
     claimed = await r.xautoclaim(stream, group, consumer, min_idle_time=claim_idle_ms, start_id="0-0",
                                  count=count)
     entries = claimed[1] if isinstance(claimed, list | tuple) and len(claimed) >= 2 else []

@@ -1,7 +1,8 @@
 """The records that travel on Redis streams, as plain dataclasses with JSON round-trips.
 
 A Trace is one LLM call the gateway recorded; a RolloutEvent says a rollout finished; a
-SampleRecord is exactly what the trainer consumed for one sequence.
+SampleRecord is exactly what the trainer consumed for one sequence; a TrainingOutcome is the merger's
+verdict on one rollout (trained, or why it never will be), read back by the gateway.
 """
 
 from __future__ import annotations
@@ -127,4 +128,41 @@ class SampleRecord:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SampleRecord:
+        return _from_dict(cls, data)
+
+
+# Why a rollout will not train (TrainingOutcome.reason); docs/merging.md, "Rollouts that will not train".
+UNTRAINABLE_REASONS = (
+    "group_of_one",  # group_size 1 under a group estimator: no baseline, advantage 0
+    "too_few",  # fewer than two rollouts of the group completed with calls to train on
+    "zero_variance",  # every rollout of the group got the same return (filtered)
+    "no_calls",  # the gateway recorded no call for it
+    "calls_errored",  # every recorded call errored
+    "no_trainable_calls",  # calls recorded, none trainable (no token ids, bad logprobs, too long, ...)
+    "side_calls_only",  # every sequence it made was left out as a side call
+    "failed",  # the rollout failed (its last attempt)
+    "retried",  # a failed attempt another attempt replaced
+    "late",  # it reported after its group was scored
+    "eval",  # an evaluation rollout: scored, never trained
+)
+
+
+@dataclass
+class TrainingOutcome:
+    """What became of one rollout in training, written by the merger once it decided (the gateway
+    answers ``pending`` until then)."""
+
+    rollout_id: str
+    group_id: str
+    status: str  # "trained" | "will_not_train"
+    reason: str | None = None  # one of UNTRAINABLE_REASONS when will_not_train
+    samples: int = 0  # sequences handed to the trainer
+    group_outcome: str = ""  # the group result's outcome (trained | filtered | too_few | eval | ...)
+    decided_at: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainingOutcome:
         return _from_dict(cls, data)

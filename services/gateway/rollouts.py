@@ -8,7 +8,9 @@ sticks to, written by the proxy on its first call), and on finish reward, finish
 Keys.api_key(key) -> rollout id; hash Keys.call_rewards(id): call id -> per-call reward (repr of the
 float; the merger reads it when `call_rewards` is on), with the rollout hash's TTL if it has one.
 The call path reads a rollout's status and replica through recorder.Recorder (pipelined); this
-module does the rest.
+module does the rest. It reads what the merger writes: Keys.rollout_training(id) (a TrainingOutcome:
+trained, or why the rollout will never train; `training` in a rollout's state, "pending" until the
+merger decided) and Keys.merger_estimator (for the complete route's `warning`).
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from tether.common import broker
-from tether.common.records import RolloutEvent
+from tether.common.records import RolloutEvent, TrainingOutcome
 from tether.gateway.admission import Admission
 from tether.gateway.capture import ApiError
 from tether.gateway.recorder import Batcher
@@ -128,7 +130,36 @@ def parse_reason(body: dict[str, Any]) -> str:
     return reason
 
 
-def _state(rollout_id: str, h: dict[str, str], calls: int) -> dict[str, Any]:
+# Estimators that need no group (tether.algorithms.advantages.BASELINE_ESTIMATORS; the gateway does not
+# import the RL math, which pulls in torch).
+NO_GROUP_ESTIMATORS = ("running_baseline",)
+
+
+def training_state(raw: str | None) -> dict[str, Any]:
+    """A rollout's `training` object: the merger's TrainingOutcome, or pending while it has none."""
+    if not raw:
+        return {"status": "pending", "reason": None}
+    o = TrainingOutcome.from_dict(orjson.loads(raw))
+    return {"status": o.status, "reason": o.reason, "samples": o.samples, "group_outcome": o.group_outcome,
+            "decided_at": o.decided_at}
+
+
+def complete_warning(group_size: int, calls: int, estimator: str | None) -> str | None:
+    """What is already known at complete time to keep a rollout from training, for the complete
+    response's `warning` (None when nothing is). `estimator`: the running merger's, None when unknown."""
+    out = []
+    if group_size == 1 and estimator not in NO_GROUP_ESTIMATORS:
+        out.append(f"group_size is 1: a group of one has no baseline under the group estimator "
+                   f"{estimator or '(the merger has not said which)'} and will not train; create several "
+                   "rollouts of one task with one group_id and group_size, or run the merger with "
+                   "TETHER_ADVANTAGE_ESTIMATOR=running_baseline")
+    if calls == 0:
+        out.append("no LLM call was recorded for this rollout, so there is nothing to train on (did the "
+                   "harness call the gateway with this rollout's api_key?)")
+    return "; ".join(out) or None
+
+
+def _state(rollout_id: str, h: dict[str, str], calls: int, training: str | None = None) -> dict[str, Any]:
     def num(name: str) -> float | None:
         return float(h[name]) if h.get(name) else None
 
@@ -137,7 +168,7 @@ def _state(rollout_id: str, h: dict[str, str], calls: int) -> dict[str, Any]:
         "group_size": int(h.get("group_size") or 1), "status": h.get("status"),
         "created_at": num("created_at"), "finished_at": num("finished_at"), "reward": num("reward"),
         "reason": h.get("reason"), "metadata": orjson.loads(h["metadata"]) if h.get("metadata") else {},
-        "calls": calls, "replica": h.get("replica"),
+        "calls": calls, "replica": h.get("replica"), "training": training_state(training),
     }
 
 
@@ -234,10 +265,11 @@ class RolloutRegistry:
         pipe = self.r.pipeline(transaction=False)
         pipe.hgetall(self.keys.rollout(rollout_id))
         pipe.llen(self.keys.rollout_calls(rollout_id))
-        h, calls = await pipe.execute()
+        pipe.get(self.keys.rollout_training(rollout_id))
+        h, calls, training = await pipe.execute()
         if not h:
             raise rollout_not_found(rollout_id)
-        return _state(rollout_id, h, int(calls))
+        return _state(rollout_id, h, int(calls), training)
 
     async def exists(self, rollout_id: str) -> bool:
         return bool(await self.r.exists(self.keys.rollout(rollout_id)))
@@ -261,7 +293,11 @@ class RolloutRegistry:
                              status=status, reward=reward, finished_at=finished_at)
         # The status is final now: shield the rest so that a cancelled request still publishes the event.
         await asyncio.shield(self._publish_final(event))
-        return await self.get(rollout_id)
+        out = await self.get(rollout_id)
+        if status == COMPLETED:
+            out["warning"] = complete_warning(out["group_size"], out["calls"],
+                                              await self.r.get(self.keys.merger_estimator))
+        return out
 
     async def reward_call(self, rollout_id: str, call_id: str, reward: float) -> dict[str, Any]:
         """Set one recorded call's reward while the rollout runs; a second reward for the same call

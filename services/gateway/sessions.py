@@ -7,7 +7,8 @@ nothing is dispatched, completed or merged. Each call is recorded as a trace who
 A reward for one call, any time within the trace marker's lifetime (7 days), goes to
 `POST /v1/sessions/{name}/rewards` {"call_id": ..., "reward": float}, which checks that the call was
 recorded in that session and publishes, once per call, {session, call_id, rollout_id, reward,
-trace_entry_id, rewarded_at} on the stream `<namespace>:session-rewards`.
+trace_entry_id, rewarded_at} on the stream `<namespace>:session-rewards` (Keys.session_rewards),
+which the merger turns into samples when `session_training` is on (docs/merging.md).
 
 Who may call: app.py (the rewards route), proxy.py (identify).
 """
@@ -53,7 +54,7 @@ def parse_deployment_keys(spec: str | None) -> dict[str, str]:
 
 
 def session_stream(keys: broker.Keys) -> str:
-    return f"{keys.ns}:session-rewards"
+    return keys.session_rewards
 
 
 def session_rollout_id(name: str, call_id: str) -> str:

@@ -34,12 +34,17 @@ class MergerSettings(CommonSettings):
     max_prompt_len: int | None = None
     max_seq_len: int | None = None
     overlong: Literal["drop", "truncate"] = "drop"
-    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline"] = "grpo"
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "running_baseline"] = "grpo"
     advantage_level: Literal["rollout", "sample"] = "rollout"
     filter_zero_variance: bool = True
     group_timeout_s: float = 0.0
     call_rewards: bool = False
     turn_discount: float = 1.0
+    side_calls: Literal["keep", "last_chain"] = "keep"
+    # Regular expressions (a JSON list) over a sequence's system prompt: matching sequences are left out.
+    side_call_patterns: list[str] = []
+    baseline_alpha: float = 0.1  # running_baseline: EMA weight of a new reward
+    session_training: bool = False  # rewarded record-only session calls become samples (running baseline)
 
 
 def strip_tail_for(s: MergerSettings) -> tuple[int, ...]:
@@ -65,7 +70,9 @@ def config_from_settings(s: MergerSettings) -> MergerConfig:
                         max_prompt_len=s.max_prompt_len, overlong=s.overlong, strip_tail=strip_tail_for(s),
                         realign_max=s.realign_max, advantage_level=s.advantage_level,
                         group_timeout_s=s.group_timeout_s, call_rewards=s.call_rewards,
-                        turn_discount=s.turn_discount)
+                        turn_discount=s.turn_discount, side_calls=s.side_calls,
+                        side_call_patterns=tuple(s.side_call_patterns), baseline_alpha=s.baseline_alpha,
+                        session_training=s.session_training)
 
 
 def to_proto(s: SampleRecord) -> types_pb2.Sample:
@@ -90,7 +97,9 @@ class MergerStatusServicer(merger_pb2_grpc.MergerServicer):
             calls_dropped=c.calls_dropped, calls_dropped_by_reason=dict(c.dropped_by_reason),
             groups_timed_out=c.groups_timed_out, late_rollouts=c.late_rollouts, rollouts_retried=c.rollouts_retried,
             single_sequence_rollouts=c.single_sequence_rollouts, realigns=c.realigns,
-            mismatched_calls=c.mismatched_calls, truncated=c.truncated, call_rewards_applied=c.call_rewards_applied)
+            mismatched_calls=c.mismatched_calls, truncated=c.truncated, call_rewards_applied=c.call_rewards_applied,
+            untrainable_by_reason=dict(c.untrainable_by_reason), side_sequences_excluded=c.side_sequences_excluded,
+            session_rewards_trained=c.session_rewards_trained)
 
 
 async def amain(s: MergerSettings) -> None:

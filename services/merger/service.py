@@ -14,6 +14,12 @@ Redis keys this service adds next to ``tether.common.broker.Keys`` (built here, 
   ``task_id``, ``time``; capped at ``MISMATCH_STREAM_MAXLEN`` entries.  ``format_mismatch`` renders one.
 * ``{ns}:merger:pending-groups`` (sorted set): group id -> time its first rollout was merged; the
   deadline check (``group_timeout_s``) resolves the groups older than the timeout.
+
+Keys in ``broker.Keys`` it writes: ``rollout_training(id)`` (a ``TrainingOutcome`` per rollout, read by
+the gateway's ``GET /v1/rollouts/{id}``), ``merger_estimator`` (so the gateway can warn at complete
+time), ``baselines`` / ``baseline_applied(group)`` (the ``running_baseline`` state, applied once per
+group); with ``session_training`` it consumes ``session_rewards`` (consumer group ``merger``): each
+rewarded record-only call becomes a group of one scored against its session's running baseline.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -31,11 +38,19 @@ import orjson
 import torch
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
+from redis.exceptions import WatchError
 
-from tether.algorithms.advantages import ESTIMATORS, discounted_call_rewards, group_advantages
+from tether.algorithms.advantages import (
+    ALL_ESTIMATORS,
+    BASELINE_ESTIMATORS,
+    discounted_call_rewards,
+    group_advantages,
+    running_baseline_advantages,
+)
 from tether.common import broker
-from tether.common.records import RolloutEvent, SampleRecord, Trace, spans_cover
+from tether.common.records import RolloutEvent, SampleRecord, Trace, TrainingOutcome, spans_cover
 from tether.merger.merge import MODES, OVERLONG_POLICIES, Call, compact_mismatch, merge_calls
+from tether.merger.sidecalls import SIDE_CALL_RULES, compile_patterns, side_call_exclusions, system_text
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +82,13 @@ RETRIED = PromCounter("tether_merger_rollouts_retried_total", "Failed rollout at
 CALL_REWARDS = PromCounter("tether_merger_call_rewards_total",
                            "Per-call rewards applied to trained calls (call_rewards on)")
 PENDING = Gauge("tether_merger_groups_pending", "Groups waiting for more rollouts")
+UNTRAINABLE = PromCounter("tether_merger_untrainable_rollouts_total", "Rollouts that will not train, by reason",
+                          ["reason"])
+SIDE_EXCLUDED = PromCounter("tether_merger_side_sequences_excluded_total",
+                            "Merged sequences left out as side calls (side_calls / side_call_patterns)", ["reason"])
+SESSION_REWARDS = PromCounter("tether_merger_session_rewards_total",
+                              "Rewarded record-only session calls consumed (session_training on)", ["outcome"])
+OUTCOME_TTL_S = 7 * 24 * 3600  # as long as the trace markers the rollout's calls are found by
 
 
 def choice_branches(records: list[dict[str, Any]], kept: list[Call]) -> list[tuple[str, dict[str, Any]]]:
@@ -128,11 +150,16 @@ class MergerConfig:
     group_timeout_s: float = 0.0  # 0 = wait for every rollout of a group
     call_rewards: bool = False  # per-call rewards: the gateway's reward route (or a trace's "reward")
     turn_discount: float = 1.0  # gamma over the calls of a rollout
+    side_calls: str = "keep"  # keep | last_chain (sidecalls.py)
+    side_call_patterns: tuple[str, ...] = ()  # regexes over a sequence's system prompt: left out
+    baseline_alpha: float = 0.1  # EMA weight of a new reward in the running baseline
+    session_training: bool = False  # rewarded record-only session calls become samples (running baseline)
 
     def __post_init__(self) -> None:
-        checks = [(self.mode, MODES, "merge mode"), (self.estimator, ESTIMATORS, "advantage estimator"),
+        checks = [(self.mode, MODES, "merge mode"), (self.estimator, ALL_ESTIMATORS, "advantage estimator"),
                   (self.overlong, OVERLONG_POLICIES, "overlong policy"),
-                  (self.advantage_level, ADVANTAGE_LEVELS, "advantage level")]
+                  (self.advantage_level, ADVANTAGE_LEVELS, "advantage level"),
+                  (self.side_calls, SIDE_CALL_RULES, "side-call rule")]
         for value, allowed, what in checks:
             if value not in allowed:
                 raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
@@ -146,6 +173,12 @@ class MergerConfig:
             raise ValueError("turn_discount must be in [0, 1]")
         if self.group_timeout_s < 0:
             raise ValueError("group_timeout_s must be >= 0")
+        if not 0.0 < self.baseline_alpha <= 1.0:
+            raise ValueError("baseline_alpha must be in (0, 1]")
+        try:
+            compile_patterns(self.side_call_patterns)
+        except re.error as exc:
+            raise ValueError(f"bad side-call pattern: {exc}") from None
 
     @property
     def per_call_returns(self) -> bool:
@@ -169,6 +202,9 @@ class MergerCounts:
     rollouts_retried: int = 0
     call_rewards_applied: int = 0
     dropped_by_reason: Counter = field(default_factory=Counter)
+    untrainable_by_reason: Counter = field(default_factory=Counter)
+    side_sequences_excluded: int = 0
+    session_rewards_trained: int = 0
     pending: set[str] = field(default_factory=set)
 
 
@@ -276,6 +312,32 @@ def build_samples(rollout: dict, advantage: float | list[float], scale: float = 
     ]
 
 
+def untrainable_reason(rollout: dict, group_outcome: str) -> str | None:
+    """Why one merged rollout of a scored group will not train (``records.UNTRAINABLE_REASONS``), or
+    None when its group trained and it has samples. Its own state first (failed, no usable calls),
+    then the group's verdict."""
+    if rollout["status"] == "failed":
+        return "failed"
+    if group_outcome == "eval" or rollout.get("eval"):
+        return "eval"
+    if rollout["status"] == "empty":
+        if rollout.get("side_sequences_excluded"):
+            return "side_calls_only"
+        calls = int(rollout.get("calls", 0))
+        if calls == 0:
+            return "no_calls"
+        if int((rollout.get("dropped_calls") or {}).get("error", 0)) >= calls:
+            return "calls_errored"
+        return "no_trainable_calls"
+    if group_outcome == "trained":
+        return None
+    if group_outcome == "filtered":
+        return "zero_variance"
+    if group_outcome == "too_few":
+        return "group_of_one" if int(rollout.get("group_size", 0)) == 1 else "too_few"
+    return group_outcome
+
+
 def _dumps(obj: Any) -> str:
     return orjson.dumps(obj).decode()
 
@@ -289,6 +351,7 @@ class Merger:
         self.submit = submit
         self.counts = MergerCounts()
         self._resolve_lock = asyncio.Lock()
+        self._side_patterns = compile_patterns(cfg.side_call_patterns)
 
     # ------------------------------------------------------------------ load + merge
 
@@ -337,6 +400,17 @@ class Merger:
                                   max_seq_len=cfg.max_seq_len, max_prompt_len=cfg.max_prompt_len,
                                   overlong=cfg.overlong)
         dropped.update(stats.dropped())
+        side: Counter = Counter()
+        if seqs and (cfg.side_calls != "keep" or self._side_patterns):
+            systems = ({d.get("call_id", ""): system_text(d.get("request") or {}) for d in records}
+                       if self._side_patterns else {})
+            why = side_call_exclusions([s.call_ids for s in seqs], [c.call_id for c in calls], systems,
+                                       cfg.side_calls, self._side_patterns)
+            side.update(w for w in why if w)
+            seqs = [s for s, w in zip(seqs, why, strict=True) if w is None]
+            # Excluded calls take no part in returns or n > 1 branches either.
+            kept_ids = {cid for s in seqs for cid in s.call_ids}
+            calls = [c for c in calls if c.call_id in kept_ids]
         out_seqs = []
         for s in seqs:
             spans = s.version_spans()
@@ -354,7 +428,8 @@ class Merger:
             "mismatched_calls": stats.mismatched_calls,
             "dropped_calls": dict(dropped),
             "mismatches": [dict(compact_mismatch(m), rollout_id=event.rollout_id) for m in stats.mismatches],
-            "call_rewards": 0, "unused_call_rewards": unused,
+            "call_rewards": 0, "unused_call_rewards": unused, "group_size": event.group_size,
+            "side_sequences_excluded": sum(side.values()), "side_excluded_by_reason": dict(side),
         }
         if cfg.per_call_returns and calls:
             # Return-to-go over the rollout's calls in call order; the outcome reward lands on the last.
@@ -383,12 +458,19 @@ class Merger:
             merged["status"] = event.status
         return merged
 
-    async def merge_rollout(self, event: RolloutEvent, meta: dict) -> dict:
+    async def merge_rollout(self, event: RolloutEvent, meta: dict,
+                            records: list[dict[str, Any]] | None = None) -> dict:
+        """Load (unless ``records`` are given), merge and account for one rollout."""
         t0 = time.perf_counter()
         posted = await self.load_call_rewards(event.rollout_id) if self.cfg.call_rewards else None
-        merged = self.merge_records(event, await self.load_records(event.rollout_id), meta, posted)
+        if records is None:
+            records = await self.load_records(event.rollout_id)
+        merged = self.merge_records(event, records, meta, posted)
         MERGE_SECONDS.observe(time.perf_counter() - t0)
         c = self.counts
+        for reason, n in merged["side_excluded_by_reason"].items():
+            SIDE_EXCLUDED.labels(reason).inc(n)
+        c.side_sequences_excluded += merged["side_sequences_excluded"]
         CALL_REWARDS.inc(merged["call_rewards"])
         c.call_rewards_applied += merged["call_rewards"]
         if merged["unused_call_rewards"]:
@@ -431,7 +513,19 @@ class Merger:
 
     # ------------------------------------------------------------------ groups
 
-    async def handle_event(self, event: RolloutEvent) -> None:
+    async def write_outcome(self, outcome: TrainingOutcome, only_if_new: bool = False) -> None:
+        """Record what became of a rollout where the gateway reads it; count it when it will not train."""
+        written = await self.r.set(self.keys.rollout_training(outcome.rollout_id), _dumps(outcome.to_dict()),
+                                   ex=OUTCOME_TTL_S, nx=only_if_new)
+        if outcome.reason is not None and written:
+            UNTRAINABLE.labels(outcome.reason).inc()
+            self.counts.untrainable_by_reason[outcome.reason] += 1
+
+    async def handle_event(self, event: RolloutEvent, records: list[dict[str, Any]] | None = None,
+                           estimator: str | None = None) -> None:
+        """One finished rollout: merge it, park it in its group, score the group once it is complete.
+        ``records`` replaces loading its traces; ``estimator`` overrides the configured one for its group
+        (record-only session calls: ``running_baseline``)."""
         raw_meta = await self.r.hget(self.keys.rollout(event.rollout_id), "metadata")
         meta = orjson.loads(raw_meta) if raw_meta else {}
         if event.status == "failed" and retried_failure(meta):
@@ -440,12 +534,17 @@ class Merger:
             self.counts.rollouts_retried += 1
             log.info("rollout %s failed (attempt %s of %s); retried", event.rollout_id, meta.get("attempt"),
                      meta.get("max_attempts"))
+            await self.write_outcome(TrainingOutcome(event.rollout_id, event.group_id, "will_not_train", "retried",
+                                                     decided_at=time.time()))
             return
         if event.status == "completed":
-            merged = await self.merge_rollout(event, meta)
+            merged = await self.merge_rollout(event, meta, records)
         else:
             merged = {"rollout_id": event.rollout_id, "group_id": event.group_id, "task_id": event.task_id,
-                      "status": event.status, "reward": None, "eval": bool(meta.get("eval")), "sequences": []}
+                      "status": event.status, "reward": None, "eval": bool(meta.get("eval")), "sequences": [],
+                      "group_size": event.group_size}
+        if estimator is not None:
+            merged["estimator"] = estimator
         ROLLOUTS.labels(merged["status"]).inc()
         self.counts.rollouts_merged += 1
         gkey = self.keys.group(event.group_id)
@@ -454,6 +553,9 @@ class Merger:
             LATE.inc()
             self.counts.late_rollouts += 1
             log.info("rollout %s arrived after group %s was resolved", event.rollout_id, event.group_id)
+            # Only if new: a redelivered event of a rollout its group already scored keeps its verdict.
+            await self.write_outcome(TrainingOutcome(event.rollout_id, event.group_id, "will_not_train", "late",
+                                                     decided_at=time.time()), only_if_new=True)
         elif await self.r.hlen(gkey) >= event.group_size:
             await self.resolve_group(event.group_id)
         else:
@@ -490,6 +592,7 @@ class Merger:
                   "generated_tokens": sum(sum(s["loss_mask"]) + s.get("constrained_tokens", 0)
                                          for x in ok for s in x["sequences"]),
                   "mismatched_calls": sum(x.get("mismatched_calls", 0) for x in rollouts),
+                  "side_sequences_excluded": sum(x.get("side_sequences_excluded", 0) for x in rollouts),
                   "dropped_calls": dict(dropped), "mismatches": examples, "timed_out": timed_out,
                   "finished_at": time.time()}
 
@@ -501,18 +604,27 @@ class Merger:
             units = [(x, i) for x in ok for i in range(len(x["sequences"]))]
             returns = [float(x["sequences"][i].get("return", x["reward"])) for x, i in units]
         unit_returns = torch.tensor(returns, dtype=torch.float32)
+        # Session groups carry their estimator; a running baseline needs no group and no spread.
+        estimator = next((x["estimator"] for x in rollouts if x.get("estimator")), cfg.estimator)
+        running = estimator in BASELINE_ESTIMATORS
+        result["estimator"] = estimator
         if result["eval"]:
             outcome = "eval"
-        elif len(ok) < 2:
+        elif len(ok) < (1 if running else 2):
             outcome = "too_few"
-        elif cfg.filter_zero_variance and (len(returns) == 0 or float(unit_returns.max() - unit_returns.min()) == 0.0):
+        elif not running and cfg.filter_zero_variance and (
+                len(returns) == 0 or float(unit_returns.max() - unit_returns.min()) == 0.0):
             outcome = "filtered"
         else:
             outcome = "trained"
         samples: list[SampleRecord] = []
         if outcome == "trained":
-            adv = group_advantages(unit_returns, cfg.estimator).tolist()
-            scale = advantage_scale(unit_returns, cfg.estimator) if cfg.per_call_returns else 0.0
+            if running:
+                adv = await self.baseline_advantages(group_id, [x["task_id"] for x, _ in units], returns)
+                scale = 1.0 if cfg.per_call_returns else 0.0  # d(r - b)/dr
+            else:
+                adv = group_advantages(unit_returns, estimator).tolist()
+                scale = advantage_scale(unit_returns, estimator) if cfg.per_call_returns else 0.0
             per_rollout: dict[str, tuple[list[float], list[float]]] = {}
             for (x, _), a, g in zip(units, adv, returns, strict=True):
                 advs, rets = per_rollout.setdefault(x["rollout_id"], ([], []))
@@ -541,11 +653,50 @@ class Merger:
                       tokens=sum(len(s.token_ids) for s in samples),
                       min_weight_version=min((s.weight_version for s in samples), default=-1))
         await broker.publish_once(self.r, self.keys, self.keys.group_results, f"group:{group_id}", result)
+        per_rollout_samples = Counter(s.rollout_id for s in samples)
+        now = time.time()
+        for x in rollouts:
+            reason = untrainable_reason(x, outcome)
+            if reason is None and not per_rollout_samples[x["rollout_id"]]:
+                reason = "no_trainable_calls"
+            await self.write_outcome(TrainingOutcome(
+                x["rollout_id"], group_id, "trained" if reason is None else "will_not_train", reason,
+                samples=per_rollout_samples[x["rollout_id"]], group_outcome=outcome, decided_at=now))
         await self.r.set(self.keys.group_done(group_id), outcome)
         GROUPS.labels(outcome).inc()
         log.info("group %s: %s%s (%d rollouts, rewards %s, %d samples, %d/%d single-sequence)", group_id, outcome,
                  " at its deadline" if timed_out else "", len(rollouts), [round(x, 3) for x in result["rewards"]],
                  len(samples), result["single_sequence_rollouts"], len(ok))
+
+    async def baseline_advantages(self, group_id: str, task_ids: list[str], returns: list[float]) -> list[float]:
+        """``running_baseline`` advantages of a group's units, read from and written back to the Redis
+        state in one transaction together with the group's marker: a group re-scored after a crash gets
+        the advantages it got the first time, and moves the baselines once."""
+        marker = self.keys.baseline_applied(group_id)
+        fields = [f"task:{t}" for t in dict.fromkeys(task_ids)]
+        async with self.r.pipeline(transaction=True) as pipe:
+            while True:
+                try:
+                    await pipe.watch(self.keys.baselines, marker)
+                    done = await pipe.get(marker)
+                    if done is not None:
+                        await pipe.reset()
+                        return [float(x) for x in orjson.loads(done)]
+                    values = await pipe.hmget(self.keys.baselines, [*fields, "global"])
+                    known = {f[5:]: float(v) for f, v in zip(fields, values, strict=False) if v is not None}
+                    prior = None if values[-1] is None else float(values[-1])
+                    adv, updated, new_global = running_baseline_advantages(returns, task_ids, known, prior,
+                                                                           self.cfg.baseline_alpha)
+                    pipe.multi()
+                    mapping = {f"task:{t}": repr(v) for t, v in updated.items()}
+                    if new_global is not None:
+                        mapping["global"] = repr(new_global)
+                    pipe.hset(self.keys.baselines, mapping=mapping)
+                    pipe.set(marker, _dumps(adv.tolist()), ex=OUTCOME_TTL_S)
+                    await pipe.execute()
+                    return adv.tolist()
+                except WatchError:  # another writer moved the baselines in between: read them again
+                    continue
 
     async def check_deadlines(self, now: float | None = None) -> int:
         """Resolve the groups whose first rollout was merged over ``group_timeout_s`` ago."""
@@ -574,11 +725,21 @@ class Merger:
     async def run(self, consumer: str = "merger-0") -> None:
         stream = self.keys.rollout_events
         await broker.ensure_group(self.r, stream, "merger")
+        # Read by the gateway's complete route: a group of one is worth a warning unless this says
+        # running_baseline.
+        await self.r.set(self.keys.merger_estimator, self.cfg.estimator)
         ticker = asyncio.create_task(self._deadline_loop()) if self.cfg.group_timeout_s > 0 else None
+        if self.cfg.session_training:
+            await broker.ensure_group(self.r, self.keys.session_rewards, "merger", start="$")
         try:
             while True:
                 try:
-                    entries = await broker.read_group(self.r, stream, "merger", consumer)
+                    if self.cfg.session_training:
+                        # One loop reads both streams in turn: a second task blocked in its own
+                        # XREADGROUP would hold up cancelling the merger (redis-py).
+                        await self.poll_sessions(consumer)
+                    entries = await broker.read_group(self.r, stream, "merger", consumer,
+                                                      block_ms=250 if self.cfg.session_training else 1000)
                 except broker.TRANSIENT as exc:
                     log.warning("Redis read failed (%s); retrying", exc)
                     await asyncio.sleep(1.0)
@@ -599,20 +760,56 @@ class Merger:
                 ticker.cancel()
                 await asyncio.gather(ticker, return_exceptions=True)
 
-    async def handle_with_retry(self, event: RolloutEvent) -> None:
-        # The trainer may be restarting: keep the event unacknowledged and retry; every step of
-        # handle_event is idempotent.
+    # ------------------------------------------------------------------ record-only sessions
+
+    async def handle_session_reward(self, record: dict[str, Any]) -> str:
+        """One rewarded session call (``sessions.Sessions.reward``'s record) as a group of one, scored
+        against its session's running baseline (task id ``session:<name>``). Returns what became of it:
+        ``trained``, ``seen`` (its group was scored before: a redelivery), or the reason it will not."""
+        group_id = str(record["rollout_id"])
+        if await self.r.exists(self.keys.group_done(group_id)):
+            return "seen"
+        entry = str(record["trace_entry_id"])
+        items = await self.r.xrange(self.keys.traces, min=entry, max=entry)
+        if not items:
+            return "trace_gone"
+        trace = broker.decode(items[0][1])
+        event = RolloutEvent(rollout_id=group_id, task_id=f"session:{record['session']}", group_id=group_id,
+                             group_size=1, status="completed", reward=float(record["reward"]),
+                             finished_at=float(record.get("rewarded_at", 0.0)))
+        await self.handle_event(event, records=[trace], estimator="running_baseline")
+        return (await self.r.get(self.keys.group_done(group_id))) or "pending"
+
+    async def poll_sessions(self, consumer: str = "merger-0") -> None:
+        """Consume what is waiting on ``Keys.session_rewards`` (consumer group ``merger``, created at "$"
+        when session training is first turned on; a restart goes on where it stopped), each entry
+        acknowledged once handled: scoring is idempotent, so a redelivery is recognised (``seen``)."""
+        stream = self.keys.session_rewards
+        entries = await broker.read_group(self.r, stream, "merger", consumer, block_ms=None)
+        for entry_id, record in entries:
+            try:
+                outcome = await self._retrying(self.handle_session_reward, record,
+                                            what=f"session entry {entry_id}")
+            except (ValueError, KeyError, TypeError) as exc:
+                await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record)
+                outcome = "dead_letter"
+            SESSION_REWARDS.labels(outcome).inc()
+            if outcome == "trained":
+                self.counts.session_rewards_trained += 1
+            await self.r.xack(stream, "merger", entry_id)
+
+    async def _retrying(self, fn, *args, what: str):
+        # The trainer may be restarting: keep the entry unacknowledged and retry; every step is idempotent.
         delay = 0.5
         while True:
             try:
-                await self.handle_event(event)
-                return
+                return await fn(*args)
             except grpc.aio.AioRpcError as exc:
-                log.warning("trainer unavailable (%s); retrying rollout %s in %.1fs", exc.code(),
-                            event.rollout_id, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                log.warning("trainer unavailable (%s); retrying %s in %.1fs", exc.code(), what, delay)
             except broker.TRANSIENT as exc:
-                log.warning("Redis unavailable (%s); retrying rollout %s in %.1fs", exc, event.rollout_id, delay)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+                log.warning("Redis unavailable (%s); retrying %s in %.1fs", exc, what, delay)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 10.0)
+
+    async def handle_with_retry(self, event: RolloutEvent) -> None:
+        await self._retrying(self.handle_event, event, what=f"rollout {event.rollout_id}")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tether.v1 import types_pb2 as tether_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tether/v1/merger.proto\x12\ttether.v1\x1a\x15tether/v1/types.proto\"\x84\x04\n\x0cMergerStatus\x12\x17\n\x0frollouts_merged\x18\x01 \x01(\x03\x12\x16\n\x0egroups_emitted\x18\x02 \x01(\x03\x12\x16\n\x0egroups_pending\x18\x03 \x01(\x03\x12\x17\n\x0fgroups_filtered\x18\x04 \x01(\x03\x12\x11\n\tsequences\x18\x05 \x01(\x03\x12\r\n\x05\x66orks\x18\x06 \x01(\x03\x12\x15\n\rcalls_dropped\x18\x07 \x01(\x03\x12R\n\x17\x63\x61lls_dropped_by_reason\x18\x08 \x03(\x0b\x32\x31.tether.v1.MergerStatus.CallsDroppedByReasonEntry\x12\x18\n\x10groups_timed_out\x18\t \x01(\x03\x12\x15\n\rlate_rollouts\x18\n \x01(\x03\x12\x18\n\x10rollouts_retried\x18\x0b \x01(\x03\x12 \n\x18single_sequence_rollouts\x18\x0c \x01(\x03\x12\x10\n\x08realigns\x18\r \x01(\x03\x12\x18\n\x10mismatched_calls\x18\x0e \x01(\x03\x12\x11\n\ttruncated\x18\x0f \x01(\x03\x12\x1c\n\x14\x63\x61ll_rewards_applied\x18\x10 \x01(\x03\x1a;\n\x19\x43\x61llsDroppedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32@\n\x06Merger\x12\x36\n\tGetStatus\x12\x10.tether.v1.Empty\x1a\x17.tether.v1.MergerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16tether/v1/merger.proto\x12\ttether.v1\x1a\x15tether/v1/types.proto\"\xd3\x05\n\x0cMergerStatus\x12\x17\n\x0frollouts_merged\x18\x01 \x01(\x03\x12\x16\n\x0egroups_emitted\x18\x02 \x01(\x03\x12\x16\n\x0egroups_pending\x18\x03 \x01(\x03\x12\x17\n\x0fgroups_filtered\x18\x04 \x01(\x03\x12\x11\n\tsequences\x18\x05 \x01(\x03\x12\r\n\x05\x66orks\x18\x06 \x01(\x03\x12\x15\n\rcalls_dropped\x18\x07 \x01(\x03\x12R\n\x17\x63\x61lls_dropped_by_reason\x18\x08 \x03(\x0b\x32\x31.tether.v1.MergerStatus.CallsDroppedByReasonEntry\x12\x18\n\x10groups_timed_out\x18\t \x01(\x03\x12\x15\n\rlate_rollouts\x18\n \x01(\x03\x12\x18\n\x10rollouts_retried\x18\x0b \x01(\x03\x12 \n\x18single_sequence_rollouts\x18\x0c \x01(\x03\x12\x10\n\x08realigns\x18\r \x01(\x03\x12\x18\n\x10mismatched_calls\x18\x0e \x01(\x03\x12\x11\n\ttruncated\x18\x0f \x01(\x03\x12\x1c\n\x14\x63\x61ll_rewards_applied\x18\x10 \x01(\x03\x12O\n\x15untrainable_by_reason\x18\x11 \x03(\x0b\x32\x30.tether.v1.MergerStatus.UntrainableByReasonEntry\x12\x1f\n\x17side_sequences_excluded\x18\x12 \x01(\x03\x12\x1f\n\x17session_rewards_trained\x18\x13 \x01(\x03\x1a;\n\x19\x43\x61llsDroppedByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x1a:\n\x18UntrainableByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32@\n\x06Merger\x12\x36\n\tGetStatus\x12\x10.tether.v1.Empty\x1a\x17.tether.v1.MergerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,10 +34,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_MERGERSTATUS_CALLSDROPPEDBYREASONENTRY']._loaded_options = None
   _globals['_MERGERSTATUS_CALLSDROPPEDBYREASONENTRY']._serialized_options = b'8\001'
+  _globals['_MERGERSTATUS_UNTRAINABLEBYREASONENTRY']._loaded_options = None
+  _globals['_MERGERSTATUS_UNTRAINABLEBYREASONENTRY']._serialized_options = b'8\001'
   _globals['_MERGERSTATUS']._serialized_start=61
-  _globals['_MERGERSTATUS']._serialized_end=577
-  _globals['_MERGERSTATUS_CALLSDROPPEDBYREASONENTRY']._serialized_start=518
-  _globals['_MERGERSTATUS_CALLSDROPPEDBYREASONENTRY']._serialized_end=577
-  _globals['_MERGER']._serialized_start=579
-  _globals['_MERGER']._serialized_end=643
+  _globals['_MERGERSTATUS']._serialized_end=784
+  _globals['_MERGERSTATUS_CALLSDROPPEDBYREASONENTRY']._serialized_start=665
+  _globals['_MERGERSTATUS_CALLSDROPPEDBYREASONENTRY']._serialized_end=724
+  _globals['_MERGERSTATUS_UNTRAINABLEBYREASONENTRY']._serialized_start=726
+  _globals['_MERGERSTATUS_UNTRAINABLEBYREASONENTRY']._serialized_end=784
+  _globals['_MERGER']._serialized_start=786
+  _globals['_MERGER']._serialized_end=850
 # @@protoc_insertion_point(module_scope)

@@ -8,8 +8,15 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class MergerStatus(_message.Message):
-    __slots__ = ("rollouts_merged", "groups_emitted", "groups_pending", "groups_filtered", "sequences", "forks", "calls_dropped", "calls_dropped_by_reason", "groups_timed_out", "late_rollouts", "rollouts_retried", "single_sequence_rollouts", "realigns", "mismatched_calls", "truncated", "call_rewards_applied")
+    __slots__ = ("rollouts_merged", "groups_emitted", "groups_pending", "groups_filtered", "sequences", "forks", "calls_dropped", "calls_dropped_by_reason", "groups_timed_out", "late_rollouts", "rollouts_retried", "single_sequence_rollouts", "realigns", "mismatched_calls", "truncated", "call_rewards_applied", "untrainable_by_reason", "side_sequences_excluded", "session_rewards_trained")
     class CallsDroppedByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class UntrainableByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +39,9 @@ class MergerStatus(_message.Message):
     MISMATCHED_CALLS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     CALL_REWARDS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    UNTRAINABLE_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    SIDE_SEQUENCES_EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_REWARDS_TRAINED_FIELD_NUMBER: _ClassVar[int]
     rollouts_merged: int
     groups_emitted: int
     groups_pending: int
@@ -48,4 +58,7 @@ class MergerStatus(_message.Message):
     mismatched_calls: int
     truncated: int
     call_rewards_applied: int
-    def __init__(self, rollouts_merged: _Optional[int] = ..., groups_emitted: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., sequences: _Optional[int] = ..., forks: _Optional[int] = ..., calls_dropped: _Optional[int] = ..., calls_dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_timed_out: _Optional[int] = ..., late_rollouts: _Optional[int] = ..., rollouts_retried: _Optional[int] = ..., single_sequence_rollouts: _Optional[int] = ..., realigns: _Optional[int] = ..., mismatched_calls: _Optional[int] = ..., truncated: _Optional[int] = ..., call_rewards_applied: _Optional[int] = ...) -> None: ...
+    untrainable_by_reason: _containers.ScalarMap[str, int]
+    side_sequences_excluded: int
+    session_rewards_trained: int
+    def __init__(self, rollouts_merged: _Optional[int] = ..., groups_emitted: _Optional[int] = ..., groups_pending: _Optional[int] = ..., groups_filtered: _Optional[int] = ..., sequences: _Optional[int] = ..., forks: _Optional[int] = ..., calls_dropped: _Optional[int] = ..., calls_dropped_by_reason: _Optional[_Mapping[str, int]] = ..., groups_timed_out: _Optional[int] = ..., late_rollouts: _Optional[int] = ..., rollouts_retried: _Optional[int] = ..., single_sequence_rollouts: _Optional[int] = ..., realigns: _Optional[int] = ..., mismatched_calls: _Optional[int] = ..., truncated: _Optional[int] = ..., call_rewards_applied: _Optional[int] = ..., untrainable_by_reason: _Optional[_Mapping[str, int]] = ..., side_sequences_excluded: _Optional[int] = ..., session_rewards_trained: _Optional[int] = ...) -> None: ...
