@@ -4,7 +4,7 @@ endpoint. Telemetry, update checks and other non-essential traffic are switched 
 own switches; nothing else is changed to suit the gateway. Each test is one group of two rollouts that
 trains a step (harness_run.exercise says what is checked).
 
-Configuration per harness, as a user types it: docs/harness-notes-harnesses.md.
+Configuration per harness, as a user types it: docs/harnesses.md.
 """
 
 from __future__ import annotations
