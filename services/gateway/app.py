@@ -569,22 +569,18 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
         return _json(model_card)
 
     @app.get("/v1/models")
-    async def models() -> Response:
-        return model_list()
-
     @app.get("/rollouts/{rollout_id}/v1/models")
-    async def rollout_models(rollout_id: str, request: Request) -> Response:
-        await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
+    async def models(request: Request, rollout_id: str | None = None) -> Response:
+        if rollout_id is not None:  # the per-rollout form checks the key belongs to that rollout
+            await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
         return model_list()
 
     # ":path": served names may hold a slash (an HF repo id such as "Qwen/Qwen3-8B").
     @app.get("/v1/models/{model_id:path}")
-    async def model(model_id: str) -> Response:
-        return one_model(model_id)
-
     @app.get("/rollouts/{rollout_id}/v1/models/{model_id:path}")
-    async def rollout_model(rollout_id: str, model_id: str, request: Request) -> Response:
-        await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
+    async def model(model_id: str, request: Request, rollout_id: str | None = None) -> Response:
+        if rollout_id is not None:
+            await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
         return one_model(model_id)
 
     # --- rollouts ------------------------------------------------------------------------------
@@ -695,21 +691,17 @@ def _gemini_routes(app: FastAPI, proxy: Proxy, rollouts: RolloutRegistry, gemini
         return _json(gemini.model_resource(served_model))
 
     @app.get("/v1beta/models")
-    async def gemini_models() -> Response:
-        return model_list()
-
     @app.get("/rollouts/{rollout_id}/v1beta/models")
-    async def rollout_gemini_models(rollout_id: str, request: Request) -> Response:
-        await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
+    async def gemini_models(request: Request, rollout_id: str | None = None) -> Response:
+        if rollout_id is not None:
+            await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
         return model_list()
 
     @app.get("/v1beta/models/{model:path}")
-    async def gemini_model(model: str) -> Response:
-        return one_model(model)
-
     @app.get("/rollouts/{rollout_id}/v1beta/models/{model:path}")
-    async def rollout_gemini_model(rollout_id: str, model: str, request: Request) -> Response:
-        await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
+    async def gemini_model(model: str, request: Request, rollout_id: str | None = None) -> Response:
+        if rollout_id is not None:
+            await rollouts.authenticate(await key_of(request, rollout_id), rollout_id)
         return one_model(model)
 
     async def model_method(target: str, request: Request, rollout_id: str | None) -> Response:
