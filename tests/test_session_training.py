@@ -1,0 +1,184 @@
+"""A deployment learns from its own traffic: `tether up` with a deployment key and session training on,
+record-only calls through the official openai SDK (no rollout), rewards posted per call, and the
+rewarded calls -- only those, each once -- trained in serve mode with running-baseline advantages.
+And a run with tasks (train mode) is not held up by session groups scored meanwhile."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+from stack_helpers import TETHER, alive
+
+from tether.common import broker
+from tether.scheduler.run import Run, RunConfig, Stubs
+
+KEY = "dk-prod-test"
+ALPHA = 0.5  # TETHER_BASELINE_ALPHA: large, so that each reward moves the baseline visibly
+REWARDS = (1.0, 0.0, 0.25)
+
+
+def _wait(cond, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = cond()
+        if value:
+            return value
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _expected_advantages(rewards, alpha):
+    """By hand, from running_baseline_advantages' docstring: a fresh stack has no baseline, so the
+    session's first reward meets 0 and seeds the baseline (b = r); each later one meets b, then
+    b <- b + alpha * (r - b)."""
+    out, b = [], None
+    for r in rewards:
+        out.append(r - (0.0 if b is None else b))
+        b = r if b is None else b + alpha * (r - b)
+    return out
+
+
+async def test_a_task_run_waits_for_its_own_groups_not_session_groups(redis_url, tmp_path):
+    """Train mode names its groups: a session group's result, even one that comes first, is neither
+    taken for the step's group nor counted in the step (the trainer side, TrainStep with explicit
+    group_ids leaving other buffered groups alone: test_trainer_resume.py)."""
+    r = broker.connect(redis_url)
+    keys = broker.Keys("t")
+    cfg = RunConfig(
+        run_id="r", steps=1, tasks_per_step=1, group_size=1, seed=0, run_dir=tmp_path, rollout_timeout_s=60
+    )
+    run = Run(r, keys, cfg, Stubs(None, None, None), [{"task_id": "t"}])
+    try:
+        cursor = await run.results_cursor()
+        for gid in ("session:prod:call-1", "r-s0-g0"):
+            await broker.publish(
+                r,
+                keys.group_results,
+                {
+                    "group_id": gid,
+                    "outcome": "trained",
+                    "rewards": [1.0],
+                    "samples": 1,
+                    "tokens": 8,
+                    "sequences": 1,
+                },
+            )
+        results = await run.wait_groups({"r-s0-g0"}, cursor)
+        assert [g["group_id"] for g in results] == ["r-s0-g0"]
+    finally:
+        await r.aclose()
+
+
+@pytest.mark.slow
+def test_record_only_traffic_is_trained_in_serve_mode(tmp_path):
+    assert _expected_advantages(REWARDS, ALPHA) == [1.0, -1.0, -0.25]
+    run_dir = tmp_path / "run"
+    log = open(tmp_path / "up.log", "w")
+    # Only the user's environment turns this on: the launcher hands TETHER_* settings to every service.
+    env = {
+        **os.environ,
+        "TETHER_DEPLOYMENT_KEYS": f"{KEY}=prod",
+        "TETHER_SESSION_TRAINING": "true",
+        "TETHER_BASELINE_ALPHA": str(ALPHA),
+    }
+    proc = subprocess.Popen(
+        [*TETHER, "up", "--run-dir", str(run_dir)],
+        cwd=tmp_path,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    state_file = tmp_path / ".tether" / "stack.json"
+
+    def tether(*args):
+        out = subprocess.run([*TETHER, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        return [json.loads(x) for x in out.stdout.splitlines() if x.strip()]
+
+    def steps():
+        path = run_dir / "metrics.jsonl"
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+    try:
+
+        def ready():
+            if proc.poll() is not None:
+                raise AssertionError((tmp_path / "up.log").read_text())
+            if not state_file.exists():
+                return None
+            state = json.loads(state_file.read_text())
+            return state if "scheduler" in state["addresses"] else None
+
+        _wait(lambda: ready() and "gateway:" in (tmp_path / "up.log").read_text(), 900, "the stack")
+        gw = ready()["addresses"]["gateway_url"]
+        client = openai.OpenAI(base_url=f"{gw}/v1", api_key=KEY)
+
+        def call() -> str:
+            raw = client.chat.completions.with_raw_response.create(
+                model="tether-policy", messages=[{"role": "user", "content": "what is 3 + 4 ?"}], max_tokens=6
+            )
+            assert raw.parse().choices[0].message.content is not None
+            return raw.headers["x-tether-call-id"]
+
+        calls = [call() for _ in range(len(REWARDS) + 1)]
+        rewarded, unrewarded = calls[:-1], calls[-1]
+        auth = {"Authorization": f"Bearer {KEY}"}
+        # One at a time: the order the rewards reach the stream is the order the baseline applies them.
+        for call_id, reward in zip(rewarded, REWARDS, strict=True):
+            resp = httpx.post(
+                f"{gw}/v1/sessions/prod/rewards", json={"call_id": call_id, "reward": reward}, headers=auth
+            )
+            assert resp.status_code == 201, resp.text
+        again = httpx.post(
+            f"{gw}/v1/sessions/prod/rewards", json={"call_id": rewarded[0], "reward": 1.0}, headers=auth
+        )
+        assert again.status_code == 409 and again.json()["error"]["code"] == "already_rewarded", again.text
+
+        trained = _wait(
+            lambda: (s := steps()) and sum(x["samples"] for x in s) >= len(REWARDS) and s,
+            300,
+            "a training step on the rewarded calls",
+        )
+        rows = tether("samples")
+        by_group = {r["group_id"]: r for r in rows}
+        assert len(rows) == len(by_group) == len(REWARDS)  # one sample per rewarded call, none twice
+        assert set(by_group) == {f"session:prod:{c}" for c in rewarded}
+        assert f"session:prod:{unrewarded}" not in by_group
+        for call_id, reward, adv in zip(rewarded, REWARDS, _expected_advantages(REWARDS, ALPHA), strict=True):
+            s = by_group[f"session:prod:{call_id}"]
+            assert s["task_id"] == "session:prod" and s["reward"] == reward and s["weight_version"] == 0
+            sampled = [a for a, m in zip(s["advantages"], s["loss_mask"], strict=True) if m]
+            assert sampled and sampled == pytest.approx([adv] * len(sampled))
+
+        # Serve mode trained exactly those groups, and each step moved the served version by one.
+        assert sum(x["groups_trained"] for x in trained) == len(REWARDS)
+        assert sum(x["samples"] for x in trained) == len(REWARDS)
+        assert [x["weight_version"] for x in trained] == list(range(1, len(trained) + 1))
+        assert sum(x["reward_mean"] * x["rollouts"] for x in trained) == pytest.approx(sum(REWARDS))
+        # The deployment's next call is answered by the trained weights.
+        after = call()
+        trace = next(t for t in tether("traces") if t.get("call_id") == after)
+        assert trace["session"] == "prod" and trace["weight_version"] == trained[-1]["weight_version"]
+
+        # Nothing more trains: the duplicate was refused and the unrewarded calls have no reward.
+        time.sleep(3)  # a margin for a late group result; the assertions hold whatever the timing
+        assert len(tether("samples")) == len(REWARDS)
+        assert steps() == trained
+    finally:
+        down = subprocess.run([*TETHER, "down"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+        log.close()
+    assert down.returncode == 0, down.stdout + down.stderr
+    assert proc.returncode == 0
+    state = json.loads(state_file.read_text())
+    assert not [name for name, pid in state["pids"].items() if alive(pid)]
