@@ -30,6 +30,8 @@ from tether.common.redis_server import start_embedded_redis
 STATE_DIR = Path(".tether")
 STATE_FILE = STATE_DIR / "stack.json"
 MAX_RESTARTS = 5
+# The user's TETHER_* settings reach every service, except these, which only one process may hold.
+PER_PROCESS_SETTINGS = frozenset({"TETHER_METRICS_PORT"})
 
 
 class StackError(RuntimeError):
@@ -79,7 +81,9 @@ class Stack:
         """Every process's environment: the user's, TETHER_* settings included (each service reads the
         ones it knows, e.g. TETHER_DEFAULT_MAX_TOKENS the gateway), then the stack's own wiring. A
         service's `start` env (its ports and addresses) is laid over this, so the wiring always wins."""
-        env = dict(os.environ)
+        # One port for every process cannot work on one host: the first service to bind it would
+        # keep it and the others would fail at start.
+        env = {k: v for k, v in os.environ.items() if k not in PER_PROCESS_SETTINGS}
         env.update(TETHER_REDIS_URL=self.redis_url, TETHER_NAMESPACE=self.namespace,
                    PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
         return env

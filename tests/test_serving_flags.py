@@ -143,3 +143,11 @@ def test_bad_serving_settings_fail_fast():
         InferenceSettings(inference_grpc_port=1, vllm_extra_args="--x 'open")
     s = InferenceSettings(inference_grpc_port=1, vllm_extra_args=shlex.join(["--a", "b c"]))
     assert command(s)[-2:] == ["--a", "b c"]
+
+
+def test_a_setting_only_one_process_may_hold_is_not_passed_to_every_service(tmp_path, monkeypatch):
+    """TETHER_METRICS_PORT would make every service of the local stack bind the same port."""
+    monkeypatch.setenv("TETHER_METRICS_PORT", "9464")
+    monkeypatch.setenv("TETHER_DEFAULT_MAX_TOKENS", "777")
+    env = Stack(tmp_path).base_env()
+    assert "TETHER_METRICS_PORT" not in env and env["TETHER_DEFAULT_MAX_TOKENS"] == "777"
