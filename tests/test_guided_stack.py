@@ -8,13 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import time
 
 import httpx
 import openai
 import pytest
-from stack_helpers import TETHER
+from stack_helpers import tether_up, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -34,16 +32,6 @@ CALC = {
     },
 }
 GROUP = 4
-
-
-def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _rollout(gw: str, reward: float) -> None:
@@ -75,57 +63,14 @@ def _rollout(gw: str, reward: float) -> None:
     assert done.status_code == 200, done.text
 
 
-def _jsonl(text: str) -> list[dict]:
-    return [json.loads(x) for x in text.splitlines() if x.strip()]
-
-
 def run_group(tmp_path, guided: str) -> tuple[dict, list[dict], list[dict]]:
     """One `tether up` stack with TETHER_GUIDED=`guided`; one group trained. Returns the step record,
     the samples and the traces."""
-    run_dir = tmp_path / "run"
-    log = open(tmp_path / "up.log", "w")
-    env = dict(os.environ, TETHER_GUIDED=guided)
-    proc = subprocess.Popen(
-        [*TETHER, "up", "--group-size", str(GROUP), "--run-dir", str(run_dir)],
-        cwd=tmp_path,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-    )
-    state_file = tmp_path / ".tether" / "stack.json"
-    try:
-
-        def ready():
-            if proc.poll() is not None:
-                raise AssertionError((tmp_path / "up.log").read_text())
-            if not state_file.exists():
-                return None
-            state = json.loads(state_file.read_text())
-            return state if "scheduler" in state["addresses"] else None
-
-        _wait(lambda: ready() and "gateway:" in (tmp_path / "up.log").read_text(), 900, "the stack")
-        gw = ready()["addresses"]["gateway_url"]
+    with tether_up(tmp_path, "--group-size", str(GROUP), env=dict(os.environ, TETHER_GUIDED=guided)) as stack:
         for i in range(GROUP):
-            _rollout(gw, float(i % 2))
-
-        def steps():
-            path = run_dir / "metrics.jsonl"
-            return _jsonl(path.read_text()) if path.exists() else None
-
-        [step] = _wait(steps, 300, "a training step")
-        cli = {
-            name: subprocess.run([*TETHER, name], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-            for name in ("samples", "traces")
-        }
-        return step, _jsonl(cli["samples"].stdout), _jsonl(cli["traces"].stdout)
-    finally:
-        subprocess.run([*TETHER, "down"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        log.close()
+            _rollout(stack.gateway, float(i % 2))
+        [step] = wait_for(stack.steps, 300, "a training step")
+        return step, stack.cli("samples"), stack.cli("traces")
 
 
 @pytest.mark.parametrize("guided", ["mask", "off"])

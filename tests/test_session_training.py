@@ -5,15 +5,13 @@ And a run with tasks (train mode) is not held up by session groups scored meanwh
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
 import time
 
 import httpx
 import openai
 import pytest
-from stack_helpers import TETHER, alive
+from stack_helpers import tether_up, wait_for
 
 from tether.common import broker
 from tether.scheduler.run import Run, RunConfig, Stubs
@@ -21,16 +19,6 @@ from tether.scheduler.run import Run, RunConfig, Stubs
 KEY = "dk-prod-test"
 ALPHA = 0.5  # TETHER_BASELINE_ALPHA: large, so that each reward moves the baseline visibly
 REWARDS = (1.0, 0.0, 0.25)
-
-
-def _wait(cond, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _expected_advantages(rewards, alpha):
@@ -78,8 +66,6 @@ async def test_a_task_run_waits_for_its_own_groups_not_session_groups(redis_url,
 @pytest.mark.slow
 def test_record_only_traffic_is_trained_in_serve_mode(tmp_path):
     assert _expected_advantages(REWARDS, ALPHA) == [1.0, -1.0, -0.25]
-    run_dir = tmp_path / "run"
-    log = open(tmp_path / "up.log", "w")
     # Only the user's environment turns this on: the launcher hands TETHER_* settings to every service.
     env = {
         **os.environ,
@@ -87,36 +73,8 @@ def test_record_only_traffic_is_trained_in_serve_mode(tmp_path):
         "TETHER_SESSION_TRAINING": "true",
         "TETHER_BASELINE_ALPHA": str(ALPHA),
     }
-    proc = subprocess.Popen(
-        [*TETHER, "up", "--run-dir", str(run_dir)],
-        cwd=tmp_path,
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    state_file = tmp_path / ".tether" / "stack.json"
-
-    def tether(*args):
-        out = subprocess.run([*TETHER, *args], cwd=tmp_path, capture_output=True, text=True, timeout=60)
-        assert out.returncode == 0, out.stdout + out.stderr
-        return [json.loads(x) for x in out.stdout.splitlines() if x.strip()]
-
-    def steps():
-        path = run_dir / "metrics.jsonl"
-        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-    try:
-
-        def ready():
-            if proc.poll() is not None:
-                raise AssertionError((tmp_path / "up.log").read_text())
-            if not state_file.exists():
-                return None
-            state = json.loads(state_file.read_text())
-            return state if "scheduler" in state["addresses"] else None
-
-        _wait(lambda: ready() and "gateway:" in (tmp_path / "up.log").read_text(), 900, "the stack")
-        gw = ready()["addresses"]["gateway_url"]
+    with tether_up(tmp_path, env=env) as stack:
+        gw = stack.gateway
         client = openai.OpenAI(base_url=f"{gw}/v1", api_key=KEY)
 
         def call() -> str:
@@ -140,12 +98,12 @@ def test_record_only_traffic_is_trained_in_serve_mode(tmp_path):
         )
         assert again.status_code == 409 and again.json()["error"]["code"] == "already_rewarded", again.text
 
-        trained = _wait(
-            lambda: (s := steps()) and sum(x["samples"] for x in s) >= len(REWARDS) and s,
+        trained = wait_for(
+            lambda: (s := stack.steps()) and sum(x["samples"] for x in s) >= len(REWARDS) and s,
             300,
             "a training step on the rewarded calls",
         )
-        rows = tether("samples")
+        rows = stack.cli("samples")
         by_group = {r["group_id"]: r for r in rows}
         assert len(rows) == len(by_group) == len(REWARDS)  # one sample per rewarded call, none twice
         assert set(by_group) == {f"session:prod:{c}" for c in rewarded}
@@ -163,22 +121,10 @@ def test_record_only_traffic_is_trained_in_serve_mode(tmp_path):
         assert sum(x["reward_mean"] * x["rollouts"] for x in trained) == pytest.approx(sum(REWARDS))
         # The deployment's next call is answered by the trained weights.
         after = call()
-        trace = next(t for t in tether("traces") if t.get("call_id") == after)
+        trace = next(t for t in stack.cli("traces") if t.get("call_id") == after)
         assert trace["session"] == "prod" and trace["weight_version"] == trained[-1]["weight_version"]
 
         # Nothing more trains: the duplicate was refused and the unrewarded calls have no reward.
         time.sleep(3)  # a margin for a late group result; the assertions hold whatever the timing
-        assert len(tether("samples")) == len(REWARDS)
-        assert steps() == trained
-    finally:
-        down = subprocess.run([*TETHER, "down"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            raise
-        log.close()
-    assert down.returncode == 0, down.stdout + down.stderr
-    assert proc.returncode == 0
-    state = json.loads(state_file.read_text())
-    assert not [name for name, pid in state["pids"].items() if alive(pid)]
+        assert len(stack.cli("samples")) == len(REWARDS)
+        assert stack.steps() == trained
