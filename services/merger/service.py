@@ -517,7 +517,11 @@ class Merger:
         """Record what became of a rollout where the gateway reads it; count it when it will not train."""
         written = await self.r.set(self.keys.rollout_training(outcome.rollout_id), _dumps(outcome.to_dict()),
                                    ex=OUTCOME_TTL_S, nx=only_if_new)
-        if outcome.reason is not None and written:
+        if written:
+            self.count_untrainable(outcome)
+
+    def count_untrainable(self, outcome: TrainingOutcome) -> None:
+        if outcome.reason is not None:
             UNTRAINABLE.labels(outcome.reason).inc()
             self.counts.untrainable_by_reason[outcome.reason] += 1
 
@@ -655,14 +659,23 @@ class Merger:
         await broker.publish_once(self.r, self.keys, self.keys.group_results, f"group:{group_id}", result)
         per_rollout_samples = Counter(s.rollout_id for s in samples)
         now = time.time()
+        outcomes = []
         for x in rollouts:
             reason = untrainable_reason(x, outcome)
             if reason is None and not per_rollout_samples[x["rollout_id"]]:
                 reason = "no_trainable_calls"
-            await self.write_outcome(TrainingOutcome(
+            outcomes.append(TrainingOutcome(
                 x["rollout_id"], group_id, "trained" if reason is None else "will_not_train", reason,
                 samples=per_rollout_samples[x["rollout_id"]], group_outcome=outcome, decided_at=now))
-        await self.r.set(self.keys.group_done(group_id), outcome)
+        # The rollouts' outcomes and the group's done marker in one transaction: a merger stopped in
+        # between would otherwise score the group again (and hand it to the trainer twice).
+        async with self.r.pipeline(transaction=True) as pipe:
+            for o in outcomes:
+                pipe.set(self.keys.rollout_training(o.rollout_id), _dumps(o.to_dict()), ex=OUTCOME_TTL_S)
+            pipe.set(self.keys.group_done(group_id), outcome)
+            await pipe.execute()
+        for o in outcomes:
+            self.count_untrainable(o)
         GROUPS.labels(outcome).inc()
         log.info("group %s: %s%s (%d rollouts, rewards %s, %d samples, %d/%d single-sequence)", group_id, outcome,
                  " at its deadline" if timed_out else "", len(rollouts), [round(x, 3) for x in result["rewards"]],
