@@ -1,4 +1,4 @@
-"""Generate the Python gRPC package from protos/ into services/v1 (imported as tether.v1).
+"""Generate the Python gRPC package from protos/ into services/tether/v1 (imported as tether.v1).
 
 Run: python scripts/gen_protos.py [--check]
 --check regenerates into a temporary folder and exits 1 when the committed files differ.
@@ -17,12 +17,12 @@ from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOS = ROOT / "protos"
-TARGET = ROOT / "services" / "v1"
+TARGET = ROOT / "services" / "tether" / "v1"
 
 
 def generate(out: Path) -> None:
     # protoc writes tether/v1/*_pb2.py under --python_out; imports read "from tether.v1 import ...",
-    # which resolves because services/ is installed as the `tether` package.
+    # which resolves because services/tether is the `tether` package.
     work = out / "gen"
     work.mkdir(parents=True)
     files = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))

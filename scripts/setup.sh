@@ -32,6 +32,8 @@ if [ "$have" != "$want" ] || ! "$VENV/bin/python" -c "import tether.v1" 2>/dev/n
   # Pinned first: pip takes the CPU wheel from this machine's disk, never a CUDA build.
   "$VENV/bin/pip" install -q torch==2.13.0
   "$VENV/bin/pip" install -q -e ".[test,lora]"
+  # The vLLM plugin too (editable: it follows its source), so the tests can hold the gateway to its contract.
+  "$VENV/bin/pip" install -q --no-deps -e ./services/vllm_plugin
   if [ "$WITH_TESTS" = 1 ]; then
     # External test oracle (verl's math) without verl's dependency tree (it would replace torch),
     # then the few modules verl.trainer.ppo.core_algos imports.
@@ -52,7 +54,7 @@ if ! "$VLLM_VENV/bin/python" -c "import vllm, sys; sys.exit(vllm.__version__ != 
   "$VLLM_VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
 fi
 # Tether's vLLM endpoint plugin (per-token weight-version spans); reinstalled whenever its source changes.
-plugin=services/inference/vllm_plugin
+plugin=services/vllm_plugin
 installed=$("$VLLM_VENV/bin/python" -c 'import tether_vllm; print(tether_vllm.__file__)' 2>/dev/null || true)
 if [ -z "$installed" ] || ! cmp -s "$plugin/tether_vllm.py" "$installed"; then
   "$VLLM_VENV/bin/pip" install -q --no-deps --no-build-isolation --force-reinstall "./$plugin"

@@ -42,10 +42,10 @@ import grpc
 import httpx
 import openai
 import redis
+import tether_vllm as plugin
 
 from tether.common.broker import Keys
 from tether.gateway.main import GatewayServer, GatewaySettings
-from tether.inference.vllm_plugin import tether_vllm as plugin
 from tether.v1 import gateway_pb2, gateway_pb2_grpc
 
 MODEL = "tether-policy"

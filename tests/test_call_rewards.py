@@ -18,7 +18,7 @@ from fake_vllm import ADMIN, MODEL, TOKEN_IDS, assert_openai_error, bearer, wait
 
 from tether.algorithms.advantages import discounted_call_rewards
 from tether.common import broker
-from tether.merger.service import Merger, MergerConfig
+from tether.merger.consumer import Merger, MergerConfig
 
 
 def reward_path(rollout_id: str, call_id: str) -> str:

@@ -103,9 +103,10 @@ def chat_response(message: dict, finish: str = "stop", stop_reason=None, n_token
 def test_the_gateway_speaks_the_vllm_plugins_contract():
     """The request flag and the stream chunk's object are the plugin's own (it runs in vLLM's
     environment, so the gateway keeps its copies: they must not drift)."""
+    import tether_vllm as plugin
+
     from tether.gateway import capture
     from tether.inference import launch
-    from tether.inference.vllm_plugin import tether_vllm as plugin
 
     assert (capture.WEIGHT_VERSIONS_FLAG, capture.WEIGHT_VERSIONS_CHUNK) == (plugin.FLAG, plugin.STREAM_OBJECT)
     assert launch.PLUGIN == plugin.NAME == plugin.WeightVersionsPlugin.name

@@ -1,4 +1,4 @@
-"""Google's Gemini API on the gateway (services/gateway/gemini.py), translated to chat completions.
+"""Google's Gemini API on the gateway (services/tether/gateway/gemini.py), translated to chat completions.
 
 First the translation as pure unit tests (request -> chat body, chat answer -> GenerateContentResponse,
 chat stream -> Google's stream events), then the routes through the official `google-genai` SDK and

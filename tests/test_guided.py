@@ -246,7 +246,7 @@ def _trace(call_id, prompt, response, **kw) -> dict:
 def test_merger_masks_the_constrained_tokens_of_traces():
     from tether.common.broker import Keys
     from tether.common.records import RolloutEvent
-    from tether.merger.service import Merger, MergerConfig, build_samples
+    from tether.merger.consumer import Merger, MergerConfig, build_samples
 
     records = [
         # A forced call: tokens 0-2 written by the grammar, token 3 free; a further choice fully masked.

@@ -1,4 +1,4 @@
-"""The merger on the multi-turn tool-use test set (tether.merger.testset).
+"""The merger on the multi-turn tool-use test set (tether.demo.testset).
 
 Exact-prefix merging keeps few rollouts in one sequence there (like Agent Lightning's reported 36% /
 2.41 sequences per rollout on coding rollouts); stripping the generation-prompt tail and realigning
@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tether.merger import testset as ts
+from tether.demo import testset as ts
 from tether.merger.merge import generation_prompt_tail, merge_calls
 
 FIXABLE = {"thinking", "non_thinking", "trailing_newline", "wrong_eos", "no_eos", "retry_error",

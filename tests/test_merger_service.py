@@ -10,9 +10,9 @@ import pytest
 
 from tether.common import broker
 from tether.common.records import RolloutEvent, Trace
+from tether.merger.consumer import Merger, MergerConfig
 from tether.merger.main import to_proto
-from tether.merger.service import Merger, MergerConfig
-from tether.trainer.service import sample_from_proto
+from tether.trainer.servicer import sample_from_proto
 
 
 async def _record(r, keys, rollout_id, calls, group_id, reward, status="completed", group_size=2, meta=None):
@@ -168,8 +168,8 @@ async def _results(r, keys, n):
 async def test_group_result_accounting_rejections_and_mismatch_stream(redis_url):
     from prometheus_client import REGISTRY
 
+    from tether.merger.consumer import mismatch_stream
     from tether.merger.merge import format_mismatch
-    from tether.merger.service import mismatch_stream
 
     def dropped_metric(reason):
         return REGISTRY.get_sample_value("tether_merger_calls_dropped_total", {"reason": reason}) or 0.0
@@ -296,7 +296,7 @@ def test_advantage_scale_matches_every_estimator():
     import torch
 
     from tether.algorithms.advantages import ESTIMATORS, group_advantages
-    from tether.merger.service import advantage_scale
+    from tether.merger.consumer import advantage_scale
 
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
     for est in ESTIMATORS:
@@ -343,9 +343,9 @@ async def test_group_deadline_resolves_partial_groups(redis_url):
 
 
 def test_settings_names_and_strip_tail_from_model_dir(tmp_path, monkeypatch):
-    from tether.merger import testset
+    from tether.demo import testset
+    from tether.demo.tiny import build_tokenizer as chatml_tokenizer
     from tether.merger.main import MergerSettings, config_from_settings
-    from tether.trainer.tiny import build_tokenizer as chatml_tokenizer
 
     for k, v in {"TETHER_REDIS_URL": "redis://127.0.0.1:1/0", "TETHER_MERGER_GRPC_PORT": "1",
                  "TETHER_TRAINER_ADDRESS": "127.0.0.1:2", "TETHER_MERGE_MODE": "per-call",
@@ -503,7 +503,7 @@ async def test_status_over_grpc_carries_every_counter():
     """Each MergerCounts field reaches MergerStatus (a counter added without a proto field fails here)."""
     import dataclasses
 
-    from tether.merger.service import MergerCounts
+    from tether.merger.consumer import MergerCounts
 
     merger = Merger(None, broker.Keys("t"), MergerConfig(), None)
     c = merger.counts

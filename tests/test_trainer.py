@@ -309,7 +309,7 @@ def test_lora_step_and_merged_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("bad", ["short", "lengths", "vocab", "mask", "nan"])
 def test_invalid_samples_are_named(bad):
-    from tether.trainer.service import validate
+    from tether.trainer.servicer import validate
 
     s = SampleRecord(rollout_id="r", group_id="g", task_id="t", sequence_index=0, token_ids=[1, 2, 3],
                      loss_mask=[0, 1, 1], rollout_logprobs=[0, -1, -1], advantages=[0, 1, 1], reward=1.0,

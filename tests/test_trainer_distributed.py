@@ -16,7 +16,7 @@ from test_trainer_resume import TrainerProcess, _weights, group_requests, step, 
 from tether.common.net import free_port
 from tether.common.records import SampleRecord
 from tether.trainer import distributed
-from tether.trainer.service import sample_from_proto
+from tether.trainer.servicer import sample_from_proto
 from tether.trainer.train import StepConfig, shard_rows, train_step
 from tether.v1 import types_pb2
 

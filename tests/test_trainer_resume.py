@@ -188,7 +188,7 @@ def _core(model_dir: Path, folder: Path, **overrides):
     """A rank-0 trainer core built by the service's own build/resume path, in this process."""
     from tether.trainer.distributed import Dist
     from tether.trainer.main import TrainerSettings, build
-    from tether.trainer.service import TrainerCore
+    from tether.trainer.servicer import TrainerCore
 
     s = TrainerSettings(trainer_grpc_port=0, model_dir=str(model_dir), checkpoint_dir=str(folder), device="cpu",
                         lr=0.01, **overrides)
@@ -205,7 +205,7 @@ def _train(core, n: int, *args, **kwargs):
 
 
 def _groups(n: int):
-    from tether.trainer.service import sample_from_proto
+    from tether.trainer.servicer import sample_from_proto
 
     return [(g.group_id, [sample_from_proto(p) for p in g.samples], g.rollouts) for g in group_requests(n)]
 
@@ -243,7 +243,7 @@ def test_lora_trainer_resumes_in_process(tmp_path):
 
 
 def test_scheduler_chosen_groups_and_drops(tmp_path):
-    from tether.trainer.service import NotReady
+    from tether.trainer.servicer import NotReady
 
     model_dir = tiny_model_dir(tmp_path / "model")
     groups = _groups(4)

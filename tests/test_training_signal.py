@@ -17,7 +17,7 @@ from test_merger_service import _run_until
 
 from tether.common import broker
 from tether.common.records import RolloutEvent, TrainingOutcome
-from tether.merger.service import Merger, MergerConfig
+from tether.merger.consumer import Merger, MergerConfig
 
 TITLE = "You are a title generator. You output ONLY a thread title. Nothing else."
 

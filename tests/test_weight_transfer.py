@@ -98,7 +98,7 @@ def vllm_unpack(flat: torch.Tensor, update_info: dict[str, Any]) -> list[tuple[s
 
 def tiny_state() -> dict[str, torch.Tensor]:
     """A real HF state dict (the tiny 2-layer Llama the CPU stack trains), norms in bf16 for a mix."""
-    from tether.trainer.tiny import build_model, build_tokenizer
+    from tether.demo.tiny import build_model, build_tokenizer
 
     model = build_model(build_tokenizer(["three", "plus", "four", "is", "seven"]), seed=0)
     return {k: (v.to(torch.bfloat16) if "norm" in k else v.clone()) for k, v in model.state_dict().items()}
@@ -560,11 +560,11 @@ async def test_scheduler_weight_push_wiring(tmp_path):
     from tether.common.broker import Keys
     from tether.common.grpc_server import channel, start_server
     from tether.common.vllm_client import VLLMControl
-    from tether.inference.control import InferenceServicer
+    from tether.inference.servicer import InferenceServicer
     from tether.scheduler.run import Run, RunConfig, Stubs
     from tether.trainer.distributed import Dist
     from tether.trainer.main import TrainerSettings, build, weight_pusher
-    from tether.trainer.service import TrainerCore, TrainerServicer
+    from tether.trainer.servicer import TrainerCore, TrainerServicer
     from tether.v1 import inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
 
     model_dir = tiny_model_dir(tmp_path / "model")

@@ -24,7 +24,7 @@ from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
 from tether.trainer import distributed, weights
 from tether.trainer.distributed import Dist
-from tether.trainer.service import StepRunner, TrainerCore, TrainerServicer
+from tether.trainer.servicer import StepRunner, TrainerCore, TrainerServicer
 from tether.trainer.train import StepConfig, enable_activation_checkpointing, packing_keeps_samples_apart
 from tether.trainer.weights import apply_lora, load_model
 from tether.v1 import trainer_pb2, trainer_pb2_grpc

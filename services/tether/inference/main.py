@@ -18,8 +18,8 @@ from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
 from tether.common.vllm_client import VLLMControl
-from tether.inference.control import WEIGHT_VERSION, InferenceServicer
 from tether.inference.launch import model_context_length, start_vllm, vllm_command, vllm_env
+from tether.inference.servicer import WEIGHT_VERSION, InferenceServicer
 from tether.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("tether.inference")

@@ -64,7 +64,7 @@ def vllm_env(kv_cache_gib: int = 1) -> dict[str, str]:
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     # Endpoint plugins load only when named: ours returns per-token weight-version spans
-    # (services/inference/vllm_plugin). A list the caller set keeps its names.
+    # (services/vllm_plugin). A list the caller set keeps its names.
     plugins = [p for p in env.get("VLLM_PLUGINS", "").split(",") if p]
     env["VLLM_PLUGINS"] = ",".join(plugins + ([] if PLUGIN in plugins else [PLUGIN]))
     return env

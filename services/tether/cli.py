@@ -18,8 +18,8 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-CALCULATOR = REPO / "examples" / "calculator" / "agent.py"
+# The demo's harness, a module of the installed package (so `tether demo` runs from a wheel as well).
+CALCULATOR = "tether.examples.calculator.agent"
 
 
 def load_example():
@@ -39,11 +39,12 @@ WARM_TOOL_FRACTION = 0.3
 def prepare_calculator_model(seed: int, out_root: Path | None = None) -> Path:
     """Build the tiny Llama + word-level tokenizer and warm-start it on calculator demonstrations.
     Cached by the code and parameters that produce it, so repeated runs skip the warm start."""
-    from tether.trainer import tiny, warmstart
+    from tether.demo import tiny, warmstart
 
     example = load_example()
     params = f"{seed}/{WARM_DEMOS}/{WARM_STEPS}/{WARM_LR}/{WARM_TOOL_FRACTION}"
-    code = b"".join(p.read_bytes() for p in (Path(tiny.__file__), Path(warmstart.__file__), CALCULATOR))
+    agent = Path(example["__file__"])
+    code = b"".join(p.read_bytes() for p in (Path(tiny.__file__), Path(warmstart.__file__), agent))
     key = hashlib.sha256(code + params.encode()).hexdigest()[:16]
     root = out_root or Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether")) / "models"
     out = root / f"calculator-{key}"
@@ -364,8 +365,8 @@ def cmd_traces(args) -> int:
 
 async def _dump_mismatches(redis_url: str, namespace: str, model_dir: str | None) -> int:
     from tether.common import broker
+    from tether.merger.consumer import mismatch_stream
     from tether.merger.merge import format_mismatch
-    from tether.merger.service import mismatch_stream
 
     decode = None
     if model_dir:

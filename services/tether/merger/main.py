@@ -11,8 +11,9 @@ from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.records import SampleRecord
 from tether.common.settings import CommonSettings
+from tether.merger.consumer import Merger, MergerConfig
 from tether.merger.merge import generation_prompt_tail
-from tether.merger.service import Merger, MergerConfig
+from tether.merger.servicer import MergerStatusServicer
 from tether.v1 import merger_pb2, merger_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
 
 log = logging.getLogger("tether.merger")
@@ -83,23 +84,6 @@ def to_proto(s: SampleRecord) -> types_pb2.Sample:
         rollout_sequences=s.rollout_sequences,
         weight_spans=[types_pb2.WeightSpan(version=v, start=a, end=b) for v, a, b in s.weight_spans],
         constrained_tokens=s.constrained_tokens)
-
-
-class MergerStatusServicer(merger_pb2_grpc.MergerServicer):
-    def __init__(self, merger: Merger) -> None:
-        self.merger = merger
-
-    async def GetStatus(self, request, context):
-        c = self.merger.counts
-        return merger_pb2.MergerStatus(
-            rollouts_merged=c.rollouts_merged, groups_emitted=c.groups_emitted, groups_pending=len(c.pending),
-            groups_filtered=c.groups_filtered, sequences=c.sequences, forks=c.forks,
-            calls_dropped=c.calls_dropped, calls_dropped_by_reason=dict(c.dropped_by_reason),
-            groups_timed_out=c.groups_timed_out, late_rollouts=c.late_rollouts, rollouts_retried=c.rollouts_retried,
-            single_sequence_rollouts=c.single_sequence_rollouts, realigns=c.realigns,
-            mismatched_calls=c.mismatched_calls, truncated=c.truncated, call_rewards_applied=c.call_rewards_applied,
-            untrainable_by_reason=dict(c.untrainable_by_reason), side_sequences_excluded=c.side_sequences_excluded,
-            session_rewards_trained=c.session_rewards_trained)
 
 
 async def amain(s: MergerSettings) -> None:

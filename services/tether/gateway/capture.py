@@ -29,7 +29,7 @@ MIN_LOGPROB = -9999.0
 # for, dropped when they are null.
 _VLLM_NULL_FIELDS = ("prompt_logprobs", "prompt_text", "kv_transfer_params", "ec_transfer_params", "metrics")
 _VLLM_NULL_CHOICE_FIELDS = ("prompt_logprobs", "routed_experts")
-# Asks Tether's vLLM plugin (services/inference/vllm_plugin) for each choice's weight-version spans: in
+# Asks Tether's vLLM plugin (services/vllm_plugin) for each choice's weight-version spans: in
 # the choice of a whole response, and in one extra stream chunk of this `object` just before [DONE].
 WEIGHT_VERSIONS_FLAG = "return_weight_versions"
 WEIGHT_VERSIONS_CHUNK = "tether.weight_versions"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from pathlib import Path
 from typing import Literal
 
@@ -17,6 +16,7 @@ from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
 from tether.scheduler.run import Run, RunConfig, Stubs, load_tasks
+from tether.scheduler.servicer import SchedulerServicer
 from tether.v1 import (
     gateway_pb2_grpc,
     inference_pb2_grpc,
@@ -52,27 +52,6 @@ class SchedulerSettings(CommonSettings):
     # "checkpoint": inference reloads each step's checkpoint (path 1). "nccl": the trainer streams the
     # weights into vLLM (path 2; the trainer needs TETHER_WEIGHT_PUSH=nccl too), path 1 on failure.
     weight_push: Literal["checkpoint", "nccl"] = "checkpoint"
-
-
-class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, run: Run) -> None:
-        self.run = run
-
-    def _state(self) -> scheduler_pb2.RunState:
-        s = self.run.state
-        reward = s.get("reward_mean", 0.0)
-        return scheduler_pb2.RunState(
-            status=s.get("status", ""), step=int(s.get("step", 0)), total_steps=self.run.cfg.steps,
-            weight_version=int(s.get("weight_version", 0)),
-            reward_mean=reward if isinstance(reward, float) and math.isfinite(reward) else 0.0,
-            run_dir=str(self.run.cfg.run_dir))
-
-    async def GetRun(self, request, context):
-        return self._state()
-
-    async def Stop(self, request, context):
-        self.run.stop_requested = True
-        return self._state()
 
 
 async def amain(s: SchedulerSettings) -> None:

@@ -220,7 +220,7 @@ class Run:
         prefix cache), resume. If that fails, vLLM is still paused and may hold part of the new weights,
         so path 1 follows: inference reloads the step's checkpoint as a whole, then resumes (if that
         fails too, inference restores its previous checkpoint or stays paused; see
-        tether.inference.control)."""
+        tether.inference.servicer)."""
         want = resp.weight_version
         if self.cfg.weight_push == "nccl":
             await self.stubs.inference.Pause(inference_pb2.PauseRequest(mode="keep"))

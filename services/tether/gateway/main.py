@@ -27,12 +27,12 @@ from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
 from tether.gateway.admission import Admission
 from tether.gateway.app import create_app
-from tether.gateway.control import SERVICE_NAME, GatewayControlServicer
 from tether.gateway.guided import GuidedCheck
 from tether.gateway.proxy import Proxy
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RolloutRegistry
 from tether.gateway.routing import Replica, ReplicaPool
+from tether.gateway.servicer import SERVICE_NAME, GatewayControlServicer
 from tether.gateway.sessions import Sessions, parse_deployment_keys
 from tether.gateway.upstream import UpstreamClient
 from tether.v1 import gateway_pb2_grpc

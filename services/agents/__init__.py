@@ -1,1 +1,0 @@
-"""Agents: the worker that runs a user's harness function against dispatched rollouts."""

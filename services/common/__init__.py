@@ -1,1 +1,0 @@
-"""Code every service shares: settings, logging, gRPC bootstrap, metrics, broker helpers, records."""

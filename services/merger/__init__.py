@@ -1,1 +1,0 @@
-"""Merger: turns a rollout's recorded LLM calls into token-exact training sequences."""

@@ -1,0 +1,29 @@
+"""gRPC Scheduler: the run's state (GetRun) and a stop request (Stop)."""
+
+from __future__ import annotations
+
+import math
+
+from tether.scheduler.run import Run
+from tether.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, run: Run) -> None:
+        self.run = run
+
+    def _state(self) -> scheduler_pb2.RunState:
+        s = self.run.state
+        reward = s.get("reward_mean", 0.0)
+        return scheduler_pb2.RunState(
+            status=s.get("status", ""), step=int(s.get("step", 0)), total_steps=self.run.cfg.steps,
+            weight_version=int(s.get("weight_version", 0)),
+            reward_mean=reward if isinstance(reward, float) and math.isfinite(reward) else 0.0,
+            run_dir=str(self.run.cfg.run_dir))
+
+    async def GetRun(self, request, context):
+        return self._state()
+
+    async def Stop(self, request, context):
+        self.run.stop_requested = True
+        return self._state()

@@ -1,1 +1,0 @@
-"""Trainer: the HF causal LM, the policy-gradient step, checkpoints that inference loads."""
