@@ -18,8 +18,8 @@ test-fast:
 	.venv/bin/pytest -ra -m "not slow"
 
 lint: setup
-	.venv/bin/ruff check services tests bench scripts
-	.venv/bin/ruff format --check services/tether/algorithms services/tether/merger/merge.py
+	.venv/bin/ruff check .
+	.venv/bin/ruff format --check .
 
 protos:
 	.venv/bin/python scripts/gen_protos.py

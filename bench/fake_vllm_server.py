@@ -30,8 +30,29 @@ MODEL = "tether-policy"
 
 def _words(n: int, seed: int) -> list[str]:
     rng = random.Random(seed)
-    return [rng.choice(["the", "agent", "calls", "a", "tool", "and", "reads", "its", "output", "then",
-                        "answers", "with", "code", "file", "test", "passes"]) for _ in range(n)]
+    return [
+        rng.choice(
+            [
+                "the",
+                "agent",
+                "calls",
+                "a",
+                "tool",
+                "and",
+                "reads",
+                "its",
+                "output",
+                "then",
+                "answers",
+                "with",
+                "code",
+                "file",
+                "test",
+                "passes",
+            ]
+        )
+        for _ in range(n)
+    ]
 
 
 def chat_prompt_text() -> str:
@@ -50,25 +71,68 @@ def canned(model: str = MODEL) -> tuple[bytes, list[bytes]]:
     def lp(k: int) -> dict:
         return {"token": toks[k], "logprob": lps[k], "bytes": list(toks[k].encode()), "top_logprobs": []}
 
-    usage = {"prompt_tokens": PROMPT_TOKENS, "completion_tokens": COMPLETION_TOKENS,
-             "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS}
+    usage = {
+        "prompt_tokens": PROMPT_TOKENS,
+        "completion_tokens": COMPLETION_TOKENS,
+        "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS,
+    }
     body = {
-        "id": "chatcmpl-bench", "object": "chat.completion", "created": 1, "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": "".join(toks), "tool_calls": [],
-                                             "reasoning_content": None},
-                     "logprobs": {"content": [lp(k) for k in range(COMPLETION_TOKENS)]},
-                     "finish_reason": "length", "stop_reason": None, "token_ids": ids}],
-        "usage": usage, "prompt_logprobs": None, "prompt_token_ids": prompt_ids, "kv_transfer_params": None,
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": "".join(toks),
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                },
+                "logprobs": {"content": [lp(k) for k in range(COMPLETION_TOKENS)]},
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": ids,
+            }
+        ],
+        "usage": usage,
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_ids,
+        "kv_transfer_params": None,
     }
     base = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": model}
-    events = [{**base, "prompt_token_ids": prompt_ids, "choices": [
-        {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}]
+    events = [
+        {
+            **base,
+            "prompt_token_ids": prompt_ids,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        }
+    ]
     for k in range(COMPLETION_TOKENS):
         last = k == COMPLETION_TOKENS - 1
-        events.append({**base, "choices": [{"index": 0, "delta": {"content": toks[k]},
-                                            "logprobs": {"content": [lp(k)]},
-                                            "finish_reason": "length" if last else None, "stop_reason": None,
-                                            "token_ids": [ids[k]]}]})
+        events.append(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": toks[k]},
+                        "logprobs": {"content": [lp(k)]},
+                        "finish_reason": "length" if last else None,
+                        "stop_reason": None,
+                        "token_ids": [ids[k]],
+                    }
+                ],
+            }
+        )
     events.append({**base, "choices": [], "usage": usage})
     frames = [b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events]
     frames.append(b"data: [DONE]\n\n")
@@ -82,15 +146,20 @@ def _chunked(frame: bytes) -> bytes:
 class Canned:
     def __init__(self, tick_ms: float) -> None:
         body, frames = canned()
-        self.json = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
-                     % len(body)) + body
-        self.stream_head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        self.json = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+        ) + body
+        self.stream_head = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
         self.frames = [_chunked(f) for f in frames]
         self.frames[-1] += b"0\r\n\r\n"
         self.ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
         self.models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
         self.models = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
-            len(self.models), self.models)
+            len(self.models),
+            self.models,
+        )
         self.tick_s = tick_ms / 1000
         self.ticking: list[list] = []  # [transport, next frame index] of paced streams
         self.tick_handle: asyncio.TimerHandle | None = None
@@ -150,11 +219,13 @@ class FakeProtocol(asyncio.Protocol):
             lower = head.lower()
             at = lower.find(b"content-length:")
             if at >= 0:
-                length = int(lower[at + 15:lower.find(b"\r\n", at) if lower.find(b"\r\n", at) > 0 else None])
+                length = int(
+                    lower[at + 15 : lower.find(b"\r\n", at) if lower.find(b"\r\n", at) > 0 else None]
+                )
             if len(self.buf) < end + 4 + length:
                 return
-            body = self.buf[end + 4:end + 4 + length]
-            self.buf = self.buf[end + 4 + length:]
+            body = self.buf[end + 4 : end + 4 + length]
+            self.buf = self.buf[end + 4 + length :]
             self.answer(head, body)
 
     def answer(self, head: bytes, body: bytes) -> None:
@@ -179,7 +250,9 @@ async def serve(port: int, tick_ms: float, host: str = "127.0.0.1") -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--port", type=int, default=0)
-    p.add_argument("--tick-ms", type=float, default=0.0, help="pace stream tokens like an engine step (0 = no wait)")
+    p.add_argument(
+        "--tick-ms", type=float, default=0.0, help="pace stream tokens like an engine step (0 = no wait)"
+    )
     args = p.parse_args()
     try:
         import uvloop

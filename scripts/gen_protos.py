@@ -27,12 +27,21 @@ def generate(out: Path) -> None:
     work.mkdir(parents=True)
     files = sorted(str(p.relative_to(PROTOS)) for p in PROTOS.rglob("*.proto"))
     include = Path(protoc.__file__).parent / "_proto"
-    args = ["protoc", f"-I{PROTOS}", f"-I{include}", f"--python_out={work}", f"--pyi_out={work}",
-            f"--grpc_python_out={work}", *files]
+    args = [
+        "protoc",
+        f"-I{PROTOS}",
+        f"-I{include}",
+        f"--python_out={work}",
+        f"--pyi_out={work}",
+        f"--grpc_python_out={work}",
+        *files,
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     gen = work / "tether" / "v1"
-    (gen / "__init__.py").write_text('"""Generated from protos/tether/v1 by scripts/gen_protos.py. Do not edit."""\n')
+    (gen / "__init__.py").write_text(
+        '"""Generated from protos/tether/v1 by scripts/gen_protos.py. Do not edit."""\n'
+    )
     shutil.move(str(gen), str(out / "v1"))
 
 

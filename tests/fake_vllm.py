@@ -76,8 +76,11 @@ def _last_text(body: dict) -> str:
 def weight_versions(starts: list[tuple[str, int]], n_tokens: int) -> list[dict]:
     """The plugin's spans for an answer of n_tokens when version v took over at output token `start`."""
     bounds = [a for _, a in starts[1:]] + [n_tokens]
-    return [{"version": v, "start": a, "end": min(b, n_tokens)}
-            for (v, a), b in zip(starts, bounds, strict=True) if a < n_tokens]
+    return [
+        {"version": v, "start": a, "end": min(b, n_tokens)}
+        for (v, a), b in zip(starts, bounds, strict=True)
+        if a < n_tokens
+    ]
 
 
 def _chat_logprob(k: int, tok: str) -> dict:
@@ -90,7 +93,9 @@ class _Plan:
     def __init__(self, body: dict, limit: int | None) -> None:
         last = _last_text(body)
         tools = body.get("tools") or []
-        self.tool_name = tools[0]["function"]["name"] if tools and last in ("use-tool", "text-then-tool") else None
+        self.tool_name = (
+            tools[0]["function"]["name"] if tools and last in ("use-tool", "text-then-tool") else None
+        )
         self.prefix = 2 if last == "text-then-tool" else (0 if self.tool_name else 4)
         # Arguments text per streamed tool-call delta (the first one also names the call).
         self.tool_pieces = ["", *TOOL_ARGS, ""] if self.prefix == 0 else list(TOOL_ARGS)
@@ -160,8 +165,10 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
             status = self.server.fail_status  # type: ignore[attr-defined]
             # vLLM's GenerationError (a request that finished with an error, e.g. its grammar failed)
             # and RetryableRequestError.
-            message, kind = {500: ("Internal server error", "InternalServerError"),
-                             503: ("Request could not be served now; retry", "ServiceUnavailableError")}[status]
+            message, kind = {
+                500: ("Internal server error", "InternalServerError"),
+                503: ("Request could not be served now; retry", "ServiceUnavailableError"),
+            }[status]
             self._send(status, {"error": {"message": message, "type": kind, "param": None, "code": status}})
             return
         if _last_text(body).startswith("hold:"):
@@ -169,16 +176,31 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
                 self.server.aborted.append("hold")  # type: ignore[attr-defined]
                 return
         if self.path == "/tokenize":
-            self._send(200, {"count": len(PROMPT_IDS), "max_model_len": self.server.max_model_len,  # type: ignore[attr-defined]
-                             "tokens": PROMPT_IDS, "token_strs": None})
+            self._send(
+                200,
+                {
+                    "count": len(PROMPT_IDS),
+                    "max_model_len": self.server.max_model_len,  # type: ignore[attr-defined]
+                    "tokens": PROMPT_IDS,
+                    "token_strs": None,
+                },
+            )
             return
         last = _last_text(body)
         if last.startswith("sleep:"):
             time.sleep(float(last.split(":")[1]))
         if last == "upstream-400":
             # The flat error shape of older vLLM; the gateway must answer OpenAI's nested one.
-            self._send(400, {"object": "error", "message": "maximum context length is 8 tokens",
-                             "type": "BadRequestError", "param": None, "code": 400})
+            self._send(
+                400,
+                {
+                    "object": "error",
+                    "message": "maximum context length is 8 tokens",
+                    "type": "BadRequestError",
+                    "param": None,
+                    "code": 400,
+                },
+            )
             return
         n = int(body.get("n") or 1)
         fits, limit = self._fit(body)
@@ -194,22 +216,49 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         if body.get("stream"):
             self._stream(body, n, plan)
             return
-        message: dict[str, Any] = {"role": "assistant", "content": plan.text() if plan.prefix else None,
-                                   "tool_calls": []}
+        message: dict[str, Any] = {
+            "role": "assistant",
+            "content": plan.text() if plan.prefix else None,
+            "tool_calls": [],
+        }
         if plan.tool_name:
-            message["tool_calls"] = [{"id": TOOL_CALL_ID, "type": "function", "function": {
-                "name": plan.tool_name, "arguments": "".join(TOOL_ARGS)}}]
+            message["tool_calls"] = [
+                {
+                    "id": TOOL_CALL_ID,
+                    "type": "function",
+                    "function": {"name": plan.tool_name, "arguments": "".join(TOOL_ARGS)},
+                }
+            ]
         k = plan.n_tokens
-        self._send(200, {
-            "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": body["model"],
-            "choices": [{"index": i, "message": message,
-                         "logprobs": {"content": [_chat_logprob(j, TOKENS[j]) for j in range(k)]},
-                         "finish_reason": plan.finish, "stop_reason": plan.stop_reason,
-                         "token_ids": choice_ids(i)[:k], **self._versions(body, k)} for i in range(n)],
-            "usage": {"prompt_tokens": len(PROMPT_IDS), "completion_tokens": k * n,
-                      "total_tokens": len(PROMPT_IDS) + k * n},
-            "prompt_logprobs": None, "prompt_token_ids": PROMPT_IDS, "kv_transfer_params": None,
-        })
+        self._send(
+            200,
+            {
+                "id": "chatcmpl-fake",
+                "object": "chat.completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": i,
+                        "message": message,
+                        "logprobs": {"content": [_chat_logprob(j, TOKENS[j]) for j in range(k)]},
+                        "finish_reason": plan.finish,
+                        "stop_reason": plan.stop_reason,
+                        "token_ids": choice_ids(i)[:k],
+                        **self._versions(body, k),
+                    }
+                    for i in range(n)
+                ],
+                "usage": {
+                    "prompt_tokens": len(PROMPT_IDS),
+                    "completion_tokens": k * n,
+                    "total_tokens": len(PROMPT_IDS) + k * n,
+                },
+                "prompt_logprobs": None,
+                "prompt_token_ids": PROMPT_IDS,
+                "kv_transfer_params": None,
+            },
+        )
 
     def _fit(self, body: dict) -> tuple[bool, int | None]:
         """Check prompt + output against the context as vLLM does; (False after answering its 400,
@@ -223,18 +272,26 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         error = None
         if self.server.context_errors == "legacy":  # type: ignore[attr-defined]
             if prompt + (limit or 0) > context:
-                error = (f"This model's maximum context length is {context} tokens. However, you requested "
-                         f"{prompt + (limit or 0)} tokens ({prompt} in the messages, {limit or 0} in the "
-                         "completion). Please reduce the length of the messages or completion.")
+                error = (
+                    f"This model's maximum context length is {context} tokens. However, you requested "
+                    f"{prompt + (limit or 0)} tokens ({prompt} in the messages, {limit or 0} in the "
+                    "completion). Please reduce the length of the messages or completion."
+                )
         elif limit is not None and limit > context:  # renderers/params.py, before the prompt is rendered
-            error = (f"{param}={limit} cannot be greater than max_model_len={context}. Please request fewer "
-                     "output tokens.")
+            error = (
+                f"{param}={limit} cannot be greater than max_model_len={context}. Please request fewer "
+                "output tokens."
+            )
         elif prompt >= context:
-            error = (f"This model's maximum context length is {context} tokens. However, your prompt contains "
-                     f"{prompt} input tokens, which exceeds this limit even without any output tokens. Please "
-                     "reduce the length of the input prompt.")
+            error = (
+                f"This model's maximum context length is {context} tokens. However, your prompt contains "
+                f"{prompt} input tokens, which exceeds this limit even without any output tokens. Please "
+                "reduce the length of the input prompt."
+            )
         if error is not None:
-            self._send(400, {"error": {"message": error, "type": "BadRequestError", "param": param, "code": 400}})
+            self._send(
+                400, {"error": {"message": error, "type": "BadRequestError", "param": param, "code": 400}}
+            )
             return False, None
         if limit is None:  # vLLM's defaults: the whole room for chat, 16 tokens for completions
             limit = 16 if self.path == "/v1/completions" else context
@@ -261,22 +318,48 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         return prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], int) else PROMPT_IDS
 
     def _completion_logprobs(self, ks: range) -> dict:
-        return {"text_offset": [0 for _ in ks], "token_logprobs": [LOGPROBS[k] for k in ks],
-                "tokens": [TOKENS[k] for k in ks], "top_logprobs": [{TOKENS[k]: LOGPROBS[k]} for k in ks]}
+        return {
+            "text_offset": [0 for _ in ks],
+            "token_logprobs": [LOGPROBS[k] for k in ks],
+            "tokens": [TOKENS[k] for k in ks],
+            "top_logprobs": [{TOKENS[k]: LOGPROBS[k]} for k in ks],
+        }
 
     def _completion(self, body: dict, n: int, plan: _Plan) -> None:
         k = plan.n_tokens
         prompt = self._prompt_ids(body)
-        self._send(200, {
-            "id": "cmpl-fake", "object": "text_completion", "created": 1, "model": body["model"],
-            "choices": [{"index": i, "text": plan.text(), "logprobs": self._completion_logprobs(range(k)),
-                         "finish_reason": plan.finish, "stop_reason": plan.stop_reason,
-                         "token_ids": choice_ids(i)[:k], "prompt_logprobs": None, "prompt_token_ids": prompt,
-                         "routed_experts": None, **self._versions(body, k)} for i in range(n)],
-            "usage": {"prompt_tokens": len(prompt), "completion_tokens": k * n,
-                      "total_tokens": len(prompt) + k * n},
-            "kv_transfer_params": None, "ec_transfer_params": None, "metrics": None,
-        })
+        self._send(
+            200,
+            {
+                "id": "cmpl-fake",
+                "object": "text_completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [
+                    {
+                        "index": i,
+                        "text": plan.text(),
+                        "logprobs": self._completion_logprobs(range(k)),
+                        "finish_reason": plan.finish,
+                        "stop_reason": plan.stop_reason,
+                        "token_ids": choice_ids(i)[:k],
+                        "prompt_logprobs": None,
+                        "prompt_token_ids": prompt,
+                        "routed_experts": None,
+                        **self._versions(body, k),
+                    }
+                    for i in range(n)
+                ],
+                "usage": {
+                    "prompt_tokens": len(prompt),
+                    "completion_tokens": k * n,
+                    "total_tokens": len(prompt) + k * n,
+                },
+                "kv_transfer_params": None,
+                "ec_transfer_params": None,
+                "metrics": None,
+            },
+        )
 
     def _start_stream(self):
         self.send_response(200)
@@ -285,7 +368,11 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         self.end_headers()
 
         def event(payload) -> None:
-            line = b"data: " + (payload if isinstance(payload, bytes) else json.dumps(payload).encode()) + b"\n\n"
+            line = (
+                b"data: "
+                + (payload if isinstance(payload, bytes) else json.dumps(payload).encode())
+                + b"\n\n"
+            )
             self.wfile.write(b"%x\r\n%s\r\n" % (len(line), line))
             self.wfile.flush()
 
@@ -302,22 +389,60 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         for k in range(plan.n_tokens):
             for i in range(n):
                 last = k == plan.n_tokens - 1
-                event({**base, "choices": [{
-                    "index": i, "text": TOKENS[k], "logprobs": self._completion_logprobs(range(k, k + 1)),
-                    "finish_reason": plan.finish if last else None, "stop_reason": plan.stop_reason if last else None,
-                    "prompt_token_ids": prompt if k == 0 else None, "token_ids": [choice_ids(i)[k]]}]})
+                event(
+                    {
+                        **base,
+                        "choices": [
+                            {
+                                "index": i,
+                                "text": TOKENS[k],
+                                "logprobs": self._completion_logprobs(range(k, k + 1)),
+                                "finish_reason": plan.finish if last else None,
+                                "stop_reason": plan.stop_reason if last else None,
+                                "prompt_token_ids": prompt if k == 0 else None,
+                                "token_ids": [choice_ids(i)[k]],
+                            }
+                        ],
+                    }
+                )
         self._versions_chunk(event, body, n, plan.n_tokens)
         self._end_stream(event)
 
     def _stream(self, body: dict, n: int, plan: _Plan) -> None:
         event = self._start_stream()
-        base = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 1, "model": body["model"]}
-        event({**base, "prompt_token_ids": PROMPT_IDS, "choices": [
-            {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-            for i in range(n)]})
+        base = {
+            "id": "chatcmpl-fake",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": body["model"],
+        }
+        event(
+            {
+                **base,
+                "prompt_token_ids": PROMPT_IDS,
+                "choices": [
+                    {
+                        "index": i,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                    for i in range(n)
+                ],
+            }
+        )
         slow = _last_text(body) == "slow-stream"
         if _last_text(body) == "stream-error":
-            event({"error": {"message": "engine died", "type": "InternalServerError", "param": None, "code": 500}})
+            event(
+                {
+                    "error": {
+                        "message": "engine died",
+                        "type": "InternalServerError",
+                        "param": None,
+                        "code": 500,
+                    }
+                }
+            )
             self._end_stream(event)
             return
         try:
@@ -330,10 +455,21 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
                     delta: dict[str, Any] = {"content": TOKENS[k]}
                     if k >= plan.prefix and plan.tool_name:
                         delta = {"tool_calls": [self._tool_piece(k - plan.prefix, plan)]}
-                    event({**base, "choices": [{"index": i, "delta": delta, "logprobs": lp,
-                                                "finish_reason": plan.finish if last else None,
-                                                "stop_reason": plan.stop_reason if last else None,
-                                                "token_ids": [choice_ids(i)[k]]}]})
+                    event(
+                        {
+                            **base,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "delta": delta,
+                                    "logprobs": lp,
+                                    "finish_reason": plan.finish if last else None,
+                                    "stop_reason": plan.stop_reason if last else None,
+                                    "token_ids": [choice_ids(i)[k]],
+                                }
+                            ],
+                        }
+                    )
             self._versions_chunk(event, body, n, plan.n_tokens)
             self._end_stream(event)
         except OSError:  # the gateway hung up: what vLLM sees as an abort
@@ -344,8 +480,12 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         # vLLM's shape: the first delta names the call, later ones add argument text.
         args = plan.tool_pieces[j]
         if j == 0:
-            return {"index": 0, "id": TOOL_CALL_ID, "type": "function",
-                    "function": {"name": plan.tool_name, "arguments": args}}
+            return {
+                "index": 0,
+                "id": TOOL_CALL_ID,
+                "type": "function",
+                "function": {"name": plan.tool_name, "arguments": args},
+            }
         return {"index": 0, "function": {"arguments": args}}
 
 
@@ -399,9 +539,18 @@ class FakeVLLM(ThreadingHTTPServer):
 
 def gateway_settings(redis_port: int, vllm_url: str, **kw) -> GatewaySettings:
     defaults: dict[str, Any] = dict(
-        redis_url=f"redis://127.0.0.1:{redis_port}", namespace=f"t{uuid.uuid4().hex[:8]}", vllm_url=vllm_url,
-        gateway_port=0, gateway_grpc_port=0, admin_token=ADMIN, admission_wait_s=1.0, retry_after_s=2,
-        max_body_bytes=64 * 1024, finish_wait_s=10, shutdown_grace_s=2)
+        redis_url=f"redis://127.0.0.1:{redis_port}",
+        namespace=f"t{uuid.uuid4().hex[:8]}",
+        vllm_url=vllm_url,
+        gateway_port=0,
+        gateway_grpc_port=0,
+        admin_token=ADMIN,
+        admission_wait_s=1.0,
+        retry_after_s=2,
+        max_body_bytes=64 * 1024,
+        finish_wait_s=10,
+        shutdown_grace_s=2,
+    )
     return GatewaySettings(**{**defaults, **kw})
 
 
@@ -453,7 +602,9 @@ def traces(rdb: redis.Redis, keys: Keys, rollout_id: str) -> list[tuple[str, dic
     return out
 
 
-def wait_traces(rdb: redis.Redis, keys: Keys, rollout_id: str, n: int = 1, timeout_s: float = 5) -> list[dict]:
+def wait_traces(
+    rdb: redis.Redis, keys: Keys, rollout_id: str, n: int = 1, timeout_s: float = 5
+) -> list[dict]:
     """Traces of a rollout once n are there (a stream's trace is written as the stream closes)."""
     deadline = time.monotonic() + timeout_s
     while True:

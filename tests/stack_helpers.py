@@ -68,9 +68,15 @@ def tether_up(cwd: Path, *args: str, env: dict[str, str] | None = None) -> Itera
     log_path = cwd / "up.log"
     state_file = cwd / ".tether" / "stack.json"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([*TETHER, "up", "--run-dir", str(run_dir), *args], cwd=cwd, stdout=log,
-                                stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [*TETHER, "up", "--run-dir", str(run_dir), *args],
+            cwd=cwd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
         try:
+
             def ready():
                 if proc.poll() is not None:
                     raise AssertionError(log_path.read_text())

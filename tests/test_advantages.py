@@ -313,7 +313,9 @@ def test_running_baseline_is_the_ema_closed_form(rewards: list[float], alpha: fl
     x = np.asarray(rewards, dtype=np.float64)
 
     def closed(n: int) -> float:  # baseline after the first n rewards (n >= 1)
-        return (1 - alpha) ** (n - 1) * x[0] + sum(alpha * (1 - alpha) ** (n - 1 - k) * x[k] for k in range(1, n))
+        return (1 - alpha) ** (n - 1) * x[0] + sum(
+            alpha * (1 - alpha) ** (n - 1 - k) * x[k] for k in range(1, n)
+        )
 
     expected = [x[0]] + [x[n] - closed(n) for n in range(1, len(x))]
     adv, tasks, _ = running_baseline_advantages(x.tolist(), ["t"] * len(x), {}, None, alpha)

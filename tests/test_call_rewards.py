@@ -72,15 +72,22 @@ def test_rewarded_calls_reach_the_samples_with_their_discounted_returns(gw, rdb,
     assert first.status_code == 200, first.text
     assert first.json() == {"rollout_id": a["rollout_id"], "call_id": c1, "reward": 0.3, "replaced": False}
     # A second reward for the same call replaces the first.
-    again = gw.http.post(reward_path(a["rollout_id"], c1), json={"reward": 0.95}, headers=bearer(a["api_key"]))
+    again = gw.http.post(
+        reward_path(a["rollout_id"], c1), json={"reward": 0.95}, headers=bearer(a["api_key"])
+    )
     assert again.status_code == 200 and again.json()["replaced"] is True and again.json()["reward"] == 0.95
     assert rdb.hgetall(gw.keys.call_rewards(a["rollout_id"])) == {c1: "0.95"}  # exact, not bf16
     for ro, reward in ((a, 1.0), (b, 0.0)):
-        done = gw.http.post(f"/v1/rollouts/{ro['rollout_id']}/complete", json={"reward": reward},
-                            headers=bearer(ro["api_key"]))
+        done = gw.http.post(
+            f"/v1/rollouts/{ro['rollout_id']}/complete",
+            json={"reward": reward},
+            headers=bearer(ro["api_key"]),
+        )
         assert done.status_code == 200, done.text
 
-    samples, merger = merge(gw, MergerConfig(estimator=estimator, call_rewards=True, turn_discount=gamma), group)
+    samples, merger = merge(
+        gw, MergerConfig(estimator=estimator, call_rewards=True, turn_discount=gamma), group
+    )
     by = {s.rollout_id: s for s in samples}
     assert len(samples) == 2 and by[a["rollout_id"]].token_ids == [1, 2, 3, *TOKEN_IDS, 5, *TOKEN_IDS]
     # Oracle: a's calls earn [0.95, 1.0 (outcome)], b's one call 0.0; units are the rollouts' first-call returns.
@@ -92,9 +99,11 @@ def test_rewarded_calls_reach_the_samples_with_their_discounted_returns(gw, rdb,
     want_b = float((g_b[0] - units.mean()) * scale)
     sa, sb = by[a["rollout_id"]], by[b["rollout_id"]]
     n = len(TOKEN_IDS)
-    assert sa.advantages[3:3 + n] == pytest.approx([want_a[0]] * n, abs=1e-5)  # call 1's tokens
+    assert sa.advantages[3 : 3 + n] == pytest.approx([want_a[0]] * n, abs=1e-5)  # call 1's tokens
     assert sa.advantages[-n:] == pytest.approx([want_a[1]] * n, abs=1e-5)  # call 2's tokens
-    assert [x for x, m in zip(sa.advantages, sa.loss_mask, strict=True) if not m] == [0.0] * (len(sa.loss_mask) - 2 * n)
+    assert [x for x, m in zip(sa.advantages, sa.loss_mask, strict=True) if not m] == [0.0] * (
+        len(sa.loss_mask) - 2 * n
+    )
     assert sb.advantages[-n:] == pytest.approx([want_b] * n, abs=1e-5)
     if gamma != 1.0 or estimator == "grpo":
         assert want_a[0] != pytest.approx(want_a[1])  # the per-call reward changed call 1's credit
@@ -108,11 +117,18 @@ def test_rewards_are_ignored_when_call_rewards_is_off(gw):
     c1 = completion(gw, a, [1, 2, 3])
     completion(gw, a, [1, 2, 3, *TOKEN_IDS, 5])
     completion(gw, b, [1, 2, 4])
-    assert gw.http.post(reward_path(a["rollout_id"], c1), json={"reward": 5.0},
-                        headers=bearer(a["api_key"])).status_code == 200
+    assert (
+        gw.http.post(
+            reward_path(a["rollout_id"], c1), json={"reward": 5.0}, headers=bearer(a["api_key"])
+        ).status_code
+        == 200
+    )
     for ro, reward in ((a, 1.0), (b, 0.0)):
-        gw.http.post(f"/v1/rollouts/{ro['rollout_id']}/complete", json={"reward": reward},
-                     headers=bearer(ro["api_key"])).raise_for_status()
+        gw.http.post(
+            f"/v1/rollouts/{ro['rollout_id']}/complete",
+            json={"reward": reward},
+            headers=bearer(ro["api_key"]),
+        ).raise_for_status()
     samples, merger = merge(gw, MergerConfig(estimator="drgrpo"), group)
     sa = next(s for s in samples if s.rollout_id == a["rollout_id"])
     assert [x for x, m in zip(sa.advantages, sa.loss_mask, strict=True) if m] == pytest.approx([0.5] * 8)
@@ -124,10 +140,13 @@ def test_a_streamed_call_can_be_rewarded_before_its_trace_is_written(gw, rdb):
     reward sent meanwhile waits for the trace instead of answering 404."""
     ro = gw.new_rollout()
     raw = gw.client(ro).chat.completions.with_raw_response.create(
-        model=MODEL, messages=[{"role": "user", "content": "slow-stream"}], stream=True)
+        model=MODEL, messages=[{"role": "user", "content": "slow-stream"}], stream=True
+    )
     call_id = raw.headers["x-tether-call-id"]
     assert wait_traces(rdb, gw.keys, ro["rollout_id"], 1, timeout_s=0) == []  # still streaming
-    resp = gw.http.post(reward_path(ro["rollout_id"], call_id), json={"reward": -0.5}, headers=bearer(ro["api_key"]))
+    resp = gw.http.post(
+        reward_path(ro["rollout_id"], call_id), json={"reward": -0.5}, headers=bearer(ro["api_key"])
+    )
     assert resp.status_code == 200, resp.text
     with raw.parse() as stream:
         assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "Hello, world"
@@ -148,10 +167,14 @@ def test_a_reward_posted_while_completing_is_either_stored_or_refused(gw, rdb):
             with httpx.Client(base_url=gw.url, timeout=30) as http:
                 results[name] = http.post(path, json=body, headers=bearer(ro["api_key"])).status_code
 
-        threads = [threading.Thread(target=post, args=("reward", reward_path(ro["rollout_id"], call_id),
-                                                       {"reward": 1.0})),
-                   threading.Thread(target=post, args=("complete", f"/v1/rollouts/{ro['rollout_id']}/complete",
-                                                       {"reward": 0.0}))]
+        threads = [
+            threading.Thread(
+                target=post, args=("reward", reward_path(ro["rollout_id"], call_id), {"reward": 1.0})
+            ),
+            threading.Thread(
+                target=post, args=("complete", f"/v1/rollouts/{ro['rollout_id']}/complete", {"reward": 0.0})
+            ),
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -171,14 +194,33 @@ def test_auth_unknown_calls_and_finished_rollouts(gw, rdb):
     other_call = completion(gw, other, [1, 2, 3])
     path = reward_path(rid, call_id)
     assert_openai_error(gw.http.post(path, json={"reward": 1.0}), 401, "invalid_api_key")
-    assert_openai_error(gw.http.post(path, json={"reward": 1.0}, headers=bearer("tr-not-a-key")), 401, "invalid_api_key")
-    assert_openai_error(gw.http.post(path, json={"reward": 1.0}, headers=bearer(other["api_key"])), 403, "forbidden")
+    assert_openai_error(
+        gw.http.post(path, json={"reward": 1.0}, headers=bearer("tr-not-a-key")), 401, "invalid_api_key"
+    )
+    assert_openai_error(
+        gw.http.post(path, json={"reward": 1.0}, headers=bearer(other["api_key"])), 403, "forbidden"
+    )
     # Unknown ids, another rollout's call, and ids that are not calls at all.
-    for cid in (f"call-{uuid.uuid4().hex}", other_call, f"rollout-final:{rid}", "x" * 300, "%00", "ca%C3%A9ll"):
-        assert_openai_error(gw.http.post(reward_path(rid, cid), json={"reward": 1.0}, headers=bearer(key)), 404,
-                     "call_not_found")
-    assert_openai_error(gw.http.post(reward_path(f"nope{uuid.uuid4().hex}", call_id), json={"reward": 1.0},
-                              headers=bearer(ADMIN)), 404, "rollout_not_found")
+    for cid in (
+        f"call-{uuid.uuid4().hex}",
+        other_call,
+        f"rollout-final:{rid}",
+        "x" * 300,
+        "%00",
+        "ca%C3%A9ll",
+    ):
+        assert_openai_error(
+            gw.http.post(reward_path(rid, cid), json={"reward": 1.0}, headers=bearer(key)),
+            404,
+            "call_not_found",
+        )
+    assert_openai_error(
+        gw.http.post(
+            reward_path(f"nope{uuid.uuid4().hex}", call_id), json={"reward": 1.0}, headers=bearer(ADMIN)
+        ),
+        404,
+        "rollout_not_found",
+    )
     # The rollout's key in x-api-key (Anthropic clients) works too, as does the admin token.
     assert gw.http.post(path, json={"reward": 0.25}, headers={"x-api-key": key}).status_code == 200
     assert gw.http.post(path, json={"reward": 0.5}, headers=bearer(ADMIN)).status_code == 200
@@ -186,24 +228,45 @@ def test_auth_unknown_calls_and_finished_rollouts(gw, rdb):
     assert rdb.hget(gw.keys.call_rewards(rid), other_call) is None
 
     gw.http.post(f"/v1/rollouts/{rid}/fail", json={}, headers=bearer(key)).raise_for_status()
-    assert_openai_error(gw.http.post(path, json={"reward": 1.0}, headers=bearer(key)), 409, "rollout_finished")
-    gw.http.post(f"/v1/rollouts/{other['rollout_id']}/complete", json={"reward": 1},
-                 headers=bearer(other["api_key"])).raise_for_status()
-    assert_openai_error(gw.http.post(reward_path(other["rollout_id"], other_call), json={"reward": 1.0},
-                              headers=bearer(other["api_key"])), 409, "rollout_finished")
+    assert_openai_error(
+        gw.http.post(path, json={"reward": 1.0}, headers=bearer(key)), 409, "rollout_finished"
+    )
+    gw.http.post(
+        f"/v1/rollouts/{other['rollout_id']}/complete", json={"reward": 1}, headers=bearer(other["api_key"])
+    ).raise_for_status()
+    assert_openai_error(
+        gw.http.post(
+            reward_path(other["rollout_id"], other_call),
+            json={"reward": 1.0},
+            headers=bearer(other["api_key"]),
+        ),
+        409,
+        "rollout_finished",
+    )
     assert rdb.hget(gw.keys.call_rewards(rid), call_id) == "0.5"
 
 
-@pytest.mark.parametrize("raw,status,code", [
-    (b'{"reward": NaN}', 422, "invalid_reward"), (b'{"reward": Infinity}', 422, "invalid_reward"),
-    (b'{"reward": -Infinity}', 422, "invalid_reward"), (b'{"reward": "0.5"}', 422, "invalid_reward"),
-    (b'{"reward": true}', 422, "invalid_reward"), (b'{"reward": null}', 422, "invalid_reward"),
-    (b"{}", 422, "invalid_reward"), (b'{"reward": 1e999}', 422, "invalid_reward"),
-    (b'{"reward": 1e39}', 422, "invalid_reward"),  # finite as a double, inf as fp32
-    (b'{"reward": ' + b"9" * 400 + b"}", 422, "invalid_reward"), (b'{"reward": [1]}', 422, "invalid_reward"),
-    (b"", 400, None), (b"[1]", 400, None), (b'{"reward": 1', 400, None), (b"\xff\xfe", 400, None),
-    (b"[" * 50_000, 400, None),
-])
+@pytest.mark.parametrize(
+    "raw,status,code",
+    [
+        (b'{"reward": NaN}', 422, "invalid_reward"),
+        (b'{"reward": Infinity}', 422, "invalid_reward"),
+        (b'{"reward": -Infinity}', 422, "invalid_reward"),
+        (b'{"reward": "0.5"}', 422, "invalid_reward"),
+        (b'{"reward": true}', 422, "invalid_reward"),
+        (b'{"reward": null}', 422, "invalid_reward"),
+        (b"{}", 422, "invalid_reward"),
+        (b'{"reward": 1e999}', 422, "invalid_reward"),
+        (b'{"reward": 1e39}', 422, "invalid_reward"),  # finite as a double, inf as fp32
+        (b'{"reward": ' + b"9" * 400 + b"}", 422, "invalid_reward"),
+        (b'{"reward": [1]}', 422, "invalid_reward"),
+        (b"", 400, None),
+        (b"[1]", 400, None),
+        (b'{"reward": 1', 400, None),
+        (b"\xff\xfe", 400, None),
+        (b"[" * 50_000, 400, None),
+    ],
+)
 def test_bad_bodies_are_4xx_and_store_nothing(gw, rdb, raw, status, code):
     ro = gw.new_rollout()
     call_id = completion(gw, ro, [1, 2, 3])
@@ -240,8 +303,12 @@ def test_a_harness_rewards_its_calls_from_its_base_url_and_key(gw, rdb):
         gw.client(other).post(f"/calls/{first}/reward", body={"reward": 1}, cast_to=object)
     with pytest.raises(openai.PermissionDeniedError):
         openai.OpenAI(base_url=ro["rollout_base_url"], api_key=other["api_key"], max_retries=0).post(
-            f"/calls/{first}/reward", body={"reward": 1}, cast_to=object)
+            f"/calls/{first}/reward", body={"reward": 1}, cast_to=object
+        )
     assert_openai_error(gw.http.post(f"/v1/calls/{first}/reward", json={"reward": 1}), 401, "invalid_api_key")
-    assert_openai_error(gw.http.post(f"/v1/calls/{first}/reward", json={"reward": "x"}, headers=bearer(ro["api_key"])),
-                 422, "invalid_reward")
+    assert_openai_error(
+        gw.http.post(f"/v1/calls/{first}/reward", json={"reward": "x"}, headers=bearer(ro["api_key"])),
+        422,
+        "invalid_reward",
+    )
     assert rdb.hgetall(gw.keys.call_rewards(ro["rollout_id"])) == {first: "0.75", second: "-1.0"}

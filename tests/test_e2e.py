@@ -16,15 +16,31 @@ from tether.common.records import spans_cover
 pytestmark = pytest.mark.slow
 
 
-
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     work = tmp_path_factory.mktemp("demo")
     run_dir = work / "run"
     proc = subprocess.run(
-        [*TETHER, "demo", "--steps", "3", "--tasks-per-step", "4", "--group-size", "4", "--eval-repeats", "1",
-         "--run-dir", str(run_dir), "--quiet"],
-        cwd=work, capture_output=True, text=True, timeout=1500)
+        [
+            *TETHER,
+            "demo",
+            "--steps",
+            "3",
+            "--tasks-per-step",
+            "4",
+            "--group-size",
+            "4",
+            "--eval-repeats",
+            "1",
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+        ],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in (run_dir / "logs").glob("*.log"))
         pytest.fail(f"demo failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}")
@@ -78,21 +94,43 @@ def test_samples_are_exactly_what_vllm_returned(demo):
     traces = _cli(work, "traces")
     samples = _cli(work, "samples")
     assert traces and samples
-    for key in ("call_id", "rollout_id", "request", "prompt_token_ids", "response_token_ids", "response_logprobs",
-                "finish_reason", "weight_version", "status", "latency_s"):
+    for key in (
+        "call_id",
+        "rollout_id",
+        "request",
+        "prompt_token_ids",
+        "response_token_ids",
+        "response_logprobs",
+        "finish_reason",
+        "weight_version",
+        "status",
+        "latency_s",
+    ):
         assert key in traces[0], key
     by_rollout: dict[str, list[dict]] = {}
     for t in traces:
         by_rollout.setdefault(t["rollout_id"], []).append(t)
     for s in samples:
-        for key in ("rollout_id", "group_id", "task_id", "token_ids", "loss_mask", "rollout_logprobs", "advantages",
-                    "reward", "weight_version"):
+        for key in (
+            "rollout_id",
+            "group_id",
+            "task_id",
+            "token_ids",
+            "loss_mask",
+            "rollout_logprobs",
+            "advantages",
+            "reward",
+            "weight_version",
+        ):
             assert key in s, key
         n = len(s["token_ids"])
         assert len(s["loss_mask"]) == len(s["rollout_logprobs"]) == len(s["advantages"]) == n
         # Every trainable run of tokens is one response vLLM returned, with vLLM's own logprobs.
-        responses = [(t["response_token_ids"], t["response_logprobs"]) for t in by_rollout[s["rollout_id"]]
-                     if t["status"] == "ok"]
+        responses = [
+            (t["response_token_ids"], t["response_logprobs"])
+            for t in by_rollout[s["rollout_id"]]
+            if t["status"] == "ok"
+        ]
         i = 0
         while i < n:
             if not s["loss_mask"][i]:
@@ -102,8 +140,10 @@ def test_samples_are_exactly_what_vllm_returned(demo):
             while j < n and s["loss_mask"][j]:
                 j += 1
             span = (s["token_ids"][i:j], s["rollout_logprobs"][i:j])
-            assert any(span[0] == ids and all(abs(a - b) < 1e-6 for a, b in zip(span[1], lps, strict=True))
-                       for ids, lps in responses), "a trainable span is not a vLLM response"
+            assert any(
+                span[0] == ids and all(abs(a - b) < 1e-6 for a, b in zip(span[1], lps, strict=True))
+                for ids, lps in responses
+            ), "a trainable span is not a vLLM response"
             # The token before a response is the end of the prompt that produced it.
             i = j
         # The rollout's advantage is broadcast to all its trainable tokens.
@@ -125,9 +165,30 @@ def test_disaggregated_async_respects_the_staleness_bound(tmp_path):
     """Rollouts keep running while the trainer trains; no trained group is older than k versions."""
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        [*TETHER, "demo", "--mode", "disaggregated-async", "--max-staleness", "1", "--steps", "4",
-         "--tasks-per-step", "3", "--group-size", "4", "--eval-repeats", "1", "--run-dir", str(run_dir), "--quiet"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=1500)
+        [
+            *TETHER,
+            "demo",
+            "--mode",
+            "disaggregated-async",
+            "--max-staleness",
+            "1",
+            "--steps",
+            "4",
+            "--tasks-per-step",
+            "3",
+            "--group-size",
+            "4",
+            "--eval-repeats",
+            "1",
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     steps = [m for m in _jsonl((run_dir / "metrics.jsonl").read_text()) if "step" in m]
     assert [m["step"] for m in steps] == [0, 1, 2, 3]
@@ -150,5 +211,7 @@ def test_disaggregated_async_respects_the_staleness_bound(tmp_path):
     # Samples carry them over their trainable positions; a sample's version is its oldest token's.
     for smp in _cli(tmp_path, "samples"):
         spans = smp["weight_spans"]
-        assert [i for _, a, b in spans for i in range(a, b)] == [i for i, x in enumerate(smp["loss_mask"]) if x]
+        assert [i for _, a, b in spans for i in range(a, b)] == [
+            i for i, x in enumerate(smp["loss_mask"]) if x
+        ]
         assert smp["weight_version"] == min(v for v, _, _ in spans)

@@ -77,7 +77,11 @@ def test_chat_records_exact_ids_and_weight_version(gw, rdb, vllm):
     assert rollout["base_url"] == f"{gw.url}/v1" and rollout["model"] == MODEL
 
     resp = gw.client(rollout).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], temperature=1.0, extra_body={"include_reasoning": False})
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        temperature=1.0,
+        extra_body={"include_reasoning": False},
+    )
 
     assert resp.choices[0].message.content == "Hello, world"
     sent = vllm.requests[-1]
@@ -97,21 +101,31 @@ def test_chat_records_exact_ids_and_weight_version(gw, rdb, vllm):
     assert trace["finish_reason"] == "stop" and trace["weight_version"] == 7
     assert trace["request"]["messages"] == [{"role": "user", "content": "hi"}]
     assert trace["http_status"] == 200 and trace["error"] is None and trace["extra_choices"] == []
-    assert trace["finished_at"] >= trace["started_at"] > 0 and trace["latency_s"] >= trace["upstream_latency_s"] > 0
+    assert (
+        trace["finished_at"] >= trace["started_at"] > 0
+        and trace["latency_s"] >= trace["upstream_latency_s"] > 0
+    )
 
     state = gw.http.get(f"/v1/rollouts/{rollout['rollout_id']}", headers=bearer(rollout["api_key"])).json()
     assert state["status"] == "running" and state["calls"] == 1
     assert state["metadata"] == {"eval": False, "split": "train"} and state["group_size"] == 1
     h = rdb.hgetall(gw.keys.rollout(rollout["rollout_id"]))
-    assert h["task_id"] == "task-1" and h["status"] == "running" and json.loads(h["metadata"])["split"] == "train"
+    assert (
+        h["task_id"] == "task-1"
+        and h["status"] == "running"
+        and json.loads(h["metadata"])["split"] == "train"
+    )
     assert rdb.get(gw.keys.api_key(rollout["api_key"])) == rollout["rollout_id"]
 
 
 def test_fields_kept_when_the_client_asks(gw):
     rollout = gw.new_rollout()
     resp = gw.client(rollout).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], logprobs=True,
-        extra_body={"return_token_ids": True})
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        logprobs=True,
+        extra_body={"return_token_ids": True},
+    )
     seen = resp.to_dict()
     assert seen["prompt_token_ids"] == PROMPT_IDS
     assert seen["choices"][0]["token_ids"] == TOKEN_IDS
@@ -120,19 +134,31 @@ def test_fields_kept_when_the_client_asks(gw):
 
 def test_n_greater_than_one_records_extra_choices(gw, rdb):
     rollout = gw.new_rollout()
-    resp = gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2)
+    resp = gw.client(rollout).chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], n=2
+    )
     assert len(resp.choices) == 2
     [(_, trace)] = traces(rdb, gw.keys, rollout["rollout_id"])
     assert trace["response_token_ids"] == choice_ids(0)
-    assert trace["extra_choices"] == [{"index": 1, "token_ids": choice_ids(1), "logprobs": LOGPROBS,
-                                       "finish_reason": "stop", "weight_spans": [[3, 0, 4]]}]
+    assert trace["extra_choices"] == [
+        {
+            "index": 1,
+            "token_ids": choice_ids(1),
+            "logprobs": LOGPROBS,
+            "finish_reason": "stop",
+            "weight_spans": [[3, 0, 4]],
+        }
+    ]
 
 
 def test_streaming_relays_sse_and_records_ids(gw, rdb, vllm):
     gw.resume(3)
     rollout = gw.new_rollout()
-    chunks = list(gw.client(rollout).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "stream please"}], stream=True))
+    chunks = list(
+        gw.client(rollout).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "stream please"}], stream=True
+        )
+    )
     assert vllm.requests[-1]["stream"] is True and vllm.requests[-1]["return_token_ids"] is True
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == "Hello, world"
@@ -157,8 +183,10 @@ WEIGHT_VERSION_CASES = {
     "chat-stream": ("/v1/chat/completions", chat_body("x", stream=True)),
     "completions": ("/v1/completions", {"model": MODEL, "prompt": "x"}),
     "completions-stream": ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True}),
-    "messages-stream": ("/v1/messages", {"model": MODEL, "max_tokens": 8, "stream": True,
-                                         "messages": [{"role": "user", "content": "x"}]}),
+    "messages-stream": (
+        "/v1/messages",
+        {"model": MODEL, "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "x"}]},
+    ),
     "responses": ("/v1/responses", {"model": MODEL, "input": "x"}),
 }
 
@@ -200,7 +228,9 @@ def test_weight_spans_that_do_not_fit_are_left_out(gw, rdb, vllm):
         rollout = gw.new_rollout()
         vllm.version_starts = starts
         try:
-            resp = gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}])
+            resp = gw.client(rollout).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x"}]
+            )
         finally:
             vllm.version_starts = [("3", 0)]
         assert resp.choices[0].message.content == "Hello, world"
@@ -210,9 +240,15 @@ def test_weight_spans_that_do_not_fit_are_left_out(gw, rdb, vllm):
 
 def test_streaming_keeps_ids_when_asked(gw):
     rollout = gw.new_rollout()
-    chunks = list(gw.client(rollout).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "s"}], stream=True, logprobs=True,
-        extra_body={"return_token_ids": True}))
+    chunks = list(
+        gw.client(rollout).chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "s"}],
+            stream=True,
+            logprobs=True,
+            extra_body={"return_token_ids": True},
+        )
+    )
     assert chunks[0].to_dict()["prompt_token_ids"] == PROMPT_IDS
     ids = [i for c in chunks for ch in c.to_dict()["choices"] for i in ch.get("token_ids") or []]
     assert ids == TOKEN_IDS
@@ -220,8 +256,12 @@ def test_streaming_keeps_ids_when_asked(gw):
 
 def test_client_leaving_a_stream_records_an_error_and_frees_the_slot(gw, rdb):
     rollout = gw.new_rollout()
-    with gw.http.stream("POST", "/v1/chat/completions", json=chat_body("slow-stream", stream=True),
-                        headers=bearer(rollout["api_key"])) as resp:
+    with gw.http.stream(
+        "POST",
+        "/v1/chat/completions",
+        json=chat_body("slow-stream", stream=True),
+        headers=bearer(rollout["api_key"]),
+    ) as resp:
         assert resp.status_code == 200
         first = next(resp.iter_lines())
         assert first.startswith("data: ") and "prompt_token_ids" not in first
@@ -233,8 +273,11 @@ def test_client_leaving_a_stream_records_an_error_and_frees_the_slot(gw, rdb):
     assert gw.control.GetAdmission(types_pb2.Empty()).in_flight == 0
     # Completing does not wait: the call is recorded already.
     t0 = time.monotonic()
-    resp = gw.http.post(f"/v1/rollouts/{rollout['rollout_id']}/complete", json={"reward": 0.0},
-                        headers=bearer(rollout["api_key"]))
+    resp = gw.http.post(
+        f"/v1/rollouts/{rollout['rollout_id']}/complete",
+        json={"reward": 0.0},
+        headers=bearer(rollout["api_key"]),
+    )
     assert resp.status_code == 200 and time.monotonic() - t0 < 1
 
 
@@ -244,10 +287,15 @@ def test_models_health_and_metrics(gw):
     health = gw.http.get("/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     text = gw.http.get("/metrics").text
-    for name in ("tether_gateway_requests_total", "tether_gateway_request_latency_seconds",
-                 "tether_gateway_upstream_latency_seconds", "tether_gateway_prompt_tokens_total",
-                 "tether_gateway_completion_tokens_total", "tether_gateway_in_flight",
-                 "tether_gateway_errors_total"):
+    for name in (
+        "tether_gateway_requests_total",
+        "tether_gateway_request_latency_seconds",
+        "tether_gateway_upstream_latency_seconds",
+        "tether_gateway_prompt_tokens_total",
+        "tether_gateway_completion_tokens_total",
+        "tether_gateway_in_flight",
+        "tether_gateway_errors_total",
+    ):
         assert name in text, name
     assert 'route="/v1/chat/completions"' in text
 
@@ -255,13 +303,24 @@ def test_models_health_and_metrics(gw):
 # --- rollout lifecycle ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("raw", [b'{"reward": "abc"}', b'{"reward": NaN}', b'{"reward": Infinity}',
-                                 b'{"reward": -Infinity}', b'{"reward": true}', b'{"reward": null}', b"{}",
-                                 b'{"reward": 1e999}'])
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"reward": "abc"}',
+        b'{"reward": NaN}',
+        b'{"reward": Infinity}',
+        b'{"reward": -Infinity}',
+        b'{"reward": true}',
+        b'{"reward": null}',
+        b"{}",
+        b'{"reward": 1e999}',
+    ],
+)
 def test_bad_reward_is_422(gw, rdb, raw):
     rollout = gw.new_rollout()
-    resp = gw.http.post(f"/v1/rollouts/{rollout['rollout_id']}/complete", content=raw,
-                        headers=bearer(rollout["api_key"]))
+    resp = gw.http.post(
+        f"/v1/rollouts/{rollout['rollout_id']}/complete", content=raw, headers=bearer(rollout["api_key"])
+    )
     assert_openai_error(resp, 422, "invalid_reward")
     assert rdb.hget(gw.keys.rollout(rollout["rollout_id"]), "status") == "running"
 
@@ -280,13 +339,20 @@ def test_complete_publishes_event_once_then_409(gw, rdb):
     assert isinstance(event["reward"], float) and event["reward"] == 0.95  # fp32/bf16 would not be exact
     assert rdb.exists(gw.keys.published(f"rollout-final:{rid}"))
 
-    assert_openai_error(gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1}, headers=bearer(key)),
-                        409, "rollout_finished")
-    assert_openai_error(gw.http.post(f"/v1/rollouts/{rid}/fail", json={"reason": "x"}, headers=bearer(key)),
-                        409, "rollout_finished")
+    assert_openai_error(
+        gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1}, headers=bearer(key)),
+        409,
+        "rollout_finished",
+    )
+    assert_openai_error(
+        gw.http.post(f"/v1/rollouts/{rid}/fail", json={"reason": "x"}, headers=bearer(key)),
+        409,
+        "rollout_finished",
+    )
     # The key of a finished rollout no longer makes calls.
-    assert_openai_error(gw.http.post("/v1/chat/completions", json=chat_body(), headers=bearer(key)),
-                        409, "rollout_finished")
+    assert_openai_error(
+        gw.http.post("/v1/chat/completions", json=chat_body(), headers=bearer(key)), 409, "rollout_finished"
+    )
     with pytest.raises(openai.ConflictError):
         gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert len(events(rdb, gw.keys, rid)) == 1
@@ -294,32 +360,49 @@ def test_complete_publishes_event_once_then_409(gw, rdb):
 
 def test_integer_reward_and_fail(gw, rdb):
     a, b = gw.new_rollout(), gw.new_rollout()
-    resp = gw.http.post(f"/v1/rollouts/{a['rollout_id']}/complete", json={"reward": 1},
-                        headers=bearer(a["api_key"]))
+    resp = gw.http.post(
+        f"/v1/rollouts/{a['rollout_id']}/complete", json={"reward": 1}, headers=bearer(a["api_key"])
+    )
     assert resp.status_code == 200
     assert events(rdb, gw.keys, a["rollout_id"])[0][1]["reward"] == 1.0
-    resp = gw.http.post(f"/v1/rollouts/{b['rollout_id']}/fail", json={"reason": "harness crashed"},
-                        headers=bearer(b["api_key"]))
+    resp = gw.http.post(
+        f"/v1/rollouts/{b['rollout_id']}/fail",
+        json={"reason": "harness crashed"},
+        headers=bearer(b["api_key"]),
+    )
     assert resp.status_code == 200 and resp.json()["reason"] == "harness crashed"
     [(_, event)] = events(rdb, gw.keys, b["rollout_id"])
     assert event["status"] == "failed" and event["reward"] is None
-    assert_openai_error(gw.http.post(f"/v1/rollouts/{b['rollout_id']}/fail", json={"reason": 3},
-                                     headers=bearer(b["api_key"])), 422)
-    assert_openai_error(gw.http.post(f"/v1/rollouts/{b['rollout_id']}/fail", json={"reason": "again"},
-                                     headers=bearer(b["api_key"])), 409)
+    assert_openai_error(
+        gw.http.post(
+            f"/v1/rollouts/{b['rollout_id']}/fail", json={"reason": 3}, headers=bearer(b["api_key"])
+        ),
+        422,
+    )
+    assert_openai_error(
+        gw.http.post(
+            f"/v1/rollouts/{b['rollout_id']}/fail", json={"reason": "again"}, headers=bearer(b["api_key"])
+        ),
+        409,
+    )
 
 
 def test_complete_waits_for_in_flight_calls(gw, rdb, vllm):
     rollout = gw.new_rollout()
     rid = rollout["rollout_id"]
     seen = len(vllm.requests)
-    slow = threading.Thread(target=lambda: gw.client(rollout).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "sleep:0.8"}]))
+    slow = threading.Thread(
+        target=lambda: gw.client(rollout).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "sleep:0.8"}]
+        )
+    )
     slow.start()
     while len(vllm.requests) == seen:
         time.sleep(0.01)
     t0 = time.monotonic()
-    resp = gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 0.5}, headers=bearer(rollout["api_key"]))
+    resp = gw.http.post(
+        f"/v1/rollouts/{rid}/complete", json={"reward": 0.5}, headers=bearer(rollout["api_key"])
+    )
     assert resp.status_code == 200
     assert time.monotonic() - t0 > 0.3  # it waited for the call to finish recording
     slow.join(5)
@@ -339,17 +422,27 @@ def test_rollout_auth(gw):
     assert_openai_error(gw.http.get(f"/v1/rollouts/{rid}", headers=bearer(b["api_key"])), 403)
     assert_openai_error(gw.http.get("/v1/rollouts/nope", headers=bearer(ADMIN)), 404, "rollout_not_found")
     assert_openai_error(gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0}), 401)
-    assert_openai_error(gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0},
-                                     headers=bearer(b["api_key"])), 403)
-    assert_openai_error(gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0},
-                                     headers=bearer("tr-unknown")), 401)
+    assert_openai_error(
+        gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0}, headers=bearer(b["api_key"])), 403
+    )
+    assert_openai_error(
+        gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0}, headers=bearer("tr-unknown")), 401
+    )
     assert_openai_error(gw.http.post("/v1/rollouts", json={"task_id": "t", "group_id": "g"}), 401)
-    assert_openai_error(gw.http.post("/v1/rollouts", json={"task_id": "t", "group_id": "g"},
-                                     headers=bearer("wrong")), 403)
-    for bad in ({"group_id": "g"}, {"task_id": "t", "group_id": ""}, {"task_id": "t", "group_id": "g", "group_size": 0},
-                {"task_id": "t", "group_id": "g", "group_size": True}, {"task_id": "t", "group_id": "g", "metadata": []}):
+    assert_openai_error(
+        gw.http.post("/v1/rollouts", json={"task_id": "t", "group_id": "g"}, headers=bearer("wrong")), 403
+    )
+    for bad in (
+        {"group_id": "g"},
+        {"task_id": "t", "group_id": ""},
+        {"task_id": "t", "group_id": "g", "group_size": 0},
+        {"task_id": "t", "group_id": "g", "group_size": True},
+        {"task_id": "t", "group_id": "g", "metadata": []},
+    ):
         assert_openai_error(gw.http.post("/v1/rollouts", json=bad, headers=bearer(ADMIN)), 422)
-    assert_openai_error(gw.http.post("/v1/rollouts", content=b"{", headers=bearer(ADMIN)), 400, "invalid_json")
+    assert_openai_error(
+        gw.http.post("/v1/rollouts", content=b"{", headers=bearer(ADMIN)), 400, "invalid_json"
+    )
 
 
 # --- bad input never gives a 500 ------------------------------------------------------------------
@@ -359,27 +452,43 @@ def test_bad_chat_requests(gw, rdb):
     rollout = gw.new_rollout()
     key = bearer(rollout["api_key"])
     post = gw.http.post
-    assert_openai_error(post("/v1/chat/completions", content=b'{"model": "tether', headers=key), 400, "invalid_json")
+    assert_openai_error(
+        post("/v1/chat/completions", content=b'{"model": "tether', headers=key), 400, "invalid_json"
+    )
     assert_openai_error(post("/v1/chat/completions", content=b"[1, 2]", headers=key), 400)
     assert_openai_error(post("/v1/chat/completions", content=b"", headers=key), 400)
     assert_openai_error(post("/v1/chat/completions", json={"model": MODEL}, headers=key), 400)
     assert_openai_error(post("/v1/chat/completions", json=chat_body(stream="yes"), headers=key), 400)
-    assert_openai_error(post("/v1/chat/completions", json={**chat_body(), "messages": "hi"}, headers=key), 400)
-    err = assert_openai_error(post("/v1/chat/completions", json={**chat_body(), "model": "gpt-4o"}, headers=key),
-                              404, "model_not_found")
+    assert_openai_error(
+        post("/v1/chat/completions", json={**chat_body(), "messages": "hi"}, headers=key), 400
+    )
+    err = assert_openai_error(
+        post("/v1/chat/completions", json={**chat_body(), "model": "gpt-4o"}, headers=key),
+        404,
+        "model_not_found",
+    )
     assert err["param"] == "model"
     assert_openai_error(post("/v1/chat/completions", json=chat_body()), 401, "invalid_api_key")
     assert_openai_error(post("/v1/chat/completions", json=chat_body(), headers=bearer("tr-nope")), 401)
-    assert_openai_error(post("/v1/chat/completions", json=chat_body(), headers={"authorization": "Basic abc"}), 401)
+    assert_openai_error(
+        post("/v1/chat/completions", json=chat_body(), headers={"authorization": "Basic abc"}), 401
+    )
     assert_openai_error(post("/v1/chat/completions", json=chat_body("x" * 70_000), headers=key), 413)
     assert_openai_error(gw.http.get("/v1/chat/completions"), 405)
     assert_openai_error(gw.http.get("/v1/nothing-here"), 404)
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{gw.url}/v1", api_key="tr-nope", max_retries=0).chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "hi"}])
-    for raw in (b"null", b'"s"', b"1e999", b'{"messages": [], "model": "tether-policy"}',
-                b'{"messages": [{"role": "user", "content": "hi"}], "model": 5}', b"\xff\xfe",
-                b'{"messages": [{"role": "user", "content": "hi"}], "model": null}'):
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        )
+    for raw in (
+        b"null",
+        b'"s"',
+        b"1e999",
+        b'{"messages": [], "model": "tether-policy"}',
+        b'{"messages": [{"role": "user", "content": "hi"}], "model": 5}',
+        b"\xff\xfe",
+        b'{"messages": [{"role": "user", "content": "hi"}], "model": null}',
+    ):
         resp = post("/v1/chat/completions", content=raw, headers=key)
         assert 400 <= resp.status_code < 500, (raw, resp.status_code, resp.text)
         assert set(resp.json()["error"]) == ERROR_FIELDS
@@ -387,28 +496,34 @@ def test_bad_chat_requests(gw, rdb):
     # sample); the 401s belong to no rollout (tests/test_gateway_visibility.py checks the fields).
     recorded = [t for _, t in traces(rdb, gw.keys, rollout["rollout_id"])]
     assert len(recorded) == 15
-    assert all(t["status"] == "error" and 400 <= t["http_status"] < 500 and t["prompt_token_ids"] == []
-               for t in recorded)
+    assert all(
+        t["status"] == "error" and 400 <= t["http_status"] < 500 and t["prompt_token_ids"] == []
+        for t in recorded
+    )
 
 
 def test_upstream_4xx_passes_through_and_is_recorded(gw, rdb):
     rollout = gw.new_rollout()
-    resp = gw.http.post("/v1/chat/completions", json=chat_body("upstream-400"), headers=bearer(rollout["api_key"]))
+    resp = gw.http.post(
+        "/v1/chat/completions", json=chat_body("upstream-400"), headers=bearer(rollout["api_key"])
+    )
     err = assert_openai_error(resp, 400)
     assert "maximum context length" in err["message"]
     [(_, trace)] = traces(rdb, gw.keys, rollout["rollout_id"])
     assert trace["status"] == "error" and trace["http_status"] == 400 and trace["response_token_ids"] == []
     with pytest.raises(openai.BadRequestError):
-        gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "upstream-400"}],
-                                                   stream=True)
+        gw.client(rollout).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "upstream-400"}], stream=True
+        )
 
 
 def test_dead_upstream_is_503_and_recorded_as_error(redis_port, rdb):
     with InProcessGateway(gateway_settings(redis_port, f"http://127.0.0.1:{free_port()}")) as dead:
         rollout = dead.new_rollout()
         for stream in (False, True):
-            resp = dead.http.post("/v1/chat/completions", json=chat_body(stream=stream),
-                                  headers=bearer(rollout["api_key"]))
+            resp = dead.http.post(
+                "/v1/chat/completions", json=chat_body(stream=stream), headers=bearer(rollout["api_key"])
+            )
             assert_openai_error(resp, 503, "upstream_unavailable")
             assert resp.headers["retry-after"] == "2"
         recorded = [t for _, t in traces(rdb, dead.keys, rollout["rollout_id"])]
@@ -427,8 +542,11 @@ def test_pause_drains_then_resume_sets_version(gw, rdb, vllm):
     rollout = gw.new_rollout()
     client = gw.client(rollout)
     seen = len(vllm.requests)
-    slow = threading.Thread(target=lambda: client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "sleep:0.6"}]))
+    slow = threading.Thread(
+        target=lambda: client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "sleep:0.6"}]
+        )
+    )
     slow.start()
     while len(vllm.requests) == seen:
         time.sleep(0.01)
@@ -443,8 +561,13 @@ def test_pause_drains_then_resume_sets_version(gw, rdb, vllm):
 
         # A call made while paused waits, and is admitted with the version set on resume.
         result: dict = {}
-        waiting = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "after push"}])))
+        waiting = threading.Thread(
+            target=lambda: result.update(
+                r=client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "after push"}]
+                )
+            )
+        )
         waiting.start()
         time.sleep(0.3)
         assert waiting.is_alive()
@@ -477,8 +600,11 @@ def test_paused_too_long_is_429_with_retry_after(gw, rdb):
 def test_pause_drain_timeout_reports_in_flight(gw, vllm):
     rollout = gw.new_rollout()
     seen = len(vllm.requests)
-    slow = threading.Thread(target=lambda: gw.client(rollout).chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "sleep:0.8"}]))
+    slow = threading.Thread(
+        target=lambda: gw.client(rollout).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "sleep:0.8"}]
+        )
+    )
     slow.start()
     while len(vllm.requests) == seen:
         time.sleep(0.01)
@@ -498,26 +624,42 @@ def test_pause_drain_timeout_reports_in_flight(gw, vllm):
 
 def test_module_runs_with_fixed_ports_and_stops_on_sigterm(redis_port, vllm, tmp_path):
     http_port, grpc_port = free_port(), free_port()
-    env = {**os.environ, "TETHER_REDIS_URL": f"redis://127.0.0.1:{redis_port}", "TETHER_NAMESPACE": "proc",
-           "TETHER_VLLM_URL": f"http://127.0.0.1:{vllm.server_port}", "TETHER_GATEWAY_PORT": str(http_port),
-           "TETHER_GATEWAY_GRPC_PORT": str(grpc_port), "TETHER_ADMIN_TOKEN": ADMIN}
+    env = {
+        **os.environ,
+        "TETHER_REDIS_URL": f"redis://127.0.0.1:{redis_port}",
+        "TETHER_NAMESPACE": "proc",
+        "TETHER_VLLM_URL": f"http://127.0.0.1:{vllm.server_port}",
+        "TETHER_GATEWAY_PORT": str(http_port),
+        "TETHER_GATEWAY_GRPC_PORT": str(grpc_port),
+        "TETHER_ADMIN_TOKEN": ADMIN,
+    }
     log = open(tmp_path / "gateway.log", "w+")
-    proc = subprocess.Popen([sys.executable, "-m", "tether.gateway"], env=env, stdout=subprocess.PIPE,
-                            stderr=log, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether.gateway"], env=env, stdout=subprocess.PIPE, stderr=log, text=True
+    )
     try:
         line = proc.stdout.readline()
         assert f"http_port={http_port} grpc_port={grpc_port}" in line, (line, Path(log.name).read_text())
         url = f"http://127.0.0.1:{http_port}"
         assert httpx.get(f"{url}/health").status_code == 200
-        rollout = httpx.post(f"{url}/v1/rollouts", json={"task_id": "t", "group_id": "g"}, headers=bearer(ADMIN)).json()
+        rollout = httpx.post(
+            f"{url}/v1/rollouts", json={"task_id": "t", "group_id": "g"}, headers=bearer(ADMIN)
+        ).json()
         assert rollout["base_url"] == f"{url}/v1"
         client = openai.OpenAI(base_url=rollout["base_url"], api_key=rollout["api_key"], max_retries=0)
-        assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}]).choices
+        assert client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}]
+        ).choices
         # SIGTERM lets a call in flight finish (and be recorded) before the process exits.
         result: dict = {}
         seen = len(vllm.requests)
-        slow = threading.Thread(target=lambda: result.update(r=client.chat.completions.create(
-            model=MODEL, messages=[{"role": "user", "content": "sleep:0.8"}])))
+        slow = threading.Thread(
+            target=lambda: result.update(
+                r=client.chat.completions.create(
+                    model=MODEL, messages=[{"role": "user", "content": "sleep:0.8"}]
+                )
+            )
+        )
         slow.start()
         while len(vllm.requests) == seen:
             time.sleep(0.01)
@@ -540,33 +682,86 @@ def test_capture_pure_functions():
     req = parse_chat_request(json.dumps(chat_body(logprobs=False, include_reasoning=False)).encode(), MODEL)
     assert not req.wants_logprobs and not req.wants_token_ids and not req.stream
     sent = json.loads(upstream_body(req, "served-upstream"))
-    assert sent["model"] == "served-upstream" and sent["logprobs"] is True and sent["return_token_ids"] is True
+    assert (
+        sent["model"] == "served-upstream" and sent["logprobs"] is True and sent["return_token_ids"] is True
+    )
     assert "include_reasoning" not in sent and req.body["logprobs"] is False  # the client's body is untouched
     with pytest.raises(ApiError) as exc:
         parse_chat_request(json.dumps({**chat_body(), "model": "other"}).encode(), MODEL)
     assert exc.value.status == 404
 
-    resp = {"prompt_token_ids": [1, 2], "prompt_logprobs": None, "choices": [
-        {"index": 0, "token_ids": [3], "logprobs": {"content": [{"logprob": None}]}, "finish_reason": "length"}]}
+    resp = {
+        "prompt_token_ids": [1, 2],
+        "prompt_logprobs": None,
+        "choices": [
+            {
+                "index": 0,
+                "token_ids": [3],
+                "logprobs": {"content": [{"logprob": None}]},
+                "finish_reason": "length",
+            }
+        ],
+    }
     cap = capture_response(resp)
     assert cap.prompt_token_ids == [1, 2] and cap.choices[0].logprobs == [-9999.0]
-    trace = build_trace(call_id="c", rollout_id="r", request={}, captured=cap, error=None, http_status=200,
-                        weight_version=4, started_at=1.0, finished_at=2.0, latency_s=1.0, upstream_latency_s=0.5)
+    trace = build_trace(
+        call_id="c",
+        rollout_id="r",
+        request={},
+        captured=cap,
+        error=None,
+        http_status=200,
+        weight_version=4,
+        started_at=1.0,
+        finished_at=2.0,
+        latency_s=1.0,
+        upstream_latency_s=0.5,
+    )
     assert trace.status == "ok" and trace.finish_reason == "length" and trace.weight_version == 4
-    assert strip_vllm_fields(resp, False, False) == {"choices": [
-        {"index": 0, "logprobs": None, "finish_reason": "length"}]}
+    assert strip_vllm_fields(resp, False, False) == {
+        "choices": [{"index": 0, "logprobs": None, "finish_reason": "length"}]
+    }
 
-    missing = build_trace(call_id="c", rollout_id="r", request={}, captured=capture_response({"choices": []}),
-                          error=None, http_status=200, weight_version=0, started_at=0, finished_at=0,
-                          latency_s=0, upstream_latency_s=0)
+    missing = build_trace(
+        call_id="c",
+        rollout_id="r",
+        request={},
+        captured=capture_response({"choices": []}),
+        error=None,
+        http_status=200,
+        weight_version=0,
+        started_at=0,
+        finished_at=0,
+        latency_s=0,
+        upstream_latency_s=0,
+    )
     assert missing.status == "error" and "token ids" in missing.error
 
     sc = StreamCapture()
     sc.feed({"prompt_token_ids": [5, 6], "choices": [{"index": 0, "delta": {"role": "assistant"}}]})
-    sc.feed({"choices": [{"index": 0, "token_ids": [7, 8], "logprobs": {"content": [{"logprob": -1.0},
-                                                                                  {"logprob": -2.0}]}}]})
-    sc.feed({"choices": [{"index": 0, "token_ids": [9], "logprobs": {"content": [{"logprob": -0.5}]},
-                          "finish_reason": "stop"}]})
+    sc.feed(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "token_ids": [7, 8],
+                    "logprobs": {"content": [{"logprob": -1.0}, {"logprob": -2.0}]},
+                }
+            ]
+        }
+    )
+    sc.feed(
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "token_ids": [9],
+                    "logprobs": {"content": [{"logprob": -0.5}]},
+                    "finish_reason": "stop",
+                }
+            ]
+        }
+    )
     sc.feed({"choices": [], "usage": {"completion_tokens": 3}})
     c = sc.captured
     assert c.prompt_token_ids == [5, 6] and c.choices[0].token_ids == [7, 8, 9]

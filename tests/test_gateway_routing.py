@@ -46,9 +46,16 @@ def two():
 @pytest.fixture(scope="module")
 def gw(redis_port, two):
     a, b = two
-    with InProcessGateway(gateway_settings(redis_port, a.url, vllm_urls=b.url, health_check_s=0.2,
-                                           retry_backoff_s=0.01,
-                                           deployment_keys="dk-prod=prod,dk-canary=canary")) as g:
+    with InProcessGateway(
+        gateway_settings(
+            redis_port,
+            a.url,
+            vllm_urls=b.url,
+            health_check_s=0.2,
+            retry_backoff_s=0.01,
+            deployment_keys="dk-prod=prod,dk-canary=canary",
+        )
+    ) as g:
         yield g
 
 
@@ -60,8 +67,11 @@ def healthy(two):
 
 
 def chat(gw: InProcessGateway, key: str, content: str = "hi", **kw) -> httpx.Response:
-    return gw.http.post("/v1/chat/completions", headers=bearer(key),
-                        json={"model": MODEL, "messages": [{"role": "user", "content": content}], **kw})
+    return gw.http.post(
+        "/v1/chat/completions",
+        headers=bearer(key),
+        json={"model": MODEL, "messages": [{"role": "user", "content": content}], **kw},
+    )
 
 
 def wait_until(cond, timeout_s: float = 5.0) -> bool:
@@ -241,12 +251,18 @@ def test_upstream_500_is_not_retried(redis_port, rdb, stream):
         assert len(up.requests) == 1 and up.fail_next == 2
         [trace] = wait_traces(rdb, g.keys, rollout["rollout_id"], 1)
         assert trace["status"] == "error" and trace["retries"] == 0 and trace["http_status"] == 502
-        assert "retries_total{reason=\"http_500\"" not in g.http.get("/metrics").text
+        assert 'retries_total{reason="http_500"' not in g.http.get("/metrics").text
 
 
 def test_upstream_timeout_is_retried_then_503(redis_port, rdb):
-    with FakeVLLM() as up, InProcessGateway(gateway_settings(
-            redis_port, up.url, upstream_timeout_s=0.3, upstream_retries=1, retry_backoff_s=0.01)) as g:
+    with (
+        FakeVLLM() as up,
+        InProcessGateway(
+            gateway_settings(
+                redis_port, up.url, upstream_timeout_s=0.3, upstream_retries=1, retry_backoff_s=0.01
+            )
+        ) as g,
+    ):
         rollout = g.new_rollout()
         resp = chat(g, rollout["api_key"], "sleep:1")
         assert resp.status_code == 503 and resp.json()["error"]["code"] == "upstream_unavailable"
@@ -262,15 +278,22 @@ def test_client_hanging_up_aborts_the_upstream_request(gw, rdb, two):
     rollout = gw.new_rollout()
     # Non-streaming: the gateway must notice while it waits on vLLM, and close that connection.
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{gw.url}/v1/chat/completions", headers=bearer(rollout["api_key"]), timeout=0.5,
-                   json={"model": MODEL, "messages": [{"role": "user", "content": "hold:5"}]})
+        httpx.post(
+            f"{gw.url}/v1/chat/completions",
+            headers=bearer(rollout["api_key"]),
+            timeout=0.5,
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hold:5"}]},
+        )
     assert wait_until(lambda: any("hold" in f.aborted for f in two), 3)
     [trace] = wait_traces(rdb, gw.keys, rollout["rollout_id"], 1)
     assert trace["status"] == "error" and trace["http_status"] == 499 and "went away" in trace["error"]
     # Streaming: the same once the first event arrived.
-    with gw.http.stream("POST", "/v1/chat/completions", headers=bearer(rollout["api_key"]),
-                        json={"model": MODEL, "stream": True,
-                              "messages": [{"role": "user", "content": "slow-stream"}]}) as resp:
+    with gw.http.stream(
+        "POST",
+        "/v1/chat/completions",
+        headers=bearer(rollout["api_key"]),
+        json={"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "slow-stream"}]},
+    ) as resp:
         assert next(resp.iter_lines()).startswith("data: ")
     assert wait_until(lambda: any("stream" in f.aborted for f in two), 3)
     trace = wait_traces(rdb, gw.keys, rollout["rollout_id"], 2)[1]
@@ -306,8 +329,16 @@ def test_deployment_key_records_into_its_session_and_rewards(gw, rdb):
     assert resp.status_code == 200 and resp.json()["choices"][0]["message"]["content"] == "Hello, world"
     call_id = resp.headers["x-tether-call-id"]
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="dk-canary", max_retries=0)
-    assert "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True) if c.choices) == "Hello, world"
+    assert (
+        "".join(
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], stream=True
+            )
+            if c.choices
+        )
+        == "Hello, world"
+    )
 
     def session_traces(name: str) -> list[dict]:
         out = [json.loads(f["data"]) for _, f in rdb.xrange(gw.keys.traces)]
@@ -315,7 +346,11 @@ def test_deployment_key_records_into_its_session_and_rewards(gw, rdb):
 
     assert wait_until(lambda: len(session_traces("canary")) == 1)
     [prod] = session_traces("prod")
-    assert prod["call_id"] == call_id and prod["rollout_id"] == f"session:prod:{call_id}" and prod["status"] == "ok"
+    assert (
+        prod["call_id"] == call_id
+        and prod["rollout_id"] == f"session:prod:{call_id}"
+        and prod["status"] == "ok"
+    )
     assert prod["prompt_token_ids"] == PROMPT_IDS and prod["response_token_ids"] == TOKEN_IDS
     assert prod["request"]["messages"][0]["content"] == "production question"
     assert rdb.llen(gw.keys.rollout_calls(prod["rollout_id"])) == 0  # no per-call list
@@ -325,10 +360,15 @@ def test_deployment_key_records_into_its_session_and_rewards(gw, rdb):
     assert gw.http.post(url, json=body).status_code == 401
     assert gw.http.post(url, json=body, headers=bearer("dk-canary")).status_code == 403
     assert gw.http.post("/v1/sessions/nope/rewards", json=body, headers=bearer(ADMIN)).status_code == 404
-    assert gw.http.post(url, json={**body, "call_id": "call-unknown"}, headers=bearer(ADMIN)).status_code == 404
+    assert (
+        gw.http.post(url, json={**body, "call_id": "call-unknown"}, headers=bearer(ADMIN)).status_code == 404
+    )
     canary_call = session_traces("canary")[0]["call_id"]
     assert gw.http.post(url, json={**body, "call_id": canary_call}, headers=bearer(ADMIN)).status_code == 404
-    assert gw.http.post(url, content=b'{"call_id": "x", "reward": NaN}', headers=bearer(ADMIN)).status_code == 422
+    assert (
+        gw.http.post(url, content=b'{"call_id": "x", "reward": NaN}', headers=bearer(ADMIN)).status_code
+        == 422
+    )
     assert gw.http.post(url, json={"reward": 1.0}, headers=bearer(ADMIN)).status_code == 422
     ok = gw.http.post(url, json=body, headers=bearer("dk-prod"))  # the session's own key may reward
     assert ok.status_code == 201, ok.text
@@ -339,19 +379,32 @@ def test_deployment_key_records_into_its_session_and_rewards(gw, rdb):
     assert event["rollout_id"] == prod["rollout_id"] and event["trace_entry_id"]
     assert session_stream(gw.keys) == f"{gw.settings.namespace}:session-rewards"
     # A deployment key is not a rollout key.
-    assert gw.http.post("/rollouts/x/v1/chat/completions", headers=bearer("dk-prod"),
-                        json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).status_code == 401
+    assert (
+        gw.http.post(
+            "/rollouts/x/v1/chat/completions",
+            headers=bearer("dk-prod"),
+            json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        ).status_code
+        == 401
+    )
 
 
 def test_metrics_per_route_and_replica(gw, two):
     rollout = gw.new_rollout()
     assert chat(gw, rollout["api_key"]).status_code == 200
     text = gw.http.get("/metrics").text
-    for name in ("tether_gateway_requests_total", "tether_gateway_request_latency_seconds_bucket",
-                 "tether_gateway_upstream_latency_seconds_bucket", "tether_gateway_prompt_tokens_total",
-                 "tether_gateway_completion_tokens_total", "tether_gateway_errors_total",
-                 "tether_gateway_in_flight", "tether_gateway_replica_in_flight", "tether_gateway_replica_healthy",
-                 "tether_gateway_traces_total"):
+    for name in (
+        "tether_gateway_requests_total",
+        "tether_gateway_request_latency_seconds_bucket",
+        "tether_gateway_upstream_latency_seconds_bucket",
+        "tether_gateway_prompt_tokens_total",
+        "tether_gateway_completion_tokens_total",
+        "tether_gateway_errors_total",
+        "tether_gateway_in_flight",
+        "tether_gateway_replica_in_flight",
+        "tether_gateway_replica_healthy",
+        "tether_gateway_traces_total",
+    ):
         assert name in text, name
     assert any(f'{{replica="{f.url}",route="/v1/chat/completions",status="200"}}' in text for f in two)
     for f in two:
@@ -361,35 +414,51 @@ def test_metrics_per_route_and_replica(gw, two):
 def test_conversation_key_follows_the_conversation_root():
     system = {"role": "system", "content": "be brief"}
     turn1 = {"messages": [system, {"role": "user", "content": "task A"}]}
-    turn2 = {"messages": [*turn1["messages"], {"role": "assistant", "content": "ok"},
-                          {"role": "user", "content": "go on"}]}
+    turn2 = {
+        "messages": [
+            *turn1["messages"],
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "go on"},
+        ]
+    }
     other = {"messages": [system, {"role": "user", "content": "task B"}]}
     assert conversation_key(turn1) == conversation_key(turn2) != conversation_key(other)
     bare = [{"role": "user", "content": "task A"}]
-    assert conversation_key({"messages": bare}) == conversation_key({"messages": [*bare, *turn2["messages"][2:]]})
+    assert conversation_key({"messages": bare}) == conversation_key(
+        {"messages": [*bare, *turn2["messages"][2:]]}
+    )
     assert conversation_key({"messages": bare}) != conversation_key(turn1)
     # The client's own cache key wins: prompt_cache_key, then user, then Anthropic's metadata.user_id.
     assert conversation_key({**other, "prompt_cache_key": "c1", "user": "u"}) == "key:c1"
     assert conversation_key({**other, "user": "u"}) == "key:u"
     assert conversation_key({**turn1, "metadata": {"user_id": "u"}}) == "key:u"
     # Anthropic's top-level system, Responses' instructions + input, completions' prompt head.
-    assert conversation_key({"system": "s1", "messages": [{"role": "user", "content": "x"}]}) != \
-        conversation_key({"system": "s2", "messages": [{"role": "user", "content": "x"}]})
+    assert conversation_key(
+        {"system": "s1", "messages": [{"role": "user", "content": "x"}]}
+    ) != conversation_key({"system": "s2", "messages": [{"role": "user", "content": "x"}]})
     assert conversation_key({"instructions": "i", "input": "hello"}) != conversation_key({"input": "hello"})
     long = "p" * 600
     assert conversation_key({"prompt": long}) == conversation_key({"prompt": long + " more turns"})
     assert conversation_key({"prompt": [1, 2, 3]}) != conversation_key({"prompt": [1, 2, 4]})
-    assert conversation_key({"messages": [{"role": "user", "content": "big", "n": 2**70}]}).startswith("root:")
+    assert conversation_key({"messages": [{"role": "user", "content": "big", "n": 2**70}]}).startswith(
+        "root:"
+    )
 
 
 def test_record_only_conversations_stick_to_a_replica(gw, rdb, two):
     def served_by(key: str, messages: list[dict], **kw) -> str:
-        resp = gw.http.post("/v1/chat/completions", headers=bearer(key), json={"model": MODEL, "messages": messages, **kw})
+        resp = gw.http.post(
+            "/v1/chat/completions", headers=bearer(key), json={"model": MODEL, "messages": messages, **kw}
+        )
         assert resp.status_code == 200, resp.text
         call_id = resp.headers["x-tether-call-id"]
 
         def recorded() -> list[dict]:
-            return [t for t in (json.loads(f["data"]) for _, f in rdb.xrange(gw.keys.traces)) if t["call_id"] == call_id]
+            return [
+                t
+                for t in (json.loads(f["data"]) for _, f in rdb.xrange(gw.keys.traces))
+                if t["call_id"] == call_id
+            ]
 
         assert wait_until(lambda: len(recorded()) == 1)
         return recorded()[0]["replica"]
@@ -400,11 +469,18 @@ def test_record_only_conversations_stick_to_a_replica(gw, rdb, two):
         replicas = set()
         for turn in range(3):
             replicas.add(served_by("dk-prod", convo))
-            convo = [*convo, {"role": "assistant", "content": "ok"}, {"role": "user", "content": f"turn {turn}"}]
+            convo = [
+                *convo,
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": f"turn {turn}"},
+            ]
         assert len(replicas) == 1, replicas  # every turn of one conversation on one replica
         used |= replicas
     assert used == {f.url for f in two}  # while new conversations spread
-    pinned = {served_by("dk-prod", [{"role": "user", "content": f"x{i}"}], prompt_cache_key="mine") for i in range(4)}
+    pinned = {
+        served_by("dk-prod", [{"role": "user", "content": f"x{i}"}], prompt_cache_key="mine")
+        for i in range(4)
+    }
     assert len(pinned) == 1
 
 
@@ -421,7 +497,9 @@ def test_pause_still_gates_sessions(gw):
 
 
 def test_resp_encoding_and_parsing():
-    assert encode_command(("HMGET", "k", b"f", 3)) == b"*4\r\n$5\r\nHMGET\r\n$1\r\nk\r\n$1\r\nf\r\n$1\r\n3\r\n"
+    assert (
+        encode_command(("HMGET", "k", b"f", 3)) == b"*4\r\n$5\r\nHMGET\r\n$1\r\nk\r\n$1\r\nf\r\n$1\r\n3\r\n"
+    )
     reply = b"*3\r\n$2\r\nok\r\n$-1\r\n:7\r\n+PONG\r\n-NOSCRIPT No matching script\r\n-ERR bad\r\n"
     value, pos = parse_reply(reply, 0)
     assert value == ["ok", None, 7]
@@ -468,8 +546,10 @@ def test_batcher_caller_arriving_as_the_connection_opens(redis_port, monkeypatch
 async def test_batcher_against_redis(redis_port):
     batch = Batcher(f"redis://127.0.0.1:{redis_port}/0")
     try:
-        results = await asyncio.gather(*(batch.call("INCR", "resp-test") for _ in range(50)),
-                                       batch.call("HMGET", "resp-missing", "a", "b"))
+        results = await asyncio.gather(
+            *(batch.call("INCR", "resp-test") for _ in range(50)),
+            batch.call("HMGET", "resp-missing", "a", "b"),
+        )
         assert sorted(results[:50])[-1] - sorted(results[:50])[0] == 49 and results[50] == [None, None]
         with pytest.raises(ResponseError):
             await batch.call("NOSUCHCOMMAND")

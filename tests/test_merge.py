@@ -301,7 +301,9 @@ def test_overlong_truncate_cuts_trailing_tokens_and_flags():
     calls = [C("a", [1, 2], [3, 4, 5, 6], [-0.1, -0.2, -0.3, -0.4])]
     seqs, stats = merge_calls(calls, max_seq_len=4, overlong="truncate")
     (s,) = seqs
-    assert s.token_ids == [1, 2, 3, 4] and s.loss_mask == [0, 0, 1, 1] and s.logprobs == [0.0, 0.0, -0.1, -0.2]
+    assert (
+        s.token_ids == [1, 2, 3, 4] and s.loss_mask == [0, 0, 1, 1] and s.logprobs == [0.0, 0.0, -0.1, -0.2]
+    )
     assert s.truncated and s.response_spans == [(2, 4)]
     assert stats.truncated == 1 and stats.tokens_truncated == 2 and stats.calls_dropped_overlong == 0
     # A cut that leaves no sampled token drops the call instead.
@@ -352,8 +354,13 @@ def test_weight_spans_follow_calls_into_sequence_positions():
     calls = [
         C("c1", [1, 2, 3], [7, 8], weight_version=3, weight_spans=((3, 0, 1), (4, 1, 2))),
         C("c2", [1, 2, 3, 7, 8, 20, 21], [9], weight_version=4),
-        C("c3", [1, 2, 3, 7, 8, 20, 21, 9, 22], [10, 11, 12], weight_version=4,
-          weight_spans=((4, 0, 1), (5, 1, 3))),
+        C(
+            "c3",
+            [1, 2, 3, 7, 8, 20, 21, 9, 22],
+            [10, 11, 12],
+            weight_version=4,
+            weight_spans=((4, 0, 1), (5, 1, 3)),
+        ),
     ]
     (s,), _ = merge_calls(calls)
     assert s.loss_mask == [0, 0, 0, 1, 1, 0, 0, 1, 0, 1, 1, 1]
@@ -368,14 +375,19 @@ def test_weight_spans_follow_calls_into_sequence_positions():
 def test_weight_spans_lose_realigned_and_truncated_tokens():
     # The re-rendered last token of a (the only one sampled by v2) is dropped by the realign: a's
     # remaining tokens are all v5's, so the sequence's oldest version is 5.
-    calls = [C("a", [1], [2, 3, 4], weight_version=2, weight_spans=((5, 0, 2), (2, 2, 3))),
-             C("b", [1, 2, 3, 40, 5], [6], weight_version=5)]
+    calls = [
+        C("a", [1], [2, 3, 4], weight_version=2, weight_spans=((5, 0, 2), (2, 2, 3))),
+        C("b", [1, 2, 3, 40, 5], [6], weight_version=5),
+    ]
     (s,), stats = merge_calls(calls, realign_max=1)
     assert stats.realigns == 1
     assert s.version_spans() == [(5, 1, 3), (5, 5, 6)] and s.min_weight_version == 5
     check_shapes([s])
-    (s,), _ = merge_calls([C("a", [1, 2], [3, 4, 5, 6], weight_spans=((7, 0, 1), (8, 1, 4)))],
-                          max_seq_len=4, overlong="truncate")
+    (s,), _ = merge_calls(
+        [C("a", [1, 2], [3, 4, 5, 6], weight_spans=((7, 0, 1), (8, 1, 4)))],
+        max_seq_len=4,
+        overlong="truncate",
+    )
     assert s.version_spans() == [(7, 2, 3), (8, 3, 4)]
 
 
@@ -451,8 +463,17 @@ def call_lists(draw, constrained: bool = False):
         if constrained and resp and draw(st.integers(0, 2)) == 0:
             cuts = sorted(set(draw(st.lists(st.integers(0, len(resp)), min_size=2, max_size=4))))
             spans = tuple((a, b) for a, b in zip(cuts[::2], cuts[1::2], strict=False) if a < b)
-        calls.append(Call(f"c{i}", prompt, resp, lps, weight_version=draw(st.integers(0, 3)), status=status,
-                          constrained=spans))
+        calls.append(
+            Call(
+                f"c{i}",
+                prompt,
+                resp,
+                lps,
+                weight_version=draw(st.integers(0, 3)),
+                status=status,
+                constrained=spans,
+            )
+        )
         contexts.append(prompt + resp)
     return calls
 
@@ -494,7 +515,9 @@ def assert_invariants(calls, seqs, stats, *, exact: bool, max_seq_len=None):
     for s in seqs:
         idx = [pos[cid] for cid in s.call_ids]
         assert idx == sorted(idx)
-        assert [spans[0][0] for spans in s.call_weight_spans] == [by_id[cid].weight_version for cid in s.call_ids]
+        assert [spans[0][0] for spans in s.call_weight_spans] == [
+            by_id[cid].weight_version for cid in s.call_ids
+        ]
         if max_seq_len is not None:
             assert len(s.token_ids) <= max_seq_len
         assert not s.truncated or len(s.call_ids) == 1  # only single calls can be cut
@@ -544,8 +567,12 @@ def assert_invariants(calls, seqs, stats, *, exact: bool, max_seq_len=None):
             sampled = {
                 (t, lp)
                 for cid in s.call_ids
-                for t, lp, m in zip(by_id[cid].response_token_ids, by_id[cid].response_logprobs,
-                                    constrained_reference(by_id[cid])[0], strict=True)
+                for t, lp, m in zip(
+                    by_id[cid].response_token_ids,
+                    by_id[cid].response_logprobs,
+                    constrained_reference(by_id[cid])[0],
+                    strict=True,
+                )
                 if m
             }
             for t, m, lp in zip(s.token_ids, s.loss_mask, s.logprobs, strict=True):
@@ -581,8 +608,14 @@ def test_property_exact_merge_with_max_len(calls, max_len):
     st.sampled_from(["drop", "truncate"]),
 )
 def test_property_with_strip_and_realign(calls, realign_max, tail, max_len, max_prompt, overlong):
-    seqs, stats = merge_calls(calls, strip_tail=tail, realign_max=realign_max, max_seq_len=max_len,
-                              max_prompt_len=max_prompt, overlong=overlong)
+    seqs, stats = merge_calls(
+        calls,
+        strip_tail=tail,
+        realign_max=realign_max,
+        max_seq_len=max_len,
+        max_prompt_len=max_prompt,
+        overlong=overlong,
+    )
     assert_invariants(calls, seqs, stats, exact=False, max_seq_len=max_len)
     assert stats.realigns <= stats.merged_calls
     if max_prompt is not None:
@@ -604,9 +637,12 @@ def test_property_exact_merge_with_constrained_tokens(calls, max_len):
     st.none() | st.integers(1, 12),
     st.sampled_from(["drop", "truncate"]),
 )
-def test_property_constrained_tokens_survive_realign_and_truncation(calls, realign_max, tail, max_len, overlong):
-    seqs, stats = merge_calls(calls, strip_tail=tail, realign_max=realign_max, max_seq_len=max_len,
-                              overlong=overlong)
+def test_property_constrained_tokens_survive_realign_and_truncation(
+    calls, realign_max, tail, max_len, overlong
+):
+    seqs, stats = merge_calls(
+        calls, strip_tail=tail, realign_max=realign_max, max_seq_len=max_len, overlong=overlong
+    )
     assert_invariants(calls, seqs, stats, exact=False, max_seq_len=max_len)
 
 
@@ -634,7 +670,9 @@ def test_constrained_tokens_are_masked_where_they_sit():
     # Truncation cuts constrained tokens with the rest; a cut leaving only constrained tokens drops it.
     [t], _ = merge_calls([calls[1]], max_seq_len=7, overlong="truncate")
     assert t.loss_mask == [0] * 5 + [1, 0] and t.constrained_tokens == 1
-    none, stats = merge_calls([C("c", [1], [2, 3], constrained=((0, 2),))], max_seq_len=2, overlong="truncate")
+    none, stats = merge_calls(
+        [C("c", [1], [2, 3], constrained=((0, 2),))], max_seq_len=2, overlong="truncate"
+    )
     assert none == [] and stats.calls_dropped_overlong == 1
 
 
@@ -679,8 +717,16 @@ def test_compact_and_format_mismatch_show_a_token_diff():
     seqs, stats = merge_calls([C("a", [1, 2, 3], [4, 5, 8, 9]), C("b", [1, 2, 3, 6, 8, 9, 7], [8])])
     (full,) = stats.mismatches
     ex = compact_mismatch(full, window=2)
-    assert ex == {"call_id": "b", "diverge_at": 3, "expected_len": 7, "prompt_len": 7, "in_response": True,
-                  "common_tail": [2, 3], "expected": [4, 5], "got": [6, 8]}
+    assert ex == {
+        "call_id": "b",
+        "diverge_at": 3,
+        "expected_len": 7,
+        "prompt_len": 7,
+        "in_response": True,
+        "common_tail": [2, 3],
+        "expected": [4, 5],
+        "got": [6, 8],
+    }
     text = format_mismatch(ex, decode)
     assert text.splitlines() == [
         "call b: prompt diverges at token 3 inside the previous response (expected context 7 tokens, prompt 7)",
@@ -692,7 +738,13 @@ def test_compact_and_format_mismatch_show_a_token_diff():
     assert format_mismatch(full, decode).splitlines()[0].startswith("call b: prompt diverges at token 3")
     assert "\\n" in format_mismatch(full, decode)
     # A prompt that simply ends early, and a divergence in earlier context.
-    short = {"call_id": "c", "expected_prefix": [1, 2, 3], "prompt": [1, 2], "diverge_at": 2, "response_start": 1}
+    short = {
+        "call_id": "c",
+        "expected_prefix": [1, 2, 3],
+        "prompt": [1, 2],
+        "diverge_at": 2,
+        "response_start": 1,
+    }
     lines = format_mismatch(short, decode).splitlines()
     assert lines[-1].startswith("+ got:      (end)") and "inside the previous response" in lines[0]
     early = dict(short, diverge_at=0, prompt=[9], response_start=2)

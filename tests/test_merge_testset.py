@@ -15,8 +15,15 @@ import pytest
 from tether.demo import testset as ts
 from tether.merger.merge import generation_prompt_tail, merge_calls
 
-FIXABLE = {"thinking", "non_thinking", "trailing_newline", "wrong_eos", "no_eos", "retry_error",
-           "retry_discarded"}
+FIXABLE = {
+    "thinking",
+    "non_thinking",
+    "trailing_newline",
+    "wrong_eos",
+    "no_eos",
+    "retry_error",
+    "retry_discarded",
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +45,19 @@ def test_generation_is_deterministic_and_the_incremental_encoding_exact():
     cfg = ts.TestSetConfig(n_rollouts=6, seed=3)
     a = ts.generate(cfg, verify=True)  # verify: every prompt equals a full encode of its text
     b = ts.generate(cfg)
-    assert [[(c.call_id, c.prompt_token_ids, c.response_token_ids, c.response_logprobs, c.status)
-             for c in r.calls] for r in a] == [
-        [(c.call_id, c.prompt_token_ids, c.response_token_ids, c.response_logprobs, c.status) for c in r.calls]
-        for r in b]
+    assert [
+        [
+            (c.call_id, c.prompt_token_ids, c.response_token_ids, c.response_logprobs, c.status)
+            for c in r.calls
+        ]
+        for r in a
+    ] == [
+        [
+            (c.call_id, c.prompt_token_ids, c.response_token_ids, c.response_logprobs, c.status)
+            for c in r.calls
+        ]
+        for r in b
+    ]
     c = ts.generate(ts.TestSetConfig(n_rollouts=6, seed=4))
     assert [r.calls[0].prompt_token_ids for r in c] != [r.calls[0].prompt_token_ids for r in a]
 
@@ -64,11 +80,14 @@ def test_template_drops_think_before_the_last_user_turn_and_rerenders_tool_calls
     text = tok.apply_chat_template(msgs, add_generation_prompt=False, tokenize=False)
     assert "<think>\nearly\n</think>" in text and "<think>\nlate\n</think>" in text
     assert '<tool_call>\n{"name": "read_file", "arguments": {"path": "x"}}\n</tool_call><|im_end|>' in text
-    text = tok.apply_chat_template(msgs + [{"role": "user", "content": "q2"}], add_generation_prompt=True,
-                                   tokenize=False)
+    text = tok.apply_chat_template(
+        msgs + [{"role": "user", "content": "q2"}], add_generation_prompt=True, tokenize=False
+    )
     assert "early" not in text and "late" not in text  # both turns now precede the last user turn
     assert text.endswith("<|im_start|>assistant\n")
-    text = tok.apply_chat_template(msgs[:2], add_generation_prompt=True, tokenize=False, enable_thinking=False)
+    text = tok.apply_chat_template(
+        msgs[:2], add_generation_prompt=True, tokenize=False, enable_thinking=False
+    )
     assert text.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
@@ -129,8 +148,11 @@ def test_unfixable_breakage_still_forks(rollouts, tail):
 def test_property_every_trainable_token_is_sampled_with_its_logprob(rollouts, tail):
     for ro in rollouts:
         by_id = {c.call_id: c for c in ro.calls}
-        for kwargs in ({}, {"strip_tail": tail, "realign_max": 8}, {"strip_tail": tail, "realign_max": 8,
-                                                                    "max_seq_len": 1500}):
+        for kwargs in (
+            {},
+            {"strip_tail": tail, "realign_max": 8},
+            {"strip_tail": tail, "realign_max": 8, "max_seq_len": 1500},
+        ):
             seqs, stats = merge_calls(ro.calls, **kwargs)
             for s in seqs:
                 covered: list[int] = []
@@ -150,4 +172,5 @@ def test_property_every_trainable_token_is_sampled_with_its_logprob(rollouts, ta
             if not kwargs:  # exact merging trains every sampled token of every kept call
                 kept = {cid for s in seqs for cid in s.call_ids}
                 assert sum(sum(s.loss_mask) for s in seqs) == sum(
-                    len(by_id[cid].response_token_ids) for cid in kept)
+                    len(by_id[cid].response_token_ids) for cid in kept
+                )

@@ -16,16 +16,34 @@ from tether.trainer.servicer import sample_from_proto
 
 
 async def _record(r, keys, rollout_id, calls, group_id, reward, status="completed", group_size=2, meta=None):
-    await r.hset(keys.rollout(rollout_id), mapping={"task_id": "t1", "group_id": group_id,
-                                                    "metadata": json.dumps(meta or {})})
+    await r.hset(
+        keys.rollout(rollout_id),
+        mapping={"task_id": "t1", "group_id": group_id, "metadata": json.dumps(meta or {})},
+    )
     for i, (prompt, response, ok, *spans) in enumerate(calls):
-        t = Trace(call_id=f"{rollout_id}-c{i}", rollout_id=rollout_id, api="chat.completions", request={},
-                  status="ok" if ok else "error", prompt_token_ids=prompt, response_token_ids=response,
-                  response_logprobs=[-0.5] * len(response), weight_version=3,
-                  weight_spans=spans[0] if spans else [])
-        await broker.publish_once(r, keys, keys.traces, t.call_id, t.to_dict(), index_list=keys.rollout_calls(rollout_id))
-    ev = RolloutEvent(rollout_id=rollout_id, task_id="t1", group_id=group_id, group_size=group_size, status=status,
-                      reward=reward)
+        t = Trace(
+            call_id=f"{rollout_id}-c{i}",
+            rollout_id=rollout_id,
+            api="chat.completions",
+            request={},
+            status="ok" if ok else "error",
+            prompt_token_ids=prompt,
+            response_token_ids=response,
+            response_logprobs=[-0.5] * len(response),
+            weight_version=3,
+            weight_spans=spans[0] if spans else [],
+        )
+        await broker.publish_once(
+            r, keys, keys.traces, t.call_id, t.to_dict(), index_list=keys.rollout_calls(rollout_id)
+        )
+    ev = RolloutEvent(
+        rollout_id=rollout_id,
+        task_id="t1",
+        group_id=group_id,
+        group_size=group_size,
+        status=status,
+        reward=reward,
+    )
     await broker.publish_once(r, keys, keys.rollout_events, f"final:{rollout_id}", ev.to_dict())
 
 
@@ -64,8 +82,18 @@ async def test_group_is_merged_scored_and_handed_over(redis_url):
 
     # Rollout a: two calls that extend each other (one sequence) plus a failed call that is dropped.
     # New weights (v4) arrived during its first call; its second call's spans do not cover its response.
-    await _record(r, keys, "a", [([1, 2], [3, 4], True, [[3, 0, 1], [4, 1, 2]]),
-                                 ([1, 2, 3, 4, 5], [6], True, [[4, 0, 2]]), ([9], [9], False)], "g", 1.0)
+    await _record(
+        r,
+        keys,
+        "a",
+        [
+            ([1, 2], [3, 4], True, [[3, 0, 1], [4, 1, 2]]),
+            ([1, 2, 3, 4, 5], [6], True, [[4, 0, 2]]),
+            ([9], [9], False),
+        ],
+        "g",
+        1.0,
+    )
     await _record(r, keys, "b", [([1, 2], [7], True)], "g", 0.0)
     merger = Merger(r, keys, MergerConfig(), submit)
     await _run_until(merger, lambda: asyncio.sleep(0, len(submitted) == 1))
@@ -121,8 +149,11 @@ async def test_zero_variance_groups_are_filtered_and_failed_rollouts_excluded(re
 async def test_bad_event_goes_to_dead_letter(redis_url):
     r = broker.connect(redis_url)
     keys = broker.Keys("t")
-    await broker.publish(r, keys.rollout_events, {"rollout_id": "x", "status": "exploded", "group_size": 1,
-                                                  "task_id": "t", "group_id": "g"})
+    await broker.publish(
+        r,
+        keys.rollout_events,
+        {"rollout_id": "x", "status": "exploded", "group_size": 1, "task_id": "t", "group_id": "g"},
+    )
 
     async def submit(*a):
         raise AssertionError("nothing to submit")
@@ -145,13 +176,28 @@ async def _publish_traces(r, keys, rollout_id, traces, group_id, reward, group_s
     """`traces`: dicts of Trace fields (extra keys such as "reward" are stored as they are)."""
     await r.hset(keys.rollout(rollout_id), mapping={"task_id": "t1", "group_id": group_id, "metadata": "{}"})
     for i, t in enumerate(traces):
-        rec = {"call_id": f"{rollout_id}-c{i}", "rollout_id": rollout_id, "api": "chat.completions", "request": {},
-               "status": "ok", "weight_version": 1, **t}
+        rec = {
+            "call_id": f"{rollout_id}-c{i}",
+            "rollout_id": rollout_id,
+            "api": "chat.completions",
+            "request": {},
+            "status": "ok",
+            "weight_version": 1,
+            **t,
+        }
         if "response_logprobs" not in t:
             rec["response_logprobs"] = [-0.5] * len(rec.get("response_token_ids", []))
-        await broker.publish_once(r, keys, keys.traces, rec["call_id"], rec, index_list=keys.rollout_calls(rollout_id))
-    ev = RolloutEvent(rollout_id=rollout_id, task_id="t1", group_id=group_id, group_size=group_size, status=status,
-                      reward=reward)
+        await broker.publish_once(
+            r, keys, keys.traces, rec["call_id"], rec, index_list=keys.rollout_calls(rollout_id)
+        )
+    ev = RolloutEvent(
+        rollout_id=rollout_id,
+        task_id="t1",
+        group_id=group_id,
+        group_size=group_size,
+        status=status,
+        reward=reward,
+    )
     await broker.publish_once(r, keys, keys.rollout_events, f"final:{rollout_id}", ev.to_dict())
 
 
@@ -162,6 +208,7 @@ def T(prompt, response, **kw):
 async def _results(r, keys, n):
     async def enough():
         return len(await broker.read_all(r, keys.group_results)) >= n
+
     return enough
 
 
@@ -174,7 +221,9 @@ async def test_group_result_accounting_rejections_and_mismatch_stream(redis_url)
     def dropped_metric(reason):
         return REGISTRY.get_sample_value("tether_merger_calls_dropped_total", {"reason": reason}) or 0.0
 
-    before = {k: dropped_metric(k) for k in ("missing_token_ids", "bad_logprobs", "error", "missing_logprobs")}
+    before = {
+        k: dropped_metric(k) for k in ("missing_token_ids", "bad_logprobs", "error", "missing_logprobs")
+    }
     r = broker.connect(redis_url)
     keys = broker.Keys("t")
     submitted = []
@@ -184,25 +233,48 @@ async def test_group_result_accounting_rejections_and_mismatch_stream(redis_url)
 
     # a: a realigned call (stop token re-rendered), then a history rewrite (fork), plus rejected calls:
     # no token ids (bypassed the gateway / non-vLLM upstream), NaN logprob, errored, short logprobs.
-    await _publish_traces(r, keys, "a", [
-        T([1, 2], [3, 4, 99]),
-        T([1, 2, 3, 4, 98, 5], [6]),  # realign: 99 re-rendered as 98
-        T([], [], response_logprobs=[]),
-        T([1, 2, 3], [7], response_logprobs=[float("nan")]),
-        T([1, 2, 3], [7], status="error"),
-        T([1, 2, 3], [7, 8], response_logprobs=[-0.1]),
-        T([1, 50, 51], [9]),  # fork: diverges at index 1, in earlier context
-    ], "g", 1.0)
+    await _publish_traces(
+        r,
+        keys,
+        "a",
+        [
+            T([1, 2], [3, 4, 99]),
+            T([1, 2, 3, 4, 98, 5], [6]),  # realign: 99 re-rendered as 98
+            T([], [], response_logprobs=[]),
+            T([1, 2, 3], [7], response_logprobs=[float("nan")]),
+            T([1, 2, 3], [7], status="error"),
+            T([1, 2, 3], [7, 8], response_logprobs=[-0.1]),
+            T([1, 50, 51], [9]),  # fork: diverges at index 1, in earlier context
+        ],
+        "g",
+        1.0,
+    )
     await _publish_traces(r, keys, "b", [T([1, 2], [7])], "g", 0.0)
     merger = Merger(r, keys, MergerConfig(), submit)
     await _run_until(merger, await _results(r, keys, 1))
     (res,) = [rec for _, rec in await broker.read_all(r, keys.group_results)]
-    for k in ("group_id", "outcome", "rewards", "samples", "tokens", "sequences", "forks", "completed",
-              "rollouts", "eval", "min_weight_version"):
+    for k in (
+        "group_id",
+        "outcome",
+        "rewards",
+        "samples",
+        "tokens",
+        "sequences",
+        "forks",
+        "completed",
+        "rollouts",
+        "eval",
+        "min_weight_version",
+    ):
         assert k in res
     assert res["outcome"] == "trained" and res["sequences"] == 3 and res["forks"] == 1
     assert res["single_sequence_rollouts"] == 1 and res["realigns"] == 1 and res["truncated"] == 0
-    assert res["dropped_calls"] == {"missing_token_ids": 1, "bad_logprobs": 1, "error": 1, "missing_logprobs": 1}
+    assert res["dropped_calls"] == {
+        "missing_token_ids": 1,
+        "bad_logprobs": 1,
+        "error": 1,
+        "missing_logprobs": 1,
+    }
     (mm,) = res["mismatches"]
     assert mm["rollout_id"] == "a" and mm["diverge_at"] == 1 and mm["in_response"] is False
     assert mm["common_tail"] == [1] and mm["expected"][:2] == [2, 3] and mm["got"] == [50, 51]
@@ -214,7 +286,7 @@ async def test_group_result_accounting_rejections_and_mismatch_stream(redis_url)
     a = [s for s in submitted[0] if s.rollout_id == "a"]
     assert a[0].token_ids == [1, 2, 3, 4, 98, 5, 6] and a[0].loss_mask == [0, 0, 1, 1, 0, 0, 1]
     # Mismatch examples also go to their own stream, readable as a token diff.
-    (_, rec), = await broker.read_all(r, mismatch_stream(keys))
+    ((_, rec),) = await broker.read_all(r, mismatch_stream(keys))
     assert rec["group_id"] == "g" and rec["rollout_id"] == "a" and rec["call_id"] == "a-c6"
     text = format_mismatch(rec, lambda ids: " ".join(f"w{i}" for i in ids))
     assert "- expected: w2 w3" in text and "+ got:      w50 w51" in text and "rollout a" in text
@@ -265,11 +337,14 @@ async def test_sample_level_advantage_counts_every_sequence(redis_url):
     await r.aclose()
 
 
-@pytest.mark.parametrize("call_rewards,gamma,expected", [
-    (True, 0.5, {"a": [0.35, 0.65], "b": [-0.35]}),  # G(a) = 0.2 + 0.5 * 1.0 = 0.7, then 1.0; G(b) = 0
-    (False, 0.5, {"a": [0.25, 0.75], "b": [-0.25]}),  # outcome only, discounted: G(a) = 0.5, then 1.0
-    (False, 1.0, {"a": [0.5, 0.5], "b": [-0.5]}),  # the default: one advantage per rollout
-])
+@pytest.mark.parametrize(
+    "call_rewards,gamma,expected",
+    [
+        (True, 0.5, {"a": [0.35, 0.65], "b": [-0.35]}),  # G(a) = 0.2 + 0.5 * 1.0 = 0.7, then 1.0; G(b) = 0
+        (False, 0.5, {"a": [0.25, 0.75], "b": [-0.25]}),  # outcome only, discounted: G(a) = 0.5, then 1.0
+        (False, 1.0, {"a": [0.5, 0.5], "b": [-0.5]}),  # the default: one advantage per rollout
+    ],
+)
 async def test_per_call_rewards_and_turn_discount(redis_url, call_rewards, gamma, expected):
     r = broker.connect(redis_url)
     keys = broker.Keys("t")
@@ -286,9 +361,11 @@ async def test_per_call_rewards_and_turn_discount(redis_url, call_rewards, gamma
     by = {s.rollout_id: s for s in got}
     assert by["a"].token_ids == [1, 2, 3, 4]
     assert [a for a, m in zip(by["a"].advantages, by["a"].loss_mask, strict=True) if m] == pytest.approx(
-        expected["a"], abs=1e-6)
+        expected["a"], abs=1e-6
+    )
     assert [a for a, m in zip(by["b"].advantages, by["b"].loss_mask, strict=True) if m] == pytest.approx(
-        expected["b"], abs=1e-6)
+        expected["b"], abs=1e-6
+    )
     await r.aclose()
 
 
@@ -347,19 +424,39 @@ def test_settings_names_and_strip_tail_from_model_dir(tmp_path, monkeypatch):
     from tether.demo.tiny import build_tokenizer as chatml_tokenizer
     from tether.merger.main import MergerSettings, config_from_settings
 
-    for k, v in {"TETHER_REDIS_URL": "redis://127.0.0.1:1/0", "TETHER_MERGER_GRPC_PORT": "1",
-                 "TETHER_TRAINER_ADDRESS": "127.0.0.1:2", "TETHER_MERGE_MODE": "per-call",
-                 "TETHER_REALIGN_MAX": "4", "TETHER_MAX_PROMPT_LEN": "100", "TETHER_MAX_SEQ_LEN": "200",
-                 "TETHER_OVERLONG": "truncate", "TETHER_ADVANTAGE_ESTIMATOR": "rloo",
-                 "TETHER_ADVANTAGE_LEVEL": "sample", "TETHER_FILTER_ZERO_VARIANCE": "false",
-                 "TETHER_GROUP_TIMEOUT_S": "30", "TETHER_CALL_REWARDS": "true", "TETHER_TURN_DISCOUNT": "0.9",
-                 "TETHER_STRIP_TAIL": "[7, 8]"}.items():
+    for k, v in {
+        "TETHER_REDIS_URL": "redis://127.0.0.1:1/0",
+        "TETHER_MERGER_GRPC_PORT": "1",
+        "TETHER_TRAINER_ADDRESS": "127.0.0.1:2",
+        "TETHER_MERGE_MODE": "per-call",
+        "TETHER_REALIGN_MAX": "4",
+        "TETHER_MAX_PROMPT_LEN": "100",
+        "TETHER_MAX_SEQ_LEN": "200",
+        "TETHER_OVERLONG": "truncate",
+        "TETHER_ADVANTAGE_ESTIMATOR": "rloo",
+        "TETHER_ADVANTAGE_LEVEL": "sample",
+        "TETHER_FILTER_ZERO_VARIANCE": "false",
+        "TETHER_GROUP_TIMEOUT_S": "30",
+        "TETHER_CALL_REWARDS": "true",
+        "TETHER_TURN_DISCOUNT": "0.9",
+        "TETHER_STRIP_TAIL": "[7, 8]",
+    }.items():
         monkeypatch.setenv(k, v)
     cfg = config_from_settings(MergerSettings())
-    assert cfg == MergerConfig(mode="per-call", estimator="rloo", filter_zero_variance=False, max_seq_len=200,
-                               max_prompt_len=100, overlong="truncate", strip_tail=(7, 8), realign_max=4,
-                               advantage_level="sample", group_timeout_s=30.0, call_rewards=True,
-                               turn_discount=0.9)
+    assert cfg == MergerConfig(
+        mode="per-call",
+        estimator="rloo",
+        filter_zero_variance=False,
+        max_seq_len=200,
+        max_prompt_len=100,
+        overlong="truncate",
+        strip_tail=(7, 8),
+        realign_max=4,
+        advantage_level="sample",
+        group_timeout_s=30.0,
+        call_rewards=True,
+        turn_discount=0.9,
+    )
     monkeypatch.setenv("TETHER_OVERLONG", "cut")
     with pytest.raises(ValueError):
         MergerSettings()
@@ -385,8 +482,16 @@ def test_settings_names_and_strip_tail_from_model_dir(tmp_path, monkeypatch):
 
 
 def test_config_validation():
-    for bad in ({"mode": "exact"}, {"estimator": "ppo"}, {"overlong": "cut"}, {"advantage_level": "token"},
-                {"realign_max": -1}, {"max_seq_len": 0}, {"turn_discount": 1.5}, {"group_timeout_s": -1}):
+    for bad in (
+        {"mode": "exact"},
+        {"estimator": "ppo"},
+        {"overlong": "cut"},
+        {"advantage_level": "token"},
+        {"realign_max": -1},
+        {"max_seq_len": 0},
+        {"turn_discount": 1.5},
+        {"group_timeout_s": -1},
+    ):
         with pytest.raises(ValueError):
             MergerConfig(**bad)
 
@@ -428,14 +533,37 @@ async def test_failed_attempts_are_retried_then_excluded(redis_url):
 
 def test_n_greater_than_one_choices_become_sibling_sequences():
     merger = Merger(None, broker.Keys("t"), MergerConfig(), None)
-    trace = Trace(call_id="c0", rollout_id="r", api="chat.completions", request={}, status="ok",
-                  prompt_token_ids=[1, 2], response_token_ids=[3, 4], response_logprobs=[-0.1, -0.2],
-                  weight_version=2, weight_spans=[[2, 0, 1], [3, 1, 2]],
-                  extra_choices=[{"index": 1, "token_ids": [5], "logprobs": [-0.3], "finish_reason": "stop",
-                                  "weight_spans": [[3, 0, 1]]},
-                                 {"index": 2, "token_ids": [6, 7], "logprobs": [-0.3, -0.4], "finish_reason": "stop",
-                                  "weight_spans": [[3, 0, 1]]}])  # spans that do not cover: not reported
-    event = RolloutEvent(rollout_id="r", task_id="t", group_id="g", group_size=1, status="completed", reward=1.0)
+    trace = Trace(
+        call_id="c0",
+        rollout_id="r",
+        api="chat.completions",
+        request={},
+        status="ok",
+        prompt_token_ids=[1, 2],
+        response_token_ids=[3, 4],
+        response_logprobs=[-0.1, -0.2],
+        weight_version=2,
+        weight_spans=[[2, 0, 1], [3, 1, 2]],
+        extra_choices=[
+            {
+                "index": 1,
+                "token_ids": [5],
+                "logprobs": [-0.3],
+                "finish_reason": "stop",
+                "weight_spans": [[3, 0, 1]],
+            },
+            {
+                "index": 2,
+                "token_ids": [6, 7],
+                "logprobs": [-0.3, -0.4],
+                "finish_reason": "stop",
+                "weight_spans": [[3, 0, 1]],
+            },
+        ],
+    )  # spans that do not cover: not reported
+    event = RolloutEvent(
+        rollout_id="r", task_id="t", group_id="g", group_size=1, status="completed", reward=1.0
+    )
     merged = merger.merge_records(event, [trace.to_dict()], {})
     assert [s["token_ids"] for s in merged["sequences"]] == [[1, 2, 3, 4], [1, 2, 5], [1, 2, 6, 7]]
     assert merged["sequences"][1]["loss_mask"] == [0, 0, 1]
@@ -443,7 +571,10 @@ def test_n_greater_than_one_choices_become_sibling_sequences():
     assert merged["choice_branches"] == 2
     # Each choice keeps the weights that sampled it; a sample's version is its oldest token's.
     assert [(s["weight_spans"], s["weight_version"]) for s in merged["sequences"]] == [
-        ([(2, 2, 3), (3, 3, 4)], 2), ([(3, 2, 3)], 3), ([(2, 2, 4)], 2)]
+        ([(2, 2, 3), (3, 3, 4)], 2),
+        ([(3, 2, 3)], 3),
+        ([(2, 2, 4)], 2),
+    ]
 
 
 async def _status(merger):
@@ -476,11 +607,32 @@ async def test_status_over_grpc_counts_what_the_merger_did(redis_url):
     # a: realigned, then forked by a mismatch, plus a call without token ids; its second call was
     # rewarded on the gateway's route. The group (3) resolves at its deadline; c arrives late.
     await r.hset(keys.call_rewards("a"), mapping={"a-c1": "0.5", "a-c2": "9.0"})  # a-c2 is not trained on
-    await _publish_traces(r, keys, "a", [T([1, 2], [3, 4, 99]), T([1, 2, 3, 4, 98, 5], [6]),
-                                         T([], [], response_logprobs=[]), T([1, 50, 51], [9])], "g", 1.0, 3)
+    await _publish_traces(
+        r,
+        keys,
+        "a",
+        [
+            T([1, 2], [3, 4, 99]),
+            T([1, 2, 3, 4, 98, 5], [6]),
+            T([], [], response_logprobs=[]),
+            T([1, 50, 51], [9]),
+        ],
+        "g",
+        1.0,
+        3,
+    )
     await _publish_traces(r, keys, "b", [T([1, 2], [7])], "g", 0.0, 3)
-    await _record(r, keys, "d0", [([1], [2], True)], "h", None, status="failed", group_size=2,
-                  meta={"attempt": 0, "max_attempts": 2})
+    await _record(
+        r,
+        keys,
+        "d0",
+        [([1], [2], True)],
+        "h",
+        None,
+        status="failed",
+        group_size=2,
+        meta={"attempt": 0, "max_attempts": 2},
+    )
     merger = Merger(r, keys, MergerConfig(group_timeout_s=0.3, call_rewards=True), submit)
     await _run_until(merger, await _results(r, keys, 1))
     await _publish_traces(r, keys, "c", [T([1], [4])], "g", 1.0, 3)

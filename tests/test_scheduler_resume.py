@@ -40,7 +40,9 @@ def _stack(work: Path) -> dict | None:
 
 
 def _logs(run_dir: Path) -> str:
-    return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in (run_dir / "logs").glob("*.log"))
+    return "\n".join(
+        f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in (run_dir / "logs").glob("*.log")
+    )
 
 
 @pytest.mark.parametrize("mode", ["colocated-sync", "disaggregated-async"])
@@ -48,9 +50,28 @@ def test_killed_scheduler_resumes_the_run(tmp_path, mode):
     run_dir = tmp_path / "run"
     out = open(tmp_path / "demo.out", "w")
     demo = subprocess.Popen(
-        [*TETHER, "demo", "--mode", mode, "--steps", str(STEPS), "--tasks-per-step", "2", "--group-size", "4",
-         "--eval-repeats", "0", "--run-dir", str(run_dir), "--quiet"],
-        cwd=tmp_path, stdout=out, stderr=subprocess.STDOUT, text=True)
+        [
+            *TETHER,
+            "demo",
+            "--mode",
+            mode,
+            "--steps",
+            str(STEPS),
+            "--tasks-per-step",
+            "2",
+            "--group-size",
+            "4",
+            "--eval-repeats",
+            "0",
+            "--run-dir",
+            str(run_dir),
+            "--quiet",
+        ],
+        cwd=tmp_path,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     kills: list[tuple[str, int, int]] = []  # (status, step, pid killed)
     r = None
     try:
@@ -73,11 +94,19 @@ def test_killed_scheduler_resumes_the_run(tmp_path, mode):
             # (Async modes score groups all the time.)
             if status == "rolling_out" and mode == "colocated-sync":
                 busy = bool(state.get("results_cursor")) and bool(
-                    r.xrange(keys.group_results, min=f"({state['results_cursor']}", count=1))
+                    r.xrange(keys.group_results, min=f"({state['results_cursor']}", count=1)
+                )
             else:
-                busy = status != "training" or f"training step {state.get('step')} " in trainer_log.read_text()
-            if state.get("status") == status and state.get("step", -1) >= at and busy and alive(pid) \
-                    and all(pid != k[2] for k in kills):
+                busy = (
+                    status != "training" or f"training step {state.get('step')} " in trainer_log.read_text()
+                )
+            if (
+                state.get("status") == status
+                and state.get("step", -1) >= at
+                and busy
+                and alive(pid)
+                and all(pid != k[2] for k in kills)
+            ):
                 os.killpg(pid, signal.SIGKILL)
                 kills.append((status, state["step"], pid))
                 pending.pop(0)
@@ -124,5 +153,7 @@ def test_killed_scheduler_resumes_the_run(tmp_path, mode):
 
     # Inference ended on the final version, loaded once per version (twice at most for a step whose
     # push a kill cut short), in order.
-    loads = [int(v) for v in re.findall(r"as version (\d+)", (run_dir / "logs" / "inference.log").read_text())]
+    loads = [
+        int(v) for v in re.findall(r"as version (\d+)", (run_dir / "logs" / "inference.log").read_text())
+    ]
     assert loads[-1] == version and sorted(loads) == loads and set(loads) == set(range(1, version + 1)), loads

@@ -18,7 +18,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tether.demo import tiny
 from tether.demo.warmstart import tokenize_conversation, warm_start
 
-AGENT_PATH = Path(__file__).resolve().parent.parent / "services" / "tether" / "examples" / "calculator" / "agent.py"
+AGENT_PATH = (
+    Path(__file__).resolve().parent.parent / "services" / "tether" / "examples" / "calculator" / "agent.py"
+)
 
 
 def _load_agent() -> ModuleType:

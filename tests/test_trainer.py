@@ -34,8 +34,15 @@ torch.set_num_threads(1)
 
 def _model(seed: int = 0) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=40, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+    cfg = LlamaConfig(
+        vocab_size=40,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+    )
     return LlamaForCausalLM(cfg).float()
 
 
@@ -49,20 +56,37 @@ def _samples(model, n: int = 6, seed: int = 1) -> list[SampleRecord]:
         prompt = int(torch.randint(2, 4, (1,), generator=g))
         mask = [0] * prompt + [1] * (length - prompt)
         with torch.no_grad():
-            lp = token_logprobs(model, torch.tensor([ids]), torch.ones(1, length, dtype=torch.long))[0].tolist()
+            lp = token_logprobs(model, torch.tensor([ids]), torch.ones(1, length, dtype=torch.long))[
+                0
+            ].tolist()
         logprobs = [0.0] + [lp[t - 1] if mask[t] else 0.0 for t in range(1, length)]
         adv = 1.0 if i % 2 == 0 else -1.0
-        out.append(SampleRecord(rollout_id=f"r{i // 2}", group_id="g", task_id="t", sequence_index=i % 2,
-                                token_ids=ids, loss_mask=mask, rollout_logprobs=logprobs,
-                                advantages=[adv * m for m in mask], reward=float(adv > 0), weight_version=0))
+        out.append(
+            SampleRecord(
+                rollout_id=f"r{i // 2}",
+                group_id="g",
+                task_id="t",
+                sequence_index=i % 2,
+                token_ids=ids,
+                loss_mask=mask,
+                rollout_logprobs=logprobs,
+                advantages=[adv * m for m in mask],
+                reward=float(adv > 0),
+                weight_version=0,
+            )
+        )
     return out
 
 
 def _shifted(samples: list[SampleRecord], delta: float) -> list[SampleRecord]:
     """The same samples with the engine's logprobs moved by `delta` (train/rollout ratio exp(-delta))."""
-    return [dataclasses.replace(s, rollout_logprobs=[lp + delta * m for lp, m in zip(s.rollout_logprobs, s.loss_mask,
-                                                                                     strict=True)])
-            for s in samples]
+    return [
+        dataclasses.replace(
+            s,
+            rollout_logprobs=[lp + delta * m for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True)],
+        )
+        for s in samples
+    ]
 
 
 def _flat(model) -> torch.Tensor:
@@ -179,28 +203,45 @@ def test_off_policy_modes_in_a_step():
 
 def test_staleness_metrics():
     base = _model()
-    samples = [dataclasses.replace(s, weight_version=v) for s, v in zip(_samples(base, n=4), (1, 3, 3, 5),
-                                                                         strict=True)]
+    samples = [
+        dataclasses.replace(s, weight_version=v)
+        for s, v in zip(_samples(base, n=4), (1, 3, 3, 5), strict=True)
+    ]
     _, m = _step(base, samples, StepConfig(), lr=0.0, version=5)
     assert m["staleness_max"] == 4.0 and m["staleness_mean"] == pytest.approx(2.0)
     # No spans: every trainable token counts at its sample's version.
     mask = [sum(s.loss_mask) for s in samples]
-    assert m["token_staleness_mean"] == pytest.approx(sum(n * (5 - v) for n, v in zip(mask, (1, 3, 3, 5),
-                                                                                       strict=True)) / sum(mask))
+    assert m["token_staleness_mean"] == pytest.approx(
+        sum(n * (5 - v) for n, v in zip(mask, (1, 3, 3, 5), strict=True)) / sum(mask)
+    )
     assert m["token_staleness_max"] == 4.0 and m["mixed_version_fraction"] == 0.0
 
 
 def test_token_staleness_counts_trainable_tokens_of_each_span():
     def sample(mask, version, spans=()):
-        return SampleRecord(rollout_id="r", group_id="g", task_id="t", sequence_index=0, token_ids=[1] * len(mask),
-                            loss_mask=mask, rollout_logprobs=[0.0] * len(mask), advantages=[0.0] * len(mask),
-                            reward=0.0, weight_version=version, weight_spans=[list(x) for x in spans])
+        return SampleRecord(
+            rollout_id="r",
+            group_id="g",
+            task_id="t",
+            sequence_index=0,
+            token_ids=[1] * len(mask),
+            loss_mask=mask,
+            rollout_logprobs=[0.0] * len(mask),
+            advantages=[0.0] * len(mask),
+            reward=0.0,
+            weight_version=version,
+            weight_spans=[list(x) for x in spans],
+        )
+
     # Sampled across a push: 1 token by v3, 3 by v4; the other sample has no spans (all its 2 tokens v2).
     mixed = sample([0, 1, 1, 0, 1, 1], 3, [(3, 1, 2), (4, 2, 3), (4, 4, 6)])
     plain = sample([0, 0, 1, 1], 2)
     got = token_staleness_stats([mixed, plain], version=5)
-    assert got == {"token_staleness_mean": pytest.approx((2 + 3 * 1 + 2 * 3) / 6), "token_staleness_max": 3.0,
-                   "mixed_version_fraction": 0.5}
+    assert got == {
+        "token_staleness_mean": pytest.approx((2 + 3 * 1 + 2 * 3) / 6),
+        "token_staleness_max": 3.0,
+        "mixed_version_fraction": 0.5,
+    }
     assert token_staleness_stats([], 5)["token_staleness_mean"] == 0.0
     with pytest.raises(ValueError, match="off-policy"):
         StepConfig(off_policy="is")
@@ -231,7 +272,9 @@ def test_checkpoint_reloads_identically(tmp_path):
     tokenizer = _tokenizer()
     model = _model()
     path = save_checkpoint(model, tokenizer, tmp_path, version=3, trainer_state={"version": 3})
-    assert path.name == "v000003" and list(path.glob("*.safetensors")) and (path / "trainer_state.pt").exists()
+    assert (
+        path.name == "v000003" and list(path.glob("*.safetensors")) and (path / "trainer_state.pt").exists()
+    )
     for v in (4, 5, 6):
         save_checkpoint(model, tokenizer, tmp_path, version=v, keep=2)
     assert sorted(p.name for p in tmp_path.glob("v*")) == ["v000005", "v000006"]
@@ -253,8 +296,14 @@ def test_optimizer_shards_resume_the_run_and_gate_the_checkpoint(tmp_path):
     train_step(model, opt, samples, StepConfig())
     staging = weights.optimizer_staging(tmp_path, 1)
     distributed.save_optimizer(model, opt, staging)
-    path = save_checkpoint(model, tokenizer, tmp_path, version=1, optimizer_dir=staging,
-                           trainer_state={"version": 1, "optimizer_dir": weights.OPTIMIZER_DIR})
+    path = save_checkpoint(
+        model,
+        tokenizer,
+        tmp_path,
+        version=1,
+        optimizer_dir=staging,
+        trainer_state={"version": 1, "optimizer_dir": weights.OPTIMIZER_DIR},
+    )
     assert (path / "optimizer" / ".metadata").is_file() and not staging.exists()
     cont.load_state_dict(model.state_dict())
     train_step(model, opt, samples, StepConfig())  # the uninterrupted run's second step
@@ -311,9 +360,18 @@ def test_lora_step_and_merged_checkpoint(tmp_path):
 def test_invalid_samples_are_named(bad):
     from tether.trainer.servicer import validate
 
-    s = SampleRecord(rollout_id="r", group_id="g", task_id="t", sequence_index=0, token_ids=[1, 2, 3],
-                     loss_mask=[0, 1, 1], rollout_logprobs=[0, -1, -1], advantages=[0, 1, 1], reward=1.0,
-                     weight_version=0)
+    s = SampleRecord(
+        rollout_id="r",
+        group_id="g",
+        task_id="t",
+        sequence_index=0,
+        token_ids=[1, 2, 3],
+        loss_mask=[0, 1, 1],
+        rollout_logprobs=[0, -1, -1],
+        advantages=[0, 1, 1],
+        reward=1.0,
+        weight_version=0,
+    )
     assert validate(s, 40) is None
     if bad == "short":
         s.token_ids, s.loss_mask, s.rollout_logprobs, s.advantages = [1], [1], [0.0], [0.0]

@@ -41,8 +41,13 @@ def _train(engine, model, samples: list[SampleRecord], mode: str, rank: int, wor
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+    )
     torch.set_num_threads(1)
     d = distributed.init("cpu")
     try:
@@ -89,8 +94,13 @@ def test_torchrun_service_with_two_ranks_matches_one_rank(tmp_path):
 
     model_dir = tiny_model_dir(tmp_path / "model")
     groups = group_requests(2)
-    proc = TrainerProcess(model_dir, tmp_path / "ckpt", tmp_path / "torchrun.log", nproc=2,
-                          env={"TETHER_MICRO_BATCH_TOKENS": "24", "TETHER_DIST_HEARTBEAT_S": "0.2"}).start()
+    proc = TrainerProcess(
+        model_dir,
+        tmp_path / "ckpt",
+        tmp_path / "torchrun.log",
+        nproc=2,
+        env={"TETHER_MICRO_BATCH_TOKENS": "24", "TETHER_DIST_HEARTBEAT_S": "0.2"},
+    ).start()
     try:
         proc.wait_ready(240)
         for g in groups:

@@ -18,8 +18,13 @@ CUDA_ONLY = {"bf16", "packing_bf16"}
 
 
 def test_trainer_gpu_bench_runs_on_cpu():
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "trainer_gpu"), "--device", "cpu", "--small"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "trainer_gpu"), "--device", "cpu", "--small"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["ok"] is True and report["complete"] is True

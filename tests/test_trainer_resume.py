@@ -37,11 +37,22 @@ def group_requests(n_groups: int) -> list[trainer_pb2.SubmitGroupRequest]:
     out = []
     for g in range(n_groups):
         gid = f"g{g}"
-        samples = [types_pb2.Sample(
-            rollout_id=f"{gid}-{s.rollout_id}", group_id=gid, task_id="t", sequence_index=s.sequence_index,
-            token_ids=s.token_ids, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
-            advantages=s.advantages, reward=s.reward, weight_version=0, rollout_sequences=2)
-            for s in _samples(model, n=4, seed=100 + g)]
+        samples = [
+            types_pb2.Sample(
+                rollout_id=f"{gid}-{s.rollout_id}",
+                group_id=gid,
+                task_id="t",
+                sequence_index=s.sequence_index,
+                token_ids=s.token_ids,
+                loss_mask=s.loss_mask,
+                rollout_logprobs=s.rollout_logprobs,
+                advantages=s.advantages,
+                reward=s.reward,
+                weight_version=0,
+                rollout_sequences=2,
+            )
+            for s in _samples(model, n=4, seed=100 + g)
+        ]
         out.append(trainer_pb2.SubmitGroupRequest(group_id=gid, samples=samples, rollouts=2))
     return out
 
@@ -53,26 +64,50 @@ def step(n: int, groups: int = 1) -> trainer_pb2.TrainStepRequest:
 class TrainerProcess:
     """`python -m tether.trainer` (or torchrun with `nproc` ranks) with TETHER_* settings, and a stub."""
 
-    def __init__(self, model_dir: Path, checkpoint_dir: Path, log_path: Path, nproc: int = 1,
-                 env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        checkpoint_dir: Path,
+        log_path: Path,
+        nproc: int = 1,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.log_path = log_path
         base = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_")}
-        self.env = {**base, "TETHER_TRAINER_GRPC_PORT": str(self.port), "TETHER_MODEL_DIR": str(model_dir),
-                    "TETHER_CHECKPOINT_DIR": str(checkpoint_dir), "TETHER_DEVICE": "cpu", "TETHER_SEED": "0",
-                    "TETHER_LR": "0.01", "TETHER_LOG_LEVEL": "INFO", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.env = {
+            **base,
+            "TETHER_TRAINER_GRPC_PORT": str(self.port),
+            "TETHER_MODEL_DIR": str(model_dir),
+            "TETHER_CHECKPOINT_DIR": str(checkpoint_dir),
+            "TETHER_DEVICE": "cpu",
+            "TETHER_SEED": "0",
+            "TETHER_LR": "0.01",
+            "TETHER_LOG_LEVEL": "INFO",
+            "OMP_NUM_THREADS": "1",
+            **(env or {}),
+        }
         if nproc == 1:
             self.cmd = [sys.executable, "-m", "tether.trainer"]
         else:
-            self.cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
-                        "--master-addr=127.0.0.1", f"--master-port={free_port()}", "-m", "tether.trainer"]
+            self.cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                f"--nproc-per-node={nproc}",
+                "--master-addr=127.0.0.1",
+                f"--master-port={free_port()}",
+                "-m",
+                "tether.trainer",
+            ]
         self.proc: subprocess.Popen | None = None
         self.channel: grpc.Channel | None = None
 
     def start(self) -> TrainerProcess:
         log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.port}")
         self.stub = trainer_pb2_grpc.TrainerStub(self.channel)
         return self
@@ -183,18 +218,28 @@ def test_killed_trainer_resumes_and_matches_an_uninterrupted_run(tmp_path):
     assert not list((tmp_path / "crashing" / "buffer").glob("*.group"))
 
 
-
 def _core(model_dir: Path, folder: Path, **overrides):
     """A rank-0 trainer core built by the service's own build/resume path, in this process."""
     from tether.trainer.distributed import Dist
     from tether.trainer.main import TrainerSettings, build
     from tether.trainer.servicer import TrainerCore
 
-    s = TrainerSettings(trainer_grpc_port=0, model_dir=str(model_dir), checkpoint_dir=str(folder), device="cpu",
-                        lr=0.01, **overrides)
+    s = TrainerSettings(
+        trainer_grpc_port=0,
+        model_dir=str(model_dir),
+        checkpoint_dir=str(folder),
+        device="cpu",
+        lr=0.01,
+        **overrides,
+    )
     runner, tokenizer, resume = build(s, Dist())
-    return TrainerCore(runner, tokenizer, folder, resumed=resume.state if resume else None,
-                       settings={"lora_rank": s.lora_rank})
+    return TrainerCore(
+        runner,
+        tokenizer,
+        folder,
+        resumed=resume.state if resume else None,
+        settings={"lora_rank": s.lora_rank},
+    )
 
 
 def _train(core, n: int, *args, **kwargs):
@@ -238,8 +283,15 @@ def test_lora_trainer_resumes_in_process(tmp_path):
     for name in a:
         torch.testing.assert_close(b[name], a[name], atol=1e-6, rtol=0, msg=name)
     with pytest.raises(SystemExit, match="lora_rank"):  # a LoRA run does not resume as full fine-tuning
-        build(TrainerSettings(trainer_grpc_port=0, model_dir=str(model_dir), checkpoint_dir=str(tmp_path / "b"),
-                              device="cpu"), Dist())
+        build(
+            TrainerSettings(
+                trainer_grpc_port=0,
+                model_dir=str(model_dir),
+                checkpoint_dir=str(tmp_path / "b"),
+                device="cpu",
+            ),
+            Dist(),
+        )
 
 
 def test_scheduler_chosen_groups_and_drops(tmp_path):
@@ -271,6 +323,11 @@ def test_settings_fail_fast():
     from tether.trainer.main import TrainerSettings
 
     base = {"trainer_grpc_port": 0, "model_dir": "m", "checkpoint_dir": "c"}
-    for bad in ({"off_policy": "is"}, {"loss_mode": "mean"}, {"mask_low": 1.5}, {"lora_rank": 4, "fsdp": True}):
+    for bad in (
+        {"off_policy": "is"},
+        {"loss_mode": "mean"},
+        {"mask_low": 1.5},
+        {"lora_rank": 4, "fsdp": True},
+    ):
         with pytest.raises(ValidationError):
             TrainerSettings(**base, **bad)

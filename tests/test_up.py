@@ -18,10 +18,14 @@ def test_up_trains_on_groups_users_complete(tmp_path):
             ro = httpx.post(f"{gw}/v1/rollouts", json={"task_id": "3+4", "group_id": "g1"}).json()
             client = openai.OpenAI(base_url=ro["base_url"], api_key=ro["api_key"])
             reply = client.chat.completions.create(
-                model=ro["model"], messages=[{"role": "user", "content": "what is 3 + 4 ?"}], max_tokens=6)
+                model=ro["model"], messages=[{"role": "user", "content": "what is 3 + 4 ?"}], max_tokens=6
+            )
             assert reply.choices[0].message.content is not None
-            done = httpx.post(f"{gw}/v1/rollouts/{ro['rollout_id']}/complete", json={"reward": reward},
-                              headers={"Authorization": f"Bearer {ro['api_key']}"})
+            done = httpx.post(
+                f"{gw}/v1/rollouts/{ro['rollout_id']}/complete",
+                json={"reward": reward},
+                headers={"Authorization": f"Bearer {ro['api_key']}"},
+            )
             assert done.status_code == 200, done.text
 
         def samples():

@@ -54,8 +54,17 @@ from tether.v1 import inference_pb2
 VLLM_PYTHON = Path.home() / ".cache" / "tether" / "vllm-venv" / "bin" / "python"
 GROUP_TIMEOUT_S = 15.0
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int8,
-          torch.uint8, torch.bool]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
 
 
 def make_tensor(dtype: torch.dtype, shape: list[int], seed: int) -> torch.Tensor:
@@ -74,8 +83,9 @@ def vllm_chunks(update_info: dict[str, Any], buffer_size: int) -> list[tuple[lis
     chunks: list[tuple[list[str], int]] = []
     names: list[str] = []
     size = 0
-    for name, dname, shape in zip(update_info["names"], update_info["dtype_names"], update_info["shapes"],
-                                  strict=True):
+    for name, dname, shape in zip(
+        update_info["names"], update_info["dtype_names"], update_info["shapes"], strict=True
+    ):
         names.append(name)
         size += math.prod(shape) * getattr(torch, dname).itemsize
         if size > buffer_size:
@@ -91,9 +101,12 @@ def vllm_unpack(flat: torch.Tensor, update_info: dict[str, Any]) -> list[tuple[s
     (this raises when a slice's offset is not a multiple of the dtype's size)."""
     dtypes = [getattr(torch, d) for d in update_info["dtype_names"]]
     sizes = [math.prod(s) * d.itemsize for s, d in zip(update_info["shapes"], dtypes, strict=True)]
-    return [(name, part.contiguous().view(dtype).view(shape))
-            for name, shape, dtype, part in zip(update_info["names"], update_info["shapes"], dtypes,
-                                                flat.split(sizes), strict=True)]
+    return [
+        (name, part.contiguous().view(dtype).view(shape))
+        for name, shape, dtype, part in zip(
+            update_info["names"], update_info["shapes"], dtypes, flat.split(sizes), strict=True
+        )
+    ]
 
 
 def tiny_state() -> dict[str, torch.Tensor]:
@@ -106,8 +119,9 @@ def tiny_state() -> dict[str, torch.Tensor]:
 
 # -- 1. bucketing --------------------------------------------------------------------------------------
 
-specs_strategy = st.lists(st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 6), max_size=3)),
-                          max_size=14)
+specs_strategy = st.lists(
+    st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 6), max_size=3)), max_size=14
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -167,10 +181,12 @@ def test_bucketing_edge_cases():
     assert bucket.update_info()["dtype_names"] == ["bfloat16", "int64"]
     out = unpack_bucket(pack_bucket(bucket, state), bucket.update_info())
     assert torch.equal(out["w"], state["w"].to(torch.bfloat16)) and torch.equal(out["step"], state["step"])
+
     # A sharded DTensor cannot be gathered by rank 0 alone.
     class Sharded(torch.Tensor):
         def full_tensor(self):
             raise AssertionError("must not gather")
+
     sharded = {"w": torch.zeros(2).as_subclass(Sharded)}
     with pytest.raises(TypeError, match="gather"):
         pack_bucket(plan_buckets(sharded, 64)[0], sharded)
@@ -203,17 +219,30 @@ class FakeVLLM:
     folder, /health). A reload of a folder in `fail_reload` replaces one tensor, then fails (500), as a
     reload that breaks part-way would."""
 
-    INIT_FIELDS = {"master_address", "master_port", "rank_offset", "world_size", "nccl_unique_id_b64", "packed",
-                   "packed_buffer_size_bytes", "packed_num_buffers"}
+    INIT_FIELDS = {
+        "master_address",
+        "master_port",
+        "rank_offset",
+        "world_size",
+        "nccl_unique_id_b64",
+        "packed",
+        "packed_buffer_size_bytes",
+        "packed_num_buffers",
+    }
 
-    def __init__(self, weights: dict[str, torch.Tensor], *, fail: tuple[int, str] | None = None,
-                 reject_init: bool = False) -> None:
+    def __init__(
+        self,
+        weights: dict[str, torch.Tensor],
+        *,
+        fail: tuple[int, str] | None = None,
+        reject_init: bool = False,
+    ) -> None:
         self.weights = {k: v.clone() for k, v in weights.items()}
         self.version = "0"
         self.fail, self.reject_init = fail, reject_init
         self.log: list[str] = []
         self.violations: list[str] = []
-        self.updates: list[list[str]] = []          # names of every update received in full
+        self.updates: list[list[str]] = []  # names of every update received in full
         self.chunks_per_update: list[int] = []
         self.group = None
         self.buffer_size = 0
@@ -234,7 +263,7 @@ class FakeVLLM:
         for names, size in chunks:
             buf = torch.empty(size, dtype=torch.uint8)
             self.group.broadcast(buf, 0)
-            part = {k: info[k][start:start + len(names)] for k in ("names", "dtype_names", "shapes")}
+            part = {k: info[k][start : start + len(names)] for k in ("names", "dtype_names", "shapes")}
             out.update((name, t.clone()) for name, t in vllm_unpack(buf, part))
             start += len(names)
         self.chunks_per_update.append(len(chunks))
@@ -248,15 +277,22 @@ class FakeVLLM:
             unknown = set(init_info) - self.INIT_FIELDS
             missing = {"rank_offset", "world_size"} - set(init_info)
             if unknown or missing or self.reject_init:
-                raise HTTPException(400, f"Invalid init_info: unknown {sorted(unknown)}, missing {sorted(missing)}")
+                raise HTTPException(
+                    400, f"Invalid init_info: unknown {sorted(unknown)}, missing {sorted(missing)}"
+                )
             if not init_info.get("packed") or init_info["world_size"] != init_info["rank_offset"] + 1:
                 self._violation(f"this fake expects packed transfer and one worker: {init_info}")
             if self.group is not None:
                 self.group.close()
             self.buffer_size = int(init_info["packed_buffer_size_bytes"])
-            self.group = create_transfer_group(init_info["master_address"], init_info["master_port"],
-                                               init_info["world_size"], rank=init_info["rank_offset"],
-                                               backend="gloo", timeout_s=GROUP_TIMEOUT_S)
+            self.group = create_transfer_group(
+                init_info["master_address"],
+                init_info["master_port"],
+                init_info["world_size"],
+                rank=init_info["rank_offset"],
+                backend="gloo",
+                timeout_s=GROUP_TIMEOUT_S,
+            )
             self.log.append("init")
             return {"message": "Weight transfer initialized"}
 
@@ -385,7 +421,9 @@ class FakeVLLM:
 @contextmanager
 def serve(app: FastAPI):
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off"))
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -404,8 +442,14 @@ BUCKET = 48 << 10  # the tiny model's 128x256 MLP matrices (128 KiB) travel alon
 
 
 def pusher_for(client: WeightTransferClient, **kw: Any) -> WeightPusher:
-    return WeightPusher(client, master_address="127.0.0.1", backend="gloo", bucket_bytes=BUCKET,
-                        timeout_s=GROUP_TIMEOUT_S, **kw)
+    return WeightPusher(
+        client,
+        master_address="127.0.0.1",
+        backend="gloo",
+        bucket_bytes=BUCKET,
+        timeout_s=GROUP_TIMEOUT_S,
+        **kw,
+    )
 
 
 async def test_push_over_gloo_choreography():
@@ -448,9 +492,11 @@ async def test_client_refuses_out_of_order_calls():
     fake = FakeVLLM({})
     with serve(fake.app) as url:
         async with WeightTransferClient(url) as client:
-            for call in (client.start_weight_update(), client.update_weights({"names": [], "dtype_names": [],
-                                                                              "shapes": []}),
-                         client.finish_weight_update(1)):
+            for call in (
+                client.start_weight_update(),
+                client.update_weights({"names": [], "dtype_names": [], "shapes": []}),
+                client.finish_weight_update(1),
+            ):
                 with pytest.raises(WeightTransferError) as err:
                     await call
                 assert not err.value.sent and err.value.status is None
@@ -458,8 +504,9 @@ async def test_client_refuses_out_of_order_calls():
         # The fake checks the order too (so its empty violation lists above mean something).
         resp = httpx.post(f"{url}/start_weight_update")
         assert resp.status_code == 500
-        resp = httpx.post(f"{url}/update_weights", json={"update_info": {"names": [], "dtype_names": [],
-                                                                          "shapes": []}})
+        resp = httpx.post(
+            f"{url}/update_weights", json={"update_info": {"names": [], "dtype_names": [], "shapes": []}}
+        )
         assert resp.status_code == 500
     assert fake.log == [] and len(fake.violations) == 2
 
@@ -507,8 +554,17 @@ async def test_failure_on_second_bucket_then_retry(mode):
             assert fake.version == "1"
             await pusher.close()
     assert fake.violations == []
-    assert fake.log == ["init", "start", "update", "shutdown", "init", "start", *["update"] * len(plan),
-                        "finish:1", "shutdown"]
+    assert fake.log == [
+        "init",
+        "start",
+        "update",
+        "shutdown",
+        "init",
+        "start",
+        *["update"] * len(plan),
+        "finish:1",
+        "shutdown",
+    ]
 
 
 async def test_pusher_retries_by_itself():
@@ -571,34 +627,65 @@ async def test_scheduler_weight_push_wiring(tmp_path):
     fake = FakeVLLM(_checkpoint(str(model_dir)))
     servers = []
     with serve(fake.app) as url:
-        settings = TrainerSettings(trainer_grpc_port=0, model_dir=str(model_dir), checkpoint_dir=str(tmp_path / "ckpt"),
-                                   device="cpu", lr=0.01, weight_push="nccl", vllm_url=url, weight_push_backend="gloo",
-                                   weight_push_bucket_mb=BUCKET / 2**20, weight_push_attempts=1,
-                                   weight_push_timeout_s=GROUP_TIMEOUT_S)
+        settings = TrainerSettings(
+            trainer_grpc_port=0,
+            model_dir=str(model_dir),
+            checkpoint_dir=str(tmp_path / "ckpt"),
+            device="cpu",
+            lr=0.01,
+            weight_push="nccl",
+            vllm_url=url,
+            weight_push_backend="gloo",
+            weight_push_bucket_mb=BUCKET / 2**20,
+            weight_push_attempts=1,
+            weight_push_timeout_s=GROUP_TIMEOUT_S,
+        )
         runner, tokenizer, _ = build(settings, Dist())
         core = TrainerCore(runner, tokenizer, tmp_path / "ckpt", keep=0, keep_push_state=True)
         trainer = TrainerServicer(core, pusher=weight_pusher(settings, Dist()))
         inference = InferenceServicer(VLLMControl(url), str(model_dir))
-        for add, servicer in ((trainer_pb2_grpc.add_TrainerServicer_to_server, trainer),
-                              (inference_pb2_grpc.add_InferenceServicer_to_server, inference)):
+        for add, servicer in (
+            (trainer_pb2_grpc.add_TrainerServicer_to_server, trainer),
+            (inference_pb2_grpc.add_InferenceServicer_to_server, inference),
+        ):
             server, _, port = await start_server(0, lambda srv, a=add, s=servicer: a(s, srv) or [])
             servers.append((server, channel(f"127.0.0.1:{port}")))
-        stubs = Stubs(gateway=None, trainer=trainer_pb2_grpc.TrainerStub(servers[0][1]),
-                      inference=inference_pb2_grpc.InferenceStub(servers[1][1]))
-        run = Run(None, Keys("t"), RunConfig(run_id="r", steps=5, tasks_per_step=1, group_size=2, seed=0,
-                                        run_dir=tmp_path, weight_push="nccl"), stubs, [])
+        stubs = Stubs(
+            gateway=None,
+            trainer=trainer_pb2_grpc.TrainerStub(servers[0][1]),
+            inference=inference_pb2_grpc.InferenceStub(servers[1][1]),
+        )
+        run = Run(
+            None,
+            Keys("t"),
+            RunConfig(
+                run_id="r",
+                steps=5,
+                tasks_per_step=1,
+                group_size=2,
+                seed=0,
+                run_dir=tmp_path,
+                weight_push="nccl",
+            ),
+            stubs,
+            [],
+        )
         try:
             for g in group_requests(5):
                 await stubs.trainer.SubmitGroup(g)
 
             async def step(n: int):
-                return await stubs.trainer.TrainStep(trainer_pb2.TrainStepRequest(step=n, min_groups=1, max_groups=1))
+                return await stubs.trainer.TrainStep(
+                    trainer_pb2.TrainStepRequest(step=n, min_groups=1, max_groups=1)
+                )
 
             def served_is(resp) -> None:
                 assert fake.version == str(resp.weight_version) and not fake.paused
                 ckpt = _checkpoint(resp.checkpoint_dir)
                 assert ckpt.keys() == fake.weights.keys()
-                assert all(torch.equal(fake.weights[k], v) for k, v in ckpt.items()), "not the checkpoint's weights"
+                assert all(torch.equal(fake.weights[k], v) for k, v in ckpt.items()), (
+                    "not the checkpoint's weights"
+                )
 
             # Path 2: generation paused, the trainer streams every bucket, vLLM finishes the version and
             # drops its prefix cache, generation resumes. No checkpoint is read.
@@ -606,7 +693,15 @@ async def test_scheduler_weight_push_wiring(tmp_path):
             assert await run.load_weights(first) == 1 and run.push_path == "nccl"
             served_is(first)
             n_buckets = len(plan_buckets(core.push_state(1), BUCKET))
-            assert fake.log == ["pause:keep", "init", "start", *["update"] * n_buckets, "finish:1", "reset", "resume"]
+            assert fake.log == [
+                "pause:keep",
+                "init",
+                "start",
+                *["update"] * n_buckets,
+                "finish:1",
+                "reset",
+                "resume",
+            ]
             assert (await stubs.trainer.GetStatus(types_pb2.Empty())).checkpoint_dir == first.checkpoint_dir
             # The adapter did not load it, so it does not vouch for a checkpoint folder.
             assert (await stubs.inference.GetWeightVersion(types_pb2.Empty())).checkpoint_dir == ""
@@ -618,8 +713,15 @@ async def test_scheduler_weight_push_wiring(tmp_path):
             assert await run.load_weights(second) == 2 and run.push_path == "checkpoint-fallback"
             served_is(second)
             assert fake.log[:4] == ["pause:keep", "start", "update", "shutdown"]
-            assert "finish:2" not in fake.log and fake.log[-4:] == ["pause:keep", "reload:v000002", "reset", "resume"]
-            assert (await stubs.inference.GetWeightVersion(types_pb2.Empty())).checkpoint_dir == second.checkpoint_dir
+            assert "finish:2" not in fake.log and fake.log[-4:] == [
+                "pause:keep",
+                "reload:v000002",
+                "reset",
+                "resume",
+            ]
+            assert (
+                await stubs.inference.GetWeightVersion(types_pb2.Empty())
+            ).checkpoint_dir == second.checkpoint_dir
 
             # Both paths fail (the reload part-way): inference reloads the checkpoint it served before and
             # resumes on that version; the scheduler sees the failure and can retry.
@@ -629,7 +731,10 @@ async def test_scheduler_weight_push_wiring(tmp_path):
             fake.fail_reload = {third.checkpoint_dir}
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await run.load_weights(third)
-            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "still serving version 2" in err.value.details()
+            assert (
+                err.value.code() == grpc.StatusCode.UNAVAILABLE
+                and "still serving version 2" in err.value.details()
+            )
             served_is(second)
             assert fake.log[-4:] == ["reload-failed:v000003", "reload:v000002", "reset", "resume"]
             fake.fail_reload = set()
@@ -659,8 +764,9 @@ async def test_scheduler_weight_push_wiring(tmp_path):
             assert fake.paused and inference.unsafe
             fake.fail_reload = set()
             fake.log.clear()
-            await stubs.inference.LoadWeights(inference_pb2.LoadWeightsRequest(checkpoint_dir=fifth.checkpoint_dir,
-                                                                             version=5))
+            await stubs.inference.LoadWeights(
+                inference_pb2.LoadWeightsRequest(checkpoint_dir=fifth.checkpoint_dir, version=5)
+            )
             served_is(fifth)
             assert not inference.unsafe and fake.log == ["pause:keep", "reload:v000005", "reset", "resume"]
         finally:
@@ -755,15 +861,19 @@ async def test_conformance_with_vllm_code(tmp_path):
     state = tiny_state()
     state["extra.int_buffer"] = torch.arange(7, dtype=torch.int64)
     state["extra.odd_bf16"] = torch.randn(5).to(torch.bfloat16)  # forces an alignment break before...
-    state["extra.fp32"] = torch.randn(3)                           # ...this one
+    state["extra.fp32"] = torch.randn(3)  # ...this one
     plan = plan_buckets(state, BUCKET)
-    torch.save({"flats": [pack_bucket(b, state).clone() for b in plan], "expected": state},
-               tmp_path / "payload.pt")
+    torch.save(
+        {"flats": [pack_bucket(b, state).clone() for b in plan], "expected": state}, tmp_path / "payload.pt"
+    )
     (tmp_path / "server.py").write_text(CONFORMANCE_SERVER)
     port = free_port()
     log = (tmp_path / "server.log").open("wb")
-    proc = subprocess.Popen([str(VLLM_PYTHON), str(tmp_path / "server.py"), str(tmp_path / "payload.pt"), str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [str(VLLM_PYTHON), str(tmp_path / "server.py"), str(tmp_path / "payload.pt"), str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -780,8 +890,9 @@ async def test_conformance_with_vllm_code(tmp_path):
                     pytest.fail("conformance server did not come up")
                 await asyncio.sleep(0.3)
         async with WeightTransferClient(url) as client:
-            await client.init_engine(master_address="127.0.0.1", master_port=29555, world_size=2,
-                                     packed_buffer_size_bytes=BUCKET)
+            await client.init_engine(
+                master_address="127.0.0.1", master_port=29555, world_size=2, packed_buffer_size_bytes=BUCKET
+            )
             await client.start_weight_update()
             for bucket in plan:
                 await client.update_weights(bucket.update_info())

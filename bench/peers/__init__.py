@@ -65,15 +65,21 @@ def venv_python(name: str, dist: str, version: str) -> Path:
     py = PEERS_DIR / name / "bin" / "python"
     if not py.exists():
         raise PeerUnavailable(f"no venv at {PEERS_DIR / name} (run bench/peers/setup.sh)")
-    found = subprocess.run([str(py), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
-                           capture_output=True, text=True).stdout.strip()
+    found = subprocess.run(
+        [str(py), "-c", f"import importlib.metadata as m; print(m.version({dist!r}))"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     if found != version:
-        raise PeerUnavailable(f"{dist} {found or 'missing'} in {PEERS_DIR / name}, want {version} "
-                              "(run bench/peers/setup.sh)")
+        raise PeerUnavailable(
+            f"{dist} {found or 'missing'} in {PEERS_DIR / name}, want {version} (run bench/peers/setup.sh)"
+        )
     return py
 
 
-def http(method: str, url: str, body: object | None = None, key: str | None = None, timeout: float = 30) -> bytes:
+def http(
+    method: str, url: str, body: object | None = None, key: str | None = None, timeout: float = 30
+) -> bytes:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     if data is not None:

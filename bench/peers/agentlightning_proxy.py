@@ -33,7 +33,9 @@ MODEL = "tether-policy"
 class AgentLightning(Peer):
     name = "agentlightning"
     version = VERSION
-    stream_skip = "Agent Lightning 1.0.2's gateway refuses stream=true (400 'Streaming responses are not supported')"
+    stream_skip = (
+        "Agent Lightning 1.0.2's gateway refuses stream=true (400 'Streaming responses are not supported')"
+    )
 
     def __init__(self, *args) -> None:
         super().__init__(*args)
@@ -60,9 +62,18 @@ def start(upstream: str, workdir: Path, port: int) -> AgentLightning:
     log_path = workdir / "agentlightning.log"
     log = open(log_path, "w")
     proc = subprocess.Popen(
-        [str(py.parent / "agl-server"), "host=127.0.0.1", f"port={port}", f"default_proxy.model_name={MODEL}",
-         f"hydra.run.dir={workdir / 'hydra'}"],
-        cwd=workdir, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        [
+            str(py.parent / "agl-server"),
+            "host=127.0.0.1",
+            f"port={port}",
+            f"default_proxy.model_name={MODEL}",
+            f"hydra.run.dir={workdir / 'hydra'}",
+        ],
+        cwd=workdir,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, f"{url}/healthz", log_path, timeout=60)
     http("POST", f"{url}/api/models", [{"model": MODEL, "endpoint": upstream}])

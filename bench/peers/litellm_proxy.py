@@ -42,18 +42,45 @@ def start(upstream: str, workdir: Path, port: int) -> LiteLLM:
     workdir.mkdir(parents=True, exist_ok=True)
     config = workdir / "litellm.yaml"
     # JSON is YAML; no YAML writer needed in Tether's venv.
-    config.write_text(json.dumps({
-        "model_list": [{"model_name": MODEL,
-                        "litellm_params": {"model": f"hosted_vllm/{MODEL}", "api_base": upstream, "api_key": "none"}}],
-        "general_settings": {"master_key": KEY},
-    }, indent=2))
+    config.write_text(
+        json.dumps(
+            {
+                "model_list": [
+                    {
+                        "model_name": MODEL,
+                        "litellm_params": {
+                            "model": f"hosted_vllm/{MODEL}",
+                            "api_base": upstream,
+                            "api_key": "none",
+                        },
+                    }
+                ],
+                "general_settings": {"master_key": KEY},
+            },
+            indent=2,
+        )
+    )
     log_path = workdir / "litellm.log"
     log = open(log_path, "w")
     env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
     proc = subprocess.Popen(
-        [str(py.parent / "litellm"), "--config", str(config), "--host", "127.0.0.1", "--port", str(port),
-         "--num_workers", "1"],
-        cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        [
+            str(py.parent / "litellm"),
+            "--config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num_workers",
+            "1",
+        ],
+        cwd=workdir,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     wait_healthy(proc, f"{url}/health/liveliness", log_path, timeout=120)
     return LiteLLM(proc, url, log_path)

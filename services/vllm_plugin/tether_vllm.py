@@ -127,13 +127,15 @@ def wrap_completions(serving: Any) -> None:
             tap.annotate(out)
         return out
 
-    def stream_generator(request: Any, engine_inputs: Any, result_generator: Any, *args: Any,
-                         **kwargs: Any) -> Any:
+    def stream_generator(
+        request: Any, engine_inputs: Any, result_generator: Any, *args: Any, **kwargs: Any
+    ) -> Any:
         if not wants_versions(request):
             return stream(request, engine_inputs, result_generator, *args, **kwargs)
         tap = SpanTap(_n(request))
         return _stream_with_spans(
-            tap, stream(request, engine_inputs, tap.completions(result_generator), *args, **kwargs))
+            tap, stream(request, engine_inputs, tap.completions(result_generator), *args, **kwargs)
+        )
 
     serving.request_output_to_completion_response = response
     serving.completion_stream_generator = stream_generator
@@ -156,8 +158,10 @@ class WeightVersionsPlugin:
     async def init_state(self, engine_client: Any, state: Any, args: Any) -> None:
         # A vLLM whose serving objects look different keeps serving, without spans (the gateway then
         # records the versions it knows itself): never a reason for vLLM not to start.
-        for route, attr, wrap in (("chat.completions", "openai_serving_chat", wrap_chat),
-                                  ("completions", "openai_serving_completion", wrap_completions)):
+        for route, attr, wrap in (
+            ("chat.completions", "openai_serving_chat", wrap_chat),
+            ("completions", "openai_serving_completion", wrap_completions),
+        ):
             serving = getattr(state, attr, None)
             if serving is None:
                 continue

@@ -23,8 +23,16 @@ class AgentSettings(CommonSettings):
 async def amain(s: AgentSettings) -> None:
     fn = load_function(s.agent_fn)
     r = broker.connect(s.redis_url)
-    worker = Worker(r, broker.Keys(s.namespace), s.gateway_url, fn, s.agent_concurrency, s.admin_token,
-                    s.agent_name, s.rollout_timeout_s)
+    worker = Worker(
+        r,
+        broker.Keys(s.namespace),
+        s.gateway_url,
+        fn,
+        s.agent_concurrency,
+        s.admin_token,
+        s.agent_name,
+        s.rollout_timeout_s,
+    )
     task = asyncio.create_task(worker.run())
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

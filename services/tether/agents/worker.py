@@ -50,8 +50,17 @@ def load_function(spec: str) -> HarnessFn:
 
 
 class Worker:
-    def __init__(self, r, keys: broker.Keys, gateway_url: str, fn: HarnessFn, concurrency: int,
-                 admin_token: str = "", name: str = "agent-0", timeout_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        r,
+        keys: broker.Keys,
+        gateway_url: str,
+        fn: HarnessFn,
+        concurrency: int,
+        admin_token: str = "",
+        name: str = "agent-0",
+        timeout_s: float = 0.0,
+    ) -> None:
         self.r = r
         self.keys = keys
         self.gateway_url = gateway_url.rstrip("/")
@@ -74,30 +83,53 @@ class Worker:
         report the reward or the failure. Returns whether it completed."""
         max_attempts = int(job.get("max_attempts", 1))
         meta = {**job.get("metadata", {}), "attempt": attempt, "max_attempts": max_attempts}
-        resp = await self.http.post(f"{self.gateway_url}/v1/rollouts", json={
-            "task_id": job["task_id"], "group_id": job["group_id"], "group_size": job["group_size"],
-            "metadata": meta})
+        resp = await self.http.post(
+            f"{self.gateway_url}/v1/rollouts",
+            json={
+                "task_id": job["task_id"],
+                "group_id": job["group_id"],
+                "group_size": job["group_size"],
+                "metadata": meta,
+            },
+        )
         resp.raise_for_status()
         ro = resp.json()
         auth = {"Authorization": f"Bearer {ro['api_key']}"}
         try:
             call = asyncio.get_running_loop().run_in_executor(
-                self.threads, self.fn, job["task"], ro["base_url"], ro["api_key"], ro["model"])
-            reward = float(await asyncio.wait_for(call, timeout=self.timeout_s) if self.timeout_s else await call)
+                self.threads, self.fn, job["task"], ro["base_url"], ro["api_key"], ro["model"]
+            )
+            reward = float(
+                await asyncio.wait_for(call, timeout=self.timeout_s) if self.timeout_s else await call
+            )
             if not math.isfinite(reward):
                 raise ValueError(f"harness returned a non-finite reward {reward}")
         except Exception as exc:
             self.failed += 1
-            reason = "timeout" if isinstance(exc, TimeoutError) else \
-                "".join(traceback.format_exception_only(exc)).strip()
-            log.warning("rollout %s failed (attempt %d of %d): %s", ro["rollout_id"], attempt + 1, max_attempts,
-                        reason)
+            reason = (
+                "timeout"
+                if isinstance(exc, TimeoutError)
+                else "".join(traceback.format_exception_only(exc)).strip()
+            )
+            log.warning(
+                "rollout %s failed (attempt %d of %d): %s",
+                ro["rollout_id"],
+                attempt + 1,
+                max_attempts,
+                reason,
+            )
             # Failing it first makes the gateway refuse any call a timed-out harness still makes.
-            await self.http.post(f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/fail", headers=auth,
-                                 json={"reason": reason[:2000]})
+            await self.http.post(
+                f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/fail",
+                headers=auth,
+                json={"reason": reason[:2000]},
+            )
             return False
-        done = await self.http.post(f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/complete",
-                                    headers=auth, json={"reward": reward})
+        done = await self.http.post(
+            f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/complete",
+            headers=auth,
+            json={"reward": reward},
+        )
         done.raise_for_status()
         self.done += 1
         return True
@@ -127,8 +159,15 @@ class Worker:
                     continue
                 # A rollout may run for minutes: only reclaim entries idle for far longer than that.
                 try:
-                    entries = await broker.read_group(self.r, self.keys.dispatch, "agents", self.name,
-                                                      count=free, block_ms=1000, claim_idle_ms=900_000)
+                    entries = await broker.read_group(
+                        self.r,
+                        self.keys.dispatch,
+                        "agents",
+                        self.name,
+                        count=free,
+                        block_ms=1000,
+                        claim_idle_ms=900_000,
+                    )
                 except broker.TRANSIENT as exc:
                     log.warning("Redis read failed (%s); retrying", exc)
                     await asyncio.sleep(1.0)

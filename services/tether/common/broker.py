@@ -105,8 +105,9 @@ TRANSIENT = (RedisConnectionError, RedisTimeoutError)
 
 
 def connect(url: str) -> aioredis.Redis:
-    return aioredis.from_url(url, decode_responses=True, socket_timeout=SOCKET_TIMEOUT_S,
-                             socket_connect_timeout=10.0)
+    return aioredis.from_url(
+        url, decode_responses=True, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=10.0
+    )
 
 
 # SET NX marker + XADD (+ optional RPUSH of the new entry id to an index list), atomically:
@@ -139,14 +140,14 @@ async def publish_once(
     script = _scripts.get(r)
     if script is None:  # EVALSHA, falling back to EVAL once per server; one Script per client
         script = _scripts[r] = r.register_script(_PUBLISH_ONCE)
-    entry, added = await script(keys=[keys.published(record_id), stream, index_list],
-                                args=[orjson.dumps(record), ttl_s, maxlen])
+    entry, added = await script(
+        keys=[keys.published(record_id), stream, index_list], args=[orjson.dumps(record), ttl_s, maxlen]
+    )
     return str(entry), bool(int(added))
 
 
 async def publish(r: aioredis.Redis, stream: str, record: dict[str, Any], maxlen: int = 1_000_000) -> str:
-    return str(await r.xadd(stream, {"data": orjson.dumps(record)},
-                            maxlen=maxlen, approximate=True))
+    return str(await r.xadd(stream, {"data": orjson.dumps(record)}, maxlen=maxlen, approximate=True))
 
 
 async def ensure_group(r: aioredis.Redis, stream: str, group: str, start: str = "0") -> None:
@@ -162,14 +163,20 @@ def decode(fields: dict[str, str]) -> dict[str, Any]:
 
 
 async def read_group(
-    r: aioredis.Redis, stream: str, group: str, consumer: str, count: int = 64, block_ms: int | None = 1000,
+    r: aioredis.Redis,
+    stream: str,
+    group: str,
+    consumer: str,
+    count: int = 64,
+    block_ms: int | None = 1000,
     claim_idle_ms: int = 60_000,
 ) -> list[tuple[str, dict[str, Any]]]:
     """New entries for this consumer, decoded. Entries left pending (by a dead consumer) for over
     `claim_idle_ms` are claimed first (XAUTOCLAIM answers 2 fields on Redis 6.2, 3 on 7.x). `block_ms`
     None: answer at once."""
-    claimed = await r.xautoclaim(stream, group, consumer, min_idle_time=claim_idle_ms, start_id="0-0",
-                                 count=count)
+    claimed = await r.xautoclaim(
+        stream, group, consumer, min_idle_time=claim_idle_ms, start_id="0-0", count=count
+    )
     entries = claimed[1] if isinstance(claimed, list | tuple) and len(claimed) >= 2 else []
     out = [(eid, decode(f)) for eid, f in entries if f]
     if out:
@@ -180,11 +187,13 @@ async def read_group(
     return out
 
 
-async def dead_letter(r: aioredis.Redis, keys: Keys, stream: str, entry_id: str, reason: str,
-                      record: dict[str, Any]) -> None:
+async def dead_letter(
+    r: aioredis.Redis, keys: Keys, stream: str, entry_id: str, reason: str, record: dict[str, Any]
+) -> None:
     log.warning("dead-letter %s %s: %s", stream, entry_id, reason)
-    await publish(r, keys.dead_letter, {"stream": stream, "entry_id": entry_id, "reason": reason,
-                                        "record": record})
+    await publish(
+        r, keys.dead_letter, {"stream": stream, "entry_id": entry_id, "reason": reason, "record": record}
+    )
 
 
 async def read_all(r: aioredis.Redis, stream: str, batch: int = 1000) -> list[tuple[str, dict[str, Any]]]:

@@ -51,9 +51,13 @@ async def start_server(
     """Start a grpc.aio server on host:port (0 = any free port). `register` adds servicers and
     returns their full service names. Returns the server, its health handle and the bound port."""
     # so_reuseport off: a second process on the same fixed port must fail loudly, not share it.
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 256 * 1024 * 1024),
-                                      ("grpc.max_send_message_length", 256 * 1024 * 1024),
-                                      ("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+            ("grpc.max_send_message_length", 256 * 1024 * 1024),
+            ("grpc.so_reuseport", 0),
+        ]
+    )
     names = list(register(server))
     health_handle = Health(names)
     health_pb2_grpc.add_HealthServicer_to_server(health_handle.servicer, server)
@@ -97,6 +101,8 @@ async def run_until_signal(
 def channel(address: str) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(
         address,
-        options=[("grpc.max_receive_message_length", 256 * 1024 * 1024),
-                 ("grpc.max_send_message_length", 256 * 1024 * 1024)],
+        options=[
+            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+            ("grpc.max_send_message_length", 256 * 1024 * 1024),
+        ],
     )

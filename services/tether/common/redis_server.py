@@ -25,13 +25,28 @@ def start_embedded_redis(data_dir: Path, port: int, log_file: Path | None = None
     it answers PING. The caller owns the process."""
     data_dir.mkdir(parents=True, exist_ok=True)
     args = [
-        redis_server_binary(), "--bind", "127.0.0.1", "--port", str(port), "--dir", str(data_dir),
-        "--appendonly", "yes", "--appendfsync", "everysec", "--save", "", "--protected-mode", "yes",
-        "--daemonize", "no",
+        redis_server_binary(),
+        "--bind",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dir",
+        str(data_dir),
+        "--appendonly",
+        "yes",
+        "--appendfsync",
+        "everysec",
+        "--save",
+        "",
+        "--protected-mode",
+        "yes",
+        "--daemonize",
+        "no",
     ]
     out = open(log_file, "ab") if log_file else subprocess.DEVNULL
-    proc = subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                            env={**os.environ})
+    proc = subprocess.Popen(
+        args, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ}
+    )
     client = redis.Redis(host="127.0.0.1", port=port)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:

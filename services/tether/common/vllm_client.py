@@ -13,7 +13,9 @@ class VLLMError(RuntimeError):
 
 
 class VLLMControl:
-    def __init__(self, base_url: str, timeout_s: float = 300.0, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, base_url: str, timeout_s: float = 300.0, http: httpx.AsyncClient | None = None
+    ) -> None:
         self.http = http or httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s)
 
     async def close(self) -> None:
@@ -54,8 +56,9 @@ class VLLMControl:
         await self._post("/wake_up")
 
     async def reload_weights(self, checkpoint_dir: str) -> None:
-        await self._post("/collective_rpc",
-                         json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint_dir}})
+        await self._post(
+            "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint_dir}}
+        )
 
     async def set_weight_version(self, version: int) -> None:
         await self._post("/update_weight_version", json={"new_version": str(version)})

@@ -45,8 +45,9 @@ SPECIAL = (EOT, IM_START, IM_END)
 MARKUP = ("<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 UNK = "<unk>"
 WHITESPACE = (" ", "  ", "\n", "\n\n")
-PUNCT = tuple('{}[]":,.!?()+-*/=#\'<>_;')
-WORDS = tuple("""
+PUNCT = tuple("{}[]\":,.!?()+-*/=#'<>_;")
+WORDS = tuple(
+    """
 system user assistant tool Tools You are a helpful coding agent Use the tools to solve task type function
 description parameters object properties string integer required name arguments path query line start end
 read_file write_file run_tests search_code list_dir content pattern file files test tests passed failed
@@ -59,11 +60,17 @@ problem issue bug cause reason result results output input expected actual asser
 repository project source code directory folder config settings option options default defaults case
 edge cases should would could must can may might need needs want wants looks seems appears correct wrong
 title summary conversation short write summarise read in search list dir run x
-""".split())
+""".split()
+)
 NUMBERS = tuple(str(i) for i in range(200))
 TOOL_NAMES = ("read_file", "write_file", "run_tests", "search_code", "list_dir")
-ARG_KEYS = {"read_file": ("path", "start", "end"), "write_file": ("path", "content"), "run_tests": ("path",),
-            "search_code": ("pattern", "path"), "list_dir": ("path",)}
+ARG_KEYS = {
+    "read_file": ("path", "start", "end"),
+    "write_file": ("path", "content"),
+    "run_tests": ("path",),
+    "search_code": ("pattern", "path"),
+    "list_dir": ("path",),
+}
 
 CHAT_TEMPLATE = r"""
 {%- set ns = namespace(last_query=-1) %}
@@ -128,18 +135,33 @@ def build_tokenizer():
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in MARKUP])
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=IM_END, pad_token=EOT, unk_token=UNK,
-                                  model_max_length=1 << 20, clean_up_tokenization_spaces=False)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token=IM_END,
+        pad_token=EOT,
+        unk_token=UNK,
+        model_max_length=1 << 20,
+        clean_up_tokenization_spaces=False,
+    )
     tok.chat_template = CHAT_TEMPLATE
     return tok
 
 
 TOOLS = [
-    {"type": "function", "function": {
-        "name": name, "description": f"{name.replace('_', ' ')} in the repository",
-        "parameters": {"type": "object", "properties": {k: {"type": "integer" if k in ("start", "end") else "string"}
-                                                        for k in ARG_KEYS[name]},
-                       "required": [ARG_KEYS[name][0]]}}}
+    {
+        "type": "function",
+        "function": {
+            "name": name,
+            "description": f"{name.replace('_', ' ')} in the repository",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    k: {"type": "integer" if k in ("start", "end") else "string"} for k in ARG_KEYS[name]
+                },
+                "required": [ARG_KEYS[name][0]],
+            },
+        },
+    }
     for name in TOOL_NAMES
 ]
 
@@ -214,8 +236,9 @@ class _Sim:
         text after such a point does not depend on the text before it) are reused.
         """
         kw = {} if thinking else {"enable_thinking": False}
-        text = self.tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True, tokenize=False,
-                                            **kw)
+        text = self.tok.apply_chat_template(
+            messages, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kw
+        )
         prev_text, prev_ids, prev_bounds = self._cache
         n = 0
         limit = min(len(text), len(prev_text))
@@ -282,8 +305,11 @@ class _Sim:
             else:
                 nl = "\n\n"
             parts.append("<think>\n" + self.words(cfg.reasoning_words) + "\n</think>" + nl)
-        content = self.words(cfg.content_words) if want_tool else self.words((max(cfg.content_words[0], 3),
-                                                                             cfg.content_words[1] + 3))
+        content = (
+            self.words(cfg.content_words)
+            if want_tool
+            else self.words((max(cfg.content_words[0], 3), cfg.content_words[1] + 3))
+        )
         body = content
         if want_tool:
             body += ("\n" if content else "") + "<tool_call>\n" + self.tool_call(events) + "\n</tool_call>"
@@ -325,8 +351,16 @@ class _Sim:
             msg["tool_calls"] = []
             for i, raw in enumerate(calls):
                 obj = json.loads(raw)
-                msg["tool_calls"].append({"id": f"call_{i}", "type": "function", "function": {
-                    "name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}})
+                msg["tool_calls"].append(
+                    {
+                        "id": f"call_{i}",
+                        "type": "function",
+                        "function": {
+                            "name": obj["name"],
+                            "arguments": json.dumps(obj["arguments"], ensure_ascii=False),
+                        },
+                    }
+                )
         else:
             msg["content"] = text.strip()
         return msg
@@ -343,19 +377,30 @@ class _Sim:
             followups = set(rng.sample(range(1, n - 1), rng.choice([1, 2])))
             events["followup_user_turns"] += len(followups)
         side_at = rng.randrange(n) if rng.random() < cfg.p_side_call else -1
-        messages = [{"role": "system", "content": "You are a helpful coding agent. Use the tools to solve the task."},
-                    {"role": "user", "content": self.words((10, 30))}]
+        messages = [
+            {"role": "system", "content": "You are a helpful coding agent. Use the tools to solve the task."},
+            {"role": "user", "content": self.words((10, 30))},
+        ]
         calls: list[Call] = []
 
         def record(prompt: list[int], resp: list[int], status: str = "ok") -> None:
-            calls.append(Call(call_id=f"{rid}-c{len(calls)}", prompt_token_ids=prompt, response_token_ids=resp,
-                              response_logprobs=self.logprobs(len(resp)), status=status))
+            calls.append(
+                Call(
+                    call_id=f"{rid}-c{len(calls)}",
+                    prompt_token_ids=prompt,
+                    response_token_ids=resp,
+                    response_logprobs=self.logprobs(len(resp)),
+                    status=status,
+                )
+            )
 
         for turn in range(n):
             if turn == side_at:
                 events["side_call"] += 1
-                side = [{"role": "system", "content": "write a short title for this conversation"},
-                        {"role": "user", "content": self.words((5, 15))}]
+                side = [
+                    {"role": "system", "content": "write a short title for this conversation"},
+                    {"role": "user", "content": self.words((5, 15))},
+                ]
                 record(self.render(side, True), self.encode(self.words((2, 6))) + [self.ids[IM_END]])
             prompt = self.render(messages, thinking)
             last = turn == n - 1

@@ -107,8 +107,9 @@ class Admission:
         try:
             await asyncio.wait_for(self._drained.wait(), drain_timeout_s)
         except TimeoutError:
-            log.warning("admission drain timed out after %.1f s with %d in flight", drain_timeout_s,
-                        self.in_flight)
+            log.warning(
+                "admission drain timed out after %.1f s with %d in flight", drain_timeout_s, self.in_flight
+            )
         return self.in_flight == 0
 
     def resume(self, weight_version: int) -> None:
@@ -124,5 +125,8 @@ class Admission:
         if was_paused:
             log.info("admission resumed at weight version %d", weight_version)
         else:
-            log.info("weight version now %d (admission was open; %d call(s) in flight)", weight_version,
-                     self.in_flight)
+            log.info(
+                "weight version now %d (admission was open; %d call(s) in flight)",
+                weight_version,
+                self.in_flight,
+            )

@@ -143,8 +143,9 @@ class CompletionsApi(_OpenAIPassthrough):
         return capture_completion_response(resp)
 
     def relay(self, req: ChatRequest) -> Relay:
-        return OpenAIRelay(req, CompletionStreamCapture(), self.served_model,
-                           self.upstream_model != self.served_model)
+        return OpenAIRelay(
+            req, CompletionStreamCapture(), self.served_model, self.upstream_model != self.served_model
+        )
 
 
 class MessagesApi:
@@ -166,7 +167,9 @@ class MessagesApi:
     def capture(self, resp: dict[str, Any]) -> Captured:
         return capture_response(resp)
 
-    def reply(self, req: messages.MessagesRequest, resp: dict[str, Any], captured: Captured) -> dict[str, Any]:
+    def reply(
+        self, req: messages.MessagesRequest, resp: dict[str, Any], captured: Captured
+    ) -> dict[str, Any]:
         return messages.message_from_chat(resp, captured, req, self.served_model)
 
     def relay(self, req: messages.MessagesRequest) -> Relay:
@@ -196,7 +199,9 @@ class ResponsesApi:
     def capture(self, resp: dict[str, Any]) -> Captured:
         return capture_response(resp)
 
-    def reply(self, req: responses.ResponsesRequest, resp: dict[str, Any], captured: Captured) -> dict[str, Any]:
+    def reply(
+        self, req: responses.ResponsesRequest, resp: dict[str, Any], captured: Captured
+    ) -> dict[str, Any]:
         return responses.response_from_chat(resp, captured, req, self.served_model)
 
     def relay(self, req: responses.ResponsesRequest) -> Relay:

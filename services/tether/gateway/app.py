@@ -62,8 +62,11 @@ refused_log = logging.getLogger("tether.gateway.refused")
 access_log = logging.getLogger("tether.gateway.access")
 
 _JSON_HEADERS = [(b"content-type", b"application/json")]
-_SSE_HEADERS = [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"),
-                (b"x-accel-buffering", b"no")]
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:
@@ -78,8 +81,9 @@ def _is_gemini(path: str) -> bool:
     return "/v1beta/" in path or (":" in path and "/models/" in path)
 
 
-def error_payload(path: str, status: int, message: str, type: str, code: str | None = None,
-                  param: str | None = None) -> bytes:
+def error_payload(
+    path: str, status: int, message: str, type: str, code: str | None = None, param: str | None = None
+) -> bytes:
     """An error body in the dialect of the route: Anthropic's on /v1/messages..., Google's on the
     Gemini routes, OpenAI's elsewhere."""
     if _is_gemini(path):
@@ -94,10 +98,15 @@ def note_error(route: str, status: int, code: str | None, param: str | None, rol
     line names what an operator needs to find the harness at fault, and never a key."""
     m.child(m.ERRORS, route, str(status), code or "").inc()
     if 400 <= status < 500 and refused_log.isEnabledFor(logging.INFO):
-        refused_log.info("refused route=%s status=%d code=%s param=%s rollout=%s", route, status, code or "-",
-                         param or "-", rollout_id or "-", extra={
-                             "route": route, "status": status, "code": code, "param": param,
-                             "rollout_id": rollout_id})
+        refused_log.info(
+            "refused route=%s status=%d code=%s param=%s rollout=%s",
+            route,
+            status,
+            code or "-",
+            param or "-",
+            rollout_id or "-",
+            extra={"route": route, "status": status, "code": code, "param": param, "rollout_id": rollout_id},
+        )
 
 
 def _route_of(scope: Scope) -> str:
@@ -109,8 +118,15 @@ def _path_rollout(scope: Scope) -> str | None:
     return params.get("rollout_id") or params.get("path_rollout")
 
 
-def _error(request: Request, status: int, message: str, type: str, code: str | None = None,
-           param: str | None = None, headers: dict[str, str] | None = None) -> Response:
+def _error(
+    request: Request,
+    status: int,
+    message: str,
+    type: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> Response:
     note_error(_route_of(request.scope), status, code, param, _path_rollout(request.scope))
     body = error_payload(request.url.path, status, message, type, code, param)
     return Response(body, status_code=status, headers=headers, media_type="application/json")
@@ -213,17 +229,38 @@ class MetricsMiddleware:
 
 
 def log_access(method: str, route: str, status: int, latency_s: float, rollout_id: str | None) -> None:
-    access_log.info("%s %s %d %.1fms rollout=%s", method, route, status, latency_s * 1000, rollout_id or "-",
-                    extra={"method": method, "route": route, "status": status,
-                           "latency_ms": round(latency_s * 1000, 3), "rollout_id": rollout_id})
+    access_log.info(
+        "%s %s %d %.1fms rollout=%s",
+        method,
+        route,
+        status,
+        latency_s * 1000,
+        rollout_id or "-",
+        extra={
+            "method": method,
+            "route": route,
+            "status": status,
+            "latency_ms": round(latency_s * 1000, 3),
+            "rollout_id": rollout_id,
+        },
+    )
 
 
 class CallRoutes:
     """The API routes agents call, as plain ASGI in front of `fallback` (the FastAPI app)."""
 
-    def __init__(self, fallback: ASGIApp, proxy: Proxy, apis: dict[str, Api], max_body_bytes: int,
-                 retry_after_s: int, resolve_key: Callable[[tuple[str, ...], bool], Awaitable[str]],
-                 public_url: str = "", access: bool = False, gemini_api: GeminiApi | None = None) -> None:
+    def __init__(
+        self,
+        fallback: ASGIApp,
+        proxy: Proxy,
+        apis: dict[str, Api],
+        max_body_bytes: int,
+        retry_after_s: int,
+        resolve_key: Callable[[tuple[str, ...], bool], Awaitable[str]],
+        public_url: str = "",
+        access: bool = False,
+        gemini_api: GeminiApi | None = None,
+    ) -> None:
         self.fallback = fallback
         self.gemini = gemini_api
         self.proxy = proxy
@@ -260,7 +297,9 @@ class CallRoutes:
                 model, method, route, rollout_id = g
                 # Google streams one JSON array unless asked for SSE (`alt=sse`, what its SDKs send).
                 sse = _query_param(scope.get("query_string", b""), "alt") == "sse"
-                await self._call(scope, receive, send, self.gemini.call(model, method, sse), route, rollout_id)
+                await self._call(
+                    scope, receive, send, self.gemini.call(model, method, sse), route, rollout_id
+                )
                 return
             prefix = _doubled_v1(path)
             if prefix is not None:
@@ -280,7 +319,7 @@ class CallRoutes:
             rest = "/" + tail
         for prefix in ("/v1beta/models/", "/v1/models/"):
             if rest.startswith(prefix):
-                model, sep, method = rest[len(prefix):].rpartition(":")
+                model, sep, method = rest[len(prefix) :].rpartition(":")
                 if sep and model and method in gemini.METHODS:
                     route = f"{prefix}{{model}}:{method}"
                     if rollout_id is not None:
@@ -292,19 +331,30 @@ class CallRoutes:
         # A client that appends /v1 itself (Anthropic's and Google's SDKs, Claude Code, Gemini CLI) was
         # given a base URL that ends in /v1 already: say which base URL to give it instead.
         path = scope["path"]
-        message = (f"No route {path}: the path has /v1 twice, because this client appends /v1 (or /v1beta) to "
-                   f"its base URL and the base URL it was given already ends in /v1. Set its base URL to "
-                   f"'{self.public_url}{prefix}' (no /v1); only OpenAI clients take '{self.public_url}{prefix}/v1'.")
+        message = (
+            f"No route {path}: the path has /v1 twice, because this client appends /v1 (or /v1beta) to "
+            f"its base URL and the base URL it was given already ends in /v1. Set its base URL to "
+            f"'{self.public_url}{prefix}' (no /v1); only OpenAI clients take '{self.public_url}{prefix}/v1'."
+        )
         t0 = time.perf_counter()
         rollout_id = prefix[10:] or None
-        status = await _send_error(send, path, 404, message, "invalid_request_error", "doubled_v1",
-                                   route="unmatched", rollout_id=rollout_id)
+        status = await _send_error(
+            send,
+            path,
+            404,
+            message,
+            "invalid_request_error",
+            "doubled_v1",
+            route="unmatched",
+            rollout_id=rollout_id,
+        )
         m.child(m.REQUESTS, "unmatched", str(status), "").inc()
         if self.access:
             log_access(scope["method"], "unmatched", status, time.perf_counter() - t0, rollout_id)
 
-    async def _call(self, scope: Scope, receive: Receive, send: Send, api: Api, route: str,
-                    rollout_id: str | None) -> None:
+    async def _call(
+        self, scope: Scope, receive: Receive, send: Send, api: Api, route: str, rollout_id: str | None
+    ) -> None:
         t0 = time.perf_counter()
         handle = CallHandle()
         status = 500
@@ -330,13 +380,25 @@ class CallRoutes:
                 return owner
         return None
 
-    async def _serve(self, scope: Scope, receive: Receive, send: Send, api: Api, route: str,
-                     rollout_id: str | None, handle: CallHandle, key: Keys, length: int | None) -> int:
+    async def _serve(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        api: Api,
+        route: str,
+        rollout_id: str | None,
+        handle: CallHandle,
+        key: Keys,
+        length: int | None,
+    ) -> int:
         path = scope["path"]
         watcher: asyncio.Task | None = None
         try:
             if scope["method"] != "POST":
-                raise ApiError(405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": "POST"})
+                raise ApiError(
+                    405, "Method Not Allowed", code="method_not_allowed", headers={"Allow": "POST"}
+                )
             if type(key) is tuple:  # several keys sent: the first the gateway knows wins
                 key = await self.resolve_key(key, rollout_id is None)
             try:
@@ -349,37 +411,71 @@ class CallRoutes:
         except BaseException as exc:
             if watcher is not None:
                 watcher.cancel()
-            return await self._failed(send, path, scope["method"], exc, route, self._rollout_of(key, rollout_id))
+            return await self._failed(
+                send, path, scope["method"], exc, route, self._rollout_of(key, rollout_id)
+            )
         call_id = (b"x-tether-call-id", handle.call_id.encode())
         if isinstance(out, StreamSession):
             return await self._stream(send, out, watcher, call_id)
         watcher.cancel()
-        await send({"type": "http.response.start", "status": out.status, "headers": [
-            *_JSON_HEADERS, (b"content-length", b"%d" % len(out.body)), call_id]})
+        await send(
+            {
+                "type": "http.response.start",
+                "status": out.status,
+                "headers": [*_JSON_HEADERS, (b"content-length", b"%d" % len(out.body)), call_id],
+            }
+        )
         await send({"type": "http.response.body", "body": out.body})
         return out.status
 
-    async def _failed(self, send: Send, path: str, method: str, exc: BaseException, route: str,
-                      rollout_id: str | None) -> int:
+    async def _failed(
+        self, send: Send, path: str, method: str, exc: BaseException, route: str, rollout_id: str | None
+    ) -> int:
         if isinstance(exc, ClientGone):
             return 499
         if isinstance(exc, ApiError):
-            return await _send_error(send, path, exc.status, exc.message, exc.type, exc.code, exc.param,
-                                     exc.headers, route=route, rollout_id=rollout_id)
+            return await _send_error(
+                send,
+                path,
+                exc.status,
+                exc.message,
+                exc.type,
+                exc.code,
+                exc.param,
+                exc.headers,
+                route=route,
+                rollout_id=rollout_id,
+            )
         if isinstance(exc, RedisError):
             log.error("redis: %r", exc)
-            return await _send_error(send, path, 503, "The gateway's store is unavailable; retry later",
-                                     "server_error", "store_unavailable",
-                                     headers={"Retry-After": str(self.retry_after_s)}, route=route,
-                                     rollout_id=rollout_id)
+            return await _send_error(
+                send,
+                path,
+                503,
+                "The gateway's store is unavailable; retry later",
+                "server_error",
+                "store_unavailable",
+                headers={"Retry-After": str(self.retry_after_s)},
+                route=route,
+                rollout_id=rollout_id,
+            )
         if not isinstance(exc, Exception):  # cancellation and exits go on
             raise exc
         log.error("unexpected error on %s %s", method, path, exc_info=exc)
-        return await _send_error(send, path, 500, "internal gateway error", "server_error", "internal_error",
-                                 route=route, rollout_id=rollout_id)
+        return await _send_error(
+            send,
+            path,
+            500,
+            "internal gateway error",
+            "server_error",
+            "internal_error",
+            route=route,
+            rollout_id=rollout_id,
+        )
 
-    async def _stream(self, send: Send, session: StreamSession, watcher: asyncio.Task | None,
-                      call_id: tuple[bytes, bytes]) -> int:
+    async def _stream(
+        self, send: Send, session: StreamSession, watcher: asyncio.Task | None, call_id: tuple[bytes, bytes]
+    ) -> int:
         try:
             kind = getattr(session.relay, "content_type", None)  # Gemini's JSON-array streams
             headers = _SSE_HEADERS if kind is None else [(b"content-type", kind), *_SSE_HEADERS[1:]]
@@ -453,9 +549,19 @@ async def _watch_disconnect(receive: Receive, handle: CallHandle) -> None:
             return
 
 
-async def _send_error(send: Send, path: str, status: int, message: str, type: str, code: str | None = None,
-                      param: str | None = None, headers: dict[str, str] | None = None, *, route: str,
-                      rollout_id: str | None = None) -> int:
+async def _send_error(
+    send: Send,
+    path: str,
+    status: int,
+    message: str,
+    type: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+    *,
+    route: str,
+    rollout_id: str | None = None,
+) -> int:
     note_error(route, status, code, param, rollout_id)
     body = error_payload(path, status, message, type, code, param)
     raw_headers = [*_JSON_HEADERS, (b"content-length", b"%d" % len(body))]
@@ -465,10 +571,22 @@ async def _send_error(send: Send, path: str, status: int, message: str, type: st
     return status
 
 
-def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, admission: Admission,
-               pool: ReplicaPool, redis_ping: Callable[[], Awaitable[Any]], served_model: str, public_url: str,
-               default_group_size: int, max_body_bytes: int, retry_after_s: int, access: bool = False,
-               cors_origins: list[str] | None = None) -> ASGIApp:
+def create_app(
+    *,
+    proxy: Proxy,
+    rollouts: RolloutRegistry,
+    sessions: Sessions,
+    admission: Admission,
+    pool: ReplicaPool,
+    redis_ping: Callable[[], Awaitable[Any]],
+    served_model: str,
+    public_url: str,
+    default_group_size: int,
+    max_body_bytes: int,
+    retry_after_s: int,
+    access: bool = False,
+    cors_origins: list[str] | None = None,
+) -> ASGIApp:
     app = FastAPI(title="Tether gateway", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_middleware(MetricsMiddleware, access=access)
     root_url = public_url.rstrip("/")
@@ -492,20 +610,38 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
         errors = exc.errors()
         first = errors[0] if errors else {}
         param = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return _error(request, 422, str(first.get("msg", "invalid request")), "invalid_request_error",
-                      "invalid_value", param)
+        return _error(
+            request,
+            422,
+            str(first.get("msg", "invalid request")),
+            "invalid_request_error",
+            "invalid_value",
+            param,
+        )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
-        return _error(request, exc.status_code, str(exc.detail), "invalid_request_error", code,
-                      headers=dict(exc.headers or {}))
+        return _error(
+            request,
+            exc.status_code,
+            str(exc.detail),
+            "invalid_request_error",
+            code,
+            headers=dict(exc.headers or {}),
+        )
 
     @app.exception_handler(RedisError)
     async def redis_error(request: Request, exc: RedisError) -> Response:
         log.error("redis: %r", exc)
-        return _error(request, 503, "The gateway's store is unavailable; retry later", "server_error",
-                      "store_unavailable", headers={"Retry-After": str(retry_after_s)})
+        return _error(
+            request,
+            503,
+            "The gateway's store is unavailable; retry later",
+            "server_error",
+            "store_unavailable",
+            headers={"Retry-After": str(retry_after_s)},
+        )
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> Response:
@@ -518,7 +654,9 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
         """The first of several keys one request sent that the gateway knows (a client may carry a
         stale Bearer from its environment beside the right x-api-key); the first one if none is."""
         for key in keys:
-            if (sessions_ok and sessions.session_of(key) is not None) or (admin_ok and rollouts.is_admin(key)):
+            if (sessions_ok and sessions.session_of(key) is not None) or (
+                admin_ok and rollouts.is_admin(key)
+            ):
                 return key
             if await rollouts.owner(key) is not None:
                 return key
@@ -541,8 +679,13 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
 
     @app.api_route("/v1/responses/{response_id}", methods=["GET", "DELETE"])
     async def stored_response(response_id: str) -> Response:
-        raise ApiError(404, f"No response '{response_id}': this gateway stores no responses (send the whole "
-                       "conversation in 'input')", code="response_not_found", param="response_id")
+        raise ApiError(
+            404,
+            f"No response '{response_id}': this gateway stores no responses (send the whole "
+            "conversation in 'input')",
+            code="response_not_found",
+            param="response_id",
+        )
 
     async def count_tokens(request: Request, rollout_id: str | None) -> Response:
         key = await key_of(request, rollout_id)
@@ -564,8 +707,12 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
 
     def one_model(model_id: str) -> Response:
         if model_id != served_model:
-            raise ApiError(404, f"The model '{model_id}' does not exist; this gateway serves '{served_model}'",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"The model '{model_id}' does not exist; this gateway serves '{served_model}'",
+                param="model",
+                code="model_not_found",
+            )
         return _json(model_card)
 
     @app.get("/v1/models")
@@ -593,10 +740,19 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
         rollout_root = f"{root_url}/rollouts/{new.rollout_id}"
         # OpenAI clients take a base URL that ends in /v1; Anthropic's and Google's SDKs (Claude Code,
         # Gemini CLI) append /v1/... or /v1beta/... themselves, so theirs is the root form.
-        return _json({"rollout_id": new.rollout_id, "api_key": new.api_key, "base_url": base_url,
-                      "rollout_base_url": f"{rollout_root}/v1", "anthropic_base_url": root_url,
-                      "rollout_anthropic_base_url": rollout_root, "gemini_base_url": root_url,
-                      "model": served_model}, 201)
+        return _json(
+            {
+                "rollout_id": new.rollout_id,
+                "api_key": new.api_key,
+                "base_url": base_url,
+                "rollout_base_url": f"{rollout_root}/v1",
+                "anthropic_base_url": root_url,
+                "rollout_anthropic_base_url": rollout_root,
+                "gemini_base_url": root_url,
+                "model": served_model,
+            },
+            201,
+        )
 
     @app.get("/v1/rollouts/{rollout_id}")
     async def get_rollout(rollout_id: str, request: Request) -> Response:
@@ -613,8 +769,9 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
 
     @app.post("/v1/rollouts/{rollout_id}/calls/{call_id}/reward")
     async def reward_call(rollout_id: str, call_id: str, request: Request) -> Response:
-        await rollouts.authorize(rollout_id, await key_of(request, rollout_id, admin_ok=True),
-                                 open_without_admin=False)
+        await rollouts.authorize(
+            rollout_id, await key_of(request, rollout_id, admin_ok=True), open_without_admin=False
+        )
         return await _reward_call(rollout_id, call_id, request)
 
     async def _reward_call(rollout_id: str, call_id: str, request: Request) -> Response:
@@ -659,8 +816,15 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
             await redis_ping()
         except (RedisError, OSError) as exc:
             return _json({"status": "unavailable", "redis": repr(exc)}, 503)
-        return _json({"status": "ok", "paused": admission.paused, "in_flight": admission.in_flight,
-                      "weight_version": admission.weight_version, "replicas": pool.status()})
+        return _json(
+            {
+                "status": "ok",
+                "paused": admission.paused,
+                "in_flight": admission.in_flight,
+                "weight_version": admission.weight_version,
+                "replicas": pool.status(),
+            }
+        )
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -668,18 +832,31 @@ def create_app(*, proxy: Proxy, rollouts: RolloutRegistry, sessions: Sessions, a
 
     gemini_api = GeminiApi(served_model, upstream_model)
     _gemini_routes(app, proxy, rollouts, gemini_api, served_model, max_body_bytes, key_of)
-    routes: ASGIApp = CallRoutes(app, proxy, apis, max_body_bytes, retry_after_s, resolve_key, public_url, access,
-                                 gemini_api)
+    routes: ASGIApp = CallRoutes(
+        app, proxy, apis, max_body_bytes, retry_after_s, resolve_key, public_url, access, gemini_api
+    )
     if cors_origins:
         # Around everything, so the call routes answer preflights and carry the headers too.
-        routes = CORSMiddleware(routes, allow_origins=cors_origins, allow_methods=["*"], allow_headers=["*"],
-                                expose_headers=["x-tether-call-id", "retry-after"], max_age=600)
+        routes = CORSMiddleware(
+            routes,
+            allow_origins=cors_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+            expose_headers=["x-tether-call-id", "retry-after"],
+            max_age=600,
+        )
     return routes
 
 
-def _gemini_routes(app: FastAPI, proxy: Proxy, rollouts: RolloutRegistry, gemini_api: GeminiApi,
-                   served_model: str, max_body_bytes: int,
-                   key_of: Callable[[Request, str | None], Awaitable[str | None]]) -> None:
+def _gemini_routes(
+    app: FastAPI,
+    proxy: Proxy,
+    rollouts: RolloutRegistry,
+    gemini_api: GeminiApi,
+    served_model: str,
+    max_body_bytes: int,
+    key_of: Callable[[Request, str | None], Awaitable[str | None]],
+) -> None:
     """Google's model listing and countTokens (the calls themselves go through CallRoutes). GET
     models is served under /v1beta only: /v1/models is OpenAI's list."""
 
@@ -707,8 +884,12 @@ def _gemini_routes(app: FastAPI, proxy: Proxy, rollouts: RolloutRegistry, gemini
     async def model_method(target: str, request: Request, rollout_id: str | None) -> Response:
         model, _, method = target.rpartition(":")
         if method != gemini.COUNT_TOKENS or not model:
-            raise ApiError(404, f"'{target}' is not served here: this gateway serves generateContent, "
-                           "streamGenerateContent and countTokens", code="not_found")
+            raise ApiError(
+                404,
+                f"'{target}' is not served here: this gateway serves generateContent, "
+                "streamGenerateContent and countTokens",
+                code="not_found",
+            )
         raw = await _read_body(request, max_body_bytes)
         call = gemini_api.call(model, method, False)
         out = await proxy.count_tokens(call, await key_of(request, rollout_id), raw, rollout_id)  # type: ignore[arg-type]

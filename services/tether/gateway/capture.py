@@ -38,9 +38,15 @@ WEIGHT_VERSIONS_CHUNK = "tether.weight_versions"
 class ApiError(Exception):
     """An error answered to the client in OpenAI's shape: {"error": {message, type, param, code}}."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error",
-                 code: str | None = None, param: str | None = None,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        code: str | None = None,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -62,8 +68,12 @@ def unsupported(names: list[str], why: str = "") -> ApiError:
     names = sorted(names)
     listed = ", ".join(f"'{n}'" for n in names)
     noun = "parameter" if len(names) == 1 else "parameters"
-    return ApiError(400, f"Unsupported {noun} {listed}" + (f": {why}" if why else ""), param=names[0],
-                    code="unsupported_parameter")
+    return ApiError(
+        400,
+        f"Unsupported {noun} {listed}" + (f": {why}" if why else ""),
+        param=names[0],
+        code="unsupported_parameter",
+    )
 
 
 def invalid(param: str, message: str) -> ApiError:
@@ -82,8 +92,9 @@ def number_field(body: dict[str, Any], name: str, integer: bool = False) -> Any:
     return value
 
 
-def reject_unknown_fields(body: dict[str, Any], known: set[str], hints: dict[str, str], why: str,
-                          null_is_absent: bool = False) -> None:
+def reject_unknown_fields(
+    body: dict[str, Any], known: set[str], hints: dict[str, str], why: str, null_is_absent: bool = False
+) -> None:
     """400 naming every field outside `known` (a null one too, unless `null_is_absent`), with the
     hints for those that have one."""
     extra = [k for k in body if k not in known and not (null_is_absent and body[k] is None)]
@@ -102,7 +113,11 @@ def load_json_object(raw: bytes, allow_nan: bool = False) -> dict[str, Any]:
     NaN/Infinity literals Python clients emit, so that the caller can reject them as a bad *value*."""
     try:
         data = json.loads(raw) if allow_nan else orjson.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as exc:  # json's nesting limit is a RecursionError
+    except (
+        ValueError,
+        UnicodeDecodeError,
+        RecursionError,
+    ) as exc:  # json's nesting limit is a RecursionError
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_body")
@@ -125,8 +140,12 @@ class ChatRequest:
 def check_model(body: dict[str, Any], served_model: str) -> None:
     model = body.get("model", served_model)
     if model != served_model:
-        raise ApiError(404, f"The model '{model}' does not exist; this gateway serves '{served_model}'",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model '{model}' does not exist; this gateway serves '{served_model}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def check_stream(body: dict[str, Any]) -> bool:
@@ -148,8 +167,12 @@ def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
     stream = check_stream(body)
     if body.get("use_beam_search"):
         raise unsupported(["use_beam_search"], "beam search does not report sampler logprobs")
-    return ChatRequest(body=body, stream=stream, wants_logprobs=body.get("logprobs") is True,
-                       wants_token_ids=body.get("return_token_ids") is True)
+    return ChatRequest(
+        body=body,
+        stream=stream,
+        wants_logprobs=body.get("logprobs") is True,
+        wants_token_ids=body.get("return_token_ids") is True,
+    )
 
 
 def upstream_body(req: ChatRequest, upstream_model: str, max_tokens: int | None = None) -> bytes:
@@ -177,8 +200,11 @@ def upstream_chat_body(body: dict[str, Any], upstream_model: str, max_tokens: in
 
 
 def _is_ids(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(
-        isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
+    )
 
 
 def parse_completion_request(raw: bytes, served_model: str) -> ChatRequest:
@@ -189,8 +215,11 @@ def parse_completion_request(raw: bytes, served_model: str) -> ChatRequest:
     if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
         pass  # a batch of one
     elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        raise unsupported(["prompt"], f"a batch of {len(prompt)} prompts; send one prompt per request "
-                          "(each call is recorded with its own prompt token ids)")
+        raise unsupported(
+            ["prompt"],
+            f"a batch of {len(prompt)} prompts; send one prompt per request "
+            "(each call is recorded with its own prompt token ids)",
+        )
     elif not (isinstance(prompt, str) and prompt) and not _is_ids(prompt):
         raise invalid("prompt", "must be a non-empty string or a non-empty array of token ids (ints >= 0)")
     check_model(body, served_model)
@@ -204,8 +233,12 @@ def parse_completion_request(raw: bytes, served_model: str) -> ChatRequest:
     logprobs = body.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
         raise invalid("logprobs", "must be null or an integer >= 0 (the number of top logprobs)")
-    return ChatRequest(body=body, stream=stream, wants_logprobs=logprobs is not None,
-                       wants_token_ids=body.get("return_token_ids") is True)
+    return ChatRequest(
+        body=body,
+        stream=stream,
+        wants_logprobs=logprobs is not None,
+        wants_token_ids=body.get("return_token_ids") is True,
+    )
 
 
 def upstream_completion_body(req: ChatRequest, upstream_model: str, max_tokens: int | None = None) -> bytes:
@@ -329,8 +362,11 @@ class Captured:
         return sum(len(c.token_ids) for c in self.choices.values())
 
     def missing_ids(self) -> bool:
-        return not self.prompt_token_ids or not self.choices or any(
-            not c.token_ids for c in self.choices.values())
+        return (
+            not self.prompt_token_ids
+            or not self.choices
+            or any(not c.token_ids for c in self.choices.values())
+        )
 
 
 def capture_response(resp: dict[str, Any]) -> Captured:
@@ -388,7 +424,9 @@ class StreamCapture:
         """The plugin's extra chunk (never relayed to the client): each choice's spans."""
         for choice in chunk.get("choices") or ():
             if isinstance(choice, dict) and isinstance(choice.get("index"), int):
-                self.captured.choice(choice["index"]).weight_spans = weight_spans(choice.get("weight_versions"))
+                self.captured.choice(choice["index"]).weight_spans = weight_spans(
+                    choice.get("weight_versions")
+                )
 
     def _feed_choice(self, pos: int, choice: dict[str, Any]) -> None:
         c = self.captured.choice(int(choice.get("index", pos)))
@@ -422,16 +460,38 @@ class CompletionStreamCapture(StreamCapture):
 
 
 def build_trace(
-    *, call_id: str, rollout_id: str, request: dict[str, Any], captured: Captured | None, error: str | None,
-    http_status: int, weight_version: int, started_at: float, finished_at: float, latency_s: float,
-    upstream_latency_s: float, api: str = API_CHAT, adjustments: dict[str, Any] | None = None,
+    *,
+    call_id: str,
+    rollout_id: str,
+    request: dict[str, Any],
+    captured: Captured | None,
+    error: str | None,
+    http_status: int,
+    weight_version: int,
+    started_at: float,
+    finished_at: float,
+    latency_s: float,
+    upstream_latency_s: float,
+    api: str = API_CHAT,
+    adjustments: dict[str, Any] | None = None,
 ) -> Trace:
     """The record of one call. A call with an error (or without token ids) is never a sample.
     `request` is the body as the client sent it, whichever API it spoke."""
-    trace = Trace(call_id=call_id, rollout_id=rollout_id, api=api, request=request,
-                  status="error" if error else "ok", weight_version=weight_version, started_at=started_at,
-                  finished_at=finished_at, latency_s=latency_s, upstream_latency_s=upstream_latency_s,
-                  http_status=http_status, error=error, adjustments=adjustments or {})
+    trace = Trace(
+        call_id=call_id,
+        rollout_id=rollout_id,
+        api=api,
+        request=request,
+        status="error" if error else "ok",
+        weight_version=weight_version,
+        started_at=started_at,
+        finished_at=finished_at,
+        latency_s=latency_s,
+        upstream_latency_s=upstream_latency_s,
+        http_status=http_status,
+        error=error,
+        adjustments=adjustments or {},
+    )
     if captured is None:
         return trace
     trace.prompt_token_ids = captured.prompt_token_ids
@@ -443,9 +503,15 @@ def build_trace(
         trace.finish_reason = first.finish_reason
         trace.weight_spans = _checked_spans(first)
         trace.extra_choices = [
-            {"index": i, "token_ids": c.token_ids, "logprobs": c.logprobs, "finish_reason": c.finish_reason,
-             "weight_spans": _checked_spans(c)}
-            for i in indices[1:] for c in (captured.choices[i],)
+            {
+                "index": i,
+                "token_ids": c.token_ids,
+                "logprobs": c.logprobs,
+                "finish_reason": c.finish_reason,
+                "weight_spans": _checked_spans(c),
+            }
+            for i in indices[1:]
+            for c in (captured.choices[i],)
         ]
     if not error and captured.missing_ids():
         trace.status = "error"
@@ -485,8 +551,9 @@ def upstream_error(status: int, content: bytes, retry_after_s: int) -> ApiError:
     if status < 500:
         return ApiError(status, message, type_, code, param)
     if status == 503:
-        return ApiError(503, message, "server_error", "upstream_unavailable",
-                        headers={"Retry-After": str(retry_after_s)})
+        return ApiError(
+            503, message, "server_error", "upstream_unavailable", headers={"Retry-After": str(retry_after_s)}
+        )
     if blamed is not None:
         return ApiError(blamed, message, "invalid_request_error", str(blamed), param)
     return ApiError(502, f"upstream error: {message}", "server_error", "upstream_error")

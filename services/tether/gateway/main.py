@@ -189,56 +189,108 @@ class GatewayServer:
         url_host = "127.0.0.1" if s.gateway_host in ("0.0.0.0", "::", "") else s.gateway_host
         self.public_url = s.public_url or f"http://{url_host}:{self.http_port}"
         if s.gateway_host not in _LOOPBACK and not s.admin_token:
-            log.warning("gateway listens on %s without TETHER_ADMIN_TOKEN: anyone can create rollouts",
-                        s.gateway_host)
+            log.warning(
+                "gateway listens on %s without TETHER_ADMIN_TOKEN: anyone can create rollouts", s.gateway_host
+            )
 
         # Blocking pool: past its size a command waits for a connection instead of failing (redis-py's
         # default pool raises at 100). The call path pipelines (recorder.Batcher) and needs few.
-        self.redis = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
-            s.redis_url, decode_responses=True, max_connections=64, timeout=30,
-            socket_timeout=broker.SOCKET_TIMEOUT_S, socket_connect_timeout=10.0))
+        self.redis = aioredis.Redis(
+            connection_pool=aioredis.BlockingConnectionPool.from_url(
+                s.redis_url,
+                decode_responses=True,
+                max_connections=64,
+                timeout=30,
+                socket_timeout=broker.SOCKET_TIMEOUT_S,
+                socket_connect_timeout=10.0,
+            )
+        )
         keys = broker.Keys(s.namespace)
         self.admission = Admission()
         self.recorder = Recorder(self.redis, s.redis_url, keys)
         with contextlib.suppress(RedisError, OSError):  # loaded on first use when Redis is not up yet
             await self.recorder.start()
-        self.pool = ReplicaPool([
-            Replica(url, UpstreamClient(url, s.upstream_timeout_s, s.upstream_max_connections, s.vllm_api_key,
-                                        s.upstream_connect_timeout_s))
-            for url in s.replica_urls])
-        self.rollouts = RolloutRegistry(self.redis, keys, self.admission, s.admin_token, s.finish_wait_s,
-                                        batch=self.recorder.batch)
-        self.sessions = Sessions(parse_deployment_keys(s.deployment_keys), self.redis, keys, self.recorder,
-                                 s.admin_token)
-        self.proxy = Proxy(pool=self.pool, rollouts=self.rollouts, sessions=self.sessions, admission=self.admission,
-                           recorder=self.recorder, keys=keys, served_model=s.served_model,
-                           upstream_model=s.upstream_model or s.served_model,
-                           admission_wait_s=s.admission_wait_s, retry_after_s=s.retry_after_s,
-                           max_retries=s.upstream_retries, retry_backoff_s=s.retry_backoff_s,
-                           default_max_tokens=s.default_max_tokens or None,
-                           guided=GuidedCheck(s.upstream_model or s.served_model, s.guided, s.guided_tolerance,
-                                              s.guided_timeout_s))
-        app = create_app(proxy=self.proxy, rollouts=self.rollouts, sessions=self.sessions, admission=self.admission,
-                         pool=self.pool, redis_ping=self.redis.ping, served_model=s.served_model,
-                         public_url=self.public_url, default_group_size=s.default_group_size,
-                         max_body_bytes=s.max_body_bytes, retry_after_s=s.retry_after_s, access=s.access_log,
-                         cors_origins=s.cors_origin_list)
+        self.pool = ReplicaPool(
+            [
+                Replica(
+                    url,
+                    UpstreamClient(
+                        url,
+                        s.upstream_timeout_s,
+                        s.upstream_max_connections,
+                        s.vllm_api_key,
+                        s.upstream_connect_timeout_s,
+                    ),
+                )
+                for url in s.replica_urls
+            ]
+        )
+        self.rollouts = RolloutRegistry(
+            self.redis, keys, self.admission, s.admin_token, s.finish_wait_s, batch=self.recorder.batch
+        )
+        self.sessions = Sessions(
+            parse_deployment_keys(s.deployment_keys), self.redis, keys, self.recorder, s.admin_token
+        )
+        self.proxy = Proxy(
+            pool=self.pool,
+            rollouts=self.rollouts,
+            sessions=self.sessions,
+            admission=self.admission,
+            recorder=self.recorder,
+            keys=keys,
+            served_model=s.served_model,
+            upstream_model=s.upstream_model or s.served_model,
+            admission_wait_s=s.admission_wait_s,
+            retry_after_s=s.retry_after_s,
+            max_retries=s.upstream_retries,
+            retry_backoff_s=s.retry_backoff_s,
+            default_max_tokens=s.default_max_tokens or None,
+            guided=GuidedCheck(
+                s.upstream_model or s.served_model, s.guided, s.guided_tolerance, s.guided_timeout_s
+            ),
+        )
+        app = create_app(
+            proxy=self.proxy,
+            rollouts=self.rollouts,
+            sessions=self.sessions,
+            admission=self.admission,
+            pool=self.pool,
+            redis_ping=self.redis.ping,
+            served_model=s.served_model,
+            public_url=self.public_url,
+            default_group_size=s.default_group_size,
+            max_body_bytes=s.max_body_bytes,
+            retry_after_s=s.retry_after_s,
+            access=s.access_log,
+            cors_origins=s.cors_origin_list,
+        )
         self._health_task = asyncio.create_task(self.pool.watch(s.health_check_s, s.health_timeout_s))
 
         def register(server: grpc.aio.Server) -> list[str]:
-            gateway_pb2_grpc.add_GatewayControlServicer_to_server(GatewayControlServicer(self.admission), server)
+            gateway_pb2_grpc.add_GatewayControlServicer_to_server(
+                GatewayControlServicer(self.admission), server
+            )
             return [SERVICE_NAME]
 
         self.grpc_server, self.health, self.grpc_port = await start_server(
-            s.gateway_grpc_port, register, s.gateway_host, s.metrics_port)
+            s.gateway_grpc_port, register, s.gateway_host, s.metrics_port
+        )
         await self.health.set(await self._redis_ok())
 
         # uvicorn formats an access-log line per request whenever its logger has a handler anywhere up
         # the tree (ours: the root's), even with access_log off: cut it loose.
         logging.getLogger("uvicorn.access").propagate = False
-        config = uvicorn.Config(app, lifespan="off", access_log=False, log_config=None, http="httptools",
-                                proxy_headers=False, log_level=s.log_level.lower(),
-                                timeout_graceful_shutdown=s.shutdown_grace_s, timeout_keep_alive=30)
+        config = uvicorn.Config(
+            app,
+            lifespan="off",
+            access_log=False,
+            log_config=None,
+            http="httptools",
+            proxy_headers=False,
+            log_level=s.log_level.lower(),
+            timeout_graceful_shutdown=s.shutdown_grace_s,
+            timeout_keep_alive=30,
+        )
         self._uvicorn = _Uvicorn(config)
         self._http_task = asyncio.create_task(self._uvicorn.serve(sockets=[sock]))
         while not self._uvicorn.started:
@@ -246,9 +298,15 @@ class GatewayServer:
                 self._http_task.result()
                 raise RuntimeError("HTTP server stopped during startup")
             await asyncio.sleep(0.01)
-        log.info("gateway HTTP on %s:%d (agents use %s/v1), gRPC GatewayControl on %s:%d, vLLM at %s",
-                 s.gateway_host, self.http_port, self.public_url, s.gateway_host, self.grpc_port,
-                 ", ".join(s.replica_urls))
+        log.info(
+            "gateway HTTP on %s:%d (agents use %s/v1), gRPC GatewayControl on %s:%d, vLLM at %s",
+            s.gateway_host,
+            self.http_port,
+            self.public_url,
+            s.gateway_host,
+            self.grpc_port,
+            ", ".join(s.replica_urls),
+        )
 
     async def _redis_ok(self) -> bool:
         try:
@@ -266,8 +324,11 @@ class GatewayServer:
             if ok != serving and self.health is not None:
                 await self.health.set(ok)
                 if serving is not None or not ok:
-                    log.log(logging.INFO if ok else logging.WARNING, "redis %s",
-                            "answers again: SERVING" if ok else "not answering: NOT_SERVING")
+                    log.log(
+                        logging.INFO if ok else logging.WARNING,
+                        "redis %s",
+                        "answers again: SERVING" if ok else "not answering: NOT_SERVING",
+                    )
                 serving = ok
             await asyncio.sleep(self.s.redis_check_s)
 
@@ -304,11 +365,14 @@ async def amain(s: GatewaySettings) -> None:
     await gw.start()
     tune_gc()
     # One line the launcher (or a human) can read the bound ports from.
-    print(f"tether-gateway ready http_port={gw.http_port} grpc_port={gw.grpc_port} "
-          f"base_url={gw.public_url}/v1", flush=True)
+    print(
+        f"tether-gateway ready http_port={gw.http_port} grpc_port={gw.grpc_port} base_url={gw.public_url}/v1",
+        flush=True,
+    )
     assert gw.grpc_server is not None and gw.health is not None
-    await run_until_signal(gw.grpc_server, gw.health, [gw.watch_redis(), gw.http_stopped()],
-                           on_stop=gw.stop_http)
+    await run_until_signal(
+        gw.grpc_server, gw.health, [gw.watch_redis(), gw.http_stopped()], on_stop=gw.stop_http
+    )
 
 
 def tune_gc() -> None:

@@ -51,11 +51,33 @@ from tether.gateway.capture import (
 )
 
 # Request fields that are translated, and those accepted but with no effect here.
-_TRANSLATED = {"model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature", "top_p",
-               "top_k", "tools", "tool_choice", "thinking", "output_config"}
+_TRANSLATED = {
+    "model",
+    "messages",
+    "max_tokens",
+    "system",
+    "stop_sequences",
+    "stream",
+    "temperature",
+    "top_p",
+    "top_k",
+    "tools",
+    "tool_choice",
+    "thinking",
+    "output_config",
+}
 # Accepted with no effect: routing, caching, attribution and context-editing hints of Anthropic's service.
-_IGNORED = {"metadata", "service_tier", "cache_control", "inference_geo", "speed", "diagnostics", "user_profile_id",
-            "workspace_id", "context_management"}
+_IGNORED = {
+    "metadata",
+    "service_tier",
+    "cache_control",
+    "inference_geo",
+    "speed",
+    "diagnostics",
+    "user_profile_id",
+    "workspace_id",
+    "context_management",
+}
 _KNOWN = _TRANSLATED | _IGNORED
 _UNSUPPORTED_HINTS = {
     "container": "no code-execution containers here",
@@ -69,9 +91,17 @@ _DROPPED_BLOCKS = ("thinking", "redacted_thinking")
 _THINKING_ON = {"enabled": True, "adaptive": True, "disabled": False}
 _OUTPUT_CONFIG = {"format", "effort"}
 
-_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                500: "api_error", 503: "overloaded_error", 529: "overloaded_error"}
+_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 
 
 def anthropic_error_type(status: int) -> str:
@@ -181,8 +211,13 @@ def _user_messages(content: list[Any], where: str) -> list[dict[str, Any]]:
             call_id = block.get("tool_use_id")
             if not isinstance(call_id, str) or not call_id:
                 raise invalid(f"{at}.tool_use_id", "must be a non-empty string")
-            out.append({"role": "tool", "tool_call_id": call_id,
-                        "content": _tool_result_content(block.get("content"), f"{at}.content")})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": _tool_result_content(block.get("content"), f"{at}.content"),
+                }
+            )
         elif kind is None:
             raise invalid(at, "must be a content block object with a 'type'")
         else:
@@ -210,8 +245,13 @@ def _assistant_message(content: list[Any], where: str, dropped: dict[str, int]) 
                 raise invalid(f"{at}.name", "must be a non-empty string")
             if not isinstance(args, dict):
                 raise invalid(f"{at}.input", "must be an object")
-            calls.append({"id": call_id, "type": "function",
-                          "function": {"name": name, "arguments": orjson.dumps(args).decode()}})
+            calls.append(
+                {
+                    "id": call_id,
+                    "type": "function",
+                    "function": {"name": name, "arguments": orjson.dumps(args).decode()},
+                }
+            )
         elif kind is None:
             raise invalid(at, "must be a content block object with a 'type'")
         else:
@@ -325,8 +365,12 @@ def _uses_cache_control(body: dict[str, Any]) -> bool:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             blocks += content
-            blocks += [part for b in content if isinstance(b, dict) and isinstance(b.get("content"), list)
-                       for part in b["content"]]
+            blocks += [
+                part
+                for b in content
+                if isinstance(b, dict) and isinstance(b.get("content"), list)
+                for part in b["content"]
+            ]
     return any(isinstance(b, dict) and "cache_control" in b for b in blocks)
 
 
@@ -336,14 +380,19 @@ def _response_format(config: Any, ignored: set[str]) -> dict[str, Any] | None:
     if not isinstance(config, dict):
         raise invalid("output_config", "must be an object")
     if extra := sorted(set(config) - _OUTPUT_CONFIG):
-        raise unsupported([f"output_config.{k}" for k in extra], "this gateway translates Messages to chat "
-                          "completions")
+        raise unsupported(
+            [f"output_config.{k}" for k in extra], "this gateway translates Messages to chat completions"
+        )
     if config.get("effort") is not None:
         ignored.add("output_config.effort")
     fmt = config.get("format")
     if fmt is None:
         return None
-    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+    if (
+        not isinstance(fmt, dict)
+        or fmt.get("type") != "json_schema"
+        or not isinstance(fmt.get("schema"), dict)
+    ):
         raise invalid("output_config.format", "must be {'type': 'json_schema', 'schema': {...}}")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
@@ -352,7 +401,9 @@ def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
     """Validate an Anthropic Messages request and translate it to a chat completions body."""
     body = load_json_object(raw)
     check_model(body, served_model)
-    reject_unknown_fields(body, _KNOWN, _UNSUPPORTED_HINTS, "this gateway translates Messages to chat completions")
+    reject_unknown_fields(
+        body, _KNOWN, _UNSUPPORTED_HINTS, "this gateway translates Messages to chat completions"
+    )
     stream = check_stream(body)
     max_tokens = number_field(body, "max_tokens", integer=True)
     if max_tokens is None or max_tokens < 1:
@@ -386,14 +437,18 @@ def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
     if body.get("tool_choice") is not None:
         choice, parallel = _tool_choice(body["tool_choice"])
         if isinstance(choice, dict) and choice["function"]["name"] in {t.get("name") for t in dropped_tools}:
-            raise unsupported(["tool_choice.name"], f"tool '{choice['function']['name']}' is a server tool, "
-                              "which this gateway cannot run")
+            raise unsupported(
+                ["tool_choice.name"],
+                f"tool '{choice['function']['name']}' is a server tool, which this gateway cannot run",
+            )
         if "tools" in chat or choice == "none":
             chat["tool_choice"] = choice
         if parallel is not None and "tools" in chat:
             chat["parallel_tool_calls"] = parallel
-    if body.get("output_config") is not None and (
-            fmt := _response_format(body["output_config"], ignored)) is not None:
+    if (
+        body.get("output_config") is not None
+        and (fmt := _response_format(body["output_config"], ignored)) is not None
+    ):
         chat["response_format"] = fmt
     adjustments: dict[str, Any] = {}
     if (enable := _thinking(body.get("thinking"), ignored)) is not None:
@@ -405,8 +460,9 @@ def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
         adjustments["dropped_tools"] = dropped_tools
     if dropped_blocks:
         adjustments["dropped_blocks"] = dropped_blocks
-    return MessagesRequest(body=body, stream=stream, chat=chat, adjustments=adjustments,
-                           stop_sequences=list(stops or []))
+    return MessagesRequest(
+        body=body, stream=stream, chat=chat, adjustments=adjustments, stop_sequences=list(stops or [])
+    )
 
 
 def parse_count_tokens_request(raw: bytes, served_model: str) -> dict[str, Any]:
@@ -429,8 +485,9 @@ def new_message_id() -> str:
     return f"msg_{uuid.uuid4().hex}"
 
 
-def stop_reason(finish_reason: str | None, vllm_stop: Any, has_tool_calls: bool,
-                stop_sequences: list[str]) -> tuple[str, str | None]:
+def stop_reason(
+    finish_reason: str | None, vllm_stop: Any, has_tool_calls: bool, stop_sequences: list[str]
+) -> tuple[str, str | None]:
     """Anthropic's (stop_reason, stop_sequence) for a chat finish_reason (and vLLM's stop_reason,
     the stop string that ended the text, if any)."""
     if finish_reason == "length":
@@ -457,12 +514,17 @@ def _tool_input(arguments: Any) -> dict[str, Any]:
 
 
 def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": input_tokens, "output_tokens": output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0}
+    return {
+        "input_tokens": input_tokens,
+        "output_tokens": output_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": 0,
+    }
 
 
-def message_from_chat(resp: dict[str, Any], captured: Captured, req: MessagesRequest,
-                      model: str) -> dict[str, Any]:
+def message_from_chat(
+    resp: dict[str, Any], captured: Captured, req: MessagesRequest, model: str
+) -> dict[str, Any]:
     """The Anthropic Message for a non-streaming chat response."""
     choices = resp.get("choices") or [{}]
     choice = as_dict(choices[0])
@@ -474,16 +536,30 @@ def message_from_chat(resp: dict[str, Any], captured: Captured, req: MessagesReq
         content.append({"type": "text", "text": text})
     for call in calls:
         fn = as_dict(call.get("function"))
-        content.append({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
-                        "name": fn.get("name", ""), "input": _tool_input(fn.get("arguments"))})
-    reason, sequence = stop_reason(choice.get("finish_reason"), choice.get("stop_reason"), bool(calls),
-                                   req.stop_sequences)
+        content.append(
+            {
+                "type": "tool_use",
+                "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
+                "name": fn.get("name", ""),
+                "input": _tool_input(fn.get("arguments")),
+            }
+        )
+    reason, sequence = stop_reason(
+        choice.get("finish_reason"), choice.get("stop_reason"), bool(calls), req.stop_sequences
+    )
     usage = as_dict(resp.get("usage"))
     input_tokens = usage.get("prompt_tokens", len(captured.prompt_token_ids))
     output_tokens = usage.get("completion_tokens", captured.completion_tokens())
-    return {"id": new_message_id(), "type": "message", "role": "assistant", "model": model,
-            "content": content, "stop_reason": reason, "stop_sequence": sequence,
-            "usage": _usage(input_tokens, output_tokens)}
+    return {
+        "id": new_message_id(),
+        "type": "message",
+        "role": "assistant",
+        "model": model,
+        "content": content,
+        "stop_reason": reason,
+        "stop_sequence": sequence,
+        "usage": _usage(input_tokens, output_tokens),
+    }
 
 
 def _event(kind: str, data: dict[str, Any]) -> bytes:
@@ -515,9 +591,15 @@ class MessagesStream:
             return []
         self._started = True
         message: dict[str, Any] = {
-            "id": new_message_id(), "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None,
-            "usage": _usage(len(self.capture.captured.prompt_token_ids), 0)}
+            "id": new_message_id(),
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": None,
+            "stop_sequence": None,
+            "usage": _usage(len(self.capture.captured.prompt_token_ids), 0),
+        }
         return [_event("message_start", {"message": message})]
 
     def _open_block(self, block: dict[str, Any]) -> list[bytes]:
@@ -548,8 +630,12 @@ class MessagesStream:
             if isinstance(text, str) and text:
                 if self._open is None or self._open in self._tool_blocks.values():
                     out += self._open_block({"type": "text", "text": ""})
-                out.append(_event("content_block_delta", {"index": self._open,
-                                                          "delta": {"type": "text_delta", "text": text}}))
+                out.append(
+                    _event(
+                        "content_block_delta",
+                        {"index": self._open, "delta": {"type": "text_delta", "text": text}},
+                    )
+                )
             for call in delta.get("tool_calls") or ():
                 if isinstance(call, dict):
                     out += self._tool_delta(call)
@@ -563,13 +649,26 @@ class MessagesStream:
         fn = as_dict(call.get("function"))
         index = call.get("index", 0)
         if index not in self._tool_blocks:
-            out += self._open_block({"type": "tool_use", "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
-                                     "name": fn.get("name") or "", "input": {}})
+            out += self._open_block(
+                {
+                    "type": "tool_use",
+                    "id": call.get("id") or f"toolu_{uuid.uuid4().hex}",
+                    "name": fn.get("name") or "",
+                    "input": {},
+                }
+            )
             self._tool_blocks[index] = self._open  # type: ignore[assignment]
         args = fn.get("arguments")
         if isinstance(args, str) and args:
-            out.append(_event("content_block_delta", {"index": self._tool_blocks[index], "delta": {
-                "type": "input_json_delta", "partial_json": args}}))
+            out.append(
+                _event(
+                    "content_block_delta",
+                    {
+                        "index": self._tool_blocks[index],
+                        "delta": {"type": "input_json_delta", "partial_json": args},
+                    },
+                )
+            )
         return out
 
     def done(self) -> list[bytes]:
@@ -580,10 +679,18 @@ class MessagesStream:
         if self._blocks == 0:
             out += self._open_block({"type": "text", "text": ""})
         out += self._close_block()
-        reason, sequence = stop_reason(self._finish, self._vllm_stop, bool(self._tool_blocks),
-                                       self.req.stop_sequences)
-        out.append(_event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                            "usage": {"output_tokens": self.capture.captured.completion_tokens()}}))
+        reason, sequence = stop_reason(
+            self._finish, self._vllm_stop, bool(self._tool_blocks), self.req.stop_sequences
+        )
+        out.append(
+            _event(
+                "message_delta",
+                {
+                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                    "usage": {"output_tokens": self.capture.captured.completion_tokens()},
+                },
+            )
+        )
         out.append(_event("message_stop", {}))
         return out
 

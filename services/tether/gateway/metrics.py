@@ -13,21 +13,34 @@ from prometheus_client import Counter, Gauge, Histogram
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 REQUESTS = Counter("tether_gateway_requests_total", "HTTP requests", ["route", "status", "replica"])
-LATENCY = Histogram("tether_gateway_request_latency_seconds", "HTTP request latency (to the last byte sent)",
-                    ["route"], buckets=_LATENCY_BUCKETS)
+LATENCY = Histogram(
+    "tether_gateway_request_latency_seconds",
+    "HTTP request latency (to the last byte sent)",
+    ["route"],
+    buckets=_LATENCY_BUCKETS,
+)
 # route: the template (the call routes', FastAPI's, or "unmatched"), never a raw path: bounded labels.
 ERRORS = Counter("tether_gateway_errors_total", "Error answers", ["route", "status", "code"])
-UPSTREAM_LATENCY = Histogram("tether_gateway_upstream_latency_seconds", "Time vLLM took to answer a call",
-                             ["replica"], buckets=_LATENCY_BUCKETS)
+UPSTREAM_LATENCY = Histogram(
+    "tether_gateway_upstream_latency_seconds",
+    "Time vLLM took to answer a call",
+    ["replica"],
+    buckets=_LATENCY_BUCKETS,
+)
 PROMPT_TOKENS = Counter("tether_gateway_prompt_tokens_total", "Prompt tokens of recorded calls", ["replica"])
-COMPLETION_TOKENS = Counter("tether_gateway_completion_tokens_total", "Generated tokens of recorded calls",
-                            ["replica"])
+COMPLETION_TOKENS = Counter(
+    "tether_gateway_completion_tokens_total", "Generated tokens of recorded calls", ["replica"]
+)
 TRACES = Counter("tether_gateway_traces_total", "Calls recorded", ["status", "kind"])
-UPSTREAM_ERRORS = Counter("tether_gateway_upstream_errors_total", "Failed exchanges with vLLM", ["replica", "kind"])
-RETRIES = Counter("tether_gateway_retries_total", "Calls sent again after an upstream 5xx or timeout",
-                  ["replica", "reason"])
-FAILOVERS = Counter("tether_gateway_failovers_total", "Calls moved to another replica after a connect failure",
-                    ["replica"])
+UPSTREAM_ERRORS = Counter(
+    "tether_gateway_upstream_errors_total", "Failed exchanges with vLLM", ["replica", "kind"]
+)
+RETRIES = Counter(
+    "tether_gateway_retries_total", "Calls sent again after an upstream 5xx or timeout", ["replica", "reason"]
+)
+FAILOVERS = Counter(
+    "tether_gateway_failovers_total", "Calls moved to another replica after a connect failure", ["replica"]
+)
 IN_FLIGHT = Gauge("tether_gateway_in_flight", "Calls admitted and not yet recorded")
 REPLICA_IN_FLIGHT = Gauge("tether_gateway_replica_in_flight", "Calls in flight per vLLM replica", ["replica"])
 REPLICA_HEALTHY = Gauge("tether_gateway_replica_healthy", "1 while a vLLM replica takes calls", ["replica"])

@@ -127,9 +127,27 @@ class Reply:
 class Call:
     """One call in progress."""
 
-    __slots__ = ("rollout_id", "tracked", "session", "sticky", "api", "req", "weight_version", "call_id",
-                 "started_at", "t0", "t_up", "upstream_latency_s", "replica", "retries", "failovers",
-                 "max_tokens", "context_len", "guided_by", "guided")
+    __slots__ = (
+        "rollout_id",
+        "tracked",
+        "session",
+        "sticky",
+        "api",
+        "req",
+        "weight_version",
+        "call_id",
+        "started_at",
+        "t0",
+        "t_up",
+        "upstream_latency_s",
+        "replica",
+        "retries",
+        "failovers",
+        "max_tokens",
+        "context_len",
+        "guided_by",
+        "guided",
+    )
 
     def __init__(self, rollout_id: str, tracked: str | None, session: str | None, api: Api, req: Any) -> None:
         self.call_id = f"call-{uuid.uuid4().hex}"
@@ -154,11 +172,24 @@ class Call:
 
 
 class Proxy:
-    def __init__(self, *, pool: ReplicaPool, rollouts: RolloutRegistry, sessions: Sessions, admission: Admission,
-                 recorder: Recorder, keys: broker.Keys, served_model: str, upstream_model: str,
-                 admission_wait_s: float, retry_after_s: int, max_retries: int = 2,
-                 retry_backoff_s: float = 0.25, default_max_tokens: int | None = None,
-                 guided: GuidedCheck | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        pool: ReplicaPool,
+        rollouts: RolloutRegistry,
+        sessions: Sessions,
+        admission: Admission,
+        recorder: Recorder,
+        keys: broker.Keys,
+        served_model: str,
+        upstream_model: str,
+        admission_wait_s: float,
+        retry_after_s: int,
+        max_retries: int = 2,
+        retry_backoff_s: float = 0.25,
+        default_max_tokens: int | None = None,
+        guided: GuidedCheck | None = None,
+    ) -> None:
         self.pool = pool
         self.rollouts = rollouts
         self.sessions = sessions
@@ -177,8 +208,14 @@ class Proxy:
 
     # --- one call ------------------------------------------------------------------------------
 
-    async def handle(self, api: Api, api_key: str | None, raw: bytes, path_rollout: str | None = None,
-                     handle: CallHandle | None = None) -> Reply | StreamSession:
+    async def handle(
+        self,
+        api: Api,
+        api_key: str | None,
+        raw: bytes,
+        path_rollout: str | None = None,
+        handle: CallHandle | None = None,
+    ) -> Reply | StreamSession:
         """One call in `api`'s dialect. `path_rollout` comes from a /rollouts/{id}/v1/... path: the
         key must then belong to that rollout."""
         handle = handle or CallHandle()
@@ -200,7 +237,9 @@ class Proxy:
             try:
                 req = api.parse(raw)
             except ApiError as exc:
-                await self._record_refused(Call(rollout_id, rollout_id, None, api, Refused(raw, exc)), exc, state)
+                await self._record_refused(
+                    Call(rollout_id, rollout_id, None, api, Refused(raw, exc)), exc, state
+                )
                 raise
             call = Call(rollout_id, rollout_id, None, api, req)
             handle.call_id = call.call_id
@@ -221,12 +260,19 @@ class Proxy:
             raise rollout_finished(rollout_id, status)
         return replica
 
-    async def _admitted(self, call: Call, state: Awaitable | None, handle: CallHandle) -> Reply | StreamSession:
+    async def _admitted(
+        self, call: Call, state: Awaitable | None, handle: CallHandle
+    ) -> Reply | StreamSession:
         try:
             call.weight_version, waited = await self.admission.admit(self.admission_wait_s)
         except AdmissionTimeout:
-            err = ApiError(429, f"Admission is paused (weight update); waited {self.admission_wait_s:g} s",
-                           "rate_limit_error", "admission_paused", headers={"Retry-After": str(self.retry_after_s)})
+            err = ApiError(
+                429,
+                f"Admission is paused (weight update); waited {self.admission_wait_s:g} s",
+                "rate_limit_error",
+                "admission_paused",
+                headers={"Retry-After": str(self.retry_after_s)},
+            )
             if call.tracked is not None:  # asked again: the rollout may have finished during the wait
                 await self._record_refused(call, err, self.recorder.rollout_state(call.tracked))
             raise err from None
@@ -254,8 +300,9 @@ class Proxy:
             if not handed_off:
                 self.admission.release()
 
-    async def refuse(self, api: Api, api_key: str | None, path_rollout: str | None, exc: ApiError,
-                     raw: bytes | None = None) -> None:
+    async def refuse(
+        self, api: Api, api_key: str | None, path_rollout: str | None, exc: ApiError, raw: bytes | None = None
+    ) -> None:
         """Record a call the route refused before handing it over (a body over the limit), when its
         key names a rollout (the route's answer is `exc` whatever happens here)."""
         try:
@@ -286,8 +333,9 @@ class Proxy:
         exc.headers = {**exc.headers, "x-tether-call-id": call.call_id}
         await self._record_error(call, exc.status, refusal(exc))
 
-    async def count_tokens(self, api: MessagesApi, api_key: str | None, raw: bytes,
-                           path_rollout: str | None = None) -> dict[str, Any]:
+    async def count_tokens(
+        self, api: MessagesApi, api_key: str | None, raw: bytes, path_rollout: str | None = None
+    ) -> dict[str, Any]:
         """Anthropic's /v1/messages/count_tokens, answered by vLLM's /tokenize of the translated
         chat messages (the same ids a call would be recorded with). Not a call: nothing is recorded."""
         if path_rollout is not None or self.sessions.session_of(api_key) is None:
@@ -308,13 +356,22 @@ class Proxy:
         try:
             count = orjson.loads(content)["count"]
         except (ValueError, KeyError, TypeError):
-            raise ApiError(502, "upstream answered an invalid body", "server_error", "upstream_error") from None
+            raise ApiError(
+                502, "upstream answered an invalid body", "server_error", "upstream_error"
+            ) from None
         return {"input_tokens": int(count)}
 
     # --- the exchange with vLLM: replica choice, failover, retries -------------------------------
 
-    async def _exchange(self, call: Call, preferred: str | None, stored: str | None, handle: CallHandle,
-                        stream: bool, check: tuple[Awaitable, str] | None = None) -> tuple[Exchange, int, bytes]:
+    async def _exchange(
+        self,
+        call: Call,
+        preferred: str | None,
+        stored: str | None,
+        handle: CallHandle,
+        stream: bool,
+        check: tuple[Awaitable, str] | None = None,
+    ) -> tuple[Exchange, int, bytes]:
         """Send the call until an answer worth relaying comes back. Returns the exchange, its status
         and its body (non-streaming or an error status) or first piece (a stream). `check` (the
         rollout's status check) is awaited once the first request is on its way; if it fails, that
@@ -404,15 +461,18 @@ class Proxy:
         call.upstream_latency_s = time.perf_counter() - t_up
         return ex, status, content
 
-    def _upstream_body(self, call: Call, context_len: int | None = None, prompt_len: int | None = None) -> bytes:
+    def _upstream_body(
+        self, call: Call, context_len: int | None = None, prompt_len: int | None = None
+    ) -> bytes:
         """The body for vLLM, with the output limit decided (limits.py) unless the client's limit is
         malformed (vLLM's 400 then names it). Lengths not given: the served context, prompt unknown."""
         decidable, requested = client_limit(call.api.max_tokens(call.req))
         if not decidable:
             return call.api.upstream(call.req)
         call.context_len = context_len or self.pool.context_len
-        call.max_tokens = decision = decide_max_tokens(requested, self.default_max_tokens, call.context_len,
-                                                       prompt_len)
+        call.max_tokens = decision = decide_max_tokens(
+            requested, self.default_max_tokens, call.context_len, prompt_len
+        )
         return call.api.upstream(call.req, decision.send if decision.reason else None)
 
     def _refit(self, call: Call, content: bytes) -> bytes | None:
@@ -427,8 +487,13 @@ class Proxy:
         body = self._upstream_body(call, *fit)
         if call.max_tokens.send is None or call.max_tokens.send >= sent:
             return None  # no room to give (a prompt that fills the context): the 400 stands
-        log.info("call %s: max_tokens %d does not fit a context of %d tokens; sending %d", call.call_id, sent,
-                 fit[0], call.max_tokens.send)
+        log.info(
+            "call %s: max_tokens %d does not fit a context of %d tokens; sending %d",
+            call.call_id,
+            sent,
+            fit[0],
+            call.max_tokens.send,
+        )
         return body
 
     async def _backoff(self, call: Call, replica: Replica, reason: str, handle: CallHandle) -> bool:
@@ -447,8 +512,14 @@ class Proxy:
 
     # --- non-streaming -------------------------------------------------------------------------
 
-    async def _forward(self, call: Call, preferred: str | None, stored: str | None, handle: CallHandle,
-                       check: tuple[Awaitable, str] | None) -> Reply:
+    async def _forward(
+        self,
+        call: Call,
+        preferred: str | None,
+        stored: str | None,
+        handle: CallHandle,
+        check: tuple[Awaitable, str] | None,
+    ) -> Reply:
         ex, status, content = await self._exchange(call, preferred, stored, handle, False, check)
         self._leave(call)
         m.child(m.UPSTREAM_LATENCY, handle.replica).observe(call.upstream_latency_s)
@@ -465,7 +536,9 @@ class Proxy:
         except ValueError:
             m.child(m.UPSTREAM_ERRORS, handle.replica, "bad_body").inc()
             await self._record_error(call, 502, "upstream answered a body that is not a JSON object")
-            raise ApiError(502, "upstream answered an invalid body", "server_error", "upstream_error") from None
+            raise ApiError(
+                502, "upstream answered an invalid body", "server_error", "upstream_error"
+            ) from None
         captured = call.api.capture(resp)
         await self.inspect_guided(call, captured)
         await self._record(call, captured, None, 200)
@@ -473,8 +546,14 @@ class Proxy:
 
     # --- streaming -----------------------------------------------------------------------------
 
-    async def _open_stream(self, call: Call, preferred: str | None, stored: str | None,
-                           handle: CallHandle, check: tuple[Awaitable, str] | None) -> StreamSession:
+    async def _open_stream(
+        self,
+        call: Call,
+        preferred: str | None,
+        stored: str | None,
+        handle: CallHandle,
+        check: tuple[Awaitable, str] | None,
+    ) -> StreamSession:
         ex, status, first = await self._exchange(call, preferred, stored, handle, True, check)
         if status >= 400:
             self._leave(call)
@@ -489,27 +568,49 @@ class Proxy:
 
     def _unavailable_error(self, exc: UpstreamError) -> ApiError:
         kind = "timeout" if isinstance(exc, UpstreamTimeout) else "unreachable"
-        return ApiError(503, f"The inference server is {kind}; retry later", "server_error",
-                        "upstream_unavailable", headers={"Retry-After": str(self.retry_after_s)})
+        return ApiError(
+            503,
+            f"The inference server is {kind}; retry later",
+            "server_error",
+            "upstream_unavailable",
+            headers={"Retry-After": str(self.retry_after_s)},
+        )
 
     async def _unavailable(self, call: Call, exc: UpstreamError) -> ApiError:
-        log.warning("vLLM %s (after %d retries, %d failovers): %s", exc.kind, call.retries, call.failovers, exc)
+        log.warning(
+            "vLLM %s (after %d retries, %d failovers): %s", exc.kind, call.retries, call.failovers, exc
+        )
         await self._record_error(call, 503, f"upstream {exc.kind}: {exc}")
         return self._unavailable_error(exc)
 
-    def trace_record(self, call: Call, captured: Captured | None, error: str | None, http_status: int) -> dict:
+    def trace_record(
+        self, call: Call, captured: Captured | None, error: str | None, http_status: int
+    ) -> dict:
         """The published record: the Trace's fields plus the gateway's own (replica, retries,
         failovers, weight_version_end, and session for record-only calls)."""
         if call.max_tokens is not None:
-            note = applied_max_tokens(call.max_tokens, call.context_len,
-                                      len(captured.prompt_token_ids) if captured and captured.prompt_token_ids else None)
+            note = applied_max_tokens(
+                call.max_tokens,
+                call.context_len,
+                len(captured.prompt_token_ids) if captured and captured.prompt_token_ids else None,
+            )
             if note is not None:
                 call.req.adjustments["max_tokens"] = note
-        trace = build_trace(call_id=call.call_id, rollout_id=call.rollout_id, request=call.req.body,
-                            api=call.api.name, captured=captured, error=error, http_status=http_status,
-                            weight_version=call.weight_version, started_at=call.started_at,
-                            finished_at=time.time(), latency_s=time.perf_counter() - call.t0,
-                            upstream_latency_s=call.upstream_latency_s, adjustments=call.req.adjustments)
+        trace = build_trace(
+            call_id=call.call_id,
+            rollout_id=call.rollout_id,
+            request=call.req.body,
+            api=call.api.name,
+            captured=captured,
+            error=error,
+            http_status=http_status,
+            weight_version=call.weight_version,
+            started_at=call.started_at,
+            finished_at=time.time(),
+            latency_s=time.perf_counter() - call.t0,
+            upstream_latency_s=call.upstream_latency_s,
+            adjustments=call.req.adjustments,
+        )
         if call.guided_by:
             annotate(trace, call.guided_by, call.guided)
         # Shallow on purpose: Trace.to_dict's field walk is the same, without its call overhead.
@@ -537,9 +638,12 @@ class Proxy:
             replica = record["replica"] or ""
             m.child(m.PROMPT_TOKENS, replica).inc(len(record["prompt_token_ids"]))
             m.child(m.COMPLETION_TOKENS, replica).inc(
-                len(record["response_token_ids"]) + sum(len(c["token_ids"]) for c in record["extra_choices"]))
+                len(record["response_token_ids"]) + sum(len(c["token_ids"]) for c in record["extra_choices"])
+            )
 
-    async def _record(self, call: Call, captured: Captured | None, error: str | None, http_status: int) -> None:
+    async def _record(
+        self, call: Call, captured: Captured | None, error: str | None, http_status: int
+    ) -> None:
         """Record a call the agent gets an answer for: if it cannot be recorded, the agent gets 503
         instead (an unrecorded call would leave a hole in the rollout)."""
         record = self.trace_record(call, captured, error, http_status)
@@ -549,8 +653,13 @@ class Proxy:
             await self._publish(call, record)
         except RedisError as exc:
             log.error("cannot record call %s: %r", call.call_id, exc)
-            raise ApiError(503, "The gateway cannot record calls right now; retry later", "server_error",
-                           "recording_unavailable", headers={"Retry-After": str(self.retry_after_s)}) from None
+            raise ApiError(
+                503,
+                "The gateway cannot record calls right now; retry later",
+                "server_error",
+                "recording_unavailable",
+                headers={"Retry-After": str(self.retry_after_s)},
+            ) from None
 
     async def _record_error(self, call: Call, http_status: int, error: str) -> None:
         try:
@@ -607,8 +716,11 @@ class StreamSession:
                 self.error = f"upstream stream broke: {exc}"
                 replica = self.call.replica.url if self.call.replica else ""
                 m.child(m.UPSTREAM_ERRORS, replica, "stream").inc()
-                return b"".join(self.relay.failed(ApiError(502, "upstream stream broke", "server_error",
-                                                           "upstream_error")))
+                return b"".join(
+                    self.relay.failed(
+                        ApiError(502, "upstream stream broke", "server_error", "upstream_error")
+                    )
+                )
         if data:
             return self._events(data)
         self._ended = True

@@ -62,7 +62,7 @@ def parse_reply(buf: bytes | bytearray, pos: int) -> tuple[Any, int]:
     if end < 0:
         return _INCOMPLETE, pos
     kind = buf[pos]
-    line = bytes(buf[pos + 1:end])
+    line = bytes(buf[pos + 1 : end])
     after = end + 2
     if kind == 36:  # $ bulk string
         n = int(line)
@@ -70,7 +70,7 @@ def parse_reply(buf: bytes | bytearray, pos: int) -> tuple[Any, int]:
             return None, after
         if len(buf) < after + n + 2:
             return _INCOMPLETE, pos
-        return buf[after:after + n].decode(), after + n + 2
+        return buf[after : after + n].decode(), after + n + 2
     if kind == 42:  # * array
         n = int(line)
         if n < 0:
@@ -247,8 +247,14 @@ def _log_failure(fut: asyncio.Future) -> None:
 class Recorder:
     """The call path's reads and writes, on one Batcher."""
 
-    def __init__(self, r: aioredis.Redis, redis_url: str, keys: broker.Keys, trace_maxlen: int = 1_000_000,
-                 marker_ttl_s: int = 7 * 24 * 3600) -> None:
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        redis_url: str,
+        keys: broker.Keys,
+        trace_maxlen: int = 1_000_000,
+        marker_ttl_s: int = 7 * 24 * 3600,
+    ) -> None:
         self.r = r
         self.keys = keys
         self.batch = Batcher(redis_url)
@@ -259,14 +265,24 @@ class Recorder:
     async def start(self) -> None:
         self._sha = await self.r.script_load(_PUBLISH_ONCE)
 
-    async def publish(self, stream: str, record_id: str, record: dict[str, Any],
-                      index_list: str = "") -> tuple[str, bool]:
+    async def publish(
+        self, stream: str, record_id: str, record: dict[str, Any], index_list: str = ""
+    ) -> tuple[str, bool]:
         """common.broker.publish_once, pipelined: (the stream entry id, whether it was added now; the
         first entry's id when `record_id` was published before)."""
         if self._sha is None:
             await self.start()
-        args = ("EVALSHA", self._sha, 3, self.keys.published(record_id), stream, index_list,
-                orjson.dumps(record), self.marker_ttl_s, self.trace_maxlen)
+        args = (
+            "EVALSHA",
+            self._sha,
+            3,
+            self.keys.published(record_id),
+            stream,
+            index_list,
+            orjson.dumps(record),
+            self.marker_ttl_s,
+            self.trace_maxlen,
+        )
         try:
             res = await self.batch.call(*args)
         except NoScriptError:  # Redis restarted (or was flushed) since: load the script again

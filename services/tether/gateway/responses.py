@@ -57,13 +57,39 @@ from tether.gateway.capture import (
     unsupported,
 )
 
-_TRANSLATED = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "stream",
-               "tools", "tool_choice", "parallel_tool_calls", "text", "top_logprobs", "include", "reasoning",
-               "previous_response_id", "conversation", "background"}
+_TRANSLATED = {
+    "model",
+    "input",
+    "instructions",
+    "max_output_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+    "text",
+    "top_logprobs",
+    "include",
+    "reasoning",
+    "previous_response_id",
+    "conversation",
+    "background",
+}
 # Accepted with no effect: bookkeeping this gateway does not keep (it stores nothing) and hints of
 # OpenAI's service (caching, attribution, Codex's session and turn ids).
-_IGNORED = {"store", "metadata", "user", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
-            "stream_options", "prompt_cache_retention", "client_metadata"}
+_IGNORED = {
+    "store",
+    "metadata",
+    "user",
+    "truncation",
+    "service_tier",
+    "prompt_cache_key",
+    "safety_identifier",
+    "stream_options",
+    "prompt_cache_retention",
+    "client_metadata",
+}
 _KNOWN = _TRANSLATED | _IGNORED
 _UNSUPPORTED_HINTS = {
     "prompt": "stored prompts live on OpenAI's servers; send 'instructions' and 'input'",
@@ -74,10 +100,25 @@ _NO_STATE = "this gateway stores no responses or conversations; send the whole c
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # History items that are the record of something only OpenAI's service ran or can read: reasoning (its
 # encrypted_content), hosted tool calls, remote compaction. vLLM gets the conversation without them.
-_DROPPED_ITEMS = {"reasoning", "compaction", "compaction_summary", "web_search_call", "file_search_call",
-                  "image_generation_call", "code_interpreter_call", "computer_call", "computer_call_output",
-                  "local_shell_call", "local_shell_call_output", "mcp_call", "mcp_list_tools",
-                  "mcp_approval_request", "mcp_approval_response", "tool_search_call", "tool_search_output"}
+_DROPPED_ITEMS = {
+    "reasoning",
+    "compaction",
+    "compaction_summary",
+    "web_search_call",
+    "file_search_call",
+    "image_generation_call",
+    "code_interpreter_call",
+    "computer_call",
+    "computer_call_output",
+    "local_shell_call",
+    "local_shell_call_output",
+    "mcp_call",
+    "mcp_list_tools",
+    "mcp_approval_request",
+    "mcp_approval_response",
+    "tool_search_call",
+    "tool_search_output",
+}
 # The one string argument a freeform (custom) tool's text travels in as a chat function call.
 CUSTOM_INPUT = "input"
 
@@ -118,7 +159,9 @@ def _content_part(part: Any, where: str) -> dict[str, Any] | None:
     if kind == "input_image":
         url = part.get("image_url")
         if not isinstance(url, str) or not url:
-            raise unsupported([f"{where}.file_id"], "images must be given by 'image_url' (no file storage here)")
+            raise unsupported(
+                [f"{where}.file_id"], "images must be given by 'image_url' (no file storage here)"
+            )
         image: dict[str, Any] = {"url": url}
         if isinstance(part.get("detail"), str):
             image["detail"] = part["detail"]
@@ -157,7 +200,9 @@ def _call(call_id: Any, name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _input_messages(items: Any, names: dict[tuple[str | None, str], str], dropped: dict[str, int]) -> list[dict[str, Any]]:
+def _input_messages(
+    items: Any, names: dict[tuple[str | None, str], str], dropped: dict[str, int]
+) -> list[dict[str, Any]]:
     """Chat messages for the input items; `names` maps (namespace, name) of a call to its chat function,
     `dropped` counts the items left out, by type."""
     if isinstance(items, str):
@@ -188,20 +233,33 @@ def _input_messages(items: Any, names: dict[tuple[str | None, str], str], droppe
             after_assistant = role == "assistant"
             continue
         if kind == "function_call":
-            call_id, name, args = _required(item, where, "call_id", "name"), item.get("name"), item.get("arguments")
+            call_id, name, args = (
+                _required(item, where, "call_id", "name"),
+                item.get("name"),
+                item.get("arguments"),
+            )
             if not isinstance(args, str):
                 raise invalid(f"{where}.arguments", "must be a string (JSON)")
             namespace = item.get("namespace") if isinstance(item.get("namespace"), str) else None
             call = _call(call_id, names.get((namespace, name), name), args)
         elif kind == "custom_tool_call":
-            call_id, name, text = _required(item, where, "call_id", "name"), item.get("name"), item.get("input")
+            call_id, name, text = (
+                _required(item, where, "call_id", "name"),
+                item.get("name"),
+                item.get("input"),
+            )
             if not isinstance(text, str):
                 raise invalid(f"{where}.input", "must be a string")
             call = _call(call_id, names.get((None, name), name), orjson.dumps({CUSTOM_INPUT: text}).decode())
         elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = _required(item, where, "call_id")
-            out.append({"role": "tool", "tool_call_id": call_id,
-                        "content": _function_output(item.get("output"), f"{where}.output")})
+            out.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id,
+                    "content": _function_output(item.get("output"), f"{where}.output"),
+                }
+            )
         else:
             raise unsupported([f"{where}.type"], f"input item '{kind}'")
         if call is not None:
@@ -242,9 +300,15 @@ def _custom_function(name: str, tool: dict[str, Any]) -> dict[str, Any]:
     fmt = tool.get("format") if isinstance(tool.get("format"), dict) else {}
     if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
         syntax = fmt.get("syntax") if isinstance(fmt.get("syntax"), str) else "grammar"
-        description = f"{description}\n\nThe input must match this {syntax} grammar:\n{fmt['definition']}".strip()
-    schema = {"type": "object", "properties": {CUSTOM_INPUT: {"type": "string"}}, "required": [CUSTOM_INPUT],
-              "additionalProperties": False}
+        description = (
+            f"{description}\n\nThe input must match this {syntax} grammar:\n{fmt['definition']}".strip()
+        )
+    schema = {
+        "type": "object",
+        "properties": {CUSTOM_INPUT: {"type": "string"}},
+        "required": [CUSTOM_INPUT],
+        "additionalProperties": False,
+    }
     fn = {"name": name, "parameters": schema}
     if description:
         fn["description"] = description
@@ -277,7 +341,9 @@ def _tools(tools: Any, dropped: list[dict[str, Any]]) -> tuple[list[dict[str, An
                 if member.get("type") in ("function", "custom"):
                     members.append((f"{where}.tools.{j}", member, namespace, member["type"]))
                 else:
-                    dropped.append({"type": member.get("type"), "name": member.get("name"), "namespace": namespace})
+                    dropped.append(
+                        {"type": member.get("type"), "name": member.get("name"), "namespace": namespace}
+                    )
         elif kind in ("function", "custom"):
             members.append((where, tool, None, kind))
         else:
@@ -293,7 +359,11 @@ def _tools(tools: Any, dropped: list[dict[str, Any]]) -> tuple[list[dict[str, An
         custom = kind == "custom"
         if namespace is not None or custom:
             client[chat_name] = ClientTool(name, namespace, custom)
-        out.append(_custom_function(chat_name, tool) if custom else _function(chat_name, tool, tool.get("parameters")))
+        out.append(
+            _custom_function(chat_name, tool)
+            if custom
+            else _function(chat_name, tool, tool.get("parameters"))
+        )
     return out, client
 
 
@@ -335,8 +405,13 @@ def _response_format(text: Any) -> dict[str, Any] | None:
 
 
 def _check_fields(body: dict[str, Any]) -> None:
-    reject_unknown_fields(body, _KNOWN, _UNSUPPORTED_HINTS,
-                          "this gateway translates Responses to chat completions", null_is_absent=True)
+    reject_unknown_fields(
+        body,
+        _KNOWN,
+        _UNSUPPORTED_HINTS,
+        "this gateway translates Responses to chat completions",
+        null_is_absent=True,
+    )
     if body.get("previous_response_id") is not None:
         raise unsupported(["previous_response_id"], _NO_STATE)
     if body.get("conversation") is not None:
@@ -394,7 +469,9 @@ def parse_responses_request(raw: bytes, served_model: str) -> ResponsesRequest:
         # Summaries of reasoning are written by OpenAI's service; the reasoning itself stays in the tokens.
         ignored.update(f"reasoning.{k}" for k, v in reasoning.items() if k != "effort" and v is not None)
     include = body.get("include")
-    if include is not None and (not isinstance(include, list) or not all(isinstance(x, str) for x in include)):
+    if include is not None and (
+        not isinstance(include, list) or not all(isinstance(x, str) for x in include)
+    ):
         raise invalid("include", "must be an array of strings")
     wants_logprobs = LOGPROBS_INCLUDE in (include or ())
     if any(x != LOGPROBS_INCLUDE for x in include or ()):
@@ -409,12 +486,19 @@ def parse_responses_request(raw: bytes, served_model: str) -> ResponsesRequest:
     if dropped_items:
         adjustments["dropped_items"] = dropped_items
     if client_tools:
-        adjustments["renamed_tools"] = {chat_name: _qualified(t) for chat_name, t in client_tools.items()
-                                        if chat_name != t.name}
+        adjustments["renamed_tools"] = {
+            chat_name: _qualified(t) for chat_name, t in client_tools.items() if chat_name != t.name
+        }
         adjustments["custom_tools"] = sorted(t.name for t in client_tools.values() if t.custom)
         adjustments = {k: v for k, v in adjustments.items() if v}
-    return ResponsesRequest(body=body, stream=stream, chat=chat, adjustments=adjustments,
-                            wants_logprobs=wants_logprobs, tools=client_tools)
+    return ResponsesRequest(
+        body=body,
+        stream=stream,
+        chat=chat,
+        adjustments=adjustments,
+        wants_logprobs=wants_logprobs,
+        tools=client_tools,
+    )
 
 
 def _qualified(tool: ClientTool) -> str:
@@ -434,31 +518,57 @@ def _logprobs(chat_logprobs: Any) -> list[dict[str, Any]]:
     for item in content or ():
         if not isinstance(item, dict):
             continue
-        out.append({"token": item.get("token", ""), "logprob": item.get("logprob"), "bytes": item.get("bytes"),
-                    "top_logprobs": [{"token": t.get("token", ""), "logprob": t.get("logprob"),
-                                      "bytes": t.get("bytes")}
-                                     for t in item.get("top_logprobs") or () if isinstance(t, dict)]})
+        out.append(
+            {
+                "token": item.get("token", ""),
+                "logprob": item.get("logprob"),
+                "bytes": item.get("bytes"),
+                "top_logprobs": [
+                    {"token": t.get("token", ""), "logprob": t.get("logprob"), "bytes": t.get("bytes")}
+                    for t in item.get("top_logprobs") or ()
+                    if isinstance(t, dict)
+                ],
+            }
+        )
     return out
 
 
 def _message_item(item_id: str, text: str, status: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
-    return {"type": "message", "id": item_id, "status": status, "role": "assistant",
-            "content": [_text_part(text, logprobs)]}
+    return {
+        "type": "message",
+        "id": item_id,
+        "status": status,
+        "role": "assistant",
+        "content": [_text_part(text, logprobs)],
+    }
 
 
 def _text_part(text: str, logprobs: list[dict[str, Any]]) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
-               tool: ClientTool | None = None) -> dict[str, Any]:
+def _call_item(
+    item_id: str, call_id: str, name: str, arguments: str, status: str, tool: ClientTool | None = None
+) -> dict[str, Any]:
     """A function_call item, or a custom_tool_call one for a freeform tool (its text from the `input`
     argument). A namespace member's call names its namespace, which is how Codex finds the handler."""
     if tool is not None and tool.custom:
-        return {"type": "custom_tool_call", "id": item_id, "call_id": call_id, "name": tool.name,
-                "input": custom_input(arguments), "status": status}
-    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
+        return {
+            "type": "custom_tool_call",
+            "id": item_id,
+            "call_id": call_id,
+            "name": tool.name,
+            "input": custom_input(arguments),
+            "status": status,
+        }
+    item = {
+        "type": "function_call",
+        "id": item_id,
+        "call_id": call_id,
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
     if tool is not None:
         item["name"] = tool.name
         if tool.namespace is not None:
@@ -482,14 +592,26 @@ def custom_input(arguments: str) -> str:
 
 
 def _usage(input_tokens: int, output_tokens: int) -> dict[str, Any]:
-    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": 0},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
-            "total_tokens": input_tokens + output_tokens}
+    return {
+        "input_tokens": input_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": input_tokens + output_tokens,
+    }
 
 
-def response_object(req: ResponsesRequest, model: str, response_id: str, created_at: int, status: str,
-                    output: list[dict[str, Any]], usage: dict[str, Any] | None,
-                    finish_reason: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+def response_object(
+    req: ResponsesRequest,
+    model: str,
+    response_id: str,
+    created_at: int,
+    status: str,
+    output: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    finish_reason: str | None = None,
+    error: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A Response object echoing the request's settings, as OpenAI's API answers it."""
     body = req.body
     incomplete = None
@@ -497,15 +619,31 @@ def response_object(req: ResponsesRequest, model: str, response_id: str, created
         incomplete = {"reason": "max_output_tokens" if finish_reason == "length" else "content_filter"}
     text = body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}
     return {
-        "id": response_id, "object": "response", "created_at": created_at, "status": status,
-        "background": False, "error": error, "incomplete_details": incomplete,
-        "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-        "model": model, "output": output, "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
-        "temperature": body.get("temperature"), "top_p": body.get("top_p"), "text": text,
-        "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-        "top_logprobs": body.get("top_logprobs"), "truncation": body.get("truncation") or "disabled",
-        "usage": usage, "user": None, "metadata": body.get("metadata") or {},
+        "id": response_id,
+        "object": "response",
+        "created_at": created_at,
+        "status": status,
+        "background": False,
+        "error": error,
+        "incomplete_details": incomplete,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "model": model,
+        "output": output,
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": None,
+        "reasoning": {"effort": None, "summary": None},
+        "store": False,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "text": text,
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "top_logprobs": body.get("top_logprobs"),
+        "truncation": body.get("truncation") or "disabled",
+        "usage": usage,
+        "user": None,
+        "metadata": body.get("metadata") or {},
     }
 
 
@@ -513,7 +651,9 @@ def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason in ("length", "content_filter") else "completed"
 
 
-def response_from_chat(resp: dict[str, Any], captured: Captured, req: ResponsesRequest, model: str) -> dict[str, Any]:
+def response_from_chat(
+    resp: dict[str, Any], captured: Captured, req: ResponsesRequest, model: str
+) -> dict[str, Any]:
     """The Response object for a non-streaming chat response."""
     choices = resp.get("choices") or [{}]
     choice = as_dict(choices[0])
@@ -529,13 +669,24 @@ def response_from_chat(resp: dict[str, Any], captured: Captured, req: ResponsesR
         fn = as_dict(call.get("function"))
         name = fn.get("name", "")
         tool = req.tools.get(name)
-        output.append(_call_item(_new_id("ctc" if tool and tool.custom else "fc"), call.get("id") or _new_id("call"),
-                                 name, fn.get("arguments") or "", "completed", tool))
+        output.append(
+            _call_item(
+                _new_id("ctc" if tool and tool.custom else "fc"),
+                call.get("id") or _new_id("call"),
+                name,
+                fn.get("arguments") or "",
+                "completed",
+                tool,
+            )
+        )
     usage = as_dict(resp.get("usage"))
-    tokens = _usage(usage.get("prompt_tokens", len(captured.prompt_token_ids)),
-                    usage.get("completion_tokens", captured.completion_tokens()))
-    return response_object(req, model, _new_id("resp"), int(time.time()), status, output, tokens,
-                           choice.get("finish_reason"))
+    tokens = _usage(
+        usage.get("prompt_tokens", len(captured.prompt_token_ids)),
+        usage.get("completion_tokens", captured.completion_tokens()),
+    )
+    return response_object(
+        req, model, _new_id("resp"), int(time.time()), status, output, tokens, choice.get("finish_reason")
+    )
 
 
 class ResponsesStream:
@@ -569,17 +720,29 @@ class ResponsesStream:
         self._seq += 1
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(payload) + b"\n\n"
 
-    def _response(self, status: str, usage: dict[str, Any] | None = None,
-                  error: dict[str, Any] | None = None) -> dict[str, Any]:
-        return response_object(self.req, self.model, self.response_id, self.created_at, status,
-                               list(self._output), usage, self._finish, error)
+    def _response(
+        self, status: str, usage: dict[str, Any] | None = None, error: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
+        return response_object(
+            self.req,
+            self.model,
+            self.response_id,
+            self.created_at,
+            status,
+            list(self._output),
+            usage,
+            self._finish,
+            error,
+        )
 
     def _start(self) -> list[bytes]:
         if self._started:
             return []
         self._started = True
-        return [self._event("response.created", {"response": self._response("in_progress")}),
-                self._event("response.in_progress", {"response": self._response("in_progress")})]
+        return [
+            self._event("response.created", {"response": self._response("in_progress")}),
+            self._event("response.in_progress", {"response": self._response("in_progress")}),
+        ]
 
     def _index(self) -> int:
         return len(self._output)
@@ -590,15 +753,25 @@ class ResponsesStream:
         item["content"] = []
         self._open, self._text, self._logprobs = item, [], []
         out.append(self._event("response.output_item.added", {"output_index": self._index(), "item": item}))
-        out.append(self._event("response.content_part.added", {
-            "item_id": item["id"], "output_index": self._index(), "content_index": 0,
-            "part": _text_part("", [])}))
+        out.append(
+            self._event(
+                "response.content_part.added",
+                {
+                    "item_id": item["id"],
+                    "output_index": self._index(),
+                    "content_index": 0,
+                    "part": _text_part("", []),
+                },
+            )
+        )
         return out
 
     def _open_call(self, index: int, call_id: str, name: str) -> list[bytes]:
         out = self._close()
         tool = self.req.tools.get(name)
-        item = _call_item(_new_id("ctc" if tool and tool.custom else "fc"), call_id, name, "", "in_progress", tool)
+        item = _call_item(
+            _new_id("ctc" if tool and tool.custom else "fc"), call_id, name, "", "in_progress", tool
+        )
         self._open = self._calls[index] = item
         self._chat_args[index] = []
         out.append(self._event("response.output_item.added", {"output_index": self._index(), "item": item}))
@@ -613,25 +786,54 @@ class ResponsesStream:
         if item["type"] == "message":
             text = "".join(self._text)
             part = _text_part(text, self._logprobs)
-            out.append(self._event("response.output_text.done", {
-                "item_id": item["id"], "output_index": index, "content_index": 0, "text": text,
-                "logprobs": self._logprobs}))
-            out.append(self._event("response.content_part.done", {
-                "item_id": item["id"], "output_index": index, "content_index": 0, "part": part}))
+            out.append(
+                self._event(
+                    "response.output_text.done",
+                    {
+                        "item_id": item["id"],
+                        "output_index": index,
+                        "content_index": 0,
+                        "text": text,
+                        "logprobs": self._logprobs,
+                    },
+                )
+            )
+            out.append(
+                self._event(
+                    "response.content_part.done",
+                    {"item_id": item["id"], "output_index": index, "content_index": 0, "part": part},
+                )
+            )
             done = _message_item(item["id"], text, _status(self._finish), self._logprobs)
         elif item["type"] == "custom_tool_call":
             # The text is only known once the JSON arguments are whole: it goes out as one delta.
             index_of_call = next(k for k, v in self._calls.items() if v is item)
             item["input"] = custom_input("".join(self._chat_args[index_of_call]))
-            out.append(self._event("response.custom_tool_call_input.delta", {
-                "item_id": item["id"], "output_index": index, "delta": item["input"]}))
-            out.append(self._event("response.custom_tool_call_input.done", {
-                "item_id": item["id"], "output_index": index, "input": item["input"]}))
+            out.append(
+                self._event(
+                    "response.custom_tool_call_input.delta",
+                    {"item_id": item["id"], "output_index": index, "delta": item["input"]},
+                )
+            )
+            out.append(
+                self._event(
+                    "response.custom_tool_call_input.done",
+                    {"item_id": item["id"], "output_index": index, "input": item["input"]},
+                )
+            )
             done = {**item, "status": "completed"}
         else:
-            out.append(self._event("response.function_call_arguments.done", {
-                "item_id": item["id"], "output_index": index, "name": item["name"],
-                "arguments": item["arguments"]}))
+            out.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    {
+                        "item_id": item["id"],
+                        "output_index": index,
+                        "name": item["name"],
+                        "arguments": item["arguments"],
+                    },
+                )
+            )
             done = {**item, "status": "completed"}
         out.append(self._event("response.output_item.done", {"output_index": index, "item": done}))
         self._output.append(done)
@@ -642,8 +844,9 @@ class ResponsesStream:
         if self._ended:
             return []
         if self.capture.error is not None:
-            return self.failed(ApiError(502, f"upstream error: {self.capture.error}", "server_error",
-                                        "upstream_error"))
+            return self.failed(
+                ApiError(502, f"upstream error: {self.capture.error}", "server_error", "upstream_error")
+            )
         out = self._start()
         for choice in chunk.get("choices") or ():
             if not isinstance(choice, dict) or choice.get("index", 0) != 0:
@@ -657,9 +860,18 @@ class ResponsesStream:
                 logprobs = _logprobs(choice.get("logprobs")) if self.req.wants_logprobs else []
                 self._text.append(text)
                 self._logprobs.extend(logprobs)
-                out.append(self._event("response.output_text.delta", {
-                    "item_id": self._open["id"], "output_index": self._index(), "content_index": 0,
-                    "delta": text, "logprobs": logprobs}))
+                out.append(
+                    self._event(
+                        "response.output_text.delta",
+                        {
+                            "item_id": self._open["id"],
+                            "output_index": self._index(),
+                            "content_index": 0,
+                            "delta": text,
+                            "logprobs": logprobs,
+                        },
+                    )
+                )
             for call in delta.get("tool_calls") or ():
                 if isinstance(call, dict):
                     out += self._tool_delta(call)
@@ -681,8 +893,12 @@ class ResponsesStream:
                 return out
             item["arguments"] += args
             if item is self._open:
-                out.append(self._event("response.function_call_arguments.delta", {
-                    "item_id": item["id"], "output_index": self._index(), "delta": args}))
+                out.append(
+                    self._event(
+                        "response.function_call_arguments.delta",
+                        {"item_id": item["id"], "output_index": self._index(), "delta": args},
+                    )
+                )
         return out
 
     def done(self) -> list[bytes]:
@@ -705,6 +921,10 @@ class ResponsesStream:
         out = self._start()
         code = err.code or "server_error"
         out.append(self._event("error", {"code": code, "message": err.message, "param": err.param}))
-        out.append(self._event("response.failed", {"response": self._response(
-            "failed", error={"code": code, "message": err.message})}))
+        out.append(
+            self._event(
+                "response.failed",
+                {"response": self._response("failed", error={"code": code, "message": err.message})},
+            )
+        )
         return out

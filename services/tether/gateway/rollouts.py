@@ -75,7 +75,9 @@ def rollout_not_found(rollout_id: str) -> ApiError:
 
 
 def rollout_finished(rollout_id: str, status: str) -> ApiError:
-    return ApiError(409, f"rollout {rollout_id} is already {status}", "invalid_request_error", "rollout_finished")
+    return ApiError(
+        409, f"rollout {rollout_id} is already {status}", "invalid_request_error", "rollout_finished"
+    )
 
 
 @dataclass
@@ -111,7 +113,9 @@ def parse_reward(body: dict[str, Any]) -> float:
     """A finite number (within float32's range: rewards are fp32 from the merger on); bools, strings,
     NaN and infinities are rejected (422)."""
     value = body.get("reward")
-    bad = ApiError(422, "'reward' must be a finite number (float32 range)", param="reward", code="invalid_reward")
+    bad = ApiError(
+        422, "'reward' must be a finite number (float32 range)", param="reward", code="invalid_reward"
+    )
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise bad
     try:
@@ -140,8 +144,13 @@ def training_state(raw: str | None) -> dict[str, Any]:
     if not raw:
         return {"status": "pending", "reason": None}
     o = TrainingOutcome.from_dict(orjson.loads(raw))
-    return {"status": o.status, "reason": o.reason, "samples": o.samples, "group_outcome": o.group_outcome,
-            "decided_at": o.decided_at}
+    return {
+        "status": o.status,
+        "reason": o.reason,
+        "samples": o.samples,
+        "group_outcome": o.group_outcome,
+        "decided_at": o.decided_at,
+    }
 
 
 def complete_warning(group_size: int, calls: int, estimator: str | None) -> str | None:
@@ -149,13 +158,17 @@ def complete_warning(group_size: int, calls: int, estimator: str | None) -> str 
     response's `warning` (None when nothing is). `estimator`: the running merger's, None when unknown."""
     out = []
     if group_size == 1 and estimator not in NO_GROUP_ESTIMATORS:
-        out.append(f"group_size is 1: a group of one has no baseline under the group estimator "
-                   f"{estimator or '(the merger has not said which)'} and will not train; create several "
-                   "rollouts of one task with one group_id and group_size, or run the merger with "
-                   "TETHER_ADVANTAGE_ESTIMATOR=running_baseline")
+        out.append(
+            f"group_size is 1: a group of one has no baseline under the group estimator "
+            f"{estimator or '(the merger has not said which)'} and will not train; create several "
+            "rollouts of one task with one group_id and group_size, or run the merger with "
+            "TETHER_ADVANTAGE_ESTIMATOR=running_baseline"
+        )
     if calls == 0:
-        out.append("no LLM call was recorded for this rollout, so there is nothing to train on (did the "
-                   "harness call the gateway with this rollout's api_key?)")
+        out.append(
+            "no LLM call was recorded for this rollout, so there is nothing to train on (did the "
+            "harness call the gateway with this rollout's api_key?)"
+        )
     return "; ".join(out) or None
 
 
@@ -164,17 +177,33 @@ def _state(rollout_id: str, h: dict[str, str], calls: int, training: str | None 
         return float(h[name]) if h.get(name) else None
 
     return {
-        "rollout_id": rollout_id, "task_id": h.get("task_id"), "group_id": h.get("group_id"),
-        "group_size": int(h.get("group_size") or 1), "status": h.get("status"),
-        "created_at": num("created_at"), "finished_at": num("finished_at"), "reward": num("reward"),
-        "reason": h.get("reason"), "metadata": orjson.loads(h["metadata"]) if h.get("metadata") else {},
-        "calls": calls, "replica": h.get("replica"), "training": training_state(training),
+        "rollout_id": rollout_id,
+        "task_id": h.get("task_id"),
+        "group_id": h.get("group_id"),
+        "group_size": int(h.get("group_size") or 1),
+        "status": h.get("status"),
+        "created_at": num("created_at"),
+        "finished_at": num("finished_at"),
+        "reward": num("reward"),
+        "reason": h.get("reason"),
+        "metadata": orjson.loads(h["metadata"]) if h.get("metadata") else {},
+        "calls": calls,
+        "replica": h.get("replica"),
+        "training": training_state(training),
     }
 
 
 class RolloutRegistry:
-    def __init__(self, r: aioredis.Redis, keys: broker.Keys, admission: Admission, admin_token: str | None,
-                 finish_wait_s: float = 10.0, key_cache_size: int = 100_000, batch: Batcher | None = None) -> None:
+    def __init__(
+        self,
+        r: aioredis.Redis,
+        keys: broker.Keys,
+        admission: Admission,
+        admin_token: str | None,
+        finish_wait_s: float = 10.0,
+        key_cache_size: int = 100_000,
+        batch: Batcher | None = None,
+    ) -> None:
         self.r = r
         self.batch = batch  # key lookups of the call path, pipelined (plain redis-py without one)
         self.keys = keys
@@ -194,16 +223,23 @@ class RolloutRegistry:
 
     def require_admin(self, bearer: str | None) -> None:
         if self.admin_token and not self.is_admin(bearer):
-            raise unauthorized("This route needs the admin token") if not bearer else ApiError(
-                403, "This route needs the admin token", "permission_error", "forbidden")
+            raise (
+                unauthorized("This route needs the admin token")
+                if not bearer
+                else ApiError(403, "This route needs the admin token", "permission_error", "forbidden")
+            )
 
     async def authenticate(self, api_key: str | None, rollout_id: str | None = None) -> str:
         """The rollout id of an API key (401 when missing or unknown). With `rollout_id` (a
         /rollouts/{id}/v1/... path), the key must belong to that rollout (403 otherwise)."""
         owner = await self._owner(api_key)
         if rollout_id is not None and owner != rollout_id:
-            raise ApiError(403, "This API key belongs to another rollout than the one in the path",
-                           "permission_error", "forbidden")
+            raise ApiError(
+                403,
+                "This API key belongs to another rollout than the one in the path",
+                "permission_error",
+                "forbidden",
+            )
         return owner
 
     async def _owner(self, api_key: str | None) -> str:
@@ -252,11 +288,18 @@ class RolloutRegistry:
         rollout_id = uuid.uuid4().hex
         api_key = "tr-" + secrets.token_urlsafe(24)
         pipe = self.r.pipeline(transaction=True)
-        pipe.hset(self.keys.rollout(rollout_id), mapping={
-            "rollout_id": rollout_id, "task_id": req.task_id, "group_id": req.group_id,
-            "group_size": req.group_size, "status": RUNNING, "created_at": repr(time.time()),
-            "metadata": orjson.dumps(req.metadata).decode(),
-        })
+        pipe.hset(
+            self.keys.rollout(rollout_id),
+            mapping={
+                "rollout_id": rollout_id,
+                "task_id": req.task_id,
+                "group_id": req.group_id,
+                "group_size": req.group_size,
+                "status": RUNNING,
+                "created_at": repr(time.time()),
+                "metadata": orjson.dumps(req.metadata).decode(),
+            },
+        )
         pipe.set(self.keys.api_key(api_key), rollout_id)
         await pipe.execute()
         return NewRollout(rollout_id, api_key)
@@ -274,8 +317,9 @@ class RolloutRegistry:
     async def exists(self, rollout_id: str) -> bool:
         return bool(await self.r.exists(self.keys.rollout(rollout_id)))
 
-    async def finish(self, rollout_id: str, status: str, reward: float | None = None,
-                     reason: str = "") -> dict[str, Any]:
+    async def finish(
+        self, rollout_id: str, status: str, reward: float | None = None, reason: str = ""
+    ) -> dict[str, Any]:
         """running -> completed|failed exactly once (409 otherwise); then wait (bounded) for the
         rollout's calls to be recorded, and publish its RolloutEvent once."""
         finished_at = time.time()
@@ -289,32 +333,53 @@ class RolloutRegistry:
             raise rollout_not_found(rollout_id)
         if int(res[0]) < 0:
             raise rollout_finished(rollout_id, res[1])
-        event = RolloutEvent(rollout_id=rollout_id, task_id=res[2], group_id=res[3], group_size=int(res[4] or 1),
-                             status=status, reward=reward, finished_at=finished_at)
+        event = RolloutEvent(
+            rollout_id=rollout_id,
+            task_id=res[2],
+            group_id=res[3],
+            group_size=int(res[4] or 1),
+            status=status,
+            reward=reward,
+            finished_at=finished_at,
+        )
         # The status is final now: shield the rest so that a cancelled request still publishes the event.
         await asyncio.shield(self._publish_final(event))
         out = await self.get(rollout_id)
         if status == COMPLETED:
-            out["warning"] = complete_warning(out["group_size"], out["calls"],
-                                              await self.r.get(self.keys.merger_estimator))
+            out["warning"] = complete_warning(
+                out["group_size"], out["calls"], await self.r.get(self.keys.merger_estimator)
+            )
         return out
 
     async def reward_call(self, rollout_id: str, call_id: str, reward: float) -> dict[str, Any]:
         """Set one recorded call's reward while the rollout runs; a second reward for the same call
         replaces the first (`replaced`). 404 when the call is not one of the rollout's, 409 once the
         rollout finished."""
-        not_found = ApiError(404, f"no recorded call '{call_id}' in rollout {rollout_id}", code="call_not_found",
-                             param="call_id")
+        not_found = ApiError(
+            404,
+            f"no recorded call '{call_id}' in rollout {rollout_id}",
+            code="call_not_found",
+            param="call_id",
+        )
         if not call_id.startswith("call-"):  # proxy.Call's ids; other idempotency markers are never calls
             raise not_found
-        keys = [self.keys.rollout(rollout_id), self.keys.published(call_id), self.keys.rollout_calls(rollout_id),
-                self.keys.call_rewards(rollout_id)]
+        keys = [
+            self.keys.rollout(rollout_id),
+            self.keys.published(call_id),
+            self.keys.rollout_calls(rollout_id),
+            self.keys.call_rewards(rollout_id),
+        ]
         deadline = time.monotonic() + self.finish_wait_s
         while True:
             res = await self._reward_call(keys=keys, args=[call_id, repr(reward)])
             code = int(res[0])
             if code == 1:
-                return {"rollout_id": rollout_id, "call_id": call_id, "reward": reward, "replaced": not int(res[2])}
+                return {
+                    "rollout_id": rollout_id,
+                    "call_id": call_id,
+                    "reward": reward,
+                    "replaced": not int(res[2]),
+                }
             if code == 0:
                 raise rollout_not_found(rollout_id)
             if code == -1:
@@ -330,7 +395,12 @@ class RolloutRegistry:
         # New calls of this rollout get 409 now; the ones already past authentication are recorded
         # first, so the merger never reads a half-recorded rollout.
         if not await self.admission.wait_rollout_idle(event.rollout_id, self.finish_wait_s):
-            log.warning("rollout %s finished with %d call(s) still in flight after %.0f s", event.rollout_id,
-                        self.admission.rollout_calls(event.rollout_id), self.finish_wait_s)
-        await broker.publish_once(self.r, self.keys, self.keys.rollout_events,
-                                  f"rollout-final:{event.rollout_id}", event.to_dict())
+            log.warning(
+                "rollout %s finished with %d call(s) still in flight after %.0f s",
+                event.rollout_id,
+                self.admission.rollout_calls(event.rollout_id),
+                self.finish_wait_s,
+            )
+        await broker.publish_once(
+            self.r, self.keys, self.keys.rollout_events, f"rollout-final:{event.rollout_id}", event.to_dict()
+        )

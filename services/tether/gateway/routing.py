@@ -42,22 +42,28 @@ def conversation_root(items: list[Any]) -> list[Any]:
     """The leading system/developer messages and the first message after them."""
     for i, item in enumerate(items):
         if not (isinstance(item, dict) and item.get("role") in _PREAMBLE_ROLES):
-            return items[:i + 1]
+            return items[: i + 1]
     return items
 
 
 def conversation_key(body: dict[str, Any]) -> str:
     """A stable key for the conversation a record-only call belongs to (see the module docstring)."""
     metadata = body.get("metadata")
-    for explicit in (body.get("prompt_cache_key"), body.get("user"),
-                     metadata.get("user_id") if isinstance(metadata, dict) else None):
+    for explicit in (
+        body.get("prompt_cache_key"),
+        body.get("user"),
+        metadata.get("user_id") if isinstance(metadata, dict) else None,
+    ):
         if isinstance(explicit, str) and explicit:
             return "key:" + explicit
     items = body.get("messages", body.get("input"))
     prompt = body.get("prompt")
-    root = [body.get("system"), body.get("instructions"),
-            conversation_root(items) if isinstance(items, list) else items,
-            prompt[:ROOT_PROMPT] if isinstance(prompt, str | list) else prompt]
+    root = [
+        body.get("system"),
+        body.get("instructions"),
+        conversation_root(items) if isinstance(items, list) else items,
+        prompt[:ROOT_PROMPT] if isinstance(prompt, str | list) else prompt,
+    ]
     try:
         data = orjson.dumps(root, option=orjson.OPT_SORT_KEYS)
     except TypeError:  # out-of-range integers: the client gets vLLM's own 400 anyway
@@ -84,8 +90,18 @@ def served_context_len(models: bytes) -> int | None:
         data = orjson.loads(models).get("data")
     except (ValueError, AttributeError):
         return None
-    lengths = [m["max_model_len"] for m in data if isinstance(m, dict) and isinstance(m.get("max_model_len"), int)
-               and not isinstance(m["max_model_len"], bool) and m["max_model_len"] > 0] if isinstance(data, list) else []
+    lengths = (
+        [
+            m["max_model_len"]
+            for m in data
+            if isinstance(m, dict)
+            and isinstance(m.get("max_model_len"), int)
+            and not isinstance(m["max_model_len"], bool)
+            and m["max_model_len"] > 0
+        ]
+        if isinstance(data, list)
+        else []
+    )
     return min(lengths, default=None)
 
 
@@ -125,7 +141,9 @@ class ReplicaPool:
     def forget(self, key: str) -> None:
         self._sticky.pop(key, None)
 
-    def pick(self, preferred: str | None = None, exclude: set[Replica] | frozenset = frozenset()) -> Replica | None:
+    def pick(
+        self, preferred: str | None = None, exclude: set[Replica] | frozenset = frozenset()
+    ) -> Replica | None:
         """The preferred replica if it is healthy (and not excluded), else the least-loaded healthy
         one, else the least-loaded of the rest; None when all are excluded."""
         replicas = self.replicas
@@ -203,8 +221,16 @@ class ReplicaPool:
             await asyncio.sleep(interval_s)
 
     def status(self) -> list[dict]:
-        return [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight, "reason": r.reason or None,
-                 "max_model_len": r.max_model_len} for r in self.replicas]
+        return [
+            {
+                "url": r.url,
+                "healthy": r.healthy,
+                "in_flight": r.in_flight,
+                "reason": r.reason or None,
+                "max_model_len": r.max_model_len,
+            }
+            for r in self.replicas
+        ]
 
     async def aclose(self) -> None:
         for r in self.replicas:

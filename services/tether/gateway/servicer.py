@@ -15,8 +15,9 @@ SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayControl"].full_na
 
 
 def admission_status(admission: Admission) -> gateway_pb2.AdmissionStatus:
-    return gateway_pb2.AdmissionStatus(paused=admission.paused, in_flight=admission.in_flight,
-                                       weight_version=admission.weight_version)
+    return gateway_pb2.AdmissionStatus(
+        paused=admission.paused, in_flight=admission.in_flight, weight_version=admission.weight_version
+    )
 
 
 class GatewayControlServicer(gateway_pb2_grpc.GatewayControlServicer):

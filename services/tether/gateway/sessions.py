@@ -33,7 +33,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 
 
 def parse_deployment_keys(spec: str | None) -> dict[str, str]:
-    """"k1=prod,k2=canary" -> {k1: prod, k2: canary}; a bare "k" -> {k: "default"}."""
+    """ "k1=prod,k2=canary" -> {k1: prod, k2: canary}; a bare "k" -> {k: "default"}."""
     out: dict[str, str] = {}
     for item in (spec or "").split(","):
         item = item.strip()
@@ -62,8 +62,14 @@ def session_rollout_id(name: str, call_id: str) -> str:
 
 
 class Sessions:
-    def __init__(self, deployment_keys: dict[str, str], r: aioredis.Redis, keys: broker.Keys,
-                 recorder: Recorder, admin_token: str | None) -> None:
+    def __init__(
+        self,
+        deployment_keys: dict[str, str],
+        r: aioredis.Redis,
+        keys: broker.Keys,
+        recorder: Recorder,
+        admin_token: str | None,
+    ) -> None:
         self.by_key = dict(deployment_keys)
         self.names = set(deployment_keys.values())
         self.r = r
@@ -102,11 +108,23 @@ class Sessions:
             items = await self.r.xrange(self.keys.traces, min=entry, max=entry)
             trace = orjson.loads(items[0][1]["data"]) if items else None
         if trace is None or trace.get("session") != name:
-            raise ApiError(404, f"no recorded call '{call_id}' in session '{name}'", code="call_not_found",
-                           param="call_id")
-        record = {"session": name, "call_id": call_id, "rollout_id": trace.get("rollout_id"), "reward": reward,
-                  "trace_entry_id": entry, "rewarded_at": time.time()}
+            raise ApiError(
+                404,
+                f"no recorded call '{call_id}' in session '{name}'",
+                code="call_not_found",
+                param="call_id",
+            )
+        record = {
+            "session": name,
+            "call_id": call_id,
+            "rollout_id": trace.get("rollout_id"),
+            "reward": reward,
+            "trace_entry_id": entry,
+            "rewarded_at": time.time(),
+        }
         entry_id, added = await self.recorder.publish(self.stream, f"session-reward:{call_id}", record)
         if not added:
-            raise ApiError(409, f"call '{call_id}' was rewarded already", code="already_rewarded", param="call_id")
+            raise ApiError(
+                409, f"call '{call_id}' was rewarded already", code="already_rewarded", param="call_id"
+            )
         return {**record, "entry_id": entry_id}

@@ -59,8 +59,19 @@ class Exchange:
     """One request and its response. Non-streaming: `await body()`. Streaming: `await read()` until
     it returns b"" (complete). `abort()` drops the connection, which tells the server to stop."""
 
-    __slots__ = ("_conn", "status", "_parts", "_size", "_done", "_error", "_waiter", "_head_waiter",
-                 "got_bytes", "_paused", "reused")
+    __slots__ = (
+        "_conn",
+        "status",
+        "_parts",
+        "_size",
+        "_done",
+        "_error",
+        "_waiter",
+        "_head_waiter",
+        "got_bytes",
+        "_paused",
+        "reused",
+    )
 
     def __init__(self, conn: _Conn) -> None:
         self._conn: _Conn | None = conn
@@ -223,8 +234,11 @@ class _Conn(asyncio.Protocol):
         self._cancel_timer()
         ex, self.ex = self.ex, None
         if ex is not None:
-            ex._fail(ConnectionBroken(f"connection closed by upstream ({exc!r})" if exc else
-                                      "connection closed by upstream"))
+            ex._fail(
+                ConnectionBroken(
+                    f"connection closed by upstream ({exc!r})" if exc else "connection closed by upstream"
+                )
+            )
         self.client._lost(self)
 
     # --- httptools callbacks -------------------------------------------------------------------
@@ -294,8 +308,14 @@ class UpstreamClient:
     """Pooled HTTP/1.1 to one base URL (http or https). `request()` returns once the request is
     written; the caller waits on the Exchange."""
 
-    def __init__(self, base_url: str, timeout_s: float, max_connections: int = 1024,
-                 api_key: str | None = None, connect_timeout_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        timeout_s: float,
+        max_connections: int = 1024,
+        api_key: str | None = None,
+        connect_timeout_s: float = 10.0,
+    ) -> None:
         u = urlsplit(base_url.rstrip("/"))
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -321,11 +341,15 @@ class UpstreamClient:
         head = self._heads.get((method, path))
         if head is None:
             head = self._heads[(method, path)] = (
-                f"{method} {self.prefix}{path} HTTP/1.1\r\n".encode() + self._headers
-                + b"content-type: application/json\r\ncontent-length: ")
+                f"{method} {self.prefix}{path} HTTP/1.1\r\n".encode()
+                + self._headers
+                + b"content-type: application/json\r\ncontent-length: "
+            )
         return head
 
-    async def request(self, method: str, path: str, body: bytes = b"", timeout_s: float | None = None) -> Exchange:
+    async def request(
+        self, method: str, path: str, body: bytes = b"", timeout_s: float | None = None
+    ) -> Exchange:
         """Send a request; the Exchange answers the rest. `Exchange.stale` tells the caller that it
         failed on a pooled connection the server had closed meanwhile, before any answer: safe to
         send again at once."""
@@ -366,11 +390,19 @@ class UpstreamClient:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(lambda: _Conn(self), self.host, self.port, ssl=self.ssl,
-                                       server_hostname=self.host if self.ssl else None),
-                self.connect_timeout_s)
+                loop.create_connection(
+                    lambda: _Conn(self),
+                    self.host,
+                    self.port,
+                    ssl=self.ssl,
+                    server_hostname=self.host if self.ssl else None,
+                ),
+                self.connect_timeout_s,
+            )
         except TimeoutError:
-            raise ConnectFailed(f"connect to {self.base_url} timed out after {self.connect_timeout_s:g} s") from None
+            raise ConnectFailed(
+                f"connect to {self.base_url} timed out after {self.connect_timeout_s:g} s"
+            ) from None
         except OSError as exc:
             raise ConnectFailed(f"cannot connect to {self.base_url}: {exc}") from None
         return conn

@@ -28,10 +28,19 @@ def model_context_length(model_dir: str) -> int | None:
     return None
 
 
-def vllm_command(python: str, model_dir: str, served_model: str, host: str, port: int,
-                 max_model_len: int | None, dtype: str = "float32", extra: list[str] | None = None,
-                 tool_parser: str | None = DEFAULT_TOOL_PARSER, tensor_parallel_size: int | None = None,
-                 gpu_memory_utilization: float | None = None) -> list[str]:
+def vllm_command(
+    python: str,
+    model_dir: str,
+    served_model: str,
+    host: str,
+    port: int,
+    max_model_len: int | None,
+    dtype: str = "float32",
+    extra: list[str] | None = None,
+    tool_parser: str | None = DEFAULT_TOOL_PARSER,
+    tensor_parallel_size: int | None = None,
+    gpu_memory_utilization: float | None = None,
+) -> list[str]:
     """The vLLM server command line. `max_model_len` None leaves the context length to vLLM (the
     model's own). `tool_parser` names the vLLM parser that turns the model's text into tool_calls
     (vLLM's strict tool grammar, on by default, also writes forced calls in its format); None turns
@@ -40,16 +49,30 @@ def vllm_command(python: str, model_dir: str, served_model: str, host: str, port
     optional = [
         *(["--max-model-len", str(max_model_len)] if max_model_len is not None else []),
         *(["--tensor-parallel-size", str(tensor_parallel_size)] if tensor_parallel_size is not None else []),
-        *(["--gpu-memory-utilization", repr(gpu_memory_utilization)] if gpu_memory_utilization is not None
-          else []),
+        *(
+            ["--gpu-memory-utilization", repr(gpu_memory_utilization)]
+            if gpu_memory_utilization is not None
+            else []
+        ),
     ]
     # fp32 (the default) + processed logprobs so the trainer's fp32 forward reproduces vLLM's logprobs.
     return [
-        python, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model_dir, "--served-model-name", served_model,
-        "--host", host, "--port", str(port), "--dtype", dtype,
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        model_dir,
+        "--served-model-name",
+        served_model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        dtype,
         *optional,
-        "--logprobs-mode", "processed_logprobs",
+        "--logprobs-mode",
+        "processed_logprobs",
         "--disable-uvicorn-access-log",
         *tools,
         *(extra or []),

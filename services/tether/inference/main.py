@@ -57,9 +57,18 @@ class InferenceSettings(CommonSettings):
 def command(s: InferenceSettings) -> list[str]:
     """The vLLM command these settings ask for."""
     max_model_len = s.max_model_len if s.max_model_len is not None else model_context_length(s.model_dir)
-    return vllm_command(s.vllm_python, s.model_dir, s.served_model, s.vllm_host, s.vllm_port, max_model_len,
-                        s.dtype, shlex.split(s.vllm_extra_args), tensor_parallel_size=s.tensor_parallel_size,
-                        gpu_memory_utilization=s.gpu_memory_utilization)
+    return vllm_command(
+        s.vllm_python,
+        s.model_dir,
+        s.served_model,
+        s.vllm_host,
+        s.vllm_port,
+        max_model_len,
+        s.dtype,
+        shlex.split(s.vllm_extra_args),
+        tensor_parallel_size=s.tensor_parallel_size,
+        gpu_memory_utilization=s.gpu_memory_utilization,
+    )
 
 
 async def watch_health(vllm: VLLMControl, health: Health, proc, servicer: InferenceServicer) -> None:
@@ -72,8 +81,10 @@ async def watch_health(vllm: VLLMControl, health: Health, proc, servicer: Infere
         if ok != serving:
             await health.set(ok)
             serving = ok
-            log.info("vLLM %s", "healthy" if ok else "not answering" if not answering
-                     else f"held paused: {servicer.unsafe}")
+            log.info(
+                "vLLM %s",
+                "healthy" if ok else "not answering" if not answering else f"held paused: {servicer.unsafe}",
+            )
         await asyncio.sleep(1.0 if ok else 0.5)
 
 
@@ -92,8 +103,9 @@ async def amain(s: InferenceSettings) -> None:
         inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
         return [inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name]
 
-    server, health, port = await start_server(s.inference_grpc_port, register, s.inference_grpc_host,
-                                              s.metrics_port)
+    server, health, port = await start_server(
+        s.inference_grpc_port, register, s.inference_grpc_host, s.metrics_port
+    )
     await health.set(False)
     log.info("inference control on %s:%d", s.inference_grpc_host, port)
 
@@ -108,7 +120,9 @@ async def amain(s: InferenceSettings) -> None:
 
     WEIGHT_VERSION.set(0)
     try:
-        await run_until_signal(server, health, [watch_health(vllm, health, proc, servicer)], on_stop=stop_vllm)
+        await run_until_signal(
+            server, health, [watch_health(vllm, health, proc, servicer)], on_stop=stop_vllm
+        )
     finally:
         if proc is not None and proc.poll() is None:
             proc.kill()

@@ -20,8 +20,11 @@ from tether.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 log = logging.getLogger(__name__)
 
 WEIGHT_VERSION = Gauge("tether_inference_weight_version", "Weight version vLLM serves")
-PUSH_SECONDS = Histogram("tether_inference_weight_load_seconds", "Time to load a checkpoint into vLLM",
-                         buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120))
+PUSH_SECONDS = Histogram(
+    "tether_inference_weight_load_seconds",
+    "Time to load a checkpoint into vLLM",
+    buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
+)
 
 
 class LoadFailed(RuntimeError):
@@ -39,8 +42,9 @@ async def _reload(vllm: VLLMControl, checkpoint_dir: str, version: int) -> None:
     await vllm.set_weight_version(version)
 
 
-async def load_checkpoint(vllm: VLLMControl, checkpoint_dir: str, version: int,
-                          previous: tuple[str, int] | None = None) -> None:
+async def load_checkpoint(
+    vllm: VLLMControl, checkpoint_dir: str, version: int, previous: tuple[str, int] | None = None
+) -> None:
     """Freeze in-flight requests, reload weights from disk, drop the stale prefix cache, set the
     version, resume. Requests kept across the push continue under the new weights.
 
@@ -52,15 +56,21 @@ async def load_checkpoint(vllm: VLLMControl, checkpoint_dir: str, version: int,
         await _reload(vllm, checkpoint_dir, version)
     except (VLLMError, OSError) as exc:
         if previous is None:
-            raise LoadFailed(f"loading {checkpoint_dir} failed ({exc}); generation stays paused", False) from exc
+            raise LoadFailed(
+                f"loading {checkpoint_dir} failed ({exc}); generation stays paused", False
+            ) from exc
         try:
             await _reload(vllm, *previous)
         except (VLLMError, OSError) as again:
-            raise LoadFailed(f"loading {checkpoint_dir} failed ({exc}) and restoring {previous[0]} failed "
-                             f"({again}); generation stays paused", False) from again
+            raise LoadFailed(
+                f"loading {checkpoint_dir} failed ({exc}) and restoring {previous[0]} failed "
+                f"({again}); generation stays paused",
+                False,
+            ) from again
         await vllm.resume()
-        raise LoadFailed(f"loading {checkpoint_dir} failed ({exc}); still serving version {previous[1]}",
-                         True) from exc
+        raise LoadFailed(
+            f"loading {checkpoint_dir} failed ({exc}); still serving version {previous[1]}", True
+        ) from exc
     await vllm.resume()
 
 
@@ -94,7 +104,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"vLLM not reachable: {exc}")
         WEIGHT_VERSION.set(version)  # path-2 pushes set it without this adapter loading anything
         known = self._vouches(version)
-        return inference_pb2.WeightVersion(version=version, checkpoint_dir=self.checkpoint_dir if known else "")
+        return inference_pb2.WeightVersion(
+            version=version, checkpoint_dir=self.checkpoint_dir if known else ""
+        )
 
     def _vouches(self, served: int) -> bool:
         """Whether the adapter's own record (checkpoint_dir, version) is what vLLM serves; clears

@@ -60,34 +60,57 @@ MISMATCH_STREAM_MAXLEN = 10_000
 
 ROLLOUTS = PromCounter("tether_merger_rollouts_total", "Rollout events processed", ["status"])
 GROUPS = PromCounter("tether_merger_groups_total", "Groups resolved", ["outcome"])
-GROUPS_TIMED_OUT = PromCounter("tether_merger_groups_timed_out_total",
-                               "Groups resolved by their deadline before every rollout reported")
-LATE = PromCounter("tether_merger_late_rollouts_total", "Rollouts that arrived after their group was resolved")
+GROUPS_TIMED_OUT = PromCounter(
+    "tether_merger_groups_timed_out_total", "Groups resolved by their deadline before every rollout reported"
+)
+LATE = PromCounter(
+    "tether_merger_late_rollouts_total", "Rollouts that arrived after their group was resolved"
+)
 SEQUENCES = PromCounter("tether_merger_sequences_total", "Training sequences built")
-SINGLE = PromCounter("tether_merger_single_sequence_rollouts_total",
-                     "Completed rollouts whose calls merged into exactly one sequence")
-SEQS_PER_ROLLOUT = Histogram("tether_merger_sequences_per_rollout", "Sequences per completed rollout",
-                             buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32))
-FORKS = PromCounter("tether_merger_forks_total", "Calls that started a new sequence (mismatch or max_seq_len)")
-MISMATCHES = PromCounter("tether_merger_mismatched_calls_total",
-                         "Calls whose prompt continued no open sequence (prefix mismatch)")
-REALIGNS = PromCounter("tether_merger_realigns_total",
-                       "Calls merged after replacing a re-rendered response end with the prompt's tokens")
-TRUNCATED = PromCounter("tether_merger_truncated_sequences_total",
-                        "Sequences cut to max_seq_len (overlong=truncate); still trained, flagged")
+SINGLE = PromCounter(
+    "tether_merger_single_sequence_rollouts_total",
+    "Completed rollouts whose calls merged into exactly one sequence",
+)
+SEQS_PER_ROLLOUT = Histogram(
+    "tether_merger_sequences_per_rollout",
+    "Sequences per completed rollout",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32),
+)
+FORKS = PromCounter(
+    "tether_merger_forks_total", "Calls that started a new sequence (mismatch or max_seq_len)"
+)
+MISMATCHES = PromCounter(
+    "tether_merger_mismatched_calls_total", "Calls whose prompt continued no open sequence (prefix mismatch)"
+)
+REALIGNS = PromCounter(
+    "tether_merger_realigns_total",
+    "Calls merged after replacing a re-rendered response end with the prompt's tokens",
+)
+TRUNCATED = PromCounter(
+    "tether_merger_truncated_sequences_total",
+    "Sequences cut to max_seq_len (overlong=truncate); still trained, flagged",
+)
 DROPPED = PromCounter("tether_merger_calls_dropped_total", "Calls not trained on", ["reason"])
 TOKENS = PromCounter("tether_merger_tokens_total", "Tokens of emitted samples", ["kind"])
 MERGE_SECONDS = Histogram("tether_merger_merge_seconds", "Time to load and merge one rollout")
 RETRIED = PromCounter("tether_merger_rollouts_retried_total", "Failed rollout attempts that were retried")
-CALL_REWARDS = PromCounter("tether_merger_call_rewards_total",
-                           "Per-call rewards applied to trained calls (call_rewards on)")
+CALL_REWARDS = PromCounter(
+    "tether_merger_call_rewards_total", "Per-call rewards applied to trained calls (call_rewards on)"
+)
 PENDING = Gauge("tether_merger_groups_pending", "Groups waiting for more rollouts")
-UNTRAINABLE = PromCounter("tether_merger_untrainable_rollouts_total", "Rollouts that will not train, by reason",
-                          ["reason"])
-SIDE_EXCLUDED = PromCounter("tether_merger_side_sequences_excluded_total",
-                            "Merged sequences left out as side calls (side_calls / side_call_patterns)", ["reason"])
-SESSION_REWARDS = PromCounter("tether_merger_session_rewards_total",
-                              "Rewarded record-only session calls consumed (session_training on)", ["outcome"])
+UNTRAINABLE = PromCounter(
+    "tether_merger_untrainable_rollouts_total", "Rollouts that will not train, by reason", ["reason"]
+)
+SIDE_EXCLUDED = PromCounter(
+    "tether_merger_side_sequences_excluded_total",
+    "Merged sequences left out as side calls (side_calls / side_call_patterns)",
+    ["reason"],
+)
+SESSION_REWARDS = PromCounter(
+    "tether_merger_session_rewards_total",
+    "Rewarded record-only session calls consumed (session_training on)",
+    ["outcome"],
+)
 OUTCOME_TTL_S = 7 * 24 * 3600  # as long as the trace markers the rollout's calls are found by
 
 
@@ -105,16 +128,30 @@ def choice_branches(records: list[dict[str, Any]], kept: list[Call]) -> list[tup
             ids, lps = list(choice.get("token_ids") or []), list(choice.get("logprobs") or [])
             if not prompt or not ids or len(ids) != len(lps):
                 continue
-            mask, lps = Call("", prompt, ids, [float(x) for x in lps],
-                             constrained=call_constrained(choice.get("constrained_spans"), len(ids))).response_mask()
+            mask, lps = Call(
+                "",
+                prompt,
+                ids,
+                [float(x) for x in lps],
+                constrained=call_constrained(choice.get("constrained_spans"), len(ids)),
+            ).response_mask()
             version = int(d.get("weight_version", 0))
             spans = call_weight_spans(choice.get("weight_spans"), len(ids)) or ((version, 0, len(ids)),)
             n = len(prompt)
-            out.append((d["call_id"], {
-                "token_ids": prompt + ids, "loss_mask": [0] * n + mask,
-                "logprobs": [0.0] * n + lps, "constrained_tokens": len(ids) - sum(mask),
-                "weight_version": min(v for v, _, _ in spans),
-                "weight_spans": [(v, n + a, n + b) for v, a, b in spans], "truncated": False}))
+            out.append(
+                (
+                    d["call_id"],
+                    {
+                        "token_ids": prompt + ids,
+                        "loss_mask": [0] * n + mask,
+                        "logprobs": [0.0] * n + lps,
+                        "constrained_tokens": len(ids) - sum(mask),
+                        "weight_version": min(v for v, _, _ in spans),
+                        "weight_spans": [(v, n + a, n + b) for v, a, b in spans],
+                        "truncated": False,
+                    },
+                )
+            )
     return out
 
 
@@ -156,10 +193,13 @@ class MergerConfig:
     session_training: bool = False  # rewarded record-only session calls become samples (running baseline)
 
     def __post_init__(self) -> None:
-        checks = [(self.mode, MODES, "merge mode"), (self.estimator, ALL_ESTIMATORS, "advantage estimator"),
-                  (self.overlong, OVERLONG_POLICIES, "overlong policy"),
-                  (self.advantage_level, ADVANTAGE_LEVELS, "advantage level"),
-                  (self.side_calls, SIDE_CALL_RULES, "side-call rule")]
+        checks = [
+            (self.mode, MODES, "merge mode"),
+            (self.estimator, ALL_ESTIMATORS, "advantage estimator"),
+            (self.overlong, OVERLONG_POLICIES, "overlong policy"),
+            (self.advantage_level, ADVANTAGE_LEVELS, "advantage level"),
+            (self.side_calls, SIDE_CALL_RULES, "side-call rule"),
+        ]
         for value, allowed, what in checks:
             if value not in allowed:
                 raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
@@ -226,11 +266,16 @@ def trace_to_call(trace: Trace) -> tuple[Call | None, str | None]:
         return None, "bad_logprobs"
     if not all(math.isfinite(x) for x in logprobs):
         return None, "bad_logprobs"
-    return Call(call_id=trace.call_id, prompt_token_ids=list(trace.prompt_token_ids),
-                response_token_ids=list(trace.response_token_ids), response_logprobs=logprobs,
-                weight_version=int(trace.weight_version), status="ok",
-                weight_spans=call_weight_spans(trace.weight_spans, len(trace.response_token_ids)),
-                constrained=call_constrained(trace.constrained_spans, len(trace.response_token_ids))), None
+    return Call(
+        call_id=trace.call_id,
+        prompt_token_ids=list(trace.prompt_token_ids),
+        response_token_ids=list(trace.response_token_ids),
+        response_logprobs=logprobs,
+        weight_version=int(trace.weight_version),
+        status="ok",
+        weight_spans=call_weight_spans(trace.weight_spans, len(trace.response_token_ids)),
+        constrained=call_constrained(trace.constrained_spans, len(trace.response_token_ids)),
+    ), None
 
 
 def call_constrained(spans: Any, n: int) -> tuple[tuple[int, int], ...]:
@@ -272,7 +317,9 @@ def advantage_scale(returns: torch.Tensor, estimator: str, eps: float = 1e-6) ->
     return 1.0
 
 
-def token_advantages(seq: dict, advantage: float, scale: float = 0.0, unit_return: float = 0.0) -> list[float]:
+def token_advantages(
+    seq: dict, advantage: float, scale: float = 0.0, unit_return: float = 0.0
+) -> list[float]:
     """Per-token advantages of one merged sequence.
 
     Without per-call returns every sampled token gets the unit's advantage. With them (``spans`` /
@@ -289,8 +336,9 @@ def token_advantages(seq: dict, advantage: float, scale: float = 0.0, unit_retur
     return out
 
 
-def build_samples(rollout: dict, advantage: float | list[float], scale: float = 0.0,
-                  unit_returns: list[float] | None = None) -> list[SampleRecord]:
+def build_samples(
+    rollout: dict, advantage: float | list[float], scale: float = 0.0, unit_returns: list[float] | None = None
+) -> list[SampleRecord]:
     """The rollout's samples: its advantage broadcast to every trainable token of every sequence.
 
     ``advantage`` is one value for the rollout (rollout level) or one per sequence (sample level);
@@ -301,11 +349,18 @@ def build_samples(rollout: dict, advantage: float | list[float], scale: float = 
     rets = unit_returns if unit_returns is not None else [0.0] * len(seqs)
     return [
         SampleRecord(
-            rollout_id=rollout["rollout_id"], group_id=rollout["group_id"], task_id=rollout["task_id"],
-            sequence_index=i, token_ids=s["token_ids"], loss_mask=s["loss_mask"],
-            rollout_logprobs=s["logprobs"], advantages=token_advantages(s, float(a), scale, float(u)),
-            reward=float(rollout["reward"]), weight_version=int(s["weight_version"]),
-            rollout_sequences=len(seqs), weight_spans=[list(w) for w in s.get("weight_spans", ())],
+            rollout_id=rollout["rollout_id"],
+            group_id=rollout["group_id"],
+            task_id=rollout["task_id"],
+            sequence_index=i,
+            token_ids=s["token_ids"],
+            loss_mask=s["loss_mask"],
+            rollout_logprobs=s["logprobs"],
+            advantages=token_advantages(s, float(a), scale, float(u)),
+            reward=float(rollout["reward"]),
+            weight_version=int(s["weight_version"]),
+            rollout_sequences=len(seqs),
+            weight_spans=[list(w) for w in s.get("weight_spans", ())],
             constrained_tokens=int(s.get("constrained_tokens", 0)),
         )
         for i, (s, a, u) in enumerate(zip(seqs, advs, rets, strict=True))
@@ -374,8 +429,13 @@ class Merger:
     async def load_traces(self, rollout_id: str) -> list[Trace]:
         return [Trace.from_dict(d) for d in await self.load_records(rollout_id)]
 
-    def merge_records(self, event: RolloutEvent, records: list[dict[str, Any]], meta: dict,
-                      posted_rewards: dict[str, float] | None = None) -> dict:
+    def merge_records(
+        self,
+        event: RolloutEvent,
+        records: list[dict[str, Any]],
+        meta: dict,
+        posted_rewards: dict[str, float] | None = None,
+    ) -> dict:
         """Pure part of ``merge_rollout``: recorded traces in, the merged rollout (JSON-able) out.
         With ``call_rewards`` a call's reward is the one posted to the gateway (``posted_rewards``),
         else a ``"reward"`` its trace carries, else 0."""
@@ -396,16 +456,30 @@ class Merger:
             kept = {c.call_id for c in calls}
             call_reward.update((k, v) for k, v in posted_rewards.items() if k in kept)
             unused = len(posted_rewards.keys() - kept)
-        seqs, stats = merge_calls(calls, mode=cfg.mode, strip_tail=cfg.strip_tail, realign_max=cfg.realign_max,
-                                  max_seq_len=cfg.max_seq_len, max_prompt_len=cfg.max_prompt_len,
-                                  overlong=cfg.overlong)
+        seqs, stats = merge_calls(
+            calls,
+            mode=cfg.mode,
+            strip_tail=cfg.strip_tail,
+            realign_max=cfg.realign_max,
+            max_seq_len=cfg.max_seq_len,
+            max_prompt_len=cfg.max_prompt_len,
+            overlong=cfg.overlong,
+        )
         dropped.update(stats.dropped())
         side: Counter = Counter()
         if seqs and (cfg.side_calls != "keep" or self._side_patterns):
-            systems = ({d.get("call_id", ""): system_text(d.get("request") or {}) for d in records}
-                       if self._side_patterns else {})
-            why = side_call_exclusions([s.call_ids for s in seqs], [c.call_id for c in calls], systems,
-                                       cfg.side_calls, self._side_patterns)
+            systems = (
+                {d.get("call_id", ""): system_text(d.get("request") or {}) for d in records}
+                if self._side_patterns
+                else {}
+            )
+            why = side_call_exclusions(
+                [s.call_ids for s in seqs],
+                [c.call_id for c in calls],
+                systems,
+                cfg.side_calls,
+                self._side_patterns,
+            )
             side.update(w for w in why if w)
             seqs = [s for s, w in zip(seqs, why, strict=True) if w is None]
             # Excluded calls take no part in returns or n > 1 branches either.
@@ -414,22 +488,37 @@ class Merger:
         out_seqs = []
         for s in seqs:
             spans = s.version_spans()
-            out_seqs.append({"token_ids": s.token_ids, "loss_mask": s.loss_mask, "logprobs": s.logprobs,
-                             "weight_version": min(v for v, _, _ in spans) if spans else s.min_weight_version,
-                             "weight_spans": spans, "truncated": s.truncated,
-                             "constrained_tokens": s.constrained_tokens})
+            out_seqs.append(
+                {
+                    "token_ids": s.token_ids,
+                    "loss_mask": s.loss_mask,
+                    "logprobs": s.logprobs,
+                    "weight_version": min(v for v, _, _ in spans) if spans else s.min_weight_version,
+                    "weight_spans": spans,
+                    "truncated": s.truncated,
+                    "constrained_tokens": s.constrained_tokens,
+                }
+            )
         merged: dict[str, Any] = {
-            "rollout_id": event.rollout_id, "group_id": event.group_id, "task_id": event.task_id,
+            "rollout_id": event.rollout_id,
+            "group_id": event.group_id,
+            "task_id": event.task_id,
             "status": event.status if seqs or event.status != "completed" else "empty",
-            "reward": event.reward, "eval": bool(meta.get("eval")),
+            "reward": event.reward,
+            "eval": bool(meta.get("eval")),
             "sequences": out_seqs,
-            "forks": stats.forks, "calls": len(records),
-            "realigns": stats.realigns, "truncated": stats.truncated,
+            "forks": stats.forks,
+            "calls": len(records),
+            "realigns": stats.realigns,
+            "truncated": stats.truncated,
             "mismatched_calls": stats.mismatched_calls,
             "dropped_calls": dict(dropped),
             "mismatches": [dict(compact_mismatch(m), rollout_id=event.rollout_id) for m in stats.mismatches],
-            "call_rewards": 0, "unused_call_rewards": unused, "group_size": event.group_size,
-            "side_sequences_excluded": sum(side.values()), "side_excluded_by_reason": dict(side),
+            "call_rewards": 0,
+            "unused_call_rewards": unused,
+            "group_size": event.group_size,
+            "side_sequences_excluded": sum(side.values()),
+            "side_excluded_by_reason": dict(side),
         }
         if cfg.per_call_returns and calls:
             # Return-to-go over the rollout's calls in call order; the outcome reward lands on the last.
@@ -458,8 +547,9 @@ class Merger:
             merged["status"] = event.status
         return merged
 
-    async def merge_rollout(self, event: RolloutEvent, meta: dict,
-                            records: list[dict[str, Any]] | None = None) -> dict:
+    async def merge_rollout(
+        self, event: RolloutEvent, meta: dict, records: list[dict[str, Any]] | None = None
+    ) -> dict:
         """Load (unless ``records`` are given), merge and account for one rollout."""
         t0 = time.perf_counter()
         posted = await self.load_call_rewards(event.rollout_id) if self.cfg.call_rewards else None
@@ -474,8 +564,11 @@ class Merger:
         CALL_REWARDS.inc(merged["call_rewards"])
         c.call_rewards_applied += merged["call_rewards"]
         if merged["unused_call_rewards"]:
-            log.info("rollout %s: %d per-call reward(s) for calls not trained on (errored or rejected)",
-                     event.rollout_id, merged["unused_call_rewards"])
+            log.info(
+                "rollout %s: %d per-call reward(s) for calls not trained on (errored or rejected)",
+                event.rollout_id,
+                merged["unused_call_rewards"],
+            )
         dropped = merged["dropped_calls"]
         for reason, n in dropped.items():
             DROPPED.labels(reason).inc(n)
@@ -483,10 +576,16 @@ class Merger:
         c.calls_dropped += sum(dropped.values())
         untrainable = {k: v for k, v in dropped.items() if k not in ("error", "retried")}
         if untrainable:
-            log.warning("rollout %s: %d call(s) not trained on: %s%s", event.rollout_id, sum(untrainable.values()),
-                        ", ".join(f"{k}={v}" for k, v in sorted(untrainable.items())),
-                        " (calls without the engine's token ids are never re-tokenised: route the harness "
-                        "through the gateway to a vLLM upstream)" if "missing_token_ids" in untrainable else "")
+            log.warning(
+                "rollout %s: %d call(s) not trained on: %s%s",
+                event.rollout_id,
+                sum(untrainable.values()),
+                ", ".join(f"{k}={v}" for k, v in sorted(untrainable.items())),
+                " (calls without the engine's token ids are never re-tokenised: route the harness "
+                "through the gateway to a vLLM upstream)"
+                if "missing_token_ids" in untrainable
+                else "",
+            )
         FORKS.inc(merged["forks"])
         c.forks += merged["forks"]
         MISMATCHES.inc(merged["mismatched_calls"])
@@ -496,8 +595,12 @@ class Merger:
         if merged["truncated"]:
             TRUNCATED.inc(merged["truncated"])
             c.truncated += merged["truncated"]
-            log.warning("rollout %s: %d sequence(s) truncated to max_seq_len=%s (trained, flagged)",
-                        event.rollout_id, merged["truncated"], self.cfg.max_seq_len)
+            log.warning(
+                "rollout %s: %d sequence(s) truncated to max_seq_len=%s (trained, flagged)",
+                event.rollout_id,
+                merged["truncated"],
+                self.cfg.max_seq_len,
+            )
         n_seqs = len(merged["sequences"])
         if merged["status"] == "completed":
             SEQS_PER_ROLLOUT.observe(n_seqs)
@@ -505,18 +608,26 @@ class Merger:
                 SINGLE.inc()
                 c.single_sequence_rollouts += 1
         for i, m in enumerate(merged["mismatches"]):
-            await broker.publish_once(self.r, self.keys, mismatch_stream(self.keys),
-                                      f"mismatch:{event.rollout_id}:{i}",
-                                      dict(m, group_id=event.group_id, task_id=event.task_id, time=time.time()),
-                                      maxlen=MISMATCH_STREAM_MAXLEN)
+            await broker.publish_once(
+                self.r,
+                self.keys,
+                mismatch_stream(self.keys),
+                f"mismatch:{event.rollout_id}:{i}",
+                dict(m, group_id=event.group_id, task_id=event.task_id, time=time.time()),
+                maxlen=MISMATCH_STREAM_MAXLEN,
+            )
         return merged
 
     # ------------------------------------------------------------------ groups
 
     async def write_outcome(self, outcome: TrainingOutcome, only_if_new: bool = False) -> None:
         """Record what became of a rollout where the gateway reads it; count it when it will not train."""
-        written = await self.r.set(self.keys.rollout_training(outcome.rollout_id), _dumps(outcome.to_dict()),
-                                   ex=OUTCOME_TTL_S, nx=only_if_new)
+        written = await self.r.set(
+            self.keys.rollout_training(outcome.rollout_id),
+            _dumps(outcome.to_dict()),
+            ex=OUTCOME_TTL_S,
+            nx=only_if_new,
+        )
         if written:
             self.count_untrainable(outcome)
 
@@ -525,8 +636,9 @@ class Merger:
             UNTRAINABLE.labels(outcome.reason).inc()
             self.counts.untrainable_by_reason[outcome.reason] += 1
 
-    async def handle_event(self, event: RolloutEvent, records: list[dict[str, Any]] | None = None,
-                           estimator: str | None = None) -> None:
+    async def handle_event(
+        self, event: RolloutEvent, records: list[dict[str, Any]] | None = None, estimator: str | None = None
+    ) -> None:
         """One finished rollout: merge it, park it in its group, score the group once it is complete.
         ``records`` replaces loading its traces; ``estimator`` overrides the configured one for its group
         (record-only session calls: ``running_baseline``)."""
@@ -536,17 +648,31 @@ class Merger:
             # The worker runs another attempt in this slot: this one is not a member of the group.
             RETRIED.inc()
             self.counts.rollouts_retried += 1
-            log.info("rollout %s failed (attempt %s of %s); retried", event.rollout_id, meta.get("attempt"),
-                     meta.get("max_attempts"))
-            await self.write_outcome(TrainingOutcome(event.rollout_id, event.group_id, "will_not_train", "retried",
-                                                     decided_at=time.time()))
+            log.info(
+                "rollout %s failed (attempt %s of %s); retried",
+                event.rollout_id,
+                meta.get("attempt"),
+                meta.get("max_attempts"),
+            )
+            await self.write_outcome(
+                TrainingOutcome(
+                    event.rollout_id, event.group_id, "will_not_train", "retried", decided_at=time.time()
+                )
+            )
             return
         if event.status == "completed":
             merged = await self.merge_rollout(event, meta, records)
         else:
-            merged = {"rollout_id": event.rollout_id, "group_id": event.group_id, "task_id": event.task_id,
-                      "status": event.status, "reward": None, "eval": bool(meta.get("eval")), "sequences": [],
-                      "group_size": event.group_size}
+            merged = {
+                "rollout_id": event.rollout_id,
+                "group_id": event.group_id,
+                "task_id": event.task_id,
+                "status": event.status,
+                "reward": None,
+                "eval": bool(meta.get("eval")),
+                "sequences": [],
+                "group_size": event.group_size,
+            }
         if estimator is not None:
             merged["estimator"] = estimator
         ROLLOUTS.labels(merged["status"]).inc()
@@ -558,8 +684,12 @@ class Merger:
             self.counts.late_rollouts += 1
             log.info("rollout %s arrived after group %s was resolved", event.rollout_id, event.group_id)
             # Only if new: a redelivered event of a rollout its group already scored keeps its verdict.
-            await self.write_outcome(TrainingOutcome(event.rollout_id, event.group_id, "will_not_train", "late",
-                                                     decided_at=time.time()), only_if_new=True)
+            await self.write_outcome(
+                TrainingOutcome(
+                    event.rollout_id, event.group_id, "will_not_train", "late", decided_at=time.time()
+                ),
+                only_if_new=True,
+            )
         elif await self.r.hlen(gkey) >= event.group_size:
             await self.resolve_group(event.group_id)
         else:
@@ -585,20 +715,28 @@ class Merger:
         for x in rollouts:
             dropped.update(x.get("dropped_calls", {}))
         examples = [m for x in rollouts for m in x.get("mismatches", [])][:MISMATCHES_PER_GROUP]
-        result = {"group_id": group_id, "rollouts": len(rollouts), "completed": len(ok),
-                  "rewards": rewards.tolist(), "eval": any(x["eval"] for x in rollouts),
-                  "sequences": sum(len(x["sequences"]) for x in ok),
-                  "forks": sum(x.get("forks", 0) for x in ok),
-                  "single_sequence_rollouts": sum(len(x["sequences"]) == 1 for x in ok),
-                  "realigns": sum(x.get("realigns", 0) for x in ok),
-                  "truncated": sum(x.get("truncated", 0) for x in ok),
-                  # What the policy sampled, trained on or not (filtered groups too): rollout throughput.
-                  "generated_tokens": sum(sum(s["loss_mask"]) + s.get("constrained_tokens", 0)
-                                         for x in ok for s in x["sequences"]),
-                  "mismatched_calls": sum(x.get("mismatched_calls", 0) for x in rollouts),
-                  "side_sequences_excluded": sum(x.get("side_sequences_excluded", 0) for x in rollouts),
-                  "dropped_calls": dict(dropped), "mismatches": examples, "timed_out": timed_out,
-                  "finished_at": time.time()}
+        result = {
+            "group_id": group_id,
+            "rollouts": len(rollouts),
+            "completed": len(ok),
+            "rewards": rewards.tolist(),
+            "eval": any(x["eval"] for x in rollouts),
+            "sequences": sum(len(x["sequences"]) for x in ok),
+            "forks": sum(x.get("forks", 0) for x in ok),
+            "single_sequence_rollouts": sum(len(x["sequences"]) == 1 for x in ok),
+            "realigns": sum(x.get("realigns", 0) for x in ok),
+            "truncated": sum(x.get("truncated", 0) for x in ok),
+            # What the policy sampled, trained on or not (filtered groups too): rollout throughput.
+            "generated_tokens": sum(
+                sum(s["loss_mask"]) + s.get("constrained_tokens", 0) for x in ok for s in x["sequences"]
+            ),
+            "mismatched_calls": sum(x.get("mismatched_calls", 0) for x in rollouts),
+            "side_sequences_excluded": sum(x.get("side_sequences_excluded", 0) for x in rollouts),
+            "dropped_calls": dict(dropped),
+            "mismatches": examples,
+            "timed_out": timed_out,
+            "finished_at": time.time(),
+        }
 
         # Units of the baseline: rollouts (default) or sequences (sample level, biased when rollouts fork).
         if cfg.advantage_level == "rollout":
@@ -616,8 +754,11 @@ class Merger:
             outcome = "eval"
         elif len(ok) < (1 if running else 2):
             outcome = "too_few"
-        elif not running and cfg.filter_zero_variance and (
-                len(returns) == 0 or float(unit_returns.max() - unit_returns.min()) == 0.0):
+        elif (
+            not running
+            and cfg.filter_zero_variance
+            and (len(returns) == 0 or float(unit_returns.max() - unit_returns.min()) == 0.0)
+        ):
             outcome = "filtered"
         else:
             outcome = "trained"
@@ -639,8 +780,9 @@ class Merger:
                 advs, rets = per_rollout.get(x["rollout_id"], ([], []))
                 samples.extend(build_samples(x, advs, scale, rets))
             for i, s in enumerate(samples):
-                await broker.publish_once(self.r, self.keys, self.keys.samples, f"sample:{group_id}:{i}",
-                                          s.to_dict())
+                await broker.publish_once(
+                    self.r, self.keys, self.keys.samples, f"sample:{group_id}:{i}", s.to_dict()
+                )
             await self.submit(group_id, samples, len(ok))
             self.counts.groups_emitted += 1
             self.counts.sequences += len(samples)
@@ -653,9 +795,12 @@ class Merger:
         if timed_out:
             self.counts.groups_timed_out += 1
             GROUPS_TIMED_OUT.inc()
-        result.update(outcome=outcome, samples=len(samples),
-                      tokens=sum(len(s.token_ids) for s in samples),
-                      min_weight_version=min((s.weight_version for s in samples), default=-1))
+        result.update(
+            outcome=outcome,
+            samples=len(samples),
+            tokens=sum(len(s.token_ids) for s in samples),
+            min_weight_version=min((s.weight_version for s in samples), default=-1),
+        )
         await broker.publish_once(self.r, self.keys, self.keys.group_results, f"group:{group_id}", result)
         per_rollout_samples = Counter(s.rollout_id for s in samples)
         now = time.time()
@@ -664,9 +809,17 @@ class Merger:
             reason = untrainable_reason(x, outcome)
             if reason is None and not per_rollout_samples[x["rollout_id"]]:
                 reason = "no_trainable_calls"
-            outcomes.append(TrainingOutcome(
-                x["rollout_id"], group_id, "trained" if reason is None else "will_not_train", reason,
-                samples=per_rollout_samples[x["rollout_id"]], group_outcome=outcome, decided_at=now))
+            outcomes.append(
+                TrainingOutcome(
+                    x["rollout_id"],
+                    group_id,
+                    "trained" if reason is None else "will_not_train",
+                    reason,
+                    samples=per_rollout_samples[x["rollout_id"]],
+                    group_outcome=outcome,
+                    decided_at=now,
+                )
+            )
         # The rollouts' outcomes and the group's done marker in one transaction: a merger stopped in
         # between would otherwise score the group again (and hand it to the trainer twice).
         async with self.r.pipeline(transaction=True) as pipe:
@@ -677,11 +830,21 @@ class Merger:
         for o in outcomes:
             self.count_untrainable(o)
         GROUPS.labels(outcome).inc()
-        log.info("group %s: %s%s (%d rollouts, rewards %s, %d samples, %d/%d single-sequence)", group_id, outcome,
-                 " at its deadline" if timed_out else "", len(rollouts), [round(x, 3) for x in result["rewards"]],
-                 len(samples), result["single_sequence_rollouts"], len(ok))
+        log.info(
+            "group %s: %s%s (%d rollouts, rewards %s, %d samples, %d/%d single-sequence)",
+            group_id,
+            outcome,
+            " at its deadline" if timed_out else "",
+            len(rollouts),
+            [round(x, 3) for x in result["rewards"]],
+            len(samples),
+            result["single_sequence_rollouts"],
+            len(ok),
+        )
 
-    async def baseline_advantages(self, group_id: str, task_ids: list[str], returns: list[float]) -> list[float]:
+    async def baseline_advantages(
+        self, group_id: str, task_ids: list[str], returns: list[float]
+    ) -> list[float]:
         """``running_baseline`` advantages of a group's units, read from and written back to the Redis
         state in one transaction together with the group's marker: a group re-scored after a crash gets
         the advantages it got the first time, and moves the baselines once."""
@@ -698,8 +861,9 @@ class Merger:
                     values = await pipe.hmget(self.keys.baselines, [*fields, "global"])
                     known = {f[5:]: float(v) for f, v in zip(fields, values, strict=False) if v is not None}
                     prior = None if values[-1] is None else float(values[-1])
-                    adv, updated, new_global = running_baseline_advantages(returns, task_ids, known, prior,
-                                                                           self.cfg.baseline_alpha)
+                    adv, updated, new_global = running_baseline_advantages(
+                        returns, task_ids, known, prior, self.cfg.baseline_alpha
+                    )
                     pipe.multi()
                     mapping = {f"task:{t}": repr(v) for t, v in updated.items()}
                     if new_global is not None:
@@ -718,8 +882,11 @@ class Merger:
         cutoff = (time.time() if now is None else now) - self.cfg.group_timeout_s
         due = await self.r.zrangebyscore(pending_groups(self.keys), "-inf", cutoff)
         for gid in due:
-            log.warning("group %s: deadline of %.0fs passed; resolving with the rollouts that reported", gid,
-                        self.cfg.group_timeout_s)
+            log.warning(
+                "group %s: deadline of %.0fs passed; resolving with the rollouts that reported",
+                gid,
+                self.cfg.group_timeout_s,
+            )
             await self.resolve_group(gid, timed_out=True)
         return len(due)
 
@@ -751,8 +918,13 @@ class Merger:
                         # One loop reads both streams in turn: a second task blocked in its own
                         # XREADGROUP would hold up cancelling the merger (redis-py).
                         await self.poll_sessions(consumer)
-                    entries = await broker.read_group(self.r, stream, "merger", consumer,
-                                                      block_ms=250 if self.cfg.session_training else 1000)
+                    entries = await broker.read_group(
+                        self.r,
+                        stream,
+                        "merger",
+                        consumer,
+                        block_ms=250 if self.cfg.session_training else 1000,
+                    )
                 except broker.TRANSIENT as exc:
                     log.warning("Redis read failed (%s); retrying", exc)
                     await asyncio.sleep(1.0)
@@ -787,9 +959,15 @@ class Merger:
         if not items:
             return "trace_gone"
         trace = broker.decode(items[0][1])
-        event = RolloutEvent(rollout_id=group_id, task_id=f"session:{record['session']}", group_id=group_id,
-                             group_size=1, status="completed", reward=float(record["reward"]),
-                             finished_at=float(record.get("rewarded_at", 0.0)))
+        event = RolloutEvent(
+            rollout_id=group_id,
+            task_id=f"session:{record['session']}",
+            group_id=group_id,
+            group_size=1,
+            status="completed",
+            reward=float(record["reward"]),
+            finished_at=float(record.get("rewarded_at", 0.0)),
+        )
         await self.handle_event(event, records=[trace], estimator="running_baseline")
         return (await self.r.get(self.keys.group_done(group_id))) or "pending"
 
@@ -801,8 +979,9 @@ class Merger:
         entries = await broker.read_group(self.r, stream, "merger", consumer, block_ms=None)
         for entry_id, record in entries:
             try:
-                outcome = await self._retrying(self.handle_session_reward, record,
-                                            what=f"session entry {entry_id}")
+                outcome = await self._retrying(
+                    self.handle_session_reward, record, what=f"session entry {entry_id}"
+                )
             except (ValueError, KeyError, TypeError) as exc:
                 await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record)
                 outcome = "dead_letter"

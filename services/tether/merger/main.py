@@ -35,7 +35,9 @@ class MergerSettings(CommonSettings):
     max_prompt_len: int | None = None
     max_seq_len: int | None = None
     overlong: Literal["drop", "truncate"] = "drop"
-    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "running_baseline"] = "grpo"
+    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "running_baseline"] = (
+        "grpo"
+    )
     advantage_level: Literal["rollout", "sample"] = "rollout"
     filter_zero_variance: bool = True
     group_timeout_s: float = 0.0
@@ -66,24 +68,42 @@ def strip_tail_for(s: MergerSettings) -> tuple[int, ...]:
 
 
 def config_from_settings(s: MergerSettings) -> MergerConfig:
-    return MergerConfig(mode=s.merge_mode, estimator=s.advantage_estimator,
-                        filter_zero_variance=s.filter_zero_variance, max_seq_len=s.max_seq_len,
-                        max_prompt_len=s.max_prompt_len, overlong=s.overlong, strip_tail=strip_tail_for(s),
-                        realign_max=s.realign_max, advantage_level=s.advantage_level,
-                        group_timeout_s=s.group_timeout_s, call_rewards=s.call_rewards,
-                        turn_discount=s.turn_discount, side_calls=s.side_calls,
-                        side_call_patterns=tuple(s.side_call_patterns), baseline_alpha=s.baseline_alpha,
-                        session_training=s.session_training)
+    return MergerConfig(
+        mode=s.merge_mode,
+        estimator=s.advantage_estimator,
+        filter_zero_variance=s.filter_zero_variance,
+        max_seq_len=s.max_seq_len,
+        max_prompt_len=s.max_prompt_len,
+        overlong=s.overlong,
+        strip_tail=strip_tail_for(s),
+        realign_max=s.realign_max,
+        advantage_level=s.advantage_level,
+        group_timeout_s=s.group_timeout_s,
+        call_rewards=s.call_rewards,
+        turn_discount=s.turn_discount,
+        side_calls=s.side_calls,
+        side_call_patterns=tuple(s.side_call_patterns),
+        baseline_alpha=s.baseline_alpha,
+        session_training=s.session_training,
+    )
 
 
 def to_proto(s: SampleRecord) -> types_pb2.Sample:
     return types_pb2.Sample(
-        rollout_id=s.rollout_id, group_id=s.group_id, task_id=s.task_id, sequence_index=s.sequence_index,
-        token_ids=s.token_ids, loss_mask=s.loss_mask, rollout_logprobs=s.rollout_logprobs,
-        advantages=s.advantages, reward=s.reward, weight_version=s.weight_version,
+        rollout_id=s.rollout_id,
+        group_id=s.group_id,
+        task_id=s.task_id,
+        sequence_index=s.sequence_index,
+        token_ids=s.token_ids,
+        loss_mask=s.loss_mask,
+        rollout_logprobs=s.rollout_logprobs,
+        advantages=s.advantages,
+        reward=s.reward,
+        weight_version=s.weight_version,
         rollout_sequences=s.rollout_sequences,
         weight_spans=[types_pb2.WeightSpan(version=v, start=a, end=b) for v, a, b in s.weight_spans],
-        constrained_tokens=s.constrained_tokens)
+        constrained_tokens=s.constrained_tokens,
+    )
 
 
 async def amain(s: MergerSettings) -> None:
@@ -91,9 +111,13 @@ async def amain(s: MergerSettings) -> None:
     trainer = trainer_pb2_grpc.TrainerStub(channel(s.trainer_address))
 
     async def submit(group_id: str, samples: list[SampleRecord], rollouts: int) -> None:
-        await trainer.SubmitGroup(trainer_pb2.SubmitGroupRequest(
-            group_id=group_id, samples=[to_proto(x) for x in samples], rollouts=rollouts), timeout=60,
-            wait_for_ready=True)
+        await trainer.SubmitGroup(
+            trainer_pb2.SubmitGroupRequest(
+                group_id=group_id, samples=[to_proto(x) for x in samples], rollouts=rollouts
+            ),
+            timeout=60,
+            wait_for_ready=True,
+        )
 
     cfg = config_from_settings(s)
     log.info("merger config: %s", cfg)
@@ -103,7 +127,9 @@ async def amain(s: MergerSettings) -> None:
         merger_pb2_grpc.add_MergerServicer_to_server(MergerStatusServicer(merger), server)
         return [merger_pb2.DESCRIPTOR.services_by_name["Merger"].full_name]
 
-    server, health, port = await start_server(s.merger_grpc_port, register, s.merger_grpc_host, s.metrics_port)
+    server, health, port = await start_server(
+        s.merger_grpc_port, register, s.merger_grpc_host, s.metrics_port
+    )
     await r.ping()
     await health.set(True)
     log.info("merger on %s:%d", s.merger_grpc_host, port)

@@ -56,14 +56,27 @@ class SchedulerSettings(CommonSettings):
 
 async def amain(s: SchedulerSettings) -> None:
     r = broker.connect(s.redis_url)
-    stubs = Stubs(gateway=gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address)),
-                  inference=inference_pb2_grpc.InferenceStub(channel(s.inference_address)),
-                  trainer=trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)))
-    cfg = RunConfig(run_id=s.run_id, steps=s.steps, tasks_per_step=s.tasks_per_step, group_size=s.group_size,
-                    seed=s.seed, run_dir=Path(s.run_dir), eval_repeats=s.eval_repeats,
-                    rollout_timeout_s=s.rollout_timeout_s, mode=s.mode, max_staleness=s.max_staleness,
-                    max_inflight_groups=s.max_inflight_groups, sleep_level=s.sleep_level,
-                    max_attempts=s.max_attempts, weight_push=s.weight_push)
+    stubs = Stubs(
+        gateway=gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address)),
+        inference=inference_pb2_grpc.InferenceStub(channel(s.inference_address)),
+        trainer=trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)),
+    )
+    cfg = RunConfig(
+        run_id=s.run_id,
+        steps=s.steps,
+        tasks_per_step=s.tasks_per_step,
+        group_size=s.group_size,
+        seed=s.seed,
+        run_dir=Path(s.run_dir),
+        eval_repeats=s.eval_repeats,
+        rollout_timeout_s=s.rollout_timeout_s,
+        mode=s.mode,
+        max_staleness=s.max_staleness,
+        max_inflight_groups=s.max_inflight_groups,
+        sleep_level=s.sleep_level,
+        max_attempts=s.max_attempts,
+        weight_push=s.weight_push,
+    )
     tasks = load_tasks(Path(s.tasks_file)) if s.tasks_file else []
     run = Run(r, broker.Keys(s.namespace), cfg, stubs, tasks)
 
@@ -71,8 +84,9 @@ async def amain(s: SchedulerSettings) -> None:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(run), server)
         return [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
 
-    server, health, port = await start_server(s.scheduler_grpc_port, register, s.scheduler_grpc_host,
-                                              s.metrics_port)
+    server, health, port = await start_server(
+        s.scheduler_grpc_port, register, s.scheduler_grpc_host, s.metrics_port
+    )
     await health.set(True)
     log.info("scheduler on %s:%d", s.scheduler_grpc_host, port)
 

@@ -49,11 +49,19 @@ from tether.v1 import gateway_pb2, inference_pb2, trainer_pb2, types_pb2
 log = logging.getLogger(__name__)
 
 STEP = Gauge("tether_scheduler_step", "Step the run is on")
-VERSION = Gauge("tether_scheduler_weight_version", "Weight version inference serves, as the scheduler knows it")
-PUSH_SECONDS = Histogram("tether_scheduler_weight_push_seconds", "Time to make inference serve a step's weights",
-                         ["path"], buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
-PUSH_FALLBACKS = Counter("tether_scheduler_weight_push_fallbacks_total",
-                         "Path-2 pushes that failed and were replaced by a checkpoint load")
+VERSION = Gauge(
+    "tether_scheduler_weight_version", "Weight version inference serves, as the scheduler knows it"
+)
+PUSH_SECONDS = Histogram(
+    "tether_scheduler_weight_push_seconds",
+    "Time to make inference serve a step's weights",
+    ["path"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
+)
+PUSH_FALLBACKS = Counter(
+    "tether_scheduler_weight_push_fallbacks_total",
+    "Path-2 pushes that failed and were replaced by a checkpoint load",
+)
 RESUMES = Counter("tether_scheduler_resumes_total", "Runs picked up again after a scheduler restart")
 
 
@@ -126,7 +134,12 @@ class Run:
         self.stubs = stubs
         self.tasks = tasks
         self.stop_requested = False
-        self.state: dict[str, Any] = {"status": "starting", "step": 0, "weight_version": 0, "reward_mean": 0.0}
+        self.state: dict[str, Any] = {
+            "status": "starting",
+            "step": 0,
+            "weight_version": 0,
+            "reward_mean": 0.0,
+        }
         self.inflight_key = f"{keys.run}:inflight"  # async modes: group id -> {version, cursor, task}
         self.push_path = ""
 
@@ -148,9 +161,20 @@ class Run:
 
     async def dispatch(self, group_id: str, task: dict, size: int, meta: dict) -> None:
         for i in range(size):
-            await broker.publish_once(self.r, self.keys, self.keys.dispatch, f"dispatch:{group_id}:{i}", {
-                "group_id": group_id, "task_id": task["task_id"], "group_size": size, "task": task,
-                "metadata": meta, "max_attempts": self.cfg.max_attempts})
+            await broker.publish_once(
+                self.r,
+                self.keys,
+                self.keys.dispatch,
+                f"dispatch:{group_id}:{i}",
+                {
+                    "group_id": group_id,
+                    "task_id": task["task_id"],
+                    "group_size": size,
+                    "task": task,
+                    "metadata": meta,
+                    "max_attempts": self.cfg.max_attempts,
+                },
+            )
 
     async def read_results(self, cursor: str, block_ms: int) -> tuple[str, list[dict]]:
         """Group results published after `cursor` (waiting up to `block_ms`), and the new cursor."""
@@ -170,12 +194,17 @@ class Run:
             cursor, batch = await self.read_results(cursor, 500)
             found.update((rec["group_id"], rec) for rec in batch if rec["group_id"] in group_ids)
         if len(found) < len(group_ids):
-            log.warning("%d of %d groups unresolved after %.0fs", len(group_ids) - len(found), len(group_ids),
-                        self.cfg.rollout_timeout_s)
+            log.warning(
+                "%d of %d groups unresolved after %.0fs",
+                len(group_ids) - len(found),
+                len(group_ids),
+                self.cfg.rollout_timeout_s,
+            )
         return list(found.values())
 
-    async def push(self, step: int, group_ids: list[str], drop_ids: list[str] | None = None,
-                   colocated: bool = True) -> tuple[dict[str, float], float, float]:
+    async def push(
+        self, step: int, group_ids: list[str], drop_ids: list[str] | None = None, colocated: bool = True
+    ) -> tuple[dict[str, float], float, float]:
         """Train on `group_ids` and push the new weights. Colocated: drain admission (and sleep
         vLLM) around the update; disaggregated: rollouts keep running, vLLM freezes in-flight
         requests only while it loads. Returns (train metrics, push seconds, paused seconds)."""
@@ -183,16 +212,23 @@ class Run:
         slept = False
         if colocated:
             await self.stubs.gateway.PauseAdmission(
-                gateway_pb2.PauseAdmissionRequest(drain_timeout_s=self.cfg.drain_timeout_s))
+                gateway_pb2.PauseAdmissionRequest(drain_timeout_s=self.cfg.drain_timeout_s)
+            )
         try:
             if colocated and self.cfg.sleep_level:
                 await self.save_state(slept=True)  # a restarted scheduler wakes vLLM up
                 await self.stubs.inference.Sleep(inference_pb2.SleepRequest(level=self.cfg.sleep_level))
                 slept = True
             await self.save_state(status="training")
-            resp = await self.stubs.trainer.TrainStep(trainer_pb2.TrainStepRequest(
-                step=step, min_groups=len(group_ids), max_groups=len(group_ids), group_ids=group_ids,
-                drop_group_ids=drop_ids or []))
+            resp = await self.stubs.trainer.TrainStep(
+                trainer_pb2.TrainStepRequest(
+                    step=step,
+                    min_groups=len(group_ids),
+                    max_groups=len(group_ids),
+                    group_ids=group_ids,
+                    drop_group_ids=drop_ids or [],
+                )
+            )
             if slept:
                 await self.stubs.inference.WakeUp(types_pb2.Empty())
                 slept = False
@@ -210,7 +246,8 @@ class Run:
                 await self.save_state(slept=False)
             # Colocated: admit again; disaggregated: tell the gateway which version now serves.
             await self.stubs.gateway.ResumeAdmission(
-                gateway_pb2.ResumeAdmissionRequest(weight_version=self.state["weight_version"]))
+                gateway_pb2.ResumeAdmissionRequest(weight_version=self.state["weight_version"])
+            )
         paused_s = time.perf_counter() - t0 if colocated else push_s
         return dict(resp.metrics), push_s, paused_s
 
@@ -228,15 +265,24 @@ class Run:
                 await self.stubs.trainer.PushWeights(trainer_pb2.PushWeightsRequest(version=want))
                 served = (await self.stubs.inference.GetWeightVersion(types_pb2.Empty())).version
             except grpc.aio.AioRpcError as exc:
-                log.warning("path-2 push of version %d failed (%s: %s); loading %s instead", want, exc.code(),
-                            exc.details(), resp.checkpoint_dir)
+                log.warning(
+                    "path-2 push of version %d failed (%s: %s); loading %s instead",
+                    want,
+                    exc.code(),
+                    exc.details(),
+                    resp.checkpoint_dir,
+                )
             else:
                 if served == want:
                     await self.stubs.inference.Resume(types_pb2.Empty())
                     self.push_path = "nccl"
                     return served
-                log.warning("after a path-2 push vLLM serves version %d, not %d; loading %s instead", served,
-                            want, resp.checkpoint_dir)
+                log.warning(
+                    "after a path-2 push vLLM serves version %d, not %d; loading %s instead",
+                    served,
+                    want,
+                    resp.checkpoint_dir,
+                )
             PUSH_FALLBACKS.inc()
         await self._load_checkpoint(resp.checkpoint_dir, want)
         self.push_path = "checkpoint" if self.cfg.weight_push == "checkpoint" else "checkpoint-fallback"
@@ -245,7 +291,8 @@ class Run:
     async def _load_checkpoint(self, checkpoint_dir: str, version: int) -> None:
         """Path 1: inference reloads the checkpoint as a whole and must then report its version."""
         loaded = await self.stubs.inference.LoadWeights(
-            inference_pb2.LoadWeightsRequest(checkpoint_dir=checkpoint_dir, version=version))
+            inference_pb2.LoadWeightsRequest(checkpoint_dir=checkpoint_dir, version=version)
+        )
         if loaded.version != version:
             raise RuntimeError(f"inference reports version {loaded.version}, expected {version}")
 
@@ -253,14 +300,27 @@ class Run:
         with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
 
-    def step_record(self, step: int, results: list[dict], metrics: dict[str, float], started: float,
-                    rollout_s: float, push_s: float, paused_s: float, version_before: int) -> dict[str, Any]:
+    def step_record(
+        self,
+        step: int,
+        results: list[dict],
+        metrics: dict[str, float],
+        started: float,
+        rollout_s: float,
+        push_s: float,
+        paused_s: float,
+        version_before: int,
+    ) -> dict[str, Any]:
         summary = step_summary(results)
         trained = [g for g in results if g["outcome"] == "trained"]
-        staleness = [version_before - g["min_weight_version"] for g in trained if g.get("min_weight_version", -1) >= 0]
+        staleness = [
+            version_before - g["min_weight_version"] for g in trained if g.get("min_weight_version", -1) >= 0
+        ]
         step_s = time.perf_counter() - started
         return {
-            "step": step, "weight_version": self.state["weight_version"], **summary,
+            "step": step,
+            "weight_version": self.state["weight_version"],
+            **summary,
             "logprob_abs_diff": metrics.get("logprob_abs_diff", float("nan")),
             "logprob_k3_kl": metrics.get("logprob_k3_kl", float("nan")),
             "loss": metrics.get("loss", float("nan")),
@@ -271,38 +331,56 @@ class Run:
             "staleness_max": float(max(staleness, default=0)),
             "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             # Per trainable token, from vLLM's per-token weight spans (the trainer's count).
-            **{k: metrics.get(k, float("nan"))
-               for k in ("token_staleness_max", "token_staleness_mean", "mixed_version_fraction")},
-            "rollout_seconds": rollout_s, "push_seconds": push_s, "paused_seconds": paused_s,
-            "step_seconds": step_s, "tokens_per_s": summary["tokens"] / max(step_s, 1e-9),
-            "weight_push": self.push_path, "mode": self.cfg.mode, "time": time.time(),
+            **{
+                k: metrics.get(k, float("nan"))
+                for k in ("token_staleness_max", "token_staleness_mean", "mixed_version_fraction")
+            },
+            "rollout_seconds": rollout_s,
+            "push_seconds": push_s,
+            "paused_seconds": paused_s,
+            "step_seconds": step_s,
+            "tokens_per_s": summary["tokens"] / max(step_s, 1e-9),
+            "weight_push": self.push_path,
+            "mode": self.cfg.mode,
+            "time": time.time(),
         }
 
     async def finish_step(self, record: dict[str, Any], consumed: list[str] | None = None) -> None:
         """The step's record and the run's next position in one Redis transaction (with the in-flight
         groups the step used up), then metrics.jsonl and the metrics stream. A restart between the two
         halves rewrites the record from the run state (`recover_metrics`)."""
-        self.state.update(next_step=record["step"] + 1, reward_mean=record["reward_mean"], pending=None,
-                          last_record=record)
+        self.state.update(
+            next_step=record["step"] + 1, reward_mean=record["reward_mean"], pending=None, last_record=record
+        )
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.run, mapping=self._encoded())
             if consumed:
                 pipe.hdel(self.inflight_key, *consumed)
             await pipe.execute()
         await self.report(record)
-        log.info("step %d reward %.3f version %d (%.1fs)", record["step"], record["reward_mean"],
-                 self.state["weight_version"], record["step_seconds"])
+        log.info(
+            "step %d reward %.3f version %d (%.1fs)",
+            record["step"],
+            record["reward_mean"],
+            self.state["weight_version"],
+            record["step_seconds"],
+        )
 
     async def report(self, record: dict[str, Any]) -> None:
         self.write_metrics(record)
-        await broker.publish_once(self.r, self.keys, self.keys.metrics, f"metrics:{self.cfg.run_id}:{record['step']}",
-                                  record)
+        await broker.publish_once(
+            self.r, self.keys, self.keys.metrics, f"metrics:{self.cfg.run_id}:{record['step']}", record
+        )
 
     async def recover_metrics(self) -> None:
         """The last finished step's record (and the evaluation's), if a restart came between saving and
         reporting it."""
         path = self.cfg.run_dir / "metrics.jsonl"
-        lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        lines = (
+            [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+            if path.exists()
+            else []
+        )
         record = self.state.get("last_record")
         if record and not any(m.get("step") == record["step"] for m in lines):
             log.info("reporting step %d, finished before the restart", record["step"])
@@ -320,10 +398,17 @@ class Run:
             await self.save_state(slept=False)
         trainer = await self.stubs.trainer.GetStatus(types_pb2.Empty())
         served = await self.stubs.inference.GetWeightVersion(types_pb2.Empty())
-        if trainer.weight_version and (served.version, served.checkpoint_dir) != (trainer.weight_version,
-                                                                                 trainer.checkpoint_dir):
-            log.info("inference serves version %d (%s), the trainer is at %d: loading %s", served.version,
-                     served.checkpoint_dir or "pushed", trainer.weight_version, trainer.checkpoint_dir)
+        if trainer.weight_version and (served.version, served.checkpoint_dir) != (
+            trainer.weight_version,
+            trainer.checkpoint_dir,
+        ):
+            log.info(
+                "inference serves version %d (%s), the trainer is at %d: loading %s",
+                served.version,
+                served.checkpoint_dir or "pushed",
+                trainer.weight_version,
+                trainer.checkpoint_dir,
+            )
             await self._load_checkpoint(trainer.checkpoint_dir, trainer.weight_version)
             return trainer.weight_version
         await self.stubs.inference.Resume(types_pb2.Empty())
@@ -337,15 +422,25 @@ class Run:
             start = int(previous.get("next_step", 0))
             self.state.update(previous)
             RESUMES.inc()
-            log.info("resuming run %s at step %d (%s when the previous scheduler stopped)", self.cfg.run_id,
-                     start, previous.get("status"))
+            log.info(
+                "resuming run %s at step %d (%s when the previous scheduler stopped)",
+                self.cfg.run_id,
+                start,
+                previous.get("status"),
+            )
         else:
             start = 0
             await self.r.delete(self.keys.run, self.inflight_key)
         version = await self.reconcile_weights()
         VERSION.set(version)
-        await self.save_state(run_id=self.cfg.run_id, total_steps=self.cfg.steps, weight_version=version,
-                              run_dir=str(self.cfg.run_dir), next_step=start, mode=self.cfg.mode)
+        await self.save_state(
+            run_id=self.cfg.run_id,
+            total_steps=self.cfg.steps,
+            weight_version=version,
+            run_dir=str(self.cfg.run_dir),
+            next_step=start,
+            mode=self.cfg.mode,
+        )
         await self.recover_metrics()
         await self.stubs.gateway.ResumeAdmission(gateway_pb2.ResumeAdmissionRequest(weight_version=version))
         return start
@@ -361,32 +456,65 @@ class Run:
         else:
             await self.train_async(start, colocated=self.cfg.mode == "colocated-async")
 
-    async def train_step(self, step: int, take: list[str], drop: list[str], results: list[dict],
-                         version_before: int, started: float, rollout_s: float, colocated: bool,
-                         extra: dict[str, float] | None = None) -> None:
+    async def train_step(
+        self,
+        step: int,
+        take: list[str],
+        drop: list[str],
+        results: list[dict],
+        version_before: int,
+        started: float,
+        rollout_s: float,
+        colocated: bool,
+        extra: dict[str, float] | None = None,
+    ) -> None:
         """Write the step's groups down, train and push, then finish the step. Every argument is saved
         first, so a restarted scheduler can run this again with the same groups (`resume_pending`)."""
-        await self.save_state(pending={"step": step, "take": take, "drop": drop, "results": results,
-                                       "version_before": version_before, "rollout_s": rollout_s,
-                                       "extra": extra or {}})
+        await self.save_state(
+            pending={
+                "step": step,
+                "take": take,
+                "drop": drop,
+                "results": results,
+                "version_before": version_before,
+                "rollout_s": rollout_s,
+                "extra": extra or {},
+            }
+        )
         metrics: dict[str, float] = {}
         push_s = paused_s = 0.0
         self.push_path = ""
         if take:
             metrics, push_s, paused_s = await self.push(step, take, drop, colocated)
-        record = self.step_record(step, results, metrics, started, rollout_s, push_s, paused_s, version_before)
+        record = self.step_record(
+            step, results, metrics, started, rollout_s, push_s, paused_s, version_before
+        )
         record.update(extra or {})
-        await self.finish_step(record, consumed=list(dict.fromkeys([*(g["group_id"] for g in results), *drop])))
+        await self.finish_step(
+            record, consumed=list(dict.fromkeys([*(g["group_id"] for g in results), *drop]))
+        )
 
     async def resume_pending(self, step: int, colocated: bool) -> bool:
         """Finish `step` if its groups were chosen before a restart; False if there is nothing to finish."""
         pending = self.state.get("pending")
         if not pending or pending["step"] != step:
             return False
-        log.info("finishing step %d with the groups chosen before the restart (%d to train)", step,
-                 len(pending["take"]))
-        await self.train_step(step, pending["take"], pending["drop"], pending["results"], pending["version_before"],
-                              time.perf_counter(), pending["rollout_s"], colocated, pending["extra"])
+        log.info(
+            "finishing step %d with the groups chosen before the restart (%d to train)",
+            step,
+            len(pending["take"]),
+        )
+        await self.train_step(
+            step,
+            pending["take"],
+            pending["drop"],
+            pending["results"],
+            pending["version_before"],
+            time.perf_counter(),
+            pending["rollout_s"],
+            colocated,
+            pending["extra"],
+        )
         return True
 
     async def step_cursor(self, step: int) -> str:
@@ -418,8 +546,16 @@ class Run:
                 await self.dispatch(gid, task, self.cfg.group_size, {"step": step, "run_id": self.cfg.run_id})
             results = await self.wait_groups(set(group_ids), cursor)
             trained = [g["group_id"] for g in results if g["outcome"] == "trained"]
-            await self.train_step(step, trained, [], results, self.state["weight_version"], t0,
-                                  time.perf_counter() - t0, colocated=True)
+            await self.train_step(
+                step,
+                trained,
+                [],
+                results,
+                self.state["weight_version"],
+                t0,
+                time.perf_counter() - t0,
+                colocated=True,
+            )
 
     async def restore_inflight(self) -> tuple[dict[str, int], str | None]:
         """Async modes after a restart: the groups dispatched and not used up by a finished step
@@ -427,9 +563,15 @@ class Run:
         goes out now), and the stream position their results start at."""
         saved = {gid: json.loads(v) for gid, v in (await self.r.hgetall(self.inflight_key)).items()}
         pending = self.state.get("pending") or {}
-        taken = {*pending.get("take", ()), *pending.get("drop", ()), *(g["group_id"] for g in pending.get("results", ()))}
+        taken = {
+            *pending.get("take", ()),
+            *pending.get("drop", ()),
+            *(g["group_id"] for g in pending.get("results", ())),
+        }
         for gid, g in saved.items():
-            await self.dispatch(gid, g["task"], self.cfg.group_size, {"step": g["step"], "run_id": self.cfg.run_id})
+            await self.dispatch(
+                gid, g["task"], self.cfg.group_size, {"step": g["step"], "run_id": self.cfg.run_id}
+            )
         cursor = min((g["cursor"] for g in saved.values()), key=_stream_id, default=None)
         return {gid: g["version"] for gid, g in saved.items() if gid not in taken}, cursor
 
@@ -465,8 +607,18 @@ class Run:
                 n += 1
                 self.state["dispatched"] = n
                 async with self.r.pipeline(transaction=True) as pipe:  # saved before it goes out
-                    pipe.hset(self.inflight_key, gid, json.dumps({"version": self.state["weight_version"],
-                                                                  "cursor": cursor, "task": task, "step": step}))
+                    pipe.hset(
+                        self.inflight_key,
+                        gid,
+                        json.dumps(
+                            {
+                                "version": self.state["weight_version"],
+                                "cursor": cursor,
+                                "task": task,
+                                "step": step,
+                            }
+                        ),
+                    )
                     pipe.hset(self.keys.run, "dispatched", json.dumps(n))
                     await pipe.execute()
                 await self.dispatch(gid, task, self.cfg.group_size, {"step": step, "run_id": self.cfg.run_id})
@@ -498,10 +650,17 @@ class Run:
             results = [g for g in window if g["outcome"] != "trained" or g["group_id"] in trained_ids]
             window = [g for g in window if g["outcome"] == "trained" and g in ready]
             self.state["stale_dropped"] = dropped_total
-            await self.train_step(step, [g["group_id"] for g in take], dropped, results, version, t0,
-                                  time.perf_counter() - t0, colocated,
-                                  {"stale_groups_dropped": float(dropped_total),
-                                   "groups_in_flight": float(len(outstanding))})
+            await self.train_step(
+                step,
+                [g["group_id"] for g in take],
+                dropped,
+                results,
+                version,
+                t0,
+                time.perf_counter() - t0,
+                colocated,
+                {"stale_groups_dropped": float(dropped_total), "groups_in_flight": float(len(outstanding))},
+            )
             dropped = []
             step += 1
             t0 = time.perf_counter()
@@ -522,9 +681,12 @@ class Run:
                 await self.dispatch(gid, task, 1, {"eval": True, "run_id": self.cfg.run_id})
         results = await self.wait_groups(group_ids, cursor)
         rewards = [r for g in results for r in g["rewards"]]
-        record = {"eval_reward": sum(rewards) / len(rewards) if rewards else float("nan"),
-                  "eval_rollouts": len(rewards), "weight_version": self.state["weight_version"],
-                  "time": time.time()}
+        record = {
+            "eval_reward": sum(rewards) / len(rewards) if rewards else float("nan"),
+            "eval_rollouts": len(rewards),
+            "weight_version": self.state["weight_version"],
+            "time": time.time(),
+        }
         await self.save_state(eval_record=record)
         self.write_metrics(record)
         return record
@@ -546,15 +708,23 @@ class Run:
             t0 = time.perf_counter()
             summary = step_summary(ready)
             metrics, push_s, update_s = await self.push(step, trained)
-            record = {"step": step, "weight_version": self.state["weight_version"], **summary,
-                      "logprob_abs_diff": metrics.get("logprob_abs_diff", float("nan")),
-                      "constrained_tokens_masked": metrics.get("constrained_tokens_masked", 0.0),
-                      "push_seconds": push_s, "paused_seconds": update_s,
-                      "step_seconds": time.perf_counter() - t0, "time": time.time()}
+            record = {
+                "step": step,
+                "weight_version": self.state["weight_version"],
+                **summary,
+                "logprob_abs_diff": metrics.get("logprob_abs_diff", float("nan")),
+                "constrained_tokens_masked": metrics.get("constrained_tokens_masked", 0.0),
+                "push_seconds": push_s,
+                "paused_seconds": update_s,
+                "step_seconds": time.perf_counter() - t0,
+                "time": time.time(),
+            }
             self.write_metrics(record)
             await broker.publish(self.r, self.keys.metrics, record)
             step += 1
-            await self.save_state(status="serving", next_step=step, step=step, reward_mean=summary["reward_mean"])
+            await self.save_state(
+                status="serving", next_step=step, step=step, reward_mean=summary["reward_mean"]
+            )
             ready = []
 
     async def run(self) -> None:

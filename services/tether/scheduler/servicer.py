@@ -16,10 +16,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         s = self.run.state
         reward = s.get("reward_mean", 0.0)
         return scheduler_pb2.RunState(
-            status=s.get("status", ""), step=int(s.get("step", 0)), total_steps=self.run.cfg.steps,
+            status=s.get("status", ""),
+            step=int(s.get("step", 0)),
+            total_steps=self.run.cfg.steps,
             weight_version=int(s.get("weight_version", 0)),
             reward_mean=reward if isinstance(reward, float) and math.isfinite(reward) else 0.0,
-            run_dir=str(self.run.cfg.run_dir))
+            run_dir=str(self.run.cfg.run_dir),
+        )
 
     async def GetRun(self, request, context):
         return self._state()

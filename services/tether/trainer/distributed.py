@@ -63,12 +63,19 @@ def init(device_setting: str = "auto", fsdp: bool = False, timeout_s: float = 18
         torch.cuda.set_device(device)
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
-                                device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend, timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None
+        )
     elif fsdp and not dist.is_initialized() and "RANK" not in os.environ:
         # FSDP2 needs a process group even on one rank; started without torchrun, make a private one.
-        dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=device,
-                                timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "nccl",
+            store=dist.HashStore(),
+            rank=0,
+            world_size=1,
+            device_id=device,
+            timeout=timedelta(seconds=timeout_s),
+        )
     return Dist(rank=rank, world=world, local_rank=local_rank, device=device, fsdp=fsdp)
 
 
@@ -84,7 +91,11 @@ def wrap(model: torch.nn.Module, d: Dist, bf16: bool = False) -> torch.nn.Module
     if d.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        kw = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if bf16 else {}
+        kw = (
+            {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+            if bf16
+            else {}
+        )
         # Shard every transformer block (HF names them in _no_split_modules), then the root.
         block_names = set(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():
@@ -123,7 +134,11 @@ def grad_sync(engine: torch.nn.Module, enabled: bool) -> Iterator[None]:
 
 
 def _device_for_collectives() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
+        else torch.device("cpu")
+    )
 
 
 def all_reduce(values: list[float], op: str = "sum") -> list[float]:
@@ -171,8 +186,11 @@ def save_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fol
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     with _single_process_is_meant():
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(folder),
-                 no_dist=not dist.is_initialized())
+        dcp.save(
+            {"optimizer": get_optimizer_state_dict(model, optimizer)},
+            checkpoint_id=str(folder),
+            no_dist=not dist.is_initialized(),
+        )
 
 
 def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> None:
@@ -186,7 +204,9 @@ def load_optimizer(model: torch.nn.Module, optimizer: torch.optim.Optimizer, fol
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
 
 
-def load_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, d: Dist) -> None:
+def load_optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict, d: Dist
+) -> None:
     """Load a whole, name-keyed optimizer state (format-1 checkpoints; every rank passes the same)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 

@@ -110,11 +110,23 @@ class TrainerSettings(CommonSettings):
 
 
 def step_config(s: TrainerSettings, pad_token_id: int) -> StepConfig:
-    return StepConfig(loss_mode=s.loss_mode, clip_low=s.clip_low, clip_high=s.clip_high,
-                      dual_clip_c=s.dual_clip_c or None, max_grad_norm=s.max_grad_norm,
-                      micro_batch_tokens=s.micro_batch_tokens, pad_token_id=pad_token_id,
-                      off_policy=s.off_policy, tis_cap=s.tis_cap, mask_low=s.mask_low, mask_high=s.mask_high,
-                      pack=s.pack_samples, bf16=s.bf16, kl_coef=s.kl_coef, kl_estimator=s.kl_estimator)
+    return StepConfig(
+        loss_mode=s.loss_mode,
+        clip_low=s.clip_low,
+        clip_high=s.clip_high,
+        dual_clip_c=s.dual_clip_c or None,
+        max_grad_norm=s.max_grad_norm,
+        micro_batch_tokens=s.micro_batch_tokens,
+        pad_token_id=pad_token_id,
+        off_policy=s.off_policy,
+        tis_cap=s.tis_cap,
+        mask_low=s.mask_low,
+        mask_high=s.mask_high,
+        pack=s.pack_samples,
+        bf16=s.bf16,
+        kl_coef=s.kl_coef,
+        kl_estimator=s.kl_estimator,
+    )
 
 
 def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resume | None]:
@@ -128,8 +140,10 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
     if resume is not None:
         trained_lora = int(resume.state.get("settings", {}).get("lora_rank", 0))
         if trained_lora != s.lora_rank:
-            raise SystemExit(f"{resume.path} was trained with lora_rank={trained_lora}, settings say "
-                             f"{s.lora_rank}; use a fresh TETHER_CHECKPOINT_DIR or TETHER_RESUME=false")
+            raise SystemExit(
+                f"{resume.path} was trained with lora_rank={trained_lora}, settings say "
+                f"{s.lora_rank}; use a fresh TETHER_CHECKPOINT_DIR or TETHER_RESUME=false"
+            )
     elif s.resume and weights.list_checkpoints(root):
         log.warning("%s holds checkpoints but none to resume from; starting from %s", root, s.model_dir)
     # With LoRA the checkpoints hold merged weights: start from the base model and load the adapter.
@@ -144,14 +158,20 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
     model.to(d.device)
     pack = s.pack_samples
     if pack and not packing_keeps_samples_apart(model, int(model.config.vocab_size)):
-        log.warning("%s does not keep packed samples apart; training on padded micro-batches instead",
-                    type(model).__name__)
+        log.warning(
+            "%s does not keep packed samples apart; training on padded micro-batches instead",
+            type(model).__name__,
+        )
         pack = False
     if s.gradient_checkpointing:
         enable_activation_checkpointing(model)
     engine = distributed.wrap(model, d, bf16=s.bf16)
-    optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=s.lr,
-                                 betas=(0.9, s.adam_beta2), weight_decay=s.weight_decay)
+    optimizer = torch.optim.Adam(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=s.lr,
+        betas=(0.9, s.adam_beta2),
+        weight_decay=s.weight_decay,
+    )
     if resume is not None:
         if resume.state.get("optimizer_dir"):
             distributed.load_optimizer(model, optimizer, resume.path / resume.state["optimizer_dir"])
@@ -160,8 +180,12 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
         for group in optimizer.param_groups:  # the moments resume; the hyper-parameters are today's settings
             group.update(lr=s.lr, betas=(0.9, s.adam_beta2), weight_decay=s.weight_decay)
         torch.set_rng_state(resume.state["rng"])
-        log.info("resumed from %s (version %d, %d steps done)", resume.path, resume.version,
-                 resume.state["steps_done"])
+        log.info(
+            "resumed from %s (version %d, %d steps done)",
+            resume.path,
+            resume.version,
+            resume.state["steps_done"],
+        )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     cfg = dataclasses.replace(step_config(s, int(pad)), pack=pack)
     ref_model = None
@@ -178,19 +202,34 @@ def weight_pusher(s: TrainerSettings, d: Dist):
     from tether.trainer.weight_transfer import WeightTransferClient
 
     client = WeightTransferClient(s.vllm_url, timeout_s=s.weight_push_timeout_s)
-    return WeightPusher(client, master_address=s.weight_push_master_address,
-                        bucket_bytes=int(s.weight_push_bucket_mb * 2**20), backend=s.weight_push_backend,
-                        device=d.device if d.device.type == "cuda" else None, timeout_s=s.weight_push_timeout_s,
-                        attempts=s.weight_push_attempts,
-                        cast_floats_to=getattr(torch, s.weight_push_dtype) if s.weight_push_dtype else None)
+    return WeightPusher(
+        client,
+        master_address=s.weight_push_master_address,
+        bucket_bytes=int(s.weight_push_bucket_mb * 2**20),
+        backend=s.weight_push_backend,
+        device=d.device if d.device.type == "cuda" else None,
+        timeout_s=s.weight_push_timeout_s,
+        attempts=s.weight_push_attempts,
+        cast_floats_to=getattr(torch, s.weight_push_dtype) if s.weight_push_dtype else None,
+    )
 
 
 async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resume) -> None:
     push = s.weight_push == "nccl"
-    core = TrainerCore(runner, tokenizer, Path(s.checkpoint_dir), keep=s.checkpoint_keep,
-                       resumed=resume.state if resume else None,
-                       settings={"lora_rank": s.lora_rank, "loss_mode": s.loss_mode, "off_policy": s.off_policy,
-                                 "world_size": d.world}, keep_push_state=push)
+    core = TrainerCore(
+        runner,
+        tokenizer,
+        Path(s.checkpoint_dir),
+        keep=s.checkpoint_keep,
+        resumed=resume.state if resume else None,
+        settings={
+            "lora_rank": s.lora_rank,
+            "loss_mode": s.loss_mode,
+            "off_policy": s.off_policy,
+            "world_size": d.world,
+        },
+        keep_push_state=push,
+    )
     health_box: list = []
 
     async def not_serving() -> None:
@@ -203,13 +242,25 @@ async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resu
         trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
         return [trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name]
 
-    server, health, port = await start_server(s.trainer_grpc_port, register, s.trainer_grpc_host,
-                                              s.metrics_port)
+    server, health, port = await start_server(
+        s.trainer_grpc_port, register, s.trainer_grpc_host, s.metrics_port
+    )
     health_box.append(health)
     await health.set(True)
-    log.info("trainer on %s:%d (model %s, version %d, %d buffered groups, %d rank(s), lr %g, %s, %s, "
-             "weight push %s)", s.trainer_grpc_host, port, s.model_dir, core.version, len(core.groups), d.world,
-             s.lr, s.loss_mode, s.off_policy, s.weight_push)
+    log.info(
+        "trainer on %s:%d (model %s, version %d, %d buffered groups, %d rank(s), lr %g, %s, %s, "
+        "weight push %s)",
+        s.trainer_grpc_host,
+        port,
+        s.model_dir,
+        core.version,
+        len(core.groups),
+        d.world,
+        s.lr,
+        s.loss_mode,
+        s.off_policy,
+        s.weight_push,
+    )
     background = [servicer.keep_ranks_alive(s.dist_heartbeat_s)] if d.active else []
 
     async def on_stop() -> None:

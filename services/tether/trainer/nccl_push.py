@@ -89,12 +89,19 @@ class Bucket:
 
     def update_info(self) -> dict[str, Any]:
         """vLLM's NCCLWeightTransferUpdateInfo for this bucket, JSON-ready."""
-        return {"names": self.names, "dtype_names": [dtype_name(s.dtype) for s in self.specs],
-                "shapes": [list(s.shape) for s in self.specs]}
+        return {
+            "names": self.names,
+            "dtype_names": [dtype_name(s.dtype) for s in self.specs],
+            "shapes": [list(s.shape) for s in self.specs],
+        }
 
 
-def plan_buckets(state: Mapping[str, torch.Tensor] | Iterable[TensorSpec], bucket_bytes: int, *,
-                 cast_floats_to: torch.dtype | None = None) -> list[Bucket]:
+def plan_buckets(
+    state: Mapping[str, torch.Tensor] | Iterable[TensorSpec],
+    bucket_bytes: int,
+    *,
+    cast_floats_to: torch.dtype | None = None,
+) -> list[Bucket]:
     """Split a state dict into buckets, in its own order, each tensor in exactly one bucket.
 
     A bucket holds at most `bucket_bytes`, except that a tensor larger than that travels alone. A new
@@ -104,8 +111,11 @@ def plan_buckets(state: Mapping[str, torch.Tensor] | Iterable[TensorSpec], bucke
     bucket when packed."""
     if bucket_bytes <= 0:
         raise ValueError("bucket_bytes must be positive")
-    specs = ([TensorSpec.of(k, v, cast_floats_to) for k, v in state.items()] if isinstance(state, Mapping)
-             else list(state))
+    specs = (
+        [TensorSpec.of(k, v, cast_floats_to) for k, v in state.items()]
+        if isinstance(state, Mapping)
+        else list(state)
+    )
     seen: set[str] = set()
     buckets: list[Bucket] = []
     current: list[TensorSpec] = []
@@ -132,8 +142,9 @@ def _local_tensor(name: str, tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach()
 
 
-def pack_bucket(bucket: Bucket, state: Mapping[str, torch.Tensor],
-                device: torch.device | str | None = None) -> torch.Tensor:
+def pack_bucket(
+    bucket: Bucket, state: Mapping[str, torch.Tensor], device: torch.device | str | None = None
+) -> torch.Tensor:
     """The bucket's tensors as one flat uint8 buffer (on `device`, default where the tensors are), each
     floating-point tensor cast to its planned dtype. A one-tensor bucket may share the tensor's storage."""
     parts = []
@@ -144,8 +155,10 @@ def pack_bucket(bucket: Bucket, state: Mapping[str, torch.Tensor],
         if tensor.dtype != spec.dtype and tensor.is_floating_point() and spec.dtype.is_floating_point:
             tensor = tensor.to(spec.dtype)
         if tensor.dtype != spec.dtype or tuple(tensor.shape) != spec.shape:
-            raise ValueError(f"{spec.name}: planned {spec.dtype} {spec.shape}, the state now holds "
-                             f"{tensor.dtype} {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{spec.name}: planned {spec.dtype} {spec.shape}, the state now holds "
+                f"{tensor.dtype} {tuple(tensor.shape)}"
+            )
         parts.append(tensor.contiguous().reshape(-1).view(torch.uint8))
     if not parts:
         return torch.empty(0, dtype=torch.uint8, device=device)
@@ -159,11 +172,12 @@ def unpack_bucket(flat: torch.Tensor, update_info: Mapping[str, Any]) -> dict[st
     """Inverse of `pack_bucket`, from the metadata alone (what a worker knows). Returns copies."""
     out: dict[str, torch.Tensor] = {}
     offset = 0
-    for name, dname, shape in zip(update_info["names"], update_info["dtype_names"], update_info["shapes"],
-                                  strict=True):
+    for name, dname, shape in zip(
+        update_info["names"], update_info["dtype_names"], update_info["shapes"], strict=True
+    ):
         dtype = getattr(torch, dname)
         n = math.prod(shape) * dtype.itemsize
-        raw = flat[offset:offset + n].clone()  # a fresh, aligned storage for the dtype view
+        raw = flat[offset : offset + n].clone()  # a fresh, aligned storage for the dtype view
         out[name] = raw.view(dtype).reshape(shape)
         offset += n
     if offset != flat.numel():
@@ -241,8 +255,9 @@ def _cuda_device(device: torch.device | str | int | None) -> torch.device:
     return dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
-def _vllm_nccl_communicator(master_address: str, master_port: int, rank: int, world_size: int,
-                            device: torch.device, timeout_s: float) -> Any:
+def _vllm_nccl_communicator(
+    master_address: str, master_port: int, rank: int, world_size: int, device: torch.device, timeout_s: float
+) -> Any:
     """vLLM's own rendezvous: StatelessProcessGroup (rank 0 hosts the TCPStore) + PyNcclCommunicator,
     through vLLM's helper where it has one (it also unpins vLLM's NCCL environment settings)."""
     try:
@@ -255,16 +270,26 @@ def _vllm_nccl_communicator(master_address: str, master_port: int, rank: int, wo
         from vllm.distributed.device_communicators.pynccl import PyNcclCommunicator
         from vllm.distributed.utils import StatelessProcessGroup
     except ImportError as exc:
-        raise RuntimeError("the NCCL weight push joins vLLM's own rendezvous: install the vLLM version "
-                           "the inference server runs in the trainer's environment") from exc
-    pg = StatelessProcessGroup.create(host=master_address, port=master_port, rank=rank, world_size=world_size,
-                                      store_timeout=int(timeout_s))
+        raise RuntimeError(
+            "the NCCL weight push joins vLLM's own rendezvous: install the vLLM version "
+            "the inference server runs in the trainer's environment"
+        ) from exc
+    pg = StatelessProcessGroup.create(
+        host=master_address, port=master_port, rank=rank, world_size=world_size, store_timeout=int(timeout_s)
+    )
     return PyNcclCommunicator(pg, device=device)
 
 
-def create_transfer_group(master_address: str, master_port: int, world_size: int, *, rank: int = 0,
-                          backend: str = "nccl", device: torch.device | str | int | None = None,
-                          timeout_s: float = 600.0) -> TransferGroup:
+def create_transfer_group(
+    master_address: str,
+    master_port: int,
+    world_size: int,
+    *,
+    rank: int = 0,
+    backend: str = "nccl",
+    device: torch.device | str | int | None = None,
+    timeout_s: float = 600.0,
+) -> TransferGroup:
     """Join (rank 0: host) the transfer group. Blocks until every rank has joined, so the trainer runs
     it while vLLM answers /init_weight_transfer_engine.
 
@@ -371,8 +396,11 @@ def _wait_for_collectives_at_exit() -> None:
     if not waits:
         return
     until = min(max(waits.values()) + 1.0, time.monotonic() + EXIT_WAIT_CAP_S)
-    log.info("waiting up to %.0fs for %d abandoned weight-transfer call(s) to time out", until - time.monotonic(),
-             len(waits))
+    log.info(
+        "waiting up to %.0fs for %d abandoned weight-transfer call(s) to time out",
+        until - time.monotonic(),
+        len(waits),
+    )
     for thread in waits:
         thread.join(max(0.0, until - time.monotonic()))
 
@@ -391,10 +419,16 @@ async def _together(http: asyncio.Future, collective: asyncio.Future) -> None:
             http.cancel()
 
 
-async def push_weights(model_state: Mapping[str, torch.Tensor], client: WeightSyncClient, group: TransferGroup,
-                       bucket_bytes: int = DEFAULT_BUCKET_BYTES, version: str | int | None = None, *,
-                       cast_floats_to: torch.dtype | None = None, buckets: list[Bucket] | None = None
-                       ) -> PushReport:
+async def push_weights(
+    model_state: Mapping[str, torch.Tensor],
+    client: WeightSyncClient,
+    group: TransferGroup,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    version: str | int | None = None,
+    *,
+    cast_floats_to: torch.dtype | None = None,
+    buckets: list[Bucket] | None = None,
+) -> PushReport:
     """One push: start_weight_update, then per bucket /update_weights (metadata) concurrently with one
     broadcast of the packed bucket, then finish_weight_update(version). Rank 0 only; `bucket_bytes` must
     not exceed the `packed_buffer_size_bytes` the workers were initialised with. `model_state` must be
@@ -404,8 +438,11 @@ async def push_weights(model_state: Mapping[str, torch.Tensor], client: WeightSy
     if group.rank != 0:
         raise ValueError("only the transfer group's rank 0 (the trainer) pushes")
     t0 = time.perf_counter()
-    plan = buckets if buckets is not None else plan_buckets(model_state, bucket_bytes,
-                                                            cast_floats_to=cast_floats_to)
+    plan = (
+        buckets
+        if buckets is not None
+        else plan_buckets(model_state, bucket_bytes, cast_floats_to=cast_floats_to)
+    )
     try:
         await client.start_weight_update()
     except Exception as exc:
@@ -421,7 +458,9 @@ async def push_weights(model_state: Mapping[str, torch.Tensor], client: WeightSy
                 await client.finish_weight_update(None)
             except Exception:  # noqa: BLE001
                 log.warning("closing the weight-update session after a packing failure failed", exc_info=True)
-            raise PushError("update", f"cannot pack: {exc!r}", retry_from="start", bucket=bucket.index) from exc
+            raise PushError(
+                "update", f"cannot pack: {exc!r}", retry_from="start", bucket=bucket.index
+            ) from exc
         if flat.is_cuda:
             # Packed on this thread's stream; the broadcast thread uses the device's default stream.
             torch.cuda.current_stream(flat.device).synchronize()
@@ -438,10 +477,21 @@ async def push_weights(model_state: Mapping[str, torch.Tensor], client: WeightSy
         await client.finish_weight_update(label)
     except Exception as exc:
         raise PushError("finish", str(exc), retry_from="start") from exc
-    report = PushReport(version=label or "", buckets=len(plan), tensors=sum(len(b.specs) for b in plan),
-                        bytes=total, seconds=time.perf_counter() - t0)
-    log.info("pushed weight version %s: %d tensors, %.1f MiB in %d buckets, %.2fs", report.version,
-             report.tensors, report.bytes / 2**20, report.buckets, report.seconds)
+    report = PushReport(
+        version=label or "",
+        buckets=len(plan),
+        tensors=sum(len(b.specs) for b in plan),
+        bytes=total,
+        seconds=time.perf_counter() - t0,
+    )
+    log.info(
+        "pushed weight version %s: %d tensors, %.1f MiB in %d buckets, %.2fs",
+        report.version,
+        report.tensors,
+        report.bytes / 2**20,
+        report.buckets,
+        report.seconds,
+    )
     return report
 
 
@@ -453,10 +503,20 @@ class WeightPusher:
     `master_address` must be reachable from the vLLM workers; `master_port` 0 picks a free port each
     time the group is (re)created. `world_size` None asks vLLM (`1 + inference_world_size()`)."""
 
-    def __init__(self, client: Any, *, master_address: str, master_port: int = 0, world_size: int | None = None,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, backend: str = "nccl",
-                 device: torch.device | str | int | None = None, timeout_s: float = 600.0,
-                 attempts: int = 3, cast_floats_to: torch.dtype | None = None) -> None:
+    def __init__(
+        self,
+        client: Any,
+        *,
+        master_address: str,
+        master_port: int = 0,
+        world_size: int | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        backend: str = "nccl",
+        device: torch.device | str | int | None = None,
+        timeout_s: float = 600.0,
+        attempts: int = 3,
+        cast_floats_to: torch.dtype | None = None,
+    ) -> None:
         self.client, self.master_address, self.master_port = client, master_address, master_port
         self.world_size, self.bucket_bytes, self.backend = world_size, bucket_bytes, backend
         self.device, self.timeout_s, self.attempts = device, timeout_s, max(1, attempts)
@@ -476,12 +536,30 @@ class WeightPusher:
             except Exception as exc:
                 raise PushError("init", f"cannot read vLLM's world size: {exc}", retry_from="init") from exc
         port = self.master_port or free_port()
-        init = asyncio.ensure_future(self.client.init_engine(
-            master_address=self.master_address, master_port=port, world_size=self.world_size, rank_offset=1,
-            backend="nccl", packed=True, packed_buffer_size_bytes=self.bucket_bytes))
-        joined = _in_daemon_thread(functools.partial(
-            create_transfer_group, self.master_address, port, self.world_size, rank=0, backend=self.backend,
-            device=self.device, timeout_s=self.timeout_s), gives_up_after_s=self.timeout_s)
+        init = asyncio.ensure_future(
+            self.client.init_engine(
+                master_address=self.master_address,
+                master_port=port,
+                world_size=self.world_size,
+                rank_offset=1,
+                backend="nccl",
+                packed=True,
+                packed_buffer_size_bytes=self.bucket_bytes,
+            )
+        )
+        joined = _in_daemon_thread(
+            functools.partial(
+                create_transfer_group,
+                self.master_address,
+                port,
+                self.world_size,
+                rank=0,
+                backend=self.backend,
+                device=self.device,
+                timeout_s=self.timeout_s,
+            ),
+            gives_up_after_s=self.timeout_s,
+        )
         try:
             await _together(init, joined)
         except Exception as exc:
@@ -507,8 +585,14 @@ class WeightPusher:
                 if self.group is None:
                     await self.connect()
                 assert self.group is not None
-                return await push_weights(model_state, self.client, self.group, self.bucket_bytes, version,
-                                          cast_floats_to=self.cast_floats_to)
+                return await push_weights(
+                    model_state,
+                    self.client,
+                    self.group,
+                    self.bucket_bytes,
+                    version,
+                    cast_floats_to=self.cast_floats_to,
+                )
             except PushError as exc:
                 last = exc
                 log.warning("weight push attempt %d/%d failed: %s", attempt, self.attempts, exc)

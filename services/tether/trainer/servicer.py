@@ -51,21 +51,34 @@ log = logging.getLogger(__name__)
 
 STEPS = Counter("tether_trainer_steps_total", "Training steps done")
 BUFFERED = Gauge("tether_trainer_buffered_groups", "Complete groups waiting to be trained on")
-STEP_SECONDS = Histogram("tether_trainer_step_seconds", "Wall time of one training step",
-                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+STEP_SECONDS = Histogram(
+    "tether_trainer_step_seconds",
+    "Wall time of one training step",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
+)
 TOKENS = Counter("tether_trainer_tokens_total", "Tokens trained on")
 VERSION = Gauge("tether_trainer_weight_version", "Version of the newest checkpoint")
 STALENESS = Gauge("tether_trainer_staleness_max", "Max weight-version lag of the last step's samples")
 PUSHES = Counter("tether_trainer_weight_pushes_total", "Path-2 weight pushes into vLLM", ["outcome"])
-PUSH_SECONDS = Histogram("tether_trainer_weight_push_seconds", "Wall time of a successful path-2 weight push",
-                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300))
+PUSH_SECONDS = Histogram(
+    "tether_trainer_weight_push_seconds",
+    "Wall time of a successful path-2 weight push",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
+)
 
 
 def sample_from_proto(p) -> SampleRecord:
     return SampleRecord(
-        rollout_id=p.rollout_id, group_id=p.group_id, task_id=p.task_id, sequence_index=p.sequence_index,
-        token_ids=list(p.token_ids), loss_mask=list(p.loss_mask), rollout_logprobs=list(p.rollout_logprobs),
-        advantages=list(p.advantages), reward=p.reward, weight_version=p.weight_version,
+        rollout_id=p.rollout_id,
+        group_id=p.group_id,
+        task_id=p.task_id,
+        sequence_index=p.sequence_index,
+        token_ids=list(p.token_ids),
+        loss_mask=list(p.loss_mask),
+        rollout_logprobs=list(p.rollout_logprobs),
+        advantages=list(p.advantages),
+        reward=p.reward,
+        weight_version=p.weight_version,
         rollout_sequences=p.rollout_sequences,
         weight_spans=[[w.version, w.start, w.end] for w in p.weight_spans],
         constrained_tokens=p.constrained_tokens,
@@ -84,7 +97,8 @@ def validate(sample: SampleRecord, vocab_size: int) -> str | None:
     if any(m not in (0, 1) for m in sample.loss_mask):
         return "loss_mask values must be 0 or 1"
     if not all(math.isfinite(x) for x in sample.rollout_logprobs) or not all(
-            math.isfinite(x) for x in sample.advantages):
+        math.isfinite(x) for x in sample.advantages
+    ):
         return "rollout_logprobs and advantages must be finite"
     return None
 
@@ -132,9 +146,16 @@ class StepRunner:
     or FSDP2), `hf_model` the plain HF model whose `save_pretrained` writes checkpoints.
     """
 
-    def __init__(self, model: torch.nn.Module, engine: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 cfg: StepConfig, d: Dist, checkpoint_root: Path,
-                 ref_model: torch.nn.Module | None = None) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        engine: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: StepConfig,
+        d: Dist,
+        checkpoint_root: Path,
+        ref_model: torch.nn.Module | None = None,
+    ) -> None:
         self.model = model
         self.checkpoint_root = checkpoint_root  # every rank writes its optimizer shards under it
         self.ref_model = ref_model
@@ -147,15 +168,26 @@ class StepRunner:
         self.vocab_size = int(self.hf_model.config.vocab_size)
 
     def run(self, samples: list[SampleRecord], version: int) -> StepOutput:
-        metrics = train_step(self.engine, self.optimizer, samples, self.cfg, version=version,
-                             rank=self.d.rank, world=self.d.world, ref_model=self.ref_model)
+        metrics = train_step(
+            self.engine,
+            self.optimizer,
+            samples,
+            self.cfg,
+            version=version,
+            rank=self.d.rank,
+            world=self.d.world,
+            ref_model=self.ref_model,
+        )
         if self.lora:
             from peft import get_peft_model_state_dict
 
             first = self.d.rank == 0
             model_state = merged_lora_state_dict(self.model) if first else None
-            adapter = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()} \
-                if first else None
+            adapter = (
+                {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+                if first
+                else None
+            )
         else:
             model_state, adapter = distributed.model_state(self.model, self.d), None
         optim = optimizer_staging(self.checkpoint_root, version + 1)
@@ -213,8 +245,13 @@ class GroupSpool:
                 continue
             self.files[data["group_id"]] = path
             self.next_seq = max(self.next_seq, int(path.name.split("-", 1)[0]) + 1)
-            out.append((data["group_id"], [SampleRecord.from_dict(s) for s in data["samples"]],
-                        int(data["rollouts"])))
+            out.append(
+                (
+                    data["group_id"],
+                    [SampleRecord.from_dict(s) for s in data["samples"]],
+                    int(data["rollouts"]),
+                )
+            )
         return out
 
     def add(self, group_id: str, samples: list[SampleRecord], rollouts: int) -> None:
@@ -222,8 +259,9 @@ class GroupSpool:
         path = self.folder / f"{self.next_seq:012d}-{digest}.group"
         self.next_seq += 1
         tmp = self.folder / f".tmp-{path.name}"
-        payload = orjson.dumps({"group_id": group_id, "rollouts": rollouts,
-                                "samples": [s.to_dict() for s in samples]})
+        payload = orjson.dumps(
+            {"group_id": group_id, "rollouts": rollouts, "samples": [s.to_dict() for s in samples]}
+        )
         with open(tmp, "wb") as f:
             f.write(payload)
             f.flush()
@@ -247,8 +285,13 @@ class StepRecord:
     replayed: bool = False
 
     def to_state(self) -> dict[str, Any]:
-        return {"step": self.step, "weight_version": self.weight_version, "checkpoint_dir": self.checkpoint_dir,
-                "metrics": dict(self.metrics), "groups": list(self.groups)}
+        return {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "checkpoint_dir": self.checkpoint_dir,
+            "metrics": dict(self.metrics),
+            "groups": list(self.groups),
+        }
 
 
 @dataclass
@@ -264,9 +307,18 @@ class StepPlan:
 class TrainerCore:
     """Rank 0's view of the run: what is buffered, what was trained, which version is current."""
 
-    def __init__(self, runner: StepRunner, tokenizer, checkpoint_root: Path, *, keep: int = 3,
-                 resumed: dict[str, Any] | None = None, records_kept: int = 256,
-                 settings: dict[str, Any] | None = None, keep_push_state: bool = False) -> None:
+    def __init__(
+        self,
+        runner: StepRunner,
+        tokenizer,
+        checkpoint_root: Path,
+        *,
+        keep: int = 3,
+        resumed: dict[str, Any] | None = None,
+        records_kept: int = 256,
+        settings: dict[str, Any] | None = None,
+        keep_push_state: bool = False,
+    ) -> None:
         self.runner = runner
         self.tokenizer = tokenizer
         self.root = checkpoint_root
@@ -316,8 +368,14 @@ class TrainerCore:
         return len(self.groups), False
 
     # TrainStep, in three parts: plan (event loop), execute (worker thread), finish (event loop).
-    def plan(self, step: int, min_groups: int, max_groups: int, group_ids: list[str] | None = None,
-             drop_ids: list[str] | None = None) -> StepPlan | StepRecord:
+    def plan(
+        self,
+        step: int,
+        min_groups: int,
+        max_groups: int,
+        group_ids: list[str] | None = None,
+        drop_ids: list[str] | None = None,
+    ) -> StepPlan | StepRecord:
         """What step `step` trains on: exactly `group_ids` (in that order) when given, else the oldest
         buffered groups (at least `min_groups`, at most `max_groups`, 0 = all). `drop_ids` are buffered
         groups to discard without training (stale ones); they go with this step's checkpoint."""
@@ -328,15 +386,20 @@ class TrainerCore:
             self._discard(drop)  # the step is done; its drops can still be honoured
             return StepRecord(**self.records[step], replayed=True)
         if step <= self.records_floor:
-            raise NotReady(f"step {step} is older than the step records kept (newest {self.records_floor} "
-                           "dropped); cannot tell whether it was trained")
+            raise NotReady(
+                f"step {step} is older than the step records kept (newest {self.records_floor} "
+                "dropped); cannot tell whether it was trained"
+            )
         if group_ids:
             ids = list(dict.fromkeys(group_ids))
             missing = [g for g in ids if g not in self.groups]
             if missing:
                 gone = [g for g in missing if g in self.consumed]
-                raise NotReady(f"{len(missing)} requested groups are not buffered (e.g. {missing[:3]}"
-                               + (f"; already trained or dropped: {gone[:3]}" if gone else "") + ")")
+                raise NotReady(
+                    f"{len(missing)} requested groups are not buffered (e.g. {missing[:3]}"
+                    + (f"; already trained or dropped: {gone[:3]}" if gone else "")
+                    + ")"
+                )
         else:
             candidates = [g for g in self.groups if g not in drop]
             need = max(1, min_groups)
@@ -362,10 +425,16 @@ class TrainerCore:
             if self.runner.d.active:  # the ranks may now disagree about where they are
                 self.broken = f"step {plan.step} failed on a multi-rank trainer: {exc!r}"
             oom = isinstance(exc, (torch.OutOfMemoryError, MemoryError))
-            raise StepFailed(f"step {plan.step} failed before the update: {exc!r}", out_of_memory=oom) from exc
+            raise StepFailed(
+                f"step {plan.step} failed before the update: {exc!r}", out_of_memory=oom
+            ) from exc
         version = self.version + 1
         path = self.root / checkpoint_name(version)
-        metrics = {**out.metrics, "groups": float(len(plan.group_ids)), "groups_dropped": float(len(plan.drop_ids))}
+        metrics = {
+            **out.metrics,
+            "groups": float(len(plan.group_ids)),
+            "groups_dropped": float(len(plan.drop_ids)),
+        }
         record = StepRecord(plan.step, version, str(path), metrics, plan.group_ids)
         records = dict(self.records)
         records[plan.step] = record.to_state()
@@ -374,16 +443,33 @@ class TrainerCore:
             oldest = min(records)
             floor = max(floor, oldest)
             del records[oldest]
-        plan.position = {"version": version, "steps_done": self.steps_done + 1,
-                         "trained_groups": self.trained + plan.group_ids,
-                         "dropped_groups": self.dropped + plan.drop_ids, "records": records,
-                         "records_floor": floor, "last_step": plan.step}
-        state = {**plan.position, "optimizer_dir": OPTIMIZER_DIR,
-                 "adapter": out.adapter_state,
-                 "rng": torch.get_rng_state(), "settings": self.settings}
+        plan.position = {
+            "version": version,
+            "steps_done": self.steps_done + 1,
+            "trained_groups": self.trained + plan.group_ids,
+            "dropped_groups": self.dropped + plan.drop_ids,
+            "records": records,
+            "records_floor": floor,
+            "last_step": plan.step,
+        }
+        state = {
+            **plan.position,
+            "optimizer_dir": OPTIMIZER_DIR,
+            "adapter": out.adapter_state,
+            "rng": torch.get_rng_state(),
+            "settings": self.settings,
+        }
         try:
-            save_checkpoint(self.runner.hf_model, self.tokenizer, self.root, version, keep=self.keep,
-                            state_dict=out.model_state, trainer_state=state, optimizer_dir=out.optimizer_dir)
+            save_checkpoint(
+                self.runner.hf_model,
+                self.tokenizer,
+                self.root,
+                version,
+                keep=self.keep,
+                state_dict=out.model_state,
+                trainer_state=state,
+                optimizer_dir=out.optimizer_dir,
+            )
         except Exception as exc:
             self.broken = f"checkpoint v{version} could not be written after the update: {exc!r}"
             raise TrainerBroken(self.broken) from exc
@@ -422,15 +508,21 @@ class TrainerCore:
         if self.runner.lora:
             return merged_lora_state_dict(self.runner.model)
         if self.runner.d.fsdp:
-            raise NotReady(f"the full weights of version {version} are not gathered (restarted FSDP trainer); "
-                           "load its checkpoint instead")
+            raise NotReady(
+                f"the full weights of version {version} are not gathered (restarted FSDP trainer); "
+                "load its checkpoint instead"
+            )
         return self.runner.hf_model.state_dict()
 
     def status(self) -> dict[str, Any]:
-        return {"buffered_groups": len(self.groups),
-                "buffered_samples": sum(len(g) for g, _ in self.groups.values()),
-                "weight_version": self.version, "steps_done": self.steps_done, "last_step": self.last_step,
-                "checkpoint_dir": self.checkpoint_dir()}
+        return {
+            "buffered_groups": len(self.groups),
+            "buffered_samples": sum(len(g) for g, _ in self.groups.values()),
+            "weight_version": self.version,
+            "steps_done": self.steps_done,
+            "last_step": self.last_step,
+            "checkpoint_dir": self.checkpoint_dir(),
+        }
 
 
 # --- gRPC edge ------------------------------------------------------------------------------------------
@@ -439,7 +531,9 @@ class TrainerCore:
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     """`pusher`: a tether.trainer.nccl_push.WeightPusher when path 2 is on (TETHER_WEIGHT_PUSH=nccl)."""
 
-    def __init__(self, core: TrainerCore, on_broken: Callable[[], Any] | None = None, pusher: Any = None) -> None:
+    def __init__(
+        self, core: TrainerCore, on_broken: Callable[[], Any] | None = None, pusher: Any = None
+    ) -> None:
         self.core = core
         self.on_broken = on_broken
         self.pusher = pusher
@@ -455,18 +549,35 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def _train(self, request) -> StepRecord:
         async with self.lock:
-            plan = self.core.plan(request.step, request.min_groups, request.max_groups, list(request.group_ids),
-                                  list(request.drop_group_ids))
+            plan = self.core.plan(
+                request.step,
+                request.min_groups,
+                request.max_groups,
+                list(request.group_ids),
+                list(request.drop_group_ids),
+            )
             if isinstance(plan, StepRecord):
-                log.info("step %d was already trained (version %d); returning its record", request.step,
-                         plan.weight_version)
+                log.info(
+                    "step %d was already trained (version %d); returning its record",
+                    request.step,
+                    plan.weight_version,
+                )
                 return plan
-            log.info("training step %d on %d groups (version %d)", plan.step, len(plan.group_ids), self.core.version)
+            log.info(
+                "training step %d on %d groups (version %d)",
+                plan.step,
+                len(plan.group_ids),
+                self.core.version,
+            )
             with STEP_SECONDS.time():
                 record = await asyncio.to_thread(self.core.execute, plan)
             self.core.finish(plan, record)
-            log.info("step %d -> version %d: %s", request.step, record.weight_version,
-                     {k: round(v, 4) for k, v in record.metrics.items()})
+            log.info(
+                "step %d -> version %d: %s",
+                request.step,
+                record.weight_version,
+                {k: round(v, 4) for k, v in record.metrics.items()},
+            )
             return record
 
     async def TrainStep(self, request, context):
@@ -481,8 +592,11 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             if self.core.broken and self.on_broken is not None:
                 await self.on_broken()
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.out_of_memory else grpc.StatusCode.INTERNAL
-            hint = " (lower TETHER_MICRO_BATCH_TOKENS or set TETHER_GRADIENT_CHECKPOINTING=true)" \
-                if exc.out_of_memory else ""
+            hint = (
+                " (lower TETHER_MICRO_BATCH_TOKENS or set TETHER_GRADIENT_CHECKPOINTING=true)"
+                if exc.out_of_memory
+                else ""
+            )
             await context.abort(code, str(exc) + hint)
         except TrainerBroken as exc:
             log.error("trainer unusable until restarted: %s", exc)
@@ -496,15 +610,24 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             state = self.core.push_state(version)
             report = await self.pusher.push(state, version)
             await self.pusher.client.reset_prefix_cache()
-            return trainer_pb2.PushWeightsResponse(version=version, buckets=report.buckets, tensors=report.tensors,
-                                                   bytes=report.bytes, seconds=report.seconds)
+            return trainer_pb2.PushWeightsResponse(
+                version=version,
+                buckets=report.buckets,
+                tensors=report.tensors,
+                bytes=report.bytes,
+                seconds=report.seconds,
+            )
 
     async def PushWeights(self, request, context):
         if self.pusher is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "path 2 is off (TETHER_WEIGHT_PUSH=checkpoint): load the checkpoint instead")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "path 2 is off (TETHER_WEIGHT_PUSH=checkpoint): load the checkpoint instead",
+            )
         try:
-            resp = await run_to_end(self._push(request.version))  # cut off half-way, vLLM's session stays open
+            resp = await run_to_end(
+                self._push(request.version)
+            )  # cut off half-way, vLLM's session stays open
         except (NotReady, TrainerBroken) as exc:
             PUSHES.labels("refused").inc()
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
@@ -518,9 +641,13 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     @staticmethod
     def _response(record: StepRecord) -> trainer_pb2.TrainStepResponse:
-        return trainer_pb2.TrainStepResponse(step=record.step, weight_version=record.weight_version,
-                                             checkpoint_dir=record.checkpoint_dir, metrics=record.metrics,
-                                             replayed=record.replayed)
+        return trainer_pb2.TrainStepResponse(
+            step=record.step,
+            weight_version=record.weight_version,
+            checkpoint_dir=record.checkpoint_dir,
+            metrics=record.metrics,
+            replayed=record.replayed,
+        )
 
     async def GetStatus(self, request, context):
         st = self.core.status()
@@ -546,4 +673,3 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 await asyncio.to_thread(self.core.runner.stop)
             except Exception as exc:  # a rank already gone: nothing left to stop
                 log.warning("could not tell the other ranks to stop: %r", exc)
-

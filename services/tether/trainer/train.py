@@ -72,8 +72,9 @@ class StepConfig:
         if self.loss_mode not in LOSS_MODES:
             raise ValueError(f"unknown loss mode {self.loss_mode!r}; choose one of {', '.join(LOSS_MODES)}")
         if self.off_policy not in OFF_POLICY_MODES:
-            raise ValueError(f"unknown off-policy mode {self.off_policy!r}; choose one of "
-                             f"{', '.join(OFF_POLICY_MODES)}")
+            raise ValueError(
+                f"unknown off-policy mode {self.off_policy!r}; choose one of {', '.join(OFF_POLICY_MODES)}"
+            )
         if self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be positive, got {self.tis_cap}")
         if not 0 < self.mask_low <= 1.0 <= self.mask_high:
@@ -117,11 +118,18 @@ def collate(samples: list[SampleRecord], pad_token_id: int) -> Batch:
     return Batch(ids, att, mask[:, 1:], lp[:, 1:], adv[:, 1:], rid)
 
 
-def token_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention: torch.Tensor | None = None,
-                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
     """(B, T) ids -> (B, T-1) log p(token_{t+1} | tokens <= t) in fp32 (all positions; for tests and probes)."""
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   use_cache=False).logits[:, :-1].float()
+    logits = (
+        model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids, use_cache=False)
+        .logits[:, :-1]
+        .float()
+    )
     return torch.log_softmax(logits, dim=-1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
 
 
@@ -136,7 +144,9 @@ def packing_keeps_samples_apart(model: torch.nn.Module, vocab_size: int) -> bool
     ids = torch.cat([a, b])[None].to(device)
     positions = torch.cat([torch.arange(5), torch.arange(7)])[None].to(device)
     with torch.no_grad():
-        alone = torch.cat([model(input_ids=x[None].to(device), use_cache=False).logits[0] for x in (a, b)]).float()
+        alone = torch.cat(
+            [model(input_ids=x[None].to(device), use_cache=False).logits[0] for x in (a, b)]
+        ).float()
         packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0].float()
         joined = model(input_ids=ids, use_cache=False).logits[0].float()
     return float((packed - alone).abs().max()) < 0.1 * float((joined - alone).abs().max())
@@ -237,8 +247,17 @@ def packed_micro_batch(batch: Batch, lengths: list[int], idx: list[int]) -> Micr
         cols.append(t)
         offset += n
     src = torch.cat(src_pos)
-    return MicroBatch(torch.cat(ids)[None], torch.cat(pos)[None], None, torch.zeros_like(src), src,
-                      torch.cat(rows), torch.cat(cols), cells=offset, tokens=offset)
+    return MicroBatch(
+        torch.cat(ids)[None],
+        torch.cat(pos)[None],
+        None,
+        torch.zeros_like(src),
+        src,
+        torch.cat(rows),
+        torch.cat(cols),
+        cells=offset,
+        tokens=offset,
+    )
 
 
 def padded_micro_batch(batch: Batch, lengths: list[int], idx: list[int]) -> MicroBatch:
@@ -252,20 +271,39 @@ def padded_micro_batch(batch: Batch, lengths: list[int], idx: list[int]) -> Micr
         rows.append(torch.full_like(t, i))
         cols.append(t)
     sel = torch.tensor(idx)
-    return MicroBatch(batch.input_ids[sel, :width], None, batch.attention[sel, :width], torch.cat(src_row),
-                      torch.cat(src_pos), torch.cat(rows), torch.cat(cols), cells=width * len(idx),
-                      tokens=sum(lengths[i] for i in idx))
+    return MicroBatch(
+        batch.input_ids[sel, :width],
+        None,
+        batch.attention[sel, :width],
+        torch.cat(src_row),
+        torch.cat(src_pos),
+        torch.cat(rows),
+        torch.cat(cols),
+        cells=width * len(idx),
+        tokens=sum(lengths[i] for i in idx),
+    )
 
 
 def empty_micro_batch(pad_token_id: int) -> MicroBatch:
     """A forward with no targets, for a rank that has fewer micro-batches than another: collectives
     (gradient reduction, FSDP all-gathers) need the same number of forwards/backwards on every rank."""
     none = torch.zeros(0, dtype=torch.long)
-    return MicroBatch(torch.full((1, 2), pad_token_id, dtype=torch.long), None, torch.ones(1, 2, dtype=torch.long),
-                      none, none, none, none, cells=0, tokens=0)
+    return MicroBatch(
+        torch.full((1, 2), pad_token_id, dtype=torch.long),
+        None,
+        torch.ones(1, 2, dtype=torch.long),
+        none,
+        none,
+        none,
+        none,
+        cells=0,
+        tokens=0,
+    )
 
 
-def plan_micro_batches(batch: Batch, lengths: list[int], rows: list[int], cfg: StepConfig) -> list[MicroBatch]:
+def plan_micro_batches(
+    batch: Batch, lengths: list[int], rows: list[int], cfg: StepConfig
+) -> list[MicroBatch]:
     local = [lengths[i] for i in rows]
     if cfg.pack:
         groups = pack(local, cfg.micro_batch_tokens)
@@ -292,7 +330,9 @@ def target_logprobs(model: torch.nn.Module, mb: MicroBatch, keep_logits: bool = 
     the (W, vocab) logits of a long packed row never materialise.
     """
     n = int(mb.src_pos.numel())
-    positions = torch.unique(mb.src_pos) if n else torch.zeros(1, dtype=torch.long, device=mb.input_ids.device)
+    positions = (
+        torch.unique(mb.src_pos) if n else torch.zeros(1, dtype=torch.long, device=mb.input_ids.device)
+    )
     kwargs: dict = {"input_ids": mb.input_ids, "use_cache": False}
     if mb.position_ids is not None:
         kwargs["position_ids"] = mb.position_ids  # and no attention mask: HF then keeps samples apart
@@ -311,9 +351,14 @@ def target_logprobs(model: torch.nn.Module, mb: MicroBatch, keep_logits: bool = 
     return torch.log_softmax(picked, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
-def off_policy_correction(train_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, mode: str,
-                          cap: float = 2.0, low: float = 0.5, high: float = 2.0,
-                          ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+def off_policy_correction(
+    train_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    mode: str,
+    cap: float = 2.0,
+    low: float = 0.5,
+    high: float = 2.0,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
     """Behaviour logprobs for the PPO ratio and per-token importance weights, for (N,) trainable tokens.
 
     Args:
@@ -343,12 +388,16 @@ def off_policy_correction(train_logprobs: torch.Tensor, rollout_logprobs: torch.
             old, w = train, truncated_is_weights(train, rollout, torch.ones_like(train), cap=cap)
         else:
             old, w = train, (~outside).float()
-        counts = {"truncated": float(truncated.sum()), "masked": float(outside.sum()),
-                  "is_weight_sum": float(w.sum())}
+        counts = {
+            "truncated": float(truncated.sum()),
+            "masked": float(outside.sum()),
+            "is_weight_sum": float(w.sum()),
+        }
     return old, w, counts
 
 
 # --- the step -------------------------------------------------------------------------------------------
+
 
 def token_staleness_stats(samples: list[SampleRecord], version: int) -> dict[str, float]:
     """Staleness per trainable token (`version` minus the version that sampled it, from the samples'
@@ -366,14 +415,30 @@ def token_staleness_stats(samples: list[SampleRecord], version: int) -> dict[str
                 total += n
                 weighted += n * (version - v)
                 worst = max(worst, version - v)
-    return {"token_staleness_mean": weighted / total if total else 0.0,
-            "token_staleness_max": float(worst),
-            "mixed_version_fraction": mixed / len(samples) if samples else 0.0}
+    return {
+        "token_staleness_mean": weighted / total if total else 0.0,
+        "token_staleness_max": float(worst),
+        "mixed_version_fraction": mixed / len(samples) if samples else 0.0,
+    }
 
 
 # Per-step sums reduced over ranks, in this order (the last one is reduced with max).
-_SUMS = ("loss", "tokens", "cells", "trainable", "clip", "dual_clip", "policy_kl", "abs_diff", "k3",
-         "truncated", "masked", "is_weight_sum", "micro_batches", "ref_kl")
+_SUMS = (
+    "loss",
+    "tokens",
+    "cells",
+    "trainable",
+    "clip",
+    "dual_clip",
+    "policy_kl",
+    "abs_diff",
+    "k3",
+    "truncated",
+    "masked",
+    "is_weight_sum",
+    "micro_batches",
+    "ref_kl",
+)
 
 
 def _autocast(device: torch.device, bf16: bool):
@@ -382,9 +447,17 @@ def _autocast(device: torch.device, bf16: bool):
     return contextlib.nullcontext()
 
 
-def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples: list[SampleRecord],
-               cfg: StepConfig, *, version: int = 0, rank: int = 0, world: int = 1,
-               ref_model: torch.nn.Module | None = None) -> dict[str, float]:
+def train_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    samples: list[SampleRecord],
+    cfg: StepConfig,
+    *,
+    version: int = 0,
+    rank: int = 0,
+    world: int = 1,
+    ref_model: torch.nn.Module | None = None,
+) -> dict[str, float]:
     """Update `model` in place on the GLOBAL batch `samples`; return the step's metrics (same on all ranks).
 
     `model` is the module to run (the HF model, or its DDP/FSDP2 form on `world` > 1 ranks, each of
@@ -394,8 +467,9 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
     start = time.perf_counter()
     device = next(model.parameters()).device
     batch = collate(samples, cfg.pad_token_id)
-    weights = token_weights(batch.mask, cfg.loss_mode, rollout_ids=batch.rollout_ids,
-                            norm_constant=float(batch.mask.shape[1]))
+    weights = token_weights(
+        batch.mask, cfg.loss_mode, rollout_ids=batch.rollout_ids, norm_constant=float(batch.mask.shape[1])
+    )
     lengths = [len(s.token_ids) for s in samples]
     plans = plan_micro_batches(batch, lengths, shard_rows(lengths, rank, world), cfg)
     n_micro = int(distributed.all_reduce([float(len(plans))], "max")[0]) if world > 1 else len(plans)
@@ -421,11 +495,19 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
             rollout_lp = batch.rollout_logprobs[mb.rows, mb.cols].to(device)
             adv = batch.advantages[mb.rows, mb.cols].to(device)
             w = weights[mb.rows, mb.cols].to(device)
-            old, is_w, counts = off_policy_correction(lp, rollout_lp, cfg.off_policy, cfg.tis_cap,
-                                                      cfg.mask_low, cfg.mask_high)
+            old, is_w, counts = off_policy_correction(
+                lp, rollout_lp, cfg.off_policy, cfg.tis_cap, cfg.mask_low, cfg.mask_high
+            )
             ones = torch.ones_like(w)
-            loss_tok, m = ppo_token_loss(lp[None], old[None], adv[None], ones[None], clip_low=cfg.clip_low,
-                                         clip_high=cfg.clip_high, dual_clip_c=cfg.dual_clip_c)
+            loss_tok, m = ppo_token_loss(
+                lp[None],
+                old[None],
+                adv[None],
+                ones[None],
+                clip_low=cfg.clip_low,
+                clip_high=cfg.clip_high,
+                dual_clip_c=cfg.dual_clip_c,
+            )
             loss = (w * is_w * loss_tok[0]).sum()
             if ref_model is not None and cfg.kl_coef > 0:
                 with torch.no_grad(), _autocast(device, cfg.bf16):
@@ -457,7 +539,8 @@ def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, samples
     grad_norm: torch.Tensor | float = 0.0
     if sums["trainable"] > 0:  # nothing to learn from: no step, so Adam's momentum does not move the weights
         grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm)
+            [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm
+        )
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
         optimizer.step()

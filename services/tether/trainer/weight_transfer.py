@@ -47,8 +47,8 @@ DEFAULT_PACKED_NUM_BUFFERS = 2
 
 
 class TransferState(enum.Enum):
-    IDLE = "idle"          # no transfer group (never initialised, shut down, or init failed)
-    READY = "ready"        # group up, no session open
+    IDLE = "idle"  # no transfer group (never initialised, shut down, or init failed)
+    READY = "ready"  # group up, no session open
     UPDATING = "updating"  # between start_weight_update and finish_weight_update
 
 
@@ -57,8 +57,9 @@ class WeightTransferError(RuntimeError):
     "shutdown"), `status` the HTTP status (None when no answer came back), `detail` vLLM's error
     message, `sent` False when the client refused the call before sending it (called out of order)."""
 
-    def __init__(self, step: str, message: str, *, status: int | None = None, detail: str = "",
-                 sent: bool = True) -> None:
+    def __init__(
+        self, step: str, message: str, *, status: int | None = None, detail: str = "", sent: bool = True
+    ) -> None:
         super().__init__(f"weight transfer {step}: {message}")
         self.step = step
         self.status = status
@@ -88,7 +89,9 @@ class WeightTransferClient:
     """One inference server's weight-transfer control plane. Not safe for concurrent pushes: one
     session at a time, driven by one trainer (rank 0 of the transfer group)."""
 
-    def __init__(self, base_url: str, *, timeout_s: float = 600.0, http: httpx.AsyncClient | None = None) -> None:
+    def __init__(
+        self, base_url: str, *, timeout_s: float = 600.0, http: httpx.AsyncClient | None = None
+    ) -> None:
         # update_weights returns only once the workers have received (and loaded) the bucket, and init
         # only once the NCCL group is up: the timeout must cover a whole bucket transfer.
         self._own_http = http is None
@@ -112,8 +115,9 @@ class WeightTransferClient:
     def _require(self, step: str, *allowed: TransferState) -> None:
         if self.state not in allowed:
             want = " or ".join(s.value for s in allowed)
-            raise WeightTransferError(step, f"called in state {self.state.value!r}, needs {want} (not sent)",
-                                      sent=False)
+            raise WeightTransferError(
+                step, f"called in state {self.state.value!r}, needs {want} (not sent)", sent=False
+            )
 
     async def _post(self, step: str, path: str, json: dict[str, Any] | None = None) -> dict[str, Any]:
         try:
@@ -122,8 +126,9 @@ class WeightTransferClient:
             raise WeightTransferError(step, f"POST {path} got no answer: {exc!r}") from exc
         if resp.status_code >= 400:
             detail = _error_detail(resp)
-            raise WeightTransferError(step, f"POST {path} -> {resp.status_code}: {detail}",
-                                      status=resp.status_code, detail=detail)
+            raise WeightTransferError(
+                step, f"POST {path} -> {resp.status_code}: {detail}", status=resp.status_code, detail=detail
+            )
         try:
             return resp.json() if resp.content else {}
         except ValueError:
@@ -131,10 +136,18 @@ class WeightTransferClient:
 
     # -- the four-phase protocol ------------------------------------------------------------------
 
-    async def init_engine(self, *, master_address: str, master_port: int, world_size: int,
-                          rank_offset: int = 1, backend: str = "nccl", packed: bool = True,
-                          packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
-                          packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS) -> None:
+    async def init_engine(
+        self,
+        *,
+        master_address: str,
+        master_port: int,
+        world_size: int,
+        rank_offset: int = 1,
+        backend: str = "nccl",
+        packed: bool = True,
+        packed_buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES,
+        packed_num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS,
+    ) -> None:
         """Ask the workers to join the transfer group at `master_address:master_port` (the trainer,
         rank 0, hosts the TCP store). Worker i takes rank `rank_offset + i`; `world_size` counts the
         trainer and every worker (TP x PP x DP). vLLM blocks until the group is up, so the trainer
@@ -147,11 +160,16 @@ class WeightTransferClient:
         if backend != "nccl":
             raise ValueError(f"backend {backend!r}: this client speaks the NCCL init info only")
         if world_size < rank_offset + 1:
-            raise ValueError(f"world_size {world_size} leaves no rank for the workers (rank_offset {rank_offset})")
+            raise ValueError(
+                f"world_size {world_size} leaves no rank for the workers (rank_offset {rank_offset})"
+            )
         self._require("init", TransferState.IDLE, TransferState.READY)
         init_info = {
-            "master_address": master_address, "master_port": int(master_port),
-            "rank_offset": int(rank_offset), "world_size": int(world_size), "packed": bool(packed),
+            "master_address": master_address,
+            "master_port": int(master_port),
+            "rank_offset": int(rank_offset),
+            "world_size": int(world_size),
+            "packed": bool(packed),
             "packed_buffer_size_bytes": int(packed_buffer_size_bytes),
             "packed_num_buffers": int(packed_num_buffers),
         }
@@ -218,6 +236,10 @@ class WeightTransferClient:
         """Number of inference workers (TP x PP x DP): the transfer group's world size is this + 1."""
         resp = await self.http.get("/get_world_size", params={"include_dp": "true"})
         if resp.status_code >= 400:
-            raise WeightTransferError("world_size", f"GET /get_world_size -> {resp.status_code}",
-                                      status=resp.status_code, detail=_error_detail(resp))
+            raise WeightTransferError(
+                "world_size",
+                f"GET /get_world_size -> {resp.status_code}",
+                status=resp.status_code,
+                detail=_error_detail(resp),
+            )
         return int(resp.json()["world_size"])

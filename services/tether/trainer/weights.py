@@ -62,9 +62,16 @@ def optimizer_staging(root: Path, version: int) -> Path:
     return root / f".tmp-{checkpoint_name(version)}-{OPTIMIZER_DIR}"
 
 
-def save_checkpoint(model: torch.nn.Module, tokenizer, root: Path, version: int, keep: int = 3,
-                    state_dict: dict[str, torch.Tensor] | None = None,
-                    trainer_state: dict[str, Any] | None = None, optimizer_dir: Path | None = None) -> Path:
+def save_checkpoint(
+    model: torch.nn.Module,
+    tokenizer,
+    root: Path,
+    version: int,
+    keep: int = 3,
+    state_dict: dict[str, torch.Tensor] | None = None,
+    trainer_state: dict[str, Any] | None = None,
+    optimizer_dir: Path | None = None,
+) -> Path:
     """Write `root/v<version>` (model + tokenizer [+ trainer_state.pt] [+ optimizer/]) via a temporary
     folder and a rename, so that neither inference nor a restarting trainer ever sees a half-written
     checkpoint.
@@ -188,9 +195,11 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, 
     try:
         from peft import LoraConfig, get_peft_model
     except ImportError as exc:
-        raise SystemExit("TETHER_LORA_RANK > 0 needs the `peft` package (`pip install peft`; it keeps the "
-                         "installed torch)") from exc
+        raise SystemExit(
+            "TETHER_LORA_RANK > 0 needs the `peft` package (`pip install peft`; it keeps the installed torch)"
+        ) from exc
     modules: str | list[str] = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules,
-                        task_type="CAUSAL_LM")
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM"
+    )
     return get_peft_model(model, config)

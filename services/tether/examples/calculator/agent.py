@@ -102,8 +102,9 @@ def _pool(base_url: str) -> httpx.Client:
 
 def _client(base_url: str, api_key: str) -> openai.OpenAI:
     """The rollout's own client (its key), on the endpoint's shared pool."""
-    return openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=1, timeout=60.0,
-                         http_client=_pool(base_url))
+    return openai.OpenAI(
+        base_url=base_url, api_key=api_key, max_retries=1, timeout=60.0, http_client=_pool(base_url)
+    )
 
 
 def _reply(client: openai.OpenAI, model: str, messages: list[ChatCompletionMessageParam]) -> str:
