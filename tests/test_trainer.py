@@ -358,7 +358,7 @@ def test_lora_step_and_merged_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("bad", ["short", "lengths", "vocab", "mask", "nan"])
 def test_invalid_samples_are_named(bad):
-    from tether.trainer.servicer import validate
+    from tether.trainer.steps import validate
 
     s = SampleRecord(
         rollout_id="r",

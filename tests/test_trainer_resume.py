@@ -222,7 +222,7 @@ def _core(model_dir: Path, folder: Path, **overrides):
     """A rank-0 trainer core built by the service's own build/resume path, in this process."""
     from tether.trainer.distributed import Dist
     from tether.trainer.main import TrainerSettings, build
-    from tether.trainer.servicer import TrainerCore
+    from tether.trainer.steps import TrainerCore
 
     s = TrainerSettings(
         trainer_grpc_port=0,
@@ -295,7 +295,7 @@ def test_lora_trainer_resumes_in_process(tmp_path):
 
 
 def test_scheduler_chosen_groups_and_drops(tmp_path):
-    from tether.trainer.servicer import NotReady
+    from tether.trainer.steps import NotReady
 
     model_dir = tiny_model_dir(tmp_path / "model")
     groups = _groups(4)

@@ -620,7 +620,8 @@ async def test_scheduler_weight_push_wiring(tmp_path):
     from tether.scheduler.run import Run, RunConfig, Stubs
     from tether.trainer.distributed import Dist
     from tether.trainer.main import TrainerSettings, build, weight_pusher
-    from tether.trainer.servicer import TrainerCore, TrainerServicer
+    from tether.trainer.servicer import TrainerServicer
+    from tether.trainer.steps import Trainer, TrainerCore
     from tether.v1 import inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
 
     model_dir = tiny_model_dir(tmp_path / "model")
@@ -642,7 +643,8 @@ async def test_scheduler_weight_push_wiring(tmp_path):
         )
         runner, tokenizer, _ = build(settings, Dist())
         core = TrainerCore(runner, tokenizer, tmp_path / "ckpt", keep=0, keep_push_state=True)
-        trainer = TrainerServicer(core, pusher=weight_pusher(settings, Dist()))
+        steps = Trainer(core, pusher=weight_pusher(settings, Dist()))
+        trainer = TrainerServicer(steps)
         inference = InferenceServicer(VLLMControl(url), str(model_dir))
         for add, servicer in (
             (trainer_pb2_grpc.add_TrainerServicer_to_server, trainer),
@@ -770,7 +772,7 @@ async def test_scheduler_weight_push_wiring(tmp_path):
             served_is(fifth)
             assert not inference.unsafe and fake.log == ["pause:keep", "reload:v000005", "reset", "resume"]
         finally:
-            await trainer.close_pusher()
+            await steps.close_pusher()
             for server, ch in servers:
                 await ch.close()
                 await server.stop(0)

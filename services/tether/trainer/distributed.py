@@ -2,7 +2,7 @@
 
 Launch several ranks with torchrun (``torchrun --nproc-per-node N -m tether.trainer``). Every rank
 loads the model; rank 0 serves gRPC and broadcasts each command (train a step, heartbeat, stop) to the
-others, which follow it (`tether.trainer.servicer.StepRunner.follow`). Gloo on CPU, NCCL on GPUs; DDP
+others, which follow it (`tether.trainer.steps.StepRunner.follow`). Gloo on CPU, NCCL on GPUs; DDP
 wraps the model, or FSDP2 ``fully_shard`` on GPUs when asked. A process started without torchrun is a
 world of one: no process group, no wrapper, every helper here is then a no-op.
 

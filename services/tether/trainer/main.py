@@ -24,7 +24,8 @@ from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
 from tether.trainer import distributed, weights
 from tether.trainer.distributed import Dist
-from tether.trainer.servicer import StepRunner, TrainerCore, TrainerServicer
+from tether.trainer.servicer import TrainerServicer
+from tether.trainer.steps import StepRunner, Trainer, TrainerCore
 from tether.trainer.train import StepConfig, enable_activation_checkpointing, packing_keeps_samples_apart
 from tether.trainer.weights import apply_lora, load_model
 from tether.v1 import trainer_pb2, trainer_pb2_grpc
@@ -236,7 +237,8 @@ async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resu
         if health_box:
             await health_box[0].set(False)
 
-    servicer = TrainerServicer(core, on_broken=not_serving, pusher=weight_pusher(s, d) if push else None)
+    trainer = Trainer(core, pusher=weight_pusher(s, d) if push else None)
+    servicer = TrainerServicer(trainer, on_broken=not_serving)
 
     def register(server):
         trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
@@ -261,12 +263,12 @@ async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resu
         s.off_policy,
         s.weight_push,
     )
-    background = [servicer.keep_ranks_alive(s.dist_heartbeat_s)] if d.active else []
+    background = [trainer.keep_ranks_alive(s.dist_heartbeat_s)] if d.active else []
 
     async def on_stop() -> None:
-        await servicer.close_pusher()
+        await trainer.close_pusher()
         if d.active:
-            await servicer.stop_ranks()
+            await trainer.stop_ranks()
 
     await run_until_signal(server, health, background, on_stop=on_stop)
 

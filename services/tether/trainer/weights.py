@@ -8,7 +8,7 @@ Layout of the checkpoint folder (shared with inference, which loads `v<version>/
     v000007/optimizer/       the optimizer state as torch.distributed.checkpoint shards, one file per
                              rank that holds a shard (FSDP2: every rank writes only its own; nothing is
                              gathered), keyed by parameter names and resharded on load
-    buffer/                  groups accepted but not trained yet (see tether.trainer.servicer.GroupSpool)
+    buffer/                  groups accepted but not trained yet (see tether.trainer.steps.GroupSpool)
 
 A version folder appears by one rename of a fully written (and fsynced) temporary folder, so every
 `v<digits>` folder holding `trainer_state.pt` is complete. The ranks write the optimizer shards into

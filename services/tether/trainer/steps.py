@@ -1,0 +1,577 @@
+"""The trainer's run state on rank 0 and the step every rank runs: what is buffered, what was trained,
+which version is current.
+
+- `StepRunner`: what every data-parallel rank does for one step (train, then gather what the checkpoint
+  needs). Rank 0 broadcasts each command; the other ranks run `follow()`.
+- `TrainerCore` (rank 0): buffers complete groups (spooled to disk until trained, so a restart loses
+  none), trains each step number at most once (a repeated step for a finished one returns the recorded
+  result), writes checkpoints carrying the optimizer state and the trainer's position, and picks up
+  from them (see tether.trainer.weights).
+- `Trainer` (rank 0, on the event loop): one step, weight push or rank command at a time; a step's
+  training and checkpoint run in a worker thread.
+
+Errors are plain exceptions (InvalidGroup, NotReady, StepFailed, TrainerBroken); tether.trainer.servicer
+maps them to gRPC status codes. Who may call: the servicer and main.py (wiring); no other room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import math
+import os
+import signal
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import torch
+from prometheus_client import Counter, Gauge, Histogram
+
+from tether.common.records import SampleRecord
+from tether.trainer import distributed
+from tether.trainer.distributed import Dist
+from tether.trainer.train import StepConfig, train_step
+from tether.trainer.weights import (
+    OPTIMIZER_DIR,
+    checkpoint_name,
+    merged_lora_state_dict,
+    optimizer_staging,
+    save_checkpoint,
+)
+
+log = logging.getLogger(__name__)
+
+STEPS = Counter("tether_trainer_steps_total", "Training steps done")
+BUFFERED = Gauge("tether_trainer_buffered_groups", "Complete groups waiting to be trained on")
+STEP_SECONDS = Histogram(
+    "tether_trainer_step_seconds",
+    "Wall time of one training step",
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
+)
+TOKENS = Counter("tether_trainer_tokens_total", "Tokens trained on")
+VERSION = Gauge("tether_trainer_weight_version", "Version of the newest checkpoint")
+STALENESS = Gauge("tether_trainer_staleness_max", "Max weight-version lag of the last step's samples")
+
+
+def validate(sample: SampleRecord, vocab_size: int) -> str | None:
+    """What is wrong with a sample, or None."""
+    n = len(sample.token_ids)
+    if n < 2:
+        return "a sample needs at least 2 tokens"
+    if not (len(sample.loss_mask) == len(sample.rollout_logprobs) == len(sample.advantages) == n):
+        return "token_ids, loss_mask, rollout_logprobs and advantages must have equal lengths"
+    if any(t < 0 or t >= vocab_size for t in sample.token_ids):
+        return f"token id outside the vocabulary (size {vocab_size})"
+    if any(m not in (0, 1) for m in sample.loss_mask):
+        return "loss_mask values must be 0 or 1"
+    if not all(math.isfinite(x) for x in sample.rollout_logprobs) or not all(
+        math.isfinite(x) for x in sample.advantages
+    ):
+        return "rollout_logprobs and advantages must be finite"
+    return None
+
+
+# --- errors (the servicer maps them to status codes) ----------------------------------------------------
+
+
+class InvalidGroup(ValueError):
+    """INVALID_ARGUMENT: the group cannot be trained on as sent."""
+
+
+class NotReady(RuntimeError):
+    """FAILED_PRECONDITION: not enough groups buffered, or a step the trainer can no longer account for."""
+
+
+class StepFailed(RuntimeError):
+    """The step did not update the weights; the same request can be retried (RESOURCE_EXHAUSTED for
+    out-of-memory, INTERNAL otherwise)."""
+
+    def __init__(self, message: str, out_of_memory: bool = False) -> None:
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
+
+
+class TrainerBroken(RuntimeError):
+    """UNAVAILABLE: the weights in memory no longer match the newest checkpoint; restart the trainer
+    (it resumes from that checkpoint)."""
+
+
+# --- every rank -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepOutput:
+    metrics: dict[str, float]
+    model_state: dict[str, torch.Tensor] | None  # None: save the model's own tensors
+    optimizer_dir: Path  # where the ranks wrote the optimizer shards
+    adapter_state: dict[str, torch.Tensor] | None  # LoRA weights, rank 0 only
+
+
+class StepRunner:
+    """One training step on this rank, and the commands that keep all ranks in step.
+
+    `model` is the HF model (or its peft wrapper), `engine` what runs forward/backward (the model, DDP
+    or FSDP2), `hf_model` the plain HF model whose `save_pretrained` writes checkpoints.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        engine: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        cfg: StepConfig,
+        d: Dist,
+        checkpoint_root: Path,
+        ref_model: torch.nn.Module | None = None,
+    ) -> None:
+        self.model = model
+        self.checkpoint_root = checkpoint_root  # every rank writes its optimizer shards under it
+        self.ref_model = ref_model
+        self.engine = engine
+        self.optimizer = optimizer
+        self.cfg = cfg
+        self.d = d
+        self.lora = hasattr(model, "get_base_model")
+        self.hf_model = model.get_base_model() if self.lora else model
+        self.vocab_size = int(self.hf_model.config.vocab_size)
+
+    def run(self, samples: list[SampleRecord], version: int) -> StepOutput:
+        metrics = train_step(
+            self.engine,
+            self.optimizer,
+            samples,
+            self.cfg,
+            version=version,
+            rank=self.d.rank,
+            world=self.d.world,
+            ref_model=self.ref_model,
+        )
+        if self.lora:
+            from peft import get_peft_model_state_dict
+
+            first = self.d.rank == 0
+            model_state = merged_lora_state_dict(self.model) if first else None
+            adapter = (
+                {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()}
+                if first
+                else None
+            )
+        else:
+            model_state, adapter = distributed.model_state(self.model, self.d), None
+        optim = optimizer_staging(self.checkpoint_root, version + 1)
+        distributed.save_optimizer(self.model, self.optimizer, optim)
+        return StepOutput(metrics, model_state, optim, adapter)
+
+    # Rank 0 side: each command is broadcast, then run here too.
+    def step(self, samples: list[SampleRecord], version: int) -> StepOutput:
+        distributed.broadcast(("step", samples, version))
+        return self.run(samples, version)
+
+    def heartbeat(self) -> None:
+        distributed.broadcast(("noop",))
+
+    def stop(self) -> None:
+        distributed.broadcast(("stop",))
+
+    def follow(self) -> None:
+        """Ranks > 0: run rank 0's commands until it says stop. SIGTERM/SIGINT are ignored here: torchrun
+        signals every rank at once, and rank 0 finishes its step, then sends "stop" (if rank 0 dies
+        instead, the next collective fails and this rank exits)."""
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, signal.SIG_IGN)
+        while True:
+            cmd = distributed.broadcast(None)
+            if cmd[0] == "stop":
+                return
+            if cmd[0] == "step":
+                self.run(cmd[1], cmd[2])
+
+
+# --- rank 0: buffer, steps, checkpoints -----------------------------------------------------------------
+
+
+class GroupSpool:
+    """Groups accepted but not trained yet, one file each, so a restarted trainer still has them (the
+    merger hands a group over once). Files are named by arrival order, so the order survives too."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        for tmp in folder.glob(".tmp-*"):
+            tmp.unlink(missing_ok=True)
+        self.files: dict[str, Path] = {}
+        self.next_seq = 0
+
+    def load(self) -> list[tuple[str, list[SampleRecord], int]]:
+        out = []
+        for path in sorted(self.folder.glob("*.group")):
+            try:
+                data = orjson.loads(path.read_bytes())
+            except orjson.JSONDecodeError:
+                log.warning("unreadable spooled group %s; dropped", path)
+                path.unlink(missing_ok=True)
+                continue
+            self.files[data["group_id"]] = path
+            self.next_seq = max(self.next_seq, int(path.name.split("-", 1)[0]) + 1)
+            out.append(
+                (
+                    data["group_id"],
+                    [SampleRecord.from_dict(s) for s in data["samples"]],
+                    int(data["rollouts"]),
+                )
+            )
+        return out
+
+    def add(self, group_id: str, samples: list[SampleRecord], rollouts: int) -> None:
+        digest = hashlib.sha1(group_id.encode()).hexdigest()[:16]
+        path = self.folder / f"{self.next_seq:012d}-{digest}.group"
+        self.next_seq += 1
+        tmp = self.folder / f".tmp-{path.name}"
+        payload = orjson.dumps(
+            {"group_id": group_id, "rollouts": rollouts, "samples": [s.to_dict() for s in samples]}
+        )
+        with open(tmp, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        self.files[group_id] = path
+
+    def remove(self, group_id: str) -> None:
+        path = self.files.pop(group_id, None)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
+
+@dataclass
+class StepRecord:
+    step: int
+    weight_version: int
+    checkpoint_dir: str
+    metrics: dict[str, float]
+    groups: list[str]
+    replayed: bool = False
+
+    def to_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "weight_version": self.weight_version,
+            "checkpoint_dir": self.checkpoint_dir,
+            "metrics": dict(self.metrics),
+            "groups": list(self.groups),
+        }
+
+
+@dataclass
+class StepPlan:
+    step: int
+    group_ids: list[str]
+    samples: list[SampleRecord]
+    drop_ids: list[str] = field(default_factory=list)  # buffered groups discarded with this step
+    position: dict[str, Any] = field(default_factory=dict)
+    model_state: dict[str, torch.Tensor] | None = None  # gathered / merged weights of the new version
+
+
+class TrainerCore:
+    """Rank 0's view of the run: what is buffered, what was trained, which version is current."""
+
+    def __init__(
+        self,
+        runner: StepRunner,
+        tokenizer,
+        checkpoint_root: Path,
+        *,
+        keep: int = 3,
+        resumed: dict[str, Any] | None = None,
+        records_kept: int = 256,
+        settings: dict[str, Any] | None = None,
+        keep_push_state: bool = False,
+    ) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.root = checkpoint_root
+        self.keep = keep
+        self.records_kept = records_kept
+        self.settings = settings or {}
+        state = resumed or {}
+        self.version = int(state.get("version", 0))
+        self.steps_done = int(state.get("steps_done", 0))
+        self.trained: list[str] = list(state.get("trained_groups", []))
+        self.dropped: list[str] = list(state.get("dropped_groups", []))
+        self.consumed = set(self.trained) | set(self.dropped)  # a group is trained or dropped once
+        self.records: dict[int, dict[str, Any]] = {int(k): v for k, v in state.get("records", {}).items()}
+        # Steps at or below this one may have been trained, but their records were dropped.
+        self.records_floor = int(state.get("records_floor", -1))
+        self.last_step: int | None = state.get("last_step")
+        self.broken: str | None = None
+        # Path 2 pushes what was saved: the gathered (FSDP) or merged (LoRA) state of the newest step.
+        self.keep_push_state = keep_push_state
+        self.last_state: dict[str, torch.Tensor] | None = None
+        self.spool = GroupSpool(checkpoint_root / "buffer")
+        self.groups: OrderedDict[str, tuple[list[SampleRecord], int]] = OrderedDict()
+        for group_id, samples, rollouts in self.spool.load():
+            if group_id in self.consumed:
+                self.spool.remove(group_id)
+            else:
+                self.groups[group_id] = (samples, rollouts)
+        BUFFERED.set(len(self.groups))
+        VERSION.set(self.version)
+
+    # SubmitGroup
+    def submit(self, group_id: str, samples: list[SampleRecord], rollouts: int) -> tuple[int, bool]:
+        """Buffer a complete group; returns (buffered groups, duplicate)."""
+        if not group_id:
+            raise InvalidGroup("group_id is required")
+        if group_id in self.consumed or group_id in self.groups:
+            return len(self.groups), True
+        if not samples:
+            raise InvalidGroup(f"group {group_id} has no samples")
+        for s in samples:
+            problem = validate(s, self.runner.vocab_size)
+            if problem:
+                raise InvalidGroup(f"rollout {s.rollout_id}: {problem}")
+        self.spool.add(group_id, samples, rollouts)
+        self.groups[group_id] = (samples, rollouts)
+        BUFFERED.set(len(self.groups))
+        return len(self.groups), False
+
+    # TrainStep, in three parts: plan (event loop), execute (worker thread), finish (event loop).
+    def plan(
+        self,
+        step: int,
+        min_groups: int,
+        max_groups: int,
+        group_ids: list[str] | None = None,
+        drop_ids: list[str] | None = None,
+    ) -> StepPlan | StepRecord:
+        """What step `step` trains on: exactly `group_ids` (in that order) when given, else the oldest
+        buffered groups (at least `min_groups`, at most `max_groups`, 0 = all). `drop_ids` are buffered
+        groups to discard without training (stale ones); they go with this step's checkpoint."""
+        if self.broken:
+            raise TrainerBroken(self.broken)
+        drop = [g for g in dict.fromkeys(drop_ids or ()) if g in self.groups and g not in (group_ids or ())]
+        if step in self.records:
+            self._discard(drop)  # the step is done; its drops can still be honoured
+            return StepRecord(**self.records[step], replayed=True)
+        if step <= self.records_floor:
+            raise NotReady(
+                f"step {step} is older than the step records kept (newest {self.records_floor} "
+                "dropped); cannot tell whether it was trained"
+            )
+        if group_ids:
+            ids = list(dict.fromkeys(group_ids))
+            missing = [g for g in ids if g not in self.groups]
+            if missing:
+                gone = [g for g in missing if g in self.consumed]
+                raise NotReady(
+                    f"{len(missing)} requested groups are not buffered (e.g. {missing[:3]}"
+                    + (f"; already trained or dropped: {gone[:3]}" if gone else "")
+                    + ")"
+                )
+        else:
+            candidates = [g for g in self.groups if g not in drop]
+            need = max(1, min_groups)
+            if len(candidates) < need:
+                raise NotReady(f"{len(candidates)} groups buffered, step needs {need}")
+            ids = candidates if max_groups <= 0 else candidates[:max_groups]
+        return StepPlan(step, ids, [s for gid in ids for s in self.groups[gid][0]], drop_ids=drop)
+
+    def _discard(self, group_ids: list[str]) -> None:
+        for gid in group_ids:
+            if self.groups.pop(gid, None) is not None:
+                self.dropped.append(gid)
+                self.consumed.add(gid)
+                self.spool.remove(gid)
+        BUFFERED.set(len(self.groups))
+
+    def execute(self, plan: StepPlan) -> StepRecord:
+        """Train and write the checkpoint. Blocking; called with no other step in flight."""
+        try:
+            out = self.runner.step(plan.samples, self.version)
+        except Exception as exc:
+            self.runner.optimizer.zero_grad(set_to_none=True)
+            if self.runner.d.active:  # the ranks may now disagree about where they are
+                self.broken = f"step {plan.step} failed on a multi-rank trainer: {exc!r}"
+            oom = isinstance(exc, (torch.OutOfMemoryError, MemoryError))
+            raise StepFailed(
+                f"step {plan.step} failed before the update: {exc!r}", out_of_memory=oom
+            ) from exc
+        version = self.version + 1
+        path = self.root / checkpoint_name(version)
+        metrics = {
+            **out.metrics,
+            "groups": float(len(plan.group_ids)),
+            "groups_dropped": float(len(plan.drop_ids)),
+        }
+        record = StepRecord(plan.step, version, str(path), metrics, plan.group_ids)
+        records = dict(self.records)
+        records[plan.step] = record.to_state()
+        floor = self.records_floor
+        while len(records) > self.records_kept:
+            oldest = min(records)
+            floor = max(floor, oldest)
+            del records[oldest]
+        plan.position = {
+            "version": version,
+            "steps_done": self.steps_done + 1,
+            "trained_groups": self.trained + plan.group_ids,
+            "dropped_groups": self.dropped + plan.drop_ids,
+            "records": records,
+            "records_floor": floor,
+            "last_step": plan.step,
+        }
+        state = {
+            **plan.position,
+            "optimizer_dir": OPTIMIZER_DIR,
+            "adapter": out.adapter_state,
+            "rng": torch.get_rng_state(),
+            "settings": self.settings,
+        }
+        try:
+            save_checkpoint(
+                self.runner.hf_model,
+                self.tokenizer,
+                self.root,
+                version,
+                keep=self.keep,
+                state_dict=out.model_state,
+                trainer_state=state,
+                optimizer_dir=out.optimizer_dir,
+            )
+        except Exception as exc:
+            self.broken = f"checkpoint v{version} could not be written after the update: {exc!r}"
+            raise TrainerBroken(self.broken) from exc
+        if self.keep_push_state:
+            plan.model_state = out.model_state
+        return record
+
+    def finish(self, plan: StepPlan, record: StepRecord) -> None:
+        p = plan.position
+        self.version, self.steps_done, self.last_step = p["version"], p["steps_done"], p["last_step"]
+        self.trained, self.dropped = p["trained_groups"], p["dropped_groups"]
+        self.consumed.update(plan.group_ids)
+        self.consumed.update(plan.drop_ids)
+        self.records, self.records_floor = p["records"], p["records_floor"]
+        self.last_state = plan.model_state
+        for gid in plan.group_ids + plan.drop_ids:
+            self.groups.pop(gid, None)
+            self.spool.remove(gid)
+        BUFFERED.set(len(self.groups))
+        STEPS.inc()
+        TOKENS.inc(record.metrics.get("tokens", 0.0))
+        VERSION.set(self.version)
+        STALENESS.set(record.metrics.get("staleness_max", 0.0))
+
+    def checkpoint_dir(self) -> str:
+        return str(self.root / checkpoint_name(self.version)) if self.version else ""
+
+    def push_state(self, version: int) -> dict[str, torch.Tensor]:
+        """The full weights of `version` under the HF names vLLM loads (rank 0), for path 2."""
+        if self.broken:
+            raise TrainerBroken(self.broken)
+        if version != self.version:
+            raise NotReady(f"the trainer holds version {self.version}, not {version}")
+        if self.last_state is not None:
+            return self.last_state
+        if self.runner.lora:
+            return merged_lora_state_dict(self.runner.model)
+        if self.runner.d.fsdp:
+            raise NotReady(
+                f"the full weights of version {version} are not gathered (restarted FSDP trainer); "
+                "load its checkpoint instead"
+            )
+        return self.runner.hf_model.state_dict()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "buffered_groups": len(self.groups),
+            "buffered_samples": sum(len(g) for g, _ in self.groups.values()),
+            "weight_version": self.version,
+            "steps_done": self.steps_done,
+            "last_step": self.last_step,
+            "checkpoint_dir": self.checkpoint_dir(),
+        }
+
+
+# --- rank 0: one thing at a time -----------------------------------------------------------------------
+
+
+class Trainer:
+    """Rank 0's entry point from the event loop: one step, weight push or rank command at a time.
+
+    `pusher`: a tether.trainer.nccl_push.WeightPusher when path 2 is on (TETHER_WEIGHT_PUSH=nccl), else
+    None. The caller shields `train` and `push` (a step, once planned, runs to its end even if the
+    caller goes away: a restarted scheduler then gets the recorded result, never a second update).
+    """
+
+    def __init__(self, core: TrainerCore, pusher: Any = None) -> None:
+        self.core = core
+        self.pusher = pusher
+        self.lock = asyncio.Lock()  # one step, push (or rank command) at a time
+
+    async def train(
+        self,
+        step: int,
+        min_groups: int,
+        max_groups: int,
+        group_ids: list[str],
+        drop_ids: list[str],
+    ) -> StepRecord:
+        """Plan, train (worker thread) and finish step `step`; the recorded result if it was trained."""
+        async with self.lock:
+            plan = self.core.plan(step, min_groups, max_groups, group_ids, drop_ids)
+            if isinstance(plan, StepRecord):
+                log.info(
+                    "step %d was already trained (version %d); returning its record",
+                    step,
+                    plan.weight_version,
+                )
+                return plan
+            log.info(
+                "training step %d on %d groups (version %d)",
+                plan.step,
+                len(plan.group_ids),
+                self.core.version,
+            )
+            with STEP_SECONDS.time():
+                record = await asyncio.to_thread(self.core.execute, plan)
+            self.core.finish(plan, record)
+            log.info(
+                "step %d -> version %d: %s",
+                step,
+                record.weight_version,
+                {k: round(v, 4) for k, v in record.metrics.items()},
+            )
+            return record
+
+    async def push(self, version: int):
+        """Path 2: stream the weights of `version` into vLLM's workers, then drop vLLM's prefix cache.
+        Returns the pusher's report (buckets, tensors, bytes, seconds)."""
+        async with self.lock:  # the weights must not change under the broadcast
+            state = self.core.push_state(version)
+            report = await self.pusher.push(state, version)
+            await self.pusher.client.reset_prefix_cache()
+            return report
+
+    async def close_pusher(self) -> None:
+        if self.pusher is not None:
+            async with self.lock:
+                await self.pusher.close()
+
+    async def keep_ranks_alive(self, every_s: float) -> None:
+        """Multi-rank: an idle collective now and then, so the other ranks' wait never times out."""
+        while True:
+            await asyncio.sleep(every_s)
+            async with self.lock:
+                await asyncio.to_thread(self.core.runner.heartbeat)
+
+    async def stop_ranks(self) -> None:
+        async with self.lock:
+            try:
+                await asyncio.to_thread(self.core.runner.stop)
+            except Exception as exc:  # a rank already gone: nothing left to stop
+                log.warning("could not tell the other ranks to stop: %r", exc)
