@@ -31,7 +31,7 @@ def spread(rewards: torch.Tensor) -> bool:
     return bool(rewards.max() > rewards.min())
 
 
-# --- known values (DESIGN.md "Math conventions") ------------------------------------------------------
+# --- known values (docs/architecture.md, "Math conventions") ------------------------------------------
 
 
 @pytest.mark.parametrize(

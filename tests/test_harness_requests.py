@@ -1,5 +1,5 @@
-"""Claude Code and Codex as shipped: request bodies shaped like the captures in DESIGN.md ("What real
-harnesses send") go through the gateway against the vLLM look-alike. Each test checks the chat body
+"""Claude Code and Codex as shipped: request bodies shaped like the captures in docs/harnesses.md ("As run
+by the suite") go through the gateway against the vLLM look-alike. Each test checks the chat body
 vLLM received, the trace's adjustments (what the gateway ignored or dropped), and that a field which
 would change generation is still a 400 naming it. Real vLLM: test_sdk_harness_shapes.py.
 """

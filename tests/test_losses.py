@@ -1,7 +1,7 @@
 """Loss normalisation and the PPO token loss.
 
 The central property: weights computed once over the global batch make the gradient independent of
-how rows are split into micro-batches and data-parallel ranks (DESIGN.md, pitfall 4).
+how rows are split into micro-batches and data-parallel ranks (docs/architecture.md, pitfall 4).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`tether` commands: demo, up, down, agent, traces, samples.
+"""`tether` commands: demo, up, down, agent, gateway, traces, samples.
 
 The cli sits above every service: it starts them as processes (see launcher.py) and reads the
 stack's Redis; nothing imports it.

@@ -14,7 +14,7 @@ Requests that do not ask are untouched, byte for byte. The plugin wraps the two 
 each serving object when the app starts; it opens no new path into the engine.
 
 Loaded by vLLM from the `vllm.endpoint_plugins` entry point when `VLLM_PLUGINS` names `tether`
-(services/inference/launch.py sets it). `GET /tether/plugin` says it is there.
+(services/tether/inference/launch.py sets it). `GET /tether/plugin` says it is there.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The RL math as small pure functions: group advantages, loss normalisation, policy losses.
 
-Imported by the merger (advantages) and the trainer (losses); no I/O, no config objects.
+Modules: advantages (group advantages, running baseline; imported by the merger) -> losses (loss
+normalisation, PPO loss, off-policy weights; imported by the trainer). No I/O, no config objects.
 """
 
 from .advantages import (

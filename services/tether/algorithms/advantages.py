@@ -3,8 +3,8 @@
 Who calls this: the merger, once per finished group (the G rollouts of one task), and the trainer when
 it needs the batch-level whitening of REINFORCE++-baseline. The advantage belongs to the *rollout*:
 the caller broadcasts it to every sequence and every trainable token that rollout produced, however many
-sequences the rollout forked into (a per-sequence baseline is biased when rollouts fork; DESIGN.md,
-pitfall 3).
+sequences the rollout forked into (a per-sequence baseline is biased when rollouts fork;
+docs/architecture.md, pitfall 3).
 
 Rewards are fp32 end to end (bf16 would turn 0.95 into 0.949); the statistics are taken in fp64 and the
 result is returned as fp32.

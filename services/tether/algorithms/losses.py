@@ -9,7 +9,7 @@ Who calls this: the trainer. The flow of one optimisation step is
 
 Because every normaliser (token count, sequence count, rollout count) comes from the global batch,
 the accumulated gradient does not depend on how the rows are split into micro-batches or ranks
-(DESIGN.md, pitfall 4: the gradient-accumulation bug). With DDP/FSDP, which *average* gradients over
+(docs/architecture.md, pitfall 4: the gradient-accumulation bug). With DDP/FSDP, which *average* gradients over
 ranks, multiply each rank's loss by the world size so the average becomes the sum.
 
 Shapes: ``B`` sequences (rows) of ``T`` token positions. A mask is (B, T), non-zero = a trainable token

@@ -1,7 +1,7 @@
 """A deterministic multi-turn tool-use test set for the merger, built locally (no model hub).
 
 It simulates what a real harness does around a Qwen-style model, so that prompts break exactly the way
-they do in practice (DESIGN.md pitfalls 1 and 2):
+they do in practice (docs/architecture.md, pitfalls 1 and 2):
 
 * A word-level tokenizer (``tokenizers`` ``WordLevel``) whose pre-tokenizer isolates words, single
   punctuation marks and whitespace runs, with a ``Fuse`` decoder: ``decode`` is exact, but

@@ -1,1 +1,4 @@
-"""Example harnesses, shipped in the package so `tether demo` runs from an installed wheel."""
+"""Example harnesses, shipped in the package so `tether demo` runs from an installed wheel.
+
+Modules: calculator.agent (the demo's tasks, demonstrations and harness function `rollout`).
+"""

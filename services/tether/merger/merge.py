@@ -1,7 +1,7 @@
 """Merge one rollout's recorded LLM calls into training sequences (pure: no I/O, no torch).
 
-DESIGN.md pitfalls 1 and 2.  We never see text here, only the token ids vLLM consumed and sampled and
-the logprobs it reported, so nothing is ever re-tokenised.
+docs/architecture.md, pitfalls 1 and 2.  We never see text here, only the token ids vLLM consumed and
+sampled and the logprobs it reported, so nothing is ever re-tokenised.
 
 Mode ``"merge"`` (default), in four steps:
 
@@ -52,7 +52,7 @@ Options:
 Mode ``"per-call"``: steps 1 and 2, then every kept call becomes its own sequence (``forks`` and
 ``merged_calls`` stay 0); ``max_prompt_len`` / ``max_seq_len`` / ``overlong`` apply per call.
 
-A call's ``constrained`` spans (response tokens a grammar constrained, DESIGN.md / docs/merging.md
+A call's ``constrained`` spans (response tokens a grammar constrained, docs/merging.md
 "Constrained decoding") enter the sequence with mask 0 and logprob 0.0; ``Sequence.constrained_tokens``
 counts those still in it after realign and truncation.
 

@@ -1,4 +1,4 @@
-"""gRPC Merger: the merger's counters as a status (`tether status`, the tests). Read-only."""
+"""gRPC Merger: the merger's counters as a status (operators, the tests). Read-only."""
 
 from __future__ import annotations
 

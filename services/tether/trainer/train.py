@@ -4,7 +4,7 @@ Named steps of `train_step`:
 
 1. `collate` the GLOBAL batch and compute the loss weights over it (`token_weights`), before any
    split, so neither micro-batching nor the split over data-parallel ranks changes the gradient
-   (DESIGN.md pitfall 4). Every rank holds the whole batch, so every rank knows its statistics.
+   (docs/architecture.md, pitfall 4). Every rank holds the whole batch, so every rank knows its statistics.
 2. `shard_rows` picks this rank's samples (balanced by tokens); `plan_micro_batches` packs them into
    rows without padding (`pack`: position ids restart at 0 for every sample, which HF models turn into
    block-diagonal causal attention, with whatever attention kernel the model loaded with: sdpa by default), or into length-sorted padded
