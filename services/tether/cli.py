@@ -351,7 +351,7 @@ def cmd_agent(args) -> int:
     s = AgentSettings(
         redis_url=args.redis_url or state["redis_url"],
         namespace=args.namespace or state.get("namespace", "tether"),
-        agent_fn=args.fn,
+        agent_fn=args.harness,
         gateway_url=args.gateway or state["addresses"]["gateway_url"],
         agent_concurrency=args.concurrency,
     )
@@ -555,8 +555,11 @@ def build_parser() -> argparse.ArgumentParser:
     down.set_defaults(fn=cmd_down)
 
     agent = sub.add_parser("agent", help="run a worker for dispatched rollouts")
+    # dest "harness": `fn` is the attribute every subcommand's handler is dispatched through.
     agent.add_argument(
-        "fn", help="MODULE:FUNCTION or FILE.py:FUNCTION, called as fn(task, base_url, api_key, model)"
+        "harness",
+        metavar="fn",
+        help="MODULE:FUNCTION or FILE.py:FUNCTION, called as fn(task, base_url, api_key, model)",
     )
     agent.add_argument("--concurrency", type=int, default=16)
     agent.add_argument("--gateway")
