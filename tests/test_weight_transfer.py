@@ -750,27 +750,27 @@ async def test_scheduler_weight_push_wiring(tmp_path):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await run.load_weights(fourth)
             assert "stays paused" in err.value.details()
-            assert fake.paused and fake.version == "3" and inference.unsafe
+            assert fake.paused and fake.version == "3" and inference.loader.unsafe
             # The scheduler's retry: this time path 2 completes, vLLM reports the new version, and the
             # adapter no longer holds generation (it did until a path-1 load succeeded).
             fake.fail, fake.fail_reload = None, set()
             assert await run.load_weights(fourth) == 4 and run.push_path == "nccl"
             served_is(fourth)
-            assert not inference.unsafe
+            assert not inference.loader.unsafe
 
             # The same failure, recovered by a path-1 load.
             fifth = await step(4)
             fake.fail, fake.fail_reload = (0, "after"), {fifth.checkpoint_dir}
             with pytest.raises(grpc.aio.AioRpcError):
                 await run.load_weights(fifth)
-            assert fake.paused and inference.unsafe
+            assert fake.paused and inference.loader.unsafe
             fake.fail_reload = set()
             fake.log.clear()
             await stubs.inference.LoadWeights(
                 inference_pb2.LoadWeightsRequest(checkpoint_dir=fifth.checkpoint_dir, version=5)
             )
             served_is(fifth)
-            assert not inference.unsafe and fake.log == ["pause:keep", "reload:v000005", "reset", "resume"]
+            assert not inference.loader.unsafe and fake.log == ["pause:keep", "reload:v000005", "reset", "resume"]
         finally:
             await steps.close_pusher()
             for server, ch in servers:

@@ -77,13 +77,17 @@ async def watch_health(vllm: VLLMControl, health: Health, proc, servicer: Infere
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {proc.returncode}")
         answering = await vllm.healthy()
-        ok = answering and not servicer.unsafe
+        ok = answering and not servicer.loader.unsafe
         if ok != serving:
             await health.set(ok)
             serving = ok
             log.info(
                 "vLLM %s",
-                "healthy" if ok else "not answering" if not answering else f"held paused: {servicer.unsafe}",
+                "healthy"
+                if ok
+                else "not answering"
+                if not answering
+                else f"held paused: {servicer.loader.unsafe}",
             )
         await asyncio.sleep(1.0 if ok else 0.5)
 
