@@ -249,7 +249,7 @@ def test_the_process_refuses_a_bad_name_at_start(service, cls, name, tmp_path):
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=60,
     )
     assert p.returncode != 0
     assert re.search(rf"^{name}$", p.stderr, re.M), p.stderr[-2000:]
