@@ -482,18 +482,27 @@ def test_settings_names_and_strip_tail_from_model_dir(tmp_path, monkeypatch):
 
 
 def test_config_validation():
+    """Bad values are refused by the settings, at start-up, naming the setting (MergerConfig, built from
+    them, does not check again)."""
+    from pydantic import ValidationError
+
+    from tether.merger.main import MergerSettings
+
+    base = {"redis_url": "redis://127.0.0.1:1/0", "merger_grpc_port": 1, "trainer_address": "127.0.0.1:2"}
+    MergerSettings(**base)
     for bad in (
-        {"mode": "exact"},
-        {"estimator": "ppo"},
+        {"merge_mode": "exact"},
+        {"advantage_estimator": "ppo"},
         {"overlong": "cut"},
         {"advantage_level": "token"},
         {"realign_max": -1},
         {"max_seq_len": 0},
+        {"max_prompt_len": 0},
         {"turn_discount": 1.5},
         {"group_timeout_s": -1},
     ):
-        with pytest.raises(ValueError):
-            MergerConfig(**bad)
+        with pytest.raises(ValidationError, match=f"(?m)^{next(iter(bad))}$"):
+            MergerSettings(**base, **bad)
 
 
 async def test_failed_attempts_are_retried_then_excluded(redis_url):

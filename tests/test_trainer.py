@@ -9,10 +9,12 @@ import dataclasses
 
 import pytest
 import torch
+from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tether.common.records import SampleRecord
 from tether.trainer import distributed, weights
+from tether.trainer.main import TrainerSettings
 from tether.trainer.train import (
     StepConfig,
     collate,
@@ -30,6 +32,10 @@ from tether.trainer.train import (
 from tether.trainer.weights import save_checkpoint
 
 torch.set_num_threads(1)
+
+
+# The least TrainerSettings needs (for the refusals below).
+SETTINGS = {"trainer_grpc_port": 0, "model_dir": "m", "checkpoint_dir": "c"}
 
 
 def _model(seed: int = 0) -> LlamaForCausalLM:
@@ -243,8 +249,11 @@ def test_token_staleness_counts_trainable_tokens_of_each_span():
         "mixed_version_fraction": 0.5,
     }
     assert token_staleness_stats([], 5)["token_staleness_mean"] == 0.0
+    # An unknown off-policy mode: refused by the settings at start-up, and by the step's function.
+    with pytest.raises(ValidationError, match="(?m)^off_policy$"):
+        TrainerSettings(**SETTINGS, off_policy="is")
     with pytest.raises(ValueError, match="off-policy"):
-        StepConfig(off_policy="is")
+        off_policy_correction(torch.zeros(2), torch.zeros(2), "is")
 
 
 def test_a_batch_without_trainable_tokens_leaves_the_weights():
@@ -408,5 +417,13 @@ def test_kl_to_reference_pulls_the_policy_back():
         metrics = train_step(model, opt, samples, StepConfig(kl_coef=1.0, kl_estimator="k2"), ref_model=ref)
     assert metrics["ref_kl"] > 0
     assert kl() < 0.9 * before
-    with pytest.raises(ValueError):
-        StepConfig(kl_estimator="k7")
+    # An unknown estimator or a negative coefficient: refused by the settings at start-up; a step given
+    # an unknown estimator anyway fails before it updates anything.
+    with pytest.raises(ValidationError, match="(?m)^kl_estimator$"):
+        TrainerSettings(**SETTINGS, kl_estimator="k7")
+    with pytest.raises(ValidationError, match="(?m)^kl_coef$"):
+        TrainerSettings(**SETTINGS, kl_coef=-1.0)
+    w = _flat(model)
+    with pytest.raises(ValueError, match="KL estimator"):
+        train_step(model, opt, samples, StepConfig(kl_coef=1.0, kl_estimator="k7"), ref_model=ref)
+    assert torch.equal(_flat(model), w)

@@ -234,12 +234,16 @@ async def test_side_call_rules_in_the_service(redis_url):
     assert "g2" not in submitted
     await r.aclose()
 
-    with pytest.raises(ValueError, match="side-call"):
-        MergerConfig(side_call_patterns=("(unclosed",))
-    with pytest.raises(ValueError, match="side-call rule"):
-        MergerConfig(side_calls="first")
+    # Refused by the settings at start-up (MergerConfig, built from them, does not check again).
+    from tether.merger.main import MergerSettings
+
+    base = {"redis_url": "redis://127.0.0.1:1/0", "merger_grpc_port": 1, "trainer_address": "127.0.0.1:2"}
+    with pytest.raises(ValueError, match="side-call pattern"):
+        MergerSettings(**base, side_call_patterns=["(unclosed"])
+    with pytest.raises(ValueError, match="side_calls"):
+        MergerSettings(**base, side_calls="first")
     with pytest.raises(ValueError, match="baseline_alpha"):
-        MergerConfig(baseline_alpha=0.0)
+        MergerSettings(**base, baseline_alpha=0.0)
 
 
 def test_settings_of_the_new_options(monkeypatch):

@@ -8,10 +8,10 @@ import signal
 from tether.agents.worker import Worker, load_function
 from tether.common import broker
 from tether.common.logs import setup_logging
-from tether.common.settings import CommonSettings
+from tether.common.settings import RedisSettings
 
 
-class AgentSettings(CommonSettings):
+class AgentSettings(RedisSettings):
     agent_fn: str
     gateway_url: str
     agent_concurrency: int = 16

@@ -22,8 +22,30 @@ from .losses import (
     token_weights,
     truncated_is_weights,
 )
+from .names import (
+    ADVANTAGE_LEVELS,
+    BASELINE_ESTIMATORS,
+    OFF_POLICY_MODES,
+    AdvantageEstimator,
+    AdvantageLevel,
+    BaselineEstimator,
+    GroupEstimator,
+    KLEstimator,
+    LossMode,
+    OffPolicyMode,
+)
 
 __all__ = [
+    "ADVANTAGE_LEVELS",
+    "BASELINE_ESTIMATORS",
+    "OFF_POLICY_MODES",
+    "AdvantageEstimator",
+    "AdvantageLevel",
+    "BaselineEstimator",
+    "GroupEstimator",
+    "KLEstimator",
+    "LossMode",
+    "OffPolicyMode",
     "ALL_ESTIMATORS",
     "ESTIMATORS",
     "KL_ESTIMATORS",

@@ -41,9 +41,8 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-ESTIMATORS = ("grpo", "drgrpo", "rloo", "reinforce_pp_baseline")  # group estimators (group_advantages)
-BASELINE_ESTIMATORS = ("running_baseline",)  # no group: running_baseline_advantages
-ALL_ESTIMATORS = ESTIMATORS + BASELINE_ESTIMATORS
+# The names live in names.py (torch-free, for the settings); re-exported here for the math's callers.
+from .names import ALL_ESTIMATORS, BASELINE_ESTIMATORS, ESTIMATORS  # noqa: F401
 
 
 def group_advantages(rewards: torch.Tensor, estimator: str = "grpo", eps: float = 1e-6) -> torch.Tensor:

@@ -20,13 +20,8 @@ from __future__ import annotations
 
 import torch
 
-LOSS_MODES = (
-    "token-mean",
-    "seq-mean-token-sum",
-    "seq-mean-token-mean",
-    "seq-mean-token-sum-norm",
-    "rollout-mean",
-)
+# The names live in names.py (torch-free, for the settings); re-exported here for the math's callers.
+from .names import KL_ESTIMATORS, LOSS_MODES
 
 # exp() of a log-ratio beyond this overflows or is meaningless; verl clamps at the same bound.
 _MAX_LOG_RATIO = 20.0
@@ -254,9 +249,6 @@ def truncated_is_weights(
         log_ratio = torch.where(sel, logprobs_old_train.detach() - rollout_logprobs.detach(), 0.0)
         w = torch.exp(log_ratio.to(torch.float32).clamp(max=_MAX_LOG_RATIO)).clamp(max=cap)
         return torch.where(sel, w, 0.0)
-
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
 
 
 def kl_to_reference(

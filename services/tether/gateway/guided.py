@@ -33,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Any
+from typing import Any, Literal, get_args
 
 import orjson
 from prometheus_client import Counter
@@ -43,7 +43,9 @@ from tether.gateway.capture import WEIGHT_VERSIONS_FLAG, Captured, weight_spans
 
 log = logging.getLogger(__name__)
 
-GUIDED_MODES = ("mask", "off")
+# "mask": rescore guided calls and mask the constrained tokens; "off": record only that a call was guided.
+GuidedMode = Literal["mask", "off"]
+GUIDED_MODES: tuple[GuidedMode, ...] = get_args(GuidedMode)
 RESCORE_PATH = "/v1/completions"
 # Whole-response masking, and why (Trace.guidance["method"]).
 RESCORED, WHOLE, OFF = "rescore", "whole", "off"
@@ -234,7 +236,7 @@ class GuidedCheck:
     """Finds the constrained tokens of guided calls (see the module docstring)."""
 
     def __init__(
-        self, upstream_model: str, mode: str = "mask", tolerance: float = 1e-3, timeout_s: float = 30.0
+        self, upstream_model: str, mode: GuidedMode = "mask", tolerance: float = 1e-3, timeout_s: float = 30.0
     ) -> None:
         if mode not in GUIDED_MODES:
             raise ValueError(f"guided mode must be one of {GUIDED_MODES}, got {mode!r}")

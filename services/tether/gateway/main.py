@@ -24,10 +24,10 @@ from redis.exceptions import RedisError
 from tether.common import broker
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
-from tether.common.settings import CommonSettings
+from tether.common.settings import RedisSettings
 from tether.gateway.admission import Admission
 from tether.gateway.app import create_app
-from tether.gateway.guided import GuidedCheck
+from tether.gateway.guided import GuidedCheck, GuidedMode
 from tether.gateway.proxy import Proxy
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RolloutRegistry
@@ -42,7 +42,7 @@ log = logging.getLogger("tether.gateway")
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
-class GatewaySettings(CommonSettings):
+class GatewaySettings(RedisSettings):
     # vLLM's OpenAI server, e.g. http://127.0.0.1:8000: one replica (vllm_url) or several
     # (vllm_urls, comma-separated); at least one is required, both may be given.
     vllm_url: str | None = None
@@ -84,7 +84,7 @@ class GatewaySettings(CommonSettings):
     # Grammar-guided calls (tool_choice required/named, response_format, ...): "mask" rescores each one
     # unconstrained and records the tokens the grammar changed (beyond guided_tolerance nats) so that they
     # are not trained on; "off" records only that the call was guided (docs/merging.md).
-    guided: str = Field("mask", pattern="^(mask|off)$")
+    guided: GuidedMode = "mask"
     guided_tolerance: float = Field(1e-3, gt=0)
     guided_timeout_s: float = Field(30.0, gt=0)
     # Completing a rollout waits this long for its in-flight calls to be recorded.

@@ -26,7 +26,6 @@ log = logging.getLogger("tether.inference")
 
 
 class InferenceSettings(CommonSettings):
-    redis_url: str = ""  # the adapter itself keeps no state in Redis
     inference_grpc_host: str = "127.0.0.1"
     inference_grpc_port: int
     vllm_host: str = "127.0.0.1"
@@ -45,7 +44,6 @@ class InferenceSettings(CommonSettings):
     # More vLLM flags, one shell-quoted string (`tether up --vllm-arg ...` joins its values here).
     vllm_extra_args: str = ""
     vllm_log: str = "vllm.log"
-    vllm_start_timeout_s: float = 600.0
 
     @field_validator("vllm_extra_args")
     @classmethod

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import re
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -41,20 +40,19 @@ from prometheus_client import Gauge, Histogram
 from redis.exceptions import WatchError
 
 from tether.algorithms.advantages import (
-    ALL_ESTIMATORS,
     BASELINE_ESTIMATORS,
     discounted_call_rewards,
     group_advantages,
     running_baseline_advantages,
 )
+from tether.algorithms.names import AdvantageEstimator, AdvantageLevel
 from tether.common import broker
 from tether.common.records import RolloutEvent, SampleRecord, Trace, TrainingOutcome, spans_cover
-from tether.merger.merge import MODES, OVERLONG_POLICIES, Call, compact_mismatch, merge_calls
-from tether.merger.sidecalls import SIDE_CALL_RULES, compile_patterns, side_call_exclusions, system_text
+from tether.merger.merge import Call, MergeMode, OverlongPolicy, compact_mismatch, merge_calls
+from tether.merger.sidecalls import SideCallRule, compile_patterns, side_call_exclusions, system_text
 
 log = logging.getLogger(__name__)
 
-ADVANTAGE_LEVELS = ("rollout", "sample")
 MISMATCHES_PER_GROUP = 3  # examples kept in the group result
 MISMATCH_STREAM_MAXLEN = 10_000
 
@@ -175,50 +173,25 @@ def pending_groups(keys: broker.Keys) -> str:
 
 @dataclass(frozen=True)
 class MergerConfig:
-    mode: str = "merge"  # merge | per-call
-    estimator: str = "grpo"  # grpo | drgrpo | rloo | reinforce_pp_baseline
+    """What the merger does, built from MergerSettings (main.config_from_settings), which refuse a bad
+    value at start-up; not checked again here."""
+
+    mode: MergeMode = "merge"
+    estimator: AdvantageEstimator = "grpo"
     filter_zero_variance: bool = True
     max_seq_len: int | None = None
     max_prompt_len: int | None = None
-    overlong: str = "drop"  # drop | truncate (cuts trailing tokens only; flagged and counted)
+    overlong: OverlongPolicy = "drop"
     strip_tail: tuple[int, ...] = ()
     realign_max: int = 8
-    advantage_level: str = "rollout"  # rollout | sample
+    advantage_level: AdvantageLevel = "rollout"
     group_timeout_s: float = 0.0  # 0 = wait for every rollout of a group
     call_rewards: bool = False  # per-call rewards: the gateway's reward route (or a trace's "reward")
     turn_discount: float = 1.0  # gamma over the calls of a rollout
-    side_calls: str = "keep"  # keep | last_chain (sidecalls.py)
+    side_calls: SideCallRule = "keep"  # sidecalls.py
     side_call_patterns: tuple[str, ...] = ()  # regexes over a sequence's system prompt: left out
     baseline_alpha: float = 0.1  # EMA weight of a new reward in the running baseline
     session_training: bool = False  # rewarded record-only session calls become samples (running baseline)
-
-    def __post_init__(self) -> None:
-        checks = [
-            (self.mode, MODES, "merge mode"),
-            (self.estimator, ALL_ESTIMATORS, "advantage estimator"),
-            (self.overlong, OVERLONG_POLICIES, "overlong policy"),
-            (self.advantage_level, ADVANTAGE_LEVELS, "advantage level"),
-            (self.side_calls, SIDE_CALL_RULES, "side-call rule"),
-        ]
-        for value, allowed, what in checks:
-            if value not in allowed:
-                raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(allowed)}")
-        if self.realign_max < 0:
-            raise ValueError("realign_max must be >= 0")
-        for name in ("max_seq_len", "max_prompt_len"):
-            v = getattr(self, name)
-            if v is not None and v <= 0:
-                raise ValueError(f"{name} must be positive")
-        if not 0.0 <= self.turn_discount <= 1.0:
-            raise ValueError("turn_discount must be in [0, 1]")
-        if self.group_timeout_s < 0:
-            raise ValueError("group_timeout_s must be >= 0")
-        if not 0.0 < self.baseline_alpha <= 1.0:
-            raise ValueError("baseline_alpha must be in (0, 1]")
-        try:
-            compile_patterns(self.side_call_patterns)
-        except re.error as exc:
-            raise ValueError(f"bad side-call pattern: {exc}") from None
 
     @property
     def per_call_returns(self) -> bool:

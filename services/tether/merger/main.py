@@ -4,50 +4,62 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any, Literal
+import re
+from typing import Any
 
+from pydantic import Field, field_validator
+
+from tether.algorithms.names import AdvantageEstimator, AdvantageLevel
 from tether.common import broker
 from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.records import SampleRecord
-from tether.common.settings import CommonSettings
+from tether.common.settings import RedisSettings
 from tether.merger.consumer import Merger, MergerConfig
-from tether.merger.merge import generation_prompt_tail
+from tether.merger.merge import MergeMode, OverlongPolicy, generation_prompt_tail
 from tether.merger.servicer import MergerStatusServicer
+from tether.merger.sidecalls import SideCallRule, compile_patterns
 from tether.v1 import merger_pb2, merger_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
 
 log = logging.getLogger("tether.merger")
 
 
-class MergerSettings(CommonSettings):
+class MergerSettings(RedisSettings):
     """TETHER_* environment of the merger (docs/merging.md)."""
 
     merger_grpc_host: str = "127.0.0.1"
     merger_grpc_port: int
     trainer_address: str
-    merge_mode: Literal["merge", "per-call"] = "merge"
+    merge_mode: MergeMode = "merge"
     # Generation-prompt tail to strip before prefix matching: a JSON list of token ids. Unset: computed
     # from the tokenizer in model_dir (nothing to strip when model_dir is unset too); [] turns it off.
     strip_tail: list[int] | None = None
     model_dir: str | None = None
     chat_template_kwargs: dict[str, Any] = {}  # e.g. {"enable_thinking": false}, for the strip tail
-    realign_max: int = 8
-    max_prompt_len: int | None = None
-    max_seq_len: int | None = None
-    overlong: Literal["drop", "truncate"] = "drop"
-    advantage_estimator: Literal["grpo", "drgrpo", "rloo", "reinforce_pp_baseline", "running_baseline"] = (
-        "grpo"
-    )
-    advantage_level: Literal["rollout", "sample"] = "rollout"
+    realign_max: int = Field(8, ge=0)
+    max_prompt_len: int | None = Field(None, gt=0)
+    max_seq_len: int | None = Field(None, gt=0)
+    overlong: OverlongPolicy = "drop"
+    advantage_estimator: AdvantageEstimator = "grpo"
+    advantage_level: AdvantageLevel = "rollout"
     filter_zero_variance: bool = True
-    group_timeout_s: float = 0.0
+    group_timeout_s: float = Field(0.0, ge=0)  # 0 = wait for every rollout of a group
     call_rewards: bool = False
-    turn_discount: float = 1.0
-    side_calls: Literal["keep", "last_chain"] = "keep"
+    turn_discount: float = Field(1.0, ge=0, le=1)
+    side_calls: SideCallRule = "keep"
     # Regular expressions (a JSON list) over a sequence's system prompt: matching sequences are left out.
     side_call_patterns: list[str] = []
-    baseline_alpha: float = 0.1  # running_baseline: EMA weight of a new reward
+    baseline_alpha: float = Field(0.1, gt=0, le=1)  # running_baseline: EMA weight of a new reward
     session_training: bool = False  # rewarded record-only session calls become samples (running baseline)
+
+    @field_validator("side_call_patterns")
+    @classmethod
+    def _patterns_compile(cls, v: list[str]) -> list[str]:
+        try:
+            compile_patterns(v)
+        except re.error as exc:
+            raise ValueError(f"bad side-call pattern: {exc}") from None
+        return v
 
 
 def strip_tail_for(s: MergerSettings) -> tuple[int, ...]:

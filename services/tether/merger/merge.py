@@ -68,12 +68,15 @@ from __future__ import annotations
 
 import collections.abc as cabc
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal, get_args
 
 MAX_MISMATCH_EXAMPLES = 5
 _MAX_FULL_COMPARES = 8
-MODES = ("merge", "per-call")
-OVERLONG_POLICIES = ("drop", "truncate")
+MergeMode = Literal["merge", "per-call"]
+# An overlong sequence is dropped, or truncated (trailing tokens only; flagged and counted).
+OverlongPolicy = Literal["drop", "truncate"]
+MODES: tuple[MergeMode, ...] = get_args(MergeMode)
+OVERLONG_POLICIES: tuple[OverlongPolicy, ...] = get_args(OverlongPolicy)
 
 
 @dataclass(frozen=True)
@@ -315,12 +318,12 @@ def _limit_lengths(
 
 def merge_calls(
     calls: list[Call],
-    mode: str = "merge",
+    mode: MergeMode = "merge",
     strip_tail: cabc.Sequence[int] = (),
     realign_max: int = 0,
     max_seq_len: int | None = None,
     max_prompt_len: int | None = None,
-    overlong: str = "drop",
+    overlong: OverlongPolicy = "drop",
 ) -> tuple[list[Sequence], MergeStats]:
     """Turn one rollout's calls (in call order) into training sequences.  See the module docstring."""
     if mode not in MODES:

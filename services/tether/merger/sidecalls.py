@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
-SIDE_CALL_RULES = ("keep", "last_chain")
+SideCallRule = Literal["keep", "last_chain"]
+SIDE_CALL_RULES: tuple[SideCallRule, ...] = get_args(SideCallRule)
 
 
 def system_text(request: Mapping[str, Any]) -> str:
@@ -63,7 +64,7 @@ def side_call_exclusions(
     chains: Sequence[Sequence[str]],
     order: Sequence[str],
     systems: Mapping[str, str],
-    rule: str = "keep",
+    rule: SideCallRule = "keep",
     patterns: Sequence[re.Pattern[str]] = (),
 ) -> list[str | None]:
     """Which merged sequences are side calls.

@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Literal
+
+from pydantic import Field
 
 from tether.common import broker
 from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
-from tether.common.settings import CommonSettings
-from tether.scheduler.run import Run, RunConfig, Stubs, load_tasks
+from tether.common.settings import RedisSettings, WeightPush
+from tether.scheduler.run import Run, RunConfig, SchedulingMode, Stubs, load_tasks
 from tether.scheduler.servicer import SchedulerServicer
 from tether.v1 import (
     gateway_pb2_grpc,
@@ -28,7 +29,7 @@ from tether.v1 import (
 log = logging.getLogger("tether.scheduler")
 
 
-class SchedulerSettings(CommonSettings):
+class SchedulerSettings(RedisSettings):
     scheduler_grpc_host: str = "127.0.0.1"
     scheduler_grpc_port: int
     gateway_control_address: str
@@ -44,14 +45,14 @@ class SchedulerSettings(CommonSettings):
     seed: int = 0
     rollout_timeout_s: float = 300.0
     groups_per_step: int = 1  # serve-only mode: train once this many groups are scored
-    mode: str = "colocated-sync"  # colocated-sync | colocated-async | disaggregated-async
+    mode: SchedulingMode = "colocated-sync"
     max_staleness: int = 1
     max_inflight_groups: int = 0
-    sleep_level: int = 0
+    sleep_level: int = Field(0, ge=0, le=2)  # colocated modes: vLLM sleeps (level 1 or 2) while training
     max_attempts: int = 3
     # "checkpoint": inference reloads each step's checkpoint (path 1). "nccl": the trainer streams the
     # weights into vLLM (path 2; the trainer needs TETHER_WEIGHT_PUSH=nccl too), path 1 on failure.
-    weight_push: Literal["checkpoint", "nccl"] = "checkpoint"
+    weight_push: WeightPush = "checkpoint"
 
 
 async def amain(s: SchedulerSettings) -> None:

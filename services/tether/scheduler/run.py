@@ -38,12 +38,13 @@ import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from tether.common import broker
+from tether.common.settings import WeightPush
 from tether.v1 import gateway_pb2, inference_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,15 @@ PUSH_FALLBACKS = Counter(
 RESUMES = Counter("tether_scheduler_resumes_total", "Runs picked up again after a scheduler restart")
 
 
+# The backend-scheduling modes (module docstring). SchedulerSettings.mode has this type: a bad mode is
+# refused at start-up.
+SchedulingMode = Literal["colocated-sync", "colocated-async", "disaggregated-async"]
+
+
 @dataclass(frozen=True)
 class RunConfig:
+    """The run, built from SchedulerSettings (main.py), which refuse a bad value at start-up."""
+
     run_id: str
     steps: int
     tasks_per_step: int
@@ -76,16 +84,16 @@ class RunConfig:
     eval_repeats: int = 4
     rollout_timeout_s: float = 300.0
     drain_timeout_s: float = 60.0
-    mode: str = "colocated-sync"
+    mode: SchedulingMode = "colocated-sync"
     max_staleness: int = 1
     max_inflight_groups: int = 0  # async modes; 0 = (max_staleness + 1) x tasks_per_step
     sleep_level: int = 0  # colocated modes: put vLLM to sleep (1 or 2) while the trainer trains
     max_attempts: int = 3  # a failed rollout is retried this many times in all, then excluded
-    weight_push: str = "checkpoint"  # "checkpoint" (path 1) or "nccl" (path 2, path 1 as its fallback)
+    weight_push: WeightPush = "checkpoint"  # "checkpoint" (path 1) or "nccl" (path 2, path 1 as its fallback)
 
 
-MODES = ("colocated-sync", "colocated-async", "disaggregated-async")
-WEIGHT_PUSHES = ("checkpoint", "nccl")
+MODES: tuple[SchedulingMode, ...] = get_args(SchedulingMode)
+WEIGHT_PUSHES: tuple[WeightPush, ...] = get_args(WeightPush)
 
 
 def _stream_id(entry: str) -> tuple[int, int]:

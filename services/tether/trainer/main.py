@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from pydantic import field_validator, model_validator
+from pydantic import Field, model_validator
 
-from tether.algorithms.losses import LOSS_MODES
+from tether.algorithms.names import KLEstimator, LossMode, OffPolicyMode
 from tether.common.grpc_server import run_until_signal, start_server
 from tether.common.logs import setup_logging
-from tether.common.settings import CommonSettings
+from tether.common.settings import CommonSettings, WeightPush
 from tether.trainer import distributed, weights
 from tether.trainer.distributed import Dist
 from tether.trainer.servicer import TrainerServicer
@@ -34,7 +34,6 @@ log = logging.getLogger("tether.trainer")
 
 
 class TrainerSettings(CommonSettings):
-    redis_url: str = ""
     trainer_grpc_host: str = "127.0.0.1"
     trainer_grpc_port: int
     model_dir: str
@@ -43,17 +42,17 @@ class TrainerSettings(CommonSettings):
     checkpoint_keep: int = 3
     resume: bool = True
     lr: float = 1e-3
-    kl_coef: float = 0.0  # > 0: add kl_coef x KL(policy || base model) per token (k1 | k2 | k3 estimator)
-    kl_estimator: str = "k3"
+    kl_coef: float = Field(0.0, ge=0)  # > 0: add kl_coef x KL(policy || base model) per token
+    kl_estimator: KLEstimator = "k3"
     adam_beta2: float = 0.99
     weight_decay: float = 0.0
-    loss_mode: str = "token-mean"
+    loss_mode: LossMode = "token-mean"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip_c: float = 3.0  # 0 = no dual clip
     max_grad_norm: float = 1.0
     # Off-policy correction: ppo (ratio vs rollout logprobs), tis (truncated IS), mask (drop tokens).
-    off_policy: Literal["ppo", "tis", "mask"] = "ppo"
+    off_policy: OffPolicyMode = "ppo"
     tis_cap: float = 2.0
     mask_low: float = 0.5
     mask_high: float = 2.0
@@ -75,7 +74,7 @@ class TrainerSettings(CommonSettings):
     # Weight push: "checkpoint" (path 1: inference reloads the checkpoint) or "nccl" (path 2: PushWeights
     # streams the weights into vLLM's workers; needs vllm_url and vLLM started with
     # --weight-transfer-config '{"backend": "nccl"}'). "gloo" is the CPU transport the tests use.
-    weight_push: Literal["checkpoint", "nccl"] = "checkpoint"
+    weight_push: WeightPush = "checkpoint"
     vllm_url: str = ""
     weight_push_backend: Literal["nccl", "gloo"] = "nccl"
     weight_push_master_address: str = "127.0.0.1"  # this trainer, as the vLLM workers reach it
@@ -83,13 +82,6 @@ class TrainerSettings(CommonSettings):
     weight_push_attempts: int = 2
     weight_push_timeout_s: float = 600.0
     weight_push_dtype: Literal["", "bfloat16", "float16"] = ""  # cast floating-point weights on the wire
-
-    @field_validator("loss_mode")
-    @classmethod
-    def _known_loss_mode(cls, v: str) -> str:
-        if v not in LOSS_MODES:
-            raise ValueError(f"choose one of {', '.join(LOSS_MODES)}")
-        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:

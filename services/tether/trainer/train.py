@@ -33,54 +33,39 @@ from dataclasses import dataclass
 import torch
 
 from tether.algorithms.losses import (
-    KL_ESTIMATORS,
-    LOSS_MODES,
     kl_to_reference,
     logprob_mismatch,
     ppo_token_loss,
     token_weights,
     truncated_is_weights,
 )
+from tether.algorithms.names import OFF_POLICY_MODES, KLEstimator, LossMode, OffPolicyMode
 from tether.common.records import SampleRecord
 from tether.trainer import distributed
 
-OFF_POLICY_MODES = ("ppo", "tis", "mask")
 _MAX_LOG_RATIO = 20.0
 
 
 @dataclass(frozen=True)
 class StepConfig:
-    loss_mode: str = "token-mean"
+    """One optimisation step's choices, built from TrainerSettings (main.step_config), which refuse a
+    bad value at start-up; not checked again here."""
+
+    loss_mode: LossMode = "token-mean"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip_c: float | None = 3.0
     max_grad_norm: float = 1.0
     micro_batch_tokens: int = 4096
     pad_token_id: int = 0
-    off_policy: str = "ppo"
+    off_policy: OffPolicyMode = "ppo"
     tis_cap: float = 2.0
     mask_low: float = 0.5
     mask_high: float = 2.0
     pack: bool = True
     bf16: bool = False
     kl_coef: float = 0.0
-    kl_estimator: str = "k3"
-
-    def __post_init__(self) -> None:
-        if self.kl_coef < 0 or self.kl_estimator not in KL_ESTIMATORS:
-            raise ValueError(f"kl_coef must be >= 0 and kl_estimator one of {', '.join(KL_ESTIMATORS)}")
-        if self.loss_mode not in LOSS_MODES:
-            raise ValueError(f"unknown loss mode {self.loss_mode!r}; choose one of {', '.join(LOSS_MODES)}")
-        if self.off_policy not in OFF_POLICY_MODES:
-            raise ValueError(
-                f"unknown off-policy mode {self.off_policy!r}; choose one of {', '.join(OFF_POLICY_MODES)}"
-            )
-        if self.tis_cap <= 0:
-            raise ValueError(f"tis_cap must be positive, got {self.tis_cap}")
-        if not 0 < self.mask_low <= 1.0 <= self.mask_high:
-            raise ValueError(f"need 0 < mask_low <= 1 <= mask_high, got [{self.mask_low}, {self.mask_high}]")
-        if self.micro_batch_tokens < 2:
-            raise ValueError("micro_batch_tokens must be at least 2")
+    kl_estimator: KLEstimator = "k3"
 
 
 @dataclass
@@ -354,7 +339,7 @@ def target_logprobs(model: torch.nn.Module, mb: MicroBatch, keep_logits: bool = 
 def off_policy_correction(
     train_logprobs: torch.Tensor,
     rollout_logprobs: torch.Tensor,
-    mode: str,
+    mode: OffPolicyMode,
     cap: float = 2.0,
     low: float = 0.5,
     high: float = 2.0,
