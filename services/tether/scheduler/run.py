@@ -10,13 +10,15 @@
   `max_staleness` versions before the weights being updated: dispatch is throttled to
   (max_staleness + 1) x P groups running or ready, a step waits for any running group that would be too
   old after it and trains the oldest ready groups first, so at most P groups come due in a step and none
-  has to be dropped (a group that still ends up too old is dropped, counted).
+  has to be dropped (a group that still ends up too old is dropped, counted). These decisions are
+  tether.scheduler.plan's pure functions; the loops here carry them out.
 
 Weights reach inference by path 1 (inference reloads the checkpoint the trainer wrote) or, with
 `weight_push="nccl"`, by path 2 (the trainer streams them into vLLM's workers while generation is
-paused), falling back to path 1 when a path-2 push fails (docs/weight-push.md).
+paused), falling back to path 1 when a path-2 push fails (docs/weight-push.md;
+tether.scheduler.publish).
 
-Run state lives in Redis, so a scheduler killed at any point and started again continues from the
+Run state (tether.common.records.RunState) lives in Redis, so a scheduler killed at any point and started again continues from the
 last completed step with the same version chain (docs/trainer.md, "Restarts"):
 - before a step trains, its groups are written down (`pending`); a restarted scheduler finishes that
   step with exactly those groups and step number, and the trainer answers with its record if it had
