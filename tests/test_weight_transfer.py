@@ -770,7 +770,12 @@ async def test_scheduler_weight_push_wiring(tmp_path):
                 inference_pb2.LoadWeightsRequest(checkpoint_dir=fifth.checkpoint_dir, version=5)
             )
             served_is(fifth)
-            assert not inference.loader.unsafe and fake.log == ["pause:keep", "reload:v000005", "reset", "resume"]
+            assert not inference.loader.unsafe and fake.log == [
+                "pause:keep",
+                "reload:v000005",
+                "reset",
+                "resume",
+            ]
         finally:
             await steps.close_pusher()
             for server, ch in servers:

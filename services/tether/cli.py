@@ -135,14 +135,17 @@ def _stop_on_signals(stack) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def _run_status(redis_url: str, namespace: str) -> dict:
+def _run_status(redis_url: str, namespace: str):
+    """The run's state (tether.common.records.RunState), None until the scheduler has written it."""
     import redis
 
     from tether.common.broker import Keys
+    from tether.common.records import RunState
 
     r = redis.Redis.from_url(redis_url, decode_responses=True)
     try:
-        return {k: json.loads(v) for k, v in r.hgetall(Keys(namespace).run).items()}
+        raw = r.hgetall(Keys(namespace).run)
+        return RunState.from_redis(raw) if raw else None
     finally:
         r.close()
 
@@ -200,14 +203,15 @@ def cmd_demo(args) -> int:
                     dlogp=f"{m['logprob_abs_diff']:.1e}",
                 )
             seen = len(steps)
-            if state.get("status") == "evaluating":
+            status = state.status if state else "starting"
+            if status == "evaluating":
                 bar.set_description("evaluating")
-            if state.get("status") in ("done", "failed", "stopped"):
+            if status in ("done", "failed", "stopped"):
                 break
             time.sleep(0.5)
         bar.close()
-        if state.get("status") != "done":
-            raise StackError(f"run {state.get('status')}: {state.get('error', '')}")
+        if status != "done":
+            raise StackError(f"run {status}: {state.error if state else ''}")
     except KeyboardInterrupt:
         print("\ninterrupted: stopping the stack", flush=True)
         stack.stop()

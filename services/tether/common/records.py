@@ -7,7 +7,10 @@ verdict on one rollout (trained, or why it never will be), read back by the gate
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+import json
+import types
+import typing
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 
@@ -166,3 +169,109 @@ class TrainingOutcome:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainingOutcome:
         return _from_dict(cls, data)
+
+
+# --- Run state (scheduler -> Redis hash `Keys.run`; read by the scheduler's servicer and the CLI) ------
+
+
+def _checked(owner: str, name: str, value: Any, hint: Any) -> Any:
+    """`value` (decoded JSON) if it has the annotated type's shape: str, int, float (an int is made a
+    float), bool, list, dict, a nested record's dict, or one of them or None. Deeper structure is the
+    nested record's business."""
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    for t in options:
+        origin = typing.get_origin(t) or t
+        if t is type(None):
+            if value is None:
+                return value
+        elif origin is float:
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                return float(value)
+        elif origin is int:
+            if isinstance(value, int) and not isinstance(value, bool):
+                return value
+        elif hasattr(origin, "from_dict"):
+            if isinstance(value, dict):
+                return origin.from_dict(value)
+        elif isinstance(value, origin):
+            return value
+    raise ValueError(f"{owner}.{name}: {value!r} is not {hint}")
+
+
+def _strict(cls, data: dict[str, Any]):
+    """`cls` from `data`: unknown fields, missing required ones and values of the wrong type are
+    errors, never dropped or defaulted."""
+    known = {f.name: f for f in fields(cls)}
+    unknown = data.keys() - known.keys()
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    required = {n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING}
+    missing = required - data.keys()
+    if missing:
+        raise ValueError(f"{cls.__name__}: missing fields {sorted(missing)}")
+    hints = typing.get_type_hints(cls)
+    return cls(**{k: _checked(cls.__name__, k, v, hints[k]) for k, v in data.items()})
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A step whose groups were chosen and written down before it trains: a restarted scheduler
+    finishes it with exactly these (tether.scheduler.run, `resume_pending`)."""
+
+    step: int
+    take: list[str]  # groups to train
+    drop: list[str]  # groups the trainer drops from its buffer (too old)
+    results: list[dict[str, Any]]  # the group results the step reports
+    version_before: int
+    rollout_s: float
+    extra: dict[str, float] = field(default_factory=dict)  # more fields for the step's record
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PendingStep:
+        return _strict(cls, data)
+
+
+@dataclass(frozen=True)
+class RunState:
+    """The run as the scheduler keeps it in the Redis hash `Keys.run`: one field per attribute, each
+    holding its value as JSON (so a partial update writes only the fields it changes, and an
+    operator's `HGETALL` reads plainly). A run's hash always holds the required fields: the scheduler
+    writes them all in its first write of a run. Readers: the scheduler (exact resume after a
+    restart), its GetRun, the CLI (`tether demo` follows the status)."""
+
+    run_id: str
+    total_steps: int
+    run_dir: str
+    mode: str  # the scheduling mode (tether.scheduler.run.MODES)
+    next_step: int  # the first step not yet finished
+    weight_version: int  # the version inference serves
+    status: str = "starting"  # rolling_out, training, pushing, evaluating, serving, done, stopped, failed
+    step: int = 0  # the step being run
+    reward_mean: float = 0.0  # the last finished step's (NaN when it had no rollouts)
+    checkpoint_dir: str = ""  # the checkpoint of `weight_version` (copied to final-model at the end)
+    slept: bool = False  # vLLM was put to sleep for a colocated step (a restarted scheduler wakes it)
+    results_cursor: str = ""  # where the step's group results start in their stream
+    pending: PendingStep | None = None
+    last_record: dict[str, Any] | None = None  # the last finished step's metrics record
+    dispatched: int = 0  # async modes: groups dispatched so far (the task draws to replay)
+    stale_dropped: int = 0  # async modes: groups dropped as too old, in all
+    eval_cursor: str = ""  # where the evaluation's group results start
+    eval_record: dict[str, Any] | None = None
+    eval_reward: float | None = None
+    error: str = ""  # why the run failed
+
+    def to_redis(self, names: typing.Iterable[str] | None = None) -> dict[str, str]:
+        """The hash fields for `names` (every field when None), each value as JSON."""
+        out = {}
+        for name in [f.name for f in fields(self)] if names is None else names:
+            value = getattr(self, name)
+            out[name] = json.dumps(value.to_dict() if isinstance(value, PendingStep) else value)
+        return out
+
+    @classmethod
+    def from_redis(cls, raw: dict[str, str]) -> RunState:
+        """Strict: an unknown field, a missing required one or a value of the wrong type is an error."""
+        return _strict(cls, {k: json.loads(v) for k, v in raw.items()})

@@ -10,13 +10,15 @@
   `max_staleness` versions before the weights being updated: dispatch is throttled to
   (max_staleness + 1) x P groups running or ready, a step waits for any running group that would be too
   old after it and trains the oldest ready groups first, so at most P groups come due in a step and none
-  has to be dropped (a group that still ends up too old is dropped, counted).
+  has to be dropped (a group that still ends up too old is dropped, counted). These decisions are
+  tether.scheduler.plan's pure functions; the loops here carry them out.
 
 Weights reach inference by path 1 (inference reloads the checkpoint the trainer wrote) or, with
 `weight_push="nccl"`, by path 2 (the trainer streams them into vLLM's workers while generation is
-paused), falling back to path 1 when a path-2 push fails (docs/weight-push.md).
+paused), falling back to path 1 when a path-2 push fails (docs/weight-push.md;
+tether.scheduler.publish).
 
-Run state lives in Redis, so a scheduler killed at any point and started again continues from the
+Run state (tether.common.records.RunState) lives in Redis, so a scheduler killed at any point and started again continues from the
 last completed step with the same version chain (docs/trainer.md, "Restarts"):
 - before a step trains, its groups are written down (`pending`); a restarted scheduler finishes that
   step with exactly those groups and step number, and the trainer answers with its record if it had
@@ -31,6 +33,7 @@ last completed step with the same version chain (docs/trainer.md, "Restarts"):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -44,7 +47,20 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from tether.common import broker
+from tether.common.records import PendingStep, RunState
 from tether.common.settings import WeightPush
+from tether.scheduler.plan import (
+    Ready,
+    Wait,
+    async_budget,
+    async_dispatch_count,
+    plan_async_step,
+    serve_should_train,
+    sync_group_ids,
+    sync_missing,
+    sync_take,
+)
+from tether.scheduler.publish import WeightPublisher
 from tether.v1 import gateway_pb2, inference_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
@@ -58,10 +74,6 @@ PUSH_SECONDS = Histogram(
     "Time to make inference serve a step's weights",
     ["path"],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
-)
-PUSH_FALLBACKS = Counter(
-    "tether_scheduler_weight_push_fallbacks_total",
-    "Path-2 pushes that failed and were replaced by a checkpoint load",
 )
 RESUMES = Counter("tether_scheduler_resumes_total", "Runs picked up again after a scheduler restart")
 
@@ -93,7 +105,6 @@ class RunConfig:
 
 
 MODES: tuple[SchedulingMode, ...] = get_args(SchedulingMode)
-WEIGHT_PUSHES: tuple[WeightPush, ...] = get_args(WeightPush)
 
 
 def _stream_id(entry: str) -> tuple[int, int]:
@@ -142,26 +153,34 @@ class Run:
         self.stubs = stubs
         self.tasks = tasks
         self.stop_requested = False
-        self.state: dict[str, Any] = {
-            "status": "starting",
-            "step": 0,
-            "weight_version": 0,
-            "reward_mean": 0.0,
-        }
+        self.state = RunState(
+            run_id=cfg.run_id,
+            total_steps=cfg.steps,
+            run_dir=str(cfg.run_dir),
+            mode=cfg.mode,
+            next_step=0,
+            weight_version=0,
+        )
         self.inflight_key = f"{keys.run}:inflight"  # async modes: group id -> {version, cursor, task}
-        self.push_path = ""
+        self.publisher = WeightPublisher(stubs.inference, stubs.trainer, cfg.weight_push)
+
+    @property
+    def push_path(self) -> str:
+        """How the last step's weights reached inference (WeightPublisher.path)."""
+        return self.publisher.path
 
     def _encoded(self) -> dict[str, str]:
-        return {k: json.dumps(v) for k, v in self.state.items()}
+        return self.state.to_redis()
 
     async def save_state(self, **changes: Any) -> None:
         """Update the run state and write the changed fields (finish_step writes them all at once)."""
-        self.state.update(changes)
-        await self.r.hset(self.keys.run, mapping={k: json.dumps(v) for k, v in changes.items()})
+        self.state = dataclasses.replace(self.state, **changes)
+        await self.r.hset(self.keys.run, mapping=self.state.to_redis(changes))
 
-    async def load_state(self) -> dict[str, Any]:
+    async def load_state(self) -> RunState | None:
+        """The run state Redis holds (strictly decoded: a bad field is an error), None if none."""
         raw = await self.r.hgetall(self.keys.run)
-        return {k: json.loads(v) for k, v in raw.items()}
+        return RunState.from_redis(raw) if raw else None
 
     async def results_cursor(self) -> str:
         last = await self.r.xrevrange(self.keys.group_results, count=1)
@@ -198,7 +217,7 @@ class Run:
         """Group results for `group_ids`, read from the results stream after `cursor`."""
         found: dict[str, dict] = {}
         deadline = time.monotonic() + self.cfg.rollout_timeout_s
-        while len(found) < len(group_ids) and time.monotonic() < deadline:
+        while sync_missing(group_ids, found) and time.monotonic() < deadline:
             cursor, batch = await self.read_results(cursor, 500)
             found.update((rec["group_id"], rec) for rec in batch if rec["group_id"] in group_ids)
         if len(found) < len(group_ids):
@@ -254,55 +273,15 @@ class Run:
                 await self.save_state(slept=False)
             # Colocated: admit again; disaggregated: tell the gateway which version now serves.
             await self.stubs.gateway.ResumeAdmission(
-                gateway_pb2.ResumeAdmissionRequest(weight_version=self.state["weight_version"])
+                gateway_pb2.ResumeAdmissionRequest(weight_version=self.state.weight_version)
             )
         paused_s = time.perf_counter() - t0 if colocated else push_s
         return dict(resp.metrics), push_s, paused_s
 
     async def load_weights(self, resp) -> int:
-        """Make inference serve a trained step's weights; returns the version it serves. Path 2 when
-        configured: pause generation, the trainer streams the weights into vLLM's workers (and drops the
-        prefix cache), resume. If that fails, vLLM is still paused and may hold part of the new weights,
-        so path 1 follows: inference reloads the step's checkpoint as a whole, then resumes (if that
-        fails too, inference restores its previous checkpoint or stays paused; see
-        tether.inference.servicer)."""
-        want = resp.weight_version
-        if self.cfg.weight_push == "nccl":
-            await self.stubs.inference.Pause(inference_pb2.PauseRequest(mode="keep"))
-            try:
-                await self.stubs.trainer.PushWeights(trainer_pb2.PushWeightsRequest(version=want))
-                served = (await self.stubs.inference.GetWeightVersion(types_pb2.Empty())).version
-            except grpc.aio.AioRpcError as exc:
-                log.warning(
-                    "path-2 push of version %d failed (%s: %s); loading %s instead",
-                    want,
-                    exc.code(),
-                    exc.details(),
-                    resp.checkpoint_dir,
-                )
-            else:
-                if served == want:
-                    await self.stubs.inference.Resume(types_pb2.Empty())
-                    self.push_path = "nccl"
-                    return served
-                log.warning(
-                    "after a path-2 push vLLM serves version %d, not %d; loading %s instead",
-                    served,
-                    want,
-                    resp.checkpoint_dir,
-                )
-            PUSH_FALLBACKS.inc()
-        await self._load_checkpoint(resp.checkpoint_dir, want)
-        self.push_path = "checkpoint" if self.cfg.weight_push == "checkpoint" else "checkpoint-fallback"
-        return want
-
-    async def _load_checkpoint(self, checkpoint_dir: str, version: int) -> None:
-        """Path 1: inference reloads the checkpoint as a whole and must then report its version."""
-        loaded = await self.stubs.inference.LoadWeights(
-            inference_pb2.LoadWeightsRequest(checkpoint_dir=checkpoint_dir, version=version)
-        )
-        if loaded.version != version:
-            raise RuntimeError(f"inference reports version {loaded.version}, expected {version}")
+        """Make inference serve a trained step's weights (WeightPublisher.publish); returns the version
+        it serves."""
+        return await self.publisher.publish(resp)
 
     def write_metrics(self, record: dict[str, Any]) -> None:
         with open(self.cfg.run_dir / "metrics.jsonl", "a") as f:
@@ -327,7 +306,7 @@ class Run:
         step_s = time.perf_counter() - started
         return {
             "step": step,
-            "weight_version": self.state["weight_version"],
+            "weight_version": self.state.weight_version,
             **summary,
             "logprob_abs_diff": metrics.get("logprob_abs_diff", float("nan")),
             "logprob_k3_kl": metrics.get("logprob_k3_kl", float("nan")),
@@ -357,8 +336,12 @@ class Run:
         """The step's record and the run's next position in one Redis transaction (with the in-flight
         groups the step used up), then metrics.jsonl and the metrics stream. A restart between the two
         halves rewrites the record from the run state (`recover_metrics`)."""
-        self.state.update(
-            next_step=record["step"] + 1, reward_mean=record["reward_mean"], pending=None, last_record=record
+        self.state = dataclasses.replace(
+            self.state,
+            next_step=record["step"] + 1,
+            reward_mean=record["reward_mean"],
+            pending=None,
+            last_record=record,
         )
         async with self.r.pipeline(transaction=True) as pipe:
             pipe.hset(self.keys.run, mapping=self._encoded())
@@ -370,7 +353,7 @@ class Run:
             "step %d reward %.3f version %d (%.1fs)",
             record["step"],
             record["reward_mean"],
-            self.state["weight_version"],
+            self.state.weight_version,
             record["step_seconds"],
         )
 
@@ -389,52 +372,36 @@ class Run:
             if path.exists()
             else []
         )
-        record = self.state.get("last_record")
+        record = self.state.last_record
         if record and not any(m.get("step") == record["step"] for m in lines):
             log.info("reporting step %d, finished before the restart", record["step"])
             await self.report(record)
-        evaluated = self.state.get("eval_record")
+        evaluated = self.state.eval_record
         if evaluated and not any("eval_reward" in m for m in lines):
             self.write_metrics(evaluated)
 
     async def reconcile_weights(self) -> int:
-        """Bring inference to the trainer's newest version (a restart can come between training and the
-        push, and an inference server that restarted is back on its base model), wake it and resume
-        generation (a push or a sleep cut short leaves it paused or asleep). Returns the served version."""
-        if self.state.get("slept"):
+        """Wake vLLM if a colocated step had put it to sleep (a sleep cut short leaves it asleep), then
+        bring inference to the trainer's newest version and resume generation
+        (WeightPublisher.reconcile). Returns the served version."""
+        if self.state.slept:
             await self.stubs.inference.WakeUp(types_pb2.Empty())
             await self.save_state(slept=False)
-        trainer = await self.stubs.trainer.GetStatus(types_pb2.Empty())
-        served = await self.stubs.inference.GetWeightVersion(types_pb2.Empty())
-        if trainer.weight_version and (served.version, served.checkpoint_dir) != (
-            trainer.weight_version,
-            trainer.checkpoint_dir,
-        ):
-            log.info(
-                "inference serves version %d (%s), the trainer is at %d: loading %s",
-                served.version,
-                served.checkpoint_dir or "pushed",
-                trainer.weight_version,
-                trainer.checkpoint_dir,
-            )
-            await self._load_checkpoint(trainer.checkpoint_dir, trainer.weight_version)
-            return trainer.weight_version
-        await self.stubs.inference.Resume(types_pb2.Empty())
-        return served.version
+        return await self.publisher.reconcile()
 
     async def start_run(self) -> int:
         """Start the run, or pick it up where a previous scheduler left it (same run id). Returns the
         first step to run."""
         previous = await self.load_state()
-        if previous.get("run_id") == self.cfg.run_id:
-            start = int(previous.get("next_step", 0))
-            self.state.update(previous)
+        if previous is not None and previous.run_id == self.cfg.run_id:
+            start = previous.next_step
+            self.state = previous
             RESUMES.inc()
             log.info(
                 "resuming run %s at step %d (%s when the previous scheduler stopped)",
                 self.cfg.run_id,
                 start,
-                previous.get("status"),
+                previous.status,
             )
         else:
             start = 0
@@ -454,10 +421,6 @@ class Run:
         return start
 
     async def train(self) -> None:
-        if self.cfg.mode not in MODES:
-            raise ValueError(f"unknown mode {self.cfg.mode!r}; expected one of {MODES}")
-        if self.cfg.weight_push not in WEIGHT_PUSHES:
-            raise ValueError(f"unknown weight push {self.cfg.weight_push!r}; expected one of {WEIGHT_PUSHES}")
         start = await self.start_run()
         if self.cfg.mode == "colocated-sync":
             await self.train_sync(start)
@@ -479,19 +442,19 @@ class Run:
         """Write the step's groups down, train and push, then finish the step. Every argument is saved
         first, so a restarted scheduler can run this again with the same groups (`resume_pending`)."""
         await self.save_state(
-            pending={
-                "step": step,
-                "take": take,
-                "drop": drop,
-                "results": results,
-                "version_before": version_before,
-                "rollout_s": rollout_s,
-                "extra": extra or {},
-            }
+            pending=PendingStep(
+                step=step,
+                take=take,
+                drop=drop,
+                results=results,
+                version_before=version_before,
+                rollout_s=rollout_s,
+                extra=extra or {},
+            )
         )
         metrics: dict[str, float] = {}
         push_s = paused_s = 0.0
-        self.push_path = ""
+        self.publisher.path = ""
         if take:
             metrics, push_s, paused_s = await self.push(step, take, drop, colocated)
         record = self.step_record(
@@ -504,32 +467,32 @@ class Run:
 
     async def resume_pending(self, step: int, colocated: bool) -> bool:
         """Finish `step` if its groups were chosen before a restart; False if there is nothing to finish."""
-        pending = self.state.get("pending")
-        if not pending or pending["step"] != step:
+        pending = self.state.pending
+        if not pending or pending.step != step:
             return False
         log.info(
             "finishing step %d with the groups chosen before the restart (%d to train)",
             step,
-            len(pending["take"]),
+            len(pending.take),
         )
         await self.train_step(
             step,
-            pending["take"],
-            pending["drop"],
-            pending["results"],
-            pending["version_before"],
+            pending.take,
+            pending.drop,
+            pending.results,
+            pending.version_before,
             time.perf_counter(),
-            pending["rollout_s"],
+            pending.rollout_s,
             colocated,
-            pending["extra"],
+            pending.extra,
         )
         return True
 
     async def step_cursor(self, step: int) -> str:
         """Where the step's group results start in the results stream, saved with the step, so that a
         restarted scheduler re-reads results that arrived before it went down."""
-        if self.state.get("step") == step and self.state.get("results_cursor"):
-            return self.state["results_cursor"]
+        if self.state.step == step and self.state.results_cursor:
+            return self.state.results_cursor
         cursor = await self.results_cursor()
         await self.save_state(status="rolling_out", step=step, results_cursor=cursor)
         return cursor
@@ -549,17 +512,17 @@ class Run:
             t0 = time.perf_counter()
             cursor = await self.step_cursor(step)
             await self.save_state(status="rolling_out")
-            group_ids = [f"{self.cfg.run_id}-s{step}-g{i}" for i in range(len(chosen))]
+            group_ids = sync_group_ids(self.cfg.run_id, step, len(chosen))
             for gid, task in zip(group_ids, chosen, strict=True):
                 await self.dispatch(gid, task, self.cfg.group_size, {"step": step, "run_id": self.cfg.run_id})
             results = await self.wait_groups(set(group_ids), cursor)
-            trained = [g["group_id"] for g in results if g["outcome"] == "trained"]
+            trained = sync_take([(g["group_id"], g["outcome"]) for g in results])
             await self.train_step(
                 step,
                 trained,
                 [],
                 results,
-                self.state["weight_version"],
+                self.state.weight_version,
                 t0,
                 time.perf_counter() - t0,
                 colocated=True,
@@ -570,12 +533,10 @@ class Run:
         (dispatched again: publishing is idempotent, so only one lost between saving and dispatching
         goes out now), and the stream position their results start at."""
         saved = {gid: json.loads(v) for gid, v in (await self.r.hgetall(self.inflight_key)).items()}
-        pending = self.state.get("pending") or {}
-        taken = {
-            *pending.get("take", ()),
-            *pending.get("drop", ()),
-            *(g["group_id"] for g in pending.get("results", ())),
-        }
+        pending = self.state.pending
+        taken = (
+            {*pending.take, *pending.drop, *(g["group_id"] for g in pending.results)} if pending else set()
+        )
         for gid, g in saved.items():
             await self.dispatch(
                 gid, g["task"], self.cfg.group_size, {"step": g["step"], "run_id": self.cfg.run_id}
@@ -586,9 +547,9 @@ class Run:
     async def train_async(self, start: int, colocated: bool) -> None:
         """Groups stay in flight across steps; a step trains on the first P complete groups."""
         P, k = self.cfg.tasks_per_step, self.cfg.max_staleness
-        budget = self.cfg.max_inflight_groups or (k + 1) * P
+        budget = async_budget(self.cfg.max_inflight_groups, k, P)
         rng = random.Random(self.cfg.seed)
-        n = int(self.state.get("dispatched", 0))
+        n = self.state.dispatched
         for _ in range(n):
             rng.choice(self.tasks)  # the same task sequence as an uninterrupted run
         outstanding, saved_cursor = await self.restore_inflight()
@@ -599,7 +560,7 @@ class Run:
         ready: list[dict] = []
         window: list[dict] = []
         dropped: list[str] = []
-        dropped_total = int(self.state.get("stale_dropped", 0))
+        dropped_total = self.state.stale_dropped
         t0 = time.perf_counter()
         await self.save_state(status="rolling_out", step=step)
         while step < self.cfg.steps:
@@ -607,30 +568,28 @@ class Run:
                 await self.save_state(status="stopped")
                 return
             STEP.set(step)
-            # Ready groups not yet trained count against the budget too (AReaL's rule: dispatched <=
-            # (version + k + 1) x P), so at most P groups are ever due in one step: the wait below fits.
-            while len(outstanding) + len(ready) < budget:
+            for _ in range(async_dispatch_count(len(outstanding), len(ready), budget)):
                 gid = f"{self.cfg.run_id}-a{step}-{n}"
                 task = rng.choice(self.tasks)
                 n += 1
-                self.state["dispatched"] = n
+                self.state = dataclasses.replace(self.state, dispatched=n)
                 async with self.r.pipeline(transaction=True) as pipe:  # saved before it goes out
                     pipe.hset(
                         self.inflight_key,
                         gid,
                         json.dumps(
                             {
-                                "version": self.state["weight_version"],
+                                "version": self.state.weight_version,
                                 "cursor": cursor,
                                 "task": task,
                                 "step": step,
                             }
                         ),
                     )
-                    pipe.hset(self.keys.run, "dispatched", json.dumps(n))
+                    pipe.hset(self.keys.run, mapping=self.state.to_redis(["dispatched"]))
                     await pipe.execute()
                 await self.dispatch(gid, task, self.cfg.group_size, {"step": step, "run_id": self.cfg.run_id})
-                outstanding[gid] = self.state["weight_version"]
+                outstanding[gid] = self.state.weight_version
             cursor, batch = await self.read_results(cursor, 200)
             for rec in batch:
                 if outstanding.pop(rec["group_id"], None) is None:
@@ -638,26 +597,28 @@ class Run:
                 window.append(rec)
                 if rec["outcome"] == "trained":
                     ready.append(rec)
-            version = self.state["weight_version"]
-            stale = [g for g in ready if version - g.get("min_weight_version", version) > k]
-            if stale:
-                ready = [g for g in ready if g not in stale]
-                dropped.extend(g["group_id"] for g in stale)
-                dropped_total += len(stale)
-                log.warning("dropping %d groups older than %d versions", len(stale), k)
-            if len(ready) < P:
+            version = self.state.weight_version
+            by_id = {g["group_id"]: g for g in ready}
+            plan = plan_async_step(
+                [Ready(g["group_id"], g.get("min_weight_version", version)) for g in ready],
+                outstanding,
+                version,
+                P,
+                k,
+            )
+            ready = [by_id[g.group_id] for g in plan.ready]
+            if plan.stale:
+                dropped.extend(g.group_id for g in plan.stale)
+                dropped_total += len(plan.stale)
+                log.warning("dropping %d groups older than %d versions", len(plan.stale), k)
+            if isinstance(plan, Wait):
                 continue
-            # A group still running that would be too old after this step can only be trained in it:
-            # wait for it rather than drop it later. Those are the slow rollouts (long tool calls, long
-            # episodes); dropping them would bias training toward the fast ones.
-            if any(version - v >= k for v in outstanding.values()):
-                continue
-            ready.sort(key=lambda g: g.get("min_weight_version", version))  # the oldest first
-            take, ready = ready[:P], ready[P:]
+            take = [by_id[g.group_id] for g in plan.take]
             trained_ids = {g["group_id"] for g in take}
+            kept_ids = {g["group_id"] for g in ready}
             results = [g for g in window if g["outcome"] != "trained" or g["group_id"] in trained_ids]
-            window = [g for g in window if g["outcome"] == "trained" and g in ready]
-            self.state["stale_dropped"] = dropped_total
+            window = [g for g in window if g["outcome"] == "trained" and g["group_id"] in kept_ids]
+            self.state = dataclasses.replace(self.state, stale_dropped=dropped_total)
             await self.train_step(
                 step,
                 [g["group_id"] for g in take],
@@ -677,9 +638,9 @@ class Run:
     async def evaluate(self) -> dict[str, Any]:
         """Every task `eval_repeats` times with the current weights; nothing here is trained on. Done
         once per run: a restarted scheduler re-reads the results from the saved stream position."""
-        if self.state.get("eval_record"):
-            return self.state["eval_record"]
-        cursor = self.state.get("eval_cursor") or await self.results_cursor()
+        if self.state.eval_record:
+            return self.state.eval_record
+        cursor = self.state.eval_cursor or await self.results_cursor()
         await self.save_state(status="evaluating", eval_cursor=cursor)
         group_ids = set()
         for i, task in enumerate(self.tasks):
@@ -692,7 +653,7 @@ class Run:
         record = {
             "eval_reward": sum(rewards) / len(rewards) if rewards else float("nan"),
             "eval_rollouts": len(rewards),
-            "weight_version": self.state["weight_version"],
+            "weight_version": self.state.weight_version,
             "time": time.time(),
         }
         await self.save_state(eval_record=record)
@@ -711,14 +672,14 @@ class Run:
             cursor, batch = await self.read_results(cursor, int(linger_s * 1000) if ready else 1000)
             ready.extend(rec for rec in batch if rec["outcome"] in ("trained", "filtered"))
             trained = [g["group_id"] for g in ready if g["outcome"] == "trained"]
-            if len(trained) < groups_per_step or (batch and len(trained) < 4 * groups_per_step):
+            if not serve_should_train(len(trained), bool(batch), groups_per_step):
                 continue  # keep collecting while groups are still arriving
             t0 = time.perf_counter()
             summary = step_summary(ready)
             metrics, push_s, update_s = await self.push(step, trained)
             record = {
                 "step": step,
-                "weight_version": self.state["weight_version"],
+                "weight_version": self.state.weight_version,
                 **summary,
                 "logprob_abs_diff": metrics.get("logprob_abs_diff", float("nan")),
                 "constrained_tokens_masked": metrics.get("constrained_tokens_masked", 0.0),
@@ -739,10 +700,10 @@ class Run:
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
         try:
             await self.train()
-            if self.state.get("status") == "stopped":
+            if self.state.status == "stopped":
                 return
             record = await self.evaluate()
-            ckpt = self.state.get("checkpoint_dir")
+            ckpt = self.state.checkpoint_dir
             if ckpt:
                 final = self.cfg.run_dir / "final-model"
                 if final.exists():

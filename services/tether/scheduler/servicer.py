@@ -14,13 +14,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     def _state(self) -> scheduler_pb2.RunState:
         s = self.run.state
-        reward = s.get("reward_mean", 0.0)
+        reward = s.reward_mean
         return scheduler_pb2.RunState(
-            status=s.get("status", ""),
-            step=int(s.get("step", 0)),
+            status=s.status,
+            step=s.step,
             total_steps=self.run.cfg.steps,
-            weight_version=int(s.get("weight_version", 0)),
-            reward_mean=reward if isinstance(reward, float) and math.isfinite(reward) else 0.0,
+            weight_version=s.weight_version,
+            reward_mean=reward if math.isfinite(reward) else 0.0,
             run_dir=str(self.run.cfg.run_dir),
         )
 
