@@ -40,7 +40,7 @@ def rdb(redis_port):
 
 @pytest.fixture(scope="module")
 def vllm():
-    from fake_vllm import FakeVLLM
+    from fakes.vllm_openai import FakeVLLM
 
     with FakeVLLM() as server:
         yield server
@@ -59,7 +59,11 @@ def pytest_unconfigure(config):
     import sys
 
     status = getattr(config, "_tether_exitstatus", None)
-    if status is not None:
+    if os.environ.get("TMP_NO_EXIT"):
+        import threading
+
+        print("THREADS AT END:", [(t.name, t.daemon) for t in threading.enumerate()], file=sys.stderr)
+    if status is not None and not os.environ.get("TMP_NO_EXIT"):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)
@@ -68,7 +72,7 @@ def pytest_unconfigure(config):
 @pytest.fixture(scope="module")
 def gw(redis_port, vllm):
     """A GatewayServer in-process against the vLLM look-alike (a test module may define its own)."""
-    from fake_vllm import InProcessGateway, gateway_settings
+    from gateway_helpers import InProcessGateway, gateway_settings
 
     with InProcessGateway(gateway_settings(redis_port, vllm.url)) as g:
         yield g
