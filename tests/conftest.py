@@ -46,29 +46,6 @@ def vllm():
         yield server
 
 
-# Native threads that torch.distributed (gloo) and gRPC leave behind can abort the interpreter in
-# their static destructors ("terminate called without an active exception") after every test has
-# passed. Once pytest has reported, leave with its own exit status and skip those destructors.
-def pytest_sessionfinish(session, exitstatus):
-    session.config._tether_exitstatus = int(exitstatus)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config):
-    import os
-    import sys
-
-    status = getattr(config, "_tether_exitstatus", None)
-    if os.environ.get("TMP_NO_EXIT"):
-        import threading
-
-        print("THREADS AT END:", [(t.name, t.daemon) for t in threading.enumerate()], file=sys.stderr)
-    if status is not None and not os.environ.get("TMP_NO_EXIT"):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-
-
 @pytest.fixture(scope="module")
 def gw(redis_port, vllm):
     """A GatewayServer in-process against the vLLM look-alike (a test module may define its own)."""

@@ -208,11 +208,11 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         if body.get("stream"):
             self._stream(body, n, plan)
             return
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": plan.text() if plan.prefix else None,
-            "tool_calls": [],
-        }
+        # vLLM 0.32 leaves `tool_calls` out of a message without calls; a call it was made to write
+        # (tool_choice "required" or named) comes with content "", one its parser found with None.
+        forced = body.get("tool_choice") not in (None, "auto", "none")
+        content = plan.text() if plan.prefix else ("" if forced else None)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if plan.tool_name:
             message["tool_calls"] = [
                 {
@@ -456,7 +456,7 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
                                     "delta": delta,
                                     "logprobs": lp,
                                     "finish_reason": plan.finish if last else None,
-                                    "stop_reason": plan.stop_reason if last else None,
+                                    **({"stop_reason": plan.stop_reason} if last else {}),
                                     "token_ids": [choice_ids(i)[k]],
                                 }
                             ],
@@ -601,12 +601,7 @@ def canned(model: str = MODEL) -> tuple[bytes, list[bytes]]:
         "choices": [
             {
                 "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": "".join(toks),
-                    "tool_calls": [],
-                    "reasoning_content": None,
-                },
+                "message": {"role": "assistant", "content": "".join(toks)},
                 "logprobs": {"content": [lp(k) for k in range(COMPLETION_TOKENS)]},
                 "finish_reason": "length",
                 "stop_reason": None,
@@ -644,7 +639,7 @@ def canned(model: str = MODEL) -> tuple[bytes, list[bytes]]:
                         "delta": {"content": toks[k]},
                         "logprobs": {"content": [lp(k)]},
                         "finish_reason": "length" if last else None,
-                        "stop_reason": None,
+                        **({"stop_reason": None} if last else {}),
                         "token_ids": [ids[k]],
                     }
                 ],
