@@ -17,9 +17,11 @@ test-fast:
 	bash scripts/setup.sh --test
 	.venv/bin/pytest -ra -m "not slow"
 
+# ruff on the whole tree; mypy on the files [tool.mypy] in pyproject.toml names.
 lint: setup
 	.venv/bin/ruff check .
 	.venv/bin/ruff format --check .
+	.venv/bin/mypy
 
 protos:
 	.venv/bin/python scripts/gen_protos.py

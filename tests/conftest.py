@@ -40,35 +40,16 @@ def rdb(redis_port):
 
 @pytest.fixture(scope="module")
 def vllm():
-    from fake_vllm import FakeVLLM
+    from fakes.vllm_openai import FakeVLLM
 
     with FakeVLLM() as server:
         yield server
 
 
-# Native threads that torch.distributed (gloo) and gRPC leave behind can abort the interpreter in
-# their static destructors ("terminate called without an active exception") after every test has
-# passed. Once pytest has reported, leave with its own exit status and skip those destructors.
-def pytest_sessionfinish(session, exitstatus):
-    session.config._tether_exitstatus = int(exitstatus)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_unconfigure(config):
-    import os
-    import sys
-
-    status = getattr(config, "_tether_exitstatus", None)
-    if status is not None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(status)
-
-
 @pytest.fixture(scope="module")
 def gw(redis_port, vllm):
     """A GatewayServer in-process against the vLLM look-alike (a test module may define its own)."""
-    from fake_vllm import InProcessGateway, gateway_settings
+    from gateway_helpers import InProcessGateway, gateway_settings
 
     with InProcessGateway(gateway_settings(redis_port, vllm.url)) as g:
         yield g

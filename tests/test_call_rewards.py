@@ -1,5 +1,5 @@
 """Per-call rewards end to end: calls through the real gateway with the `openai` SDK (its upstream is
-tests/fake_vllm.py), rewarded on `POST /v1/rollouts/{id}/calls/{call_id}/reward`, completed, then
+tests/fakes/vllm_openai.py), rewarded on `POST /v1/rollouts/{id}/calls/{call_id}/reward`, completed, then
 merged by the real merger on the same embedded Redis; the samples' advantages must carry each
 call's discounted return-to-go (oracle: `discounted_call_rewards` and the estimator's formula).
 """
@@ -14,7 +14,8 @@ import httpx
 import openai
 import pytest
 import torch
-from fake_vllm import ADMIN, MODEL, TOKEN_IDS, assert_openai_error, bearer, wait_traces
+from fakes.vllm_openai import MODEL, TOKEN_IDS
+from gateway_helpers import ADMIN, assert_openai_error, bearer, wait_traces
 
 from tether.algorithms.advantages import discounted_call_rewards
 from tether.common import broker

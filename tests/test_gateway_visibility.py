@@ -4,7 +4,7 @@ skips; the access log; the base URLs handed out work with the official SDKs; /v1
 change; models by id; key precedence and Azure's api-key header; CORS on the call routes.
 
 Against real components: an embedded Redis, the gateway in-process, the vLLM look-alike
-(tests/fake_vllm.py), driven by the `openai` and `anthropic` SDKs and httpx.
+(tests/fakes/vllm_openai.py), driven by the `openai` and `anthropic` SDKs and httpx.
 """
 
 from __future__ import annotations
@@ -15,11 +15,9 @@ import time
 import anthropic
 import openai
 import pytest
-from fake_vllm import (
+from fakes.vllm_openai import MODEL, PROMPT_IDS, TOKEN_IDS
+from gateway_helpers import (
     ADMIN,
-    MODEL,
-    PROMPT_IDS,
-    TOKEN_IDS,
     InProcessGateway,
     assert_openai_error,
     bearer,

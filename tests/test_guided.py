@@ -15,7 +15,7 @@ import httpx
 import orjson
 import pytest
 import test_sdk_conformance as sdk
-from fake_vllm import InProcessGateway, gateway_settings, wait_traces
+from gateway_helpers import InProcessGateway, gateway_settings, wait_traces
 
 from tether.gateway import messages, responses
 from tether.gateway.capture import upstream_chat_body

@@ -12,16 +12,8 @@ import json
 import httpx
 import orjson
 import pytest
-from fake_vllm import (
-    LOGPROBS,
-    MODEL,
-    PROMPT_IDS,
-    TOKEN_IDS,
-    TOOL_ARGS,
-    assert_openai_error,
-    bearer,
-    wait_traces,
-)
+from fakes.vllm_openai import LOGPROBS, MODEL, PROMPT_IDS, TOKEN_IDS, TOOL_ARGS
+from gateway_helpers import assert_openai_error, bearer, wait_traces
 
 from tether.gateway.messages import parse_messages_request
 from tether.gateway.responses import ResponsesStream, parse_responses_request

@@ -30,7 +30,7 @@ import httpx
 import openai
 import pytest
 import redis
-from fake_vllm import InProcessGateway, gateway_settings, wait_traces
+from gateway_helpers import InProcessGateway, gateway_settings, wait_traces
 from pydantic import Field
 
 from tether.common.net import free_port

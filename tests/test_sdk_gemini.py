@@ -13,7 +13,7 @@ from __future__ import annotations
 import orjson
 import pytest
 import test_sdk_conformance as conformance
-from fake_vllm import wait_traces
+from gateway_helpers import wait_traces
 from google import genai
 from google.genai import types
 from test_sdk_conformance import (

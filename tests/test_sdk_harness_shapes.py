@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fake_vllm import wait_traces
+from gateway_helpers import wait_traces
 from test_sdk_conformance import (  # noqa: F401  (fixtures)
     CALC,
     CALC_SCHEMA,

@@ -11,7 +11,8 @@ import json
 from collections import Counter
 
 import pytest
-from fake_vllm import ADMIN, MODEL, PROMPT_IDS, TOKEN_IDS, InProcessGateway, bearer, gateway_settings
+from fakes.vllm_openai import MODEL, PROMPT_IDS, TOKEN_IDS
+from gateway_helpers import ADMIN, InProcessGateway, bearer, gateway_settings
 from prometheus_client import REGISTRY
 from test_merger_service import _run_until
 

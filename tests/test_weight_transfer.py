@@ -2,7 +2,7 @@
 
 1. Bucketing properties (hypothesis): order, each tensor once, sizes, alignment, metadata, and that
    vLLM's packed consumer would receive each bucket as exactly one broadcast; pack/unpack round trip.
-2. The HTTP choreography against a look-alike vLLM written here (FakeVLLM) that checks the protocol
+2. The HTTP choreography against the look-alike vLLM (tests/fakes/vllm_control.py) that checks the protocol
    and joins the transfer group as rank 1 over gloo, receiving each bucket the way vLLM's packed NCCL
    consumer does; the served weights must end equal to the trainer's state dict.
 3. A failure injected on the 2nd bucket: the push raises, nothing is finished, a retry succeeds.
@@ -20,11 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import math
 import subprocess
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -32,8 +29,7 @@ import grpc
 import httpx
 import pytest
 import torch
-import uvicorn
-from fastapi import Body, FastAPI, HTTPException
+from fakes.vllm_control import GROUP_TIMEOUT_S, FakeVLLMControl, checkpoint, serve, vllm_chunks, vllm_unpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -52,7 +48,6 @@ from tether.trainer.weight_transfer import TransferState, WeightTransferClient, 
 from tether.v1 import inference_pb2
 
 VLLM_PYTHON = Path.home() / ".cache" / "tether" / "vllm-venv" / "bin" / "python"
-GROUP_TIMEOUT_S = 15.0
 
 DTYPES = [
     torch.float32,
@@ -74,39 +69,6 @@ def make_tensor(dtype: torch.dtype, shape: list[int], seed: int) -> torch.Tensor
     if dtype.is_floating_point:
         return torch.randn(shape, generator=g).to(dtype)
     return torch.randint(0, 100, shape, generator=g).to(dtype)
-
-
-def vllm_chunks(update_info: dict[str, Any], buffer_size: int) -> list[tuple[list[str], int]]:
-    """How vLLM's packed NCCL consumer (packed_nccl_broadcast_consumer) cuts one update's metadata into
-    broadcasts: it adds tensors until the running size exceeds `buffer_size`, receives that chunk, and
-    receives whatever is left when the metadata runs out."""
-    chunks: list[tuple[list[str], int]] = []
-    names: list[str] = []
-    size = 0
-    for name, dname, shape in zip(
-        update_info["names"], update_info["dtype_names"], update_info["shapes"], strict=True
-    ):
-        names.append(name)
-        size += math.prod(shape) * getattr(torch, dname).itemsize
-        if size > buffer_size:
-            chunks.append((names, size))
-            names, size = [], 0
-    if names:
-        chunks.append((names, size))
-    return chunks
-
-
-def vllm_unpack(flat: torch.Tensor, update_info: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """vLLM's unpack_tensor, restated: split by byte sizes, then view each slice IN PLACE as its dtype
-    (this raises when a slice's offset is not a multiple of the dtype's size)."""
-    dtypes = [getattr(torch, d) for d in update_info["dtype_names"]]
-    sizes = [math.prod(s) * d.itemsize for s, d in zip(update_info["shapes"], dtypes, strict=True)]
-    return [
-        (name, part.contiguous().view(dtype).view(shape))
-        for name, shape, dtype, part in zip(
-            update_info["names"], update_info["shapes"], dtypes, flat.split(sizes), strict=True
-        )
-    ]
 
 
 def tiny_state() -> dict[str, torch.Tensor]:
@@ -199,245 +161,6 @@ def test_nccl_group_refuses_without_cuda():
         create_transfer_group("127.0.0.1", free_port(), 2, backend="nccl")
 
 
-# -- 2./3. the look-alike vLLM --------------------------------------------------------------------------
-
-
-class FakeVLLM:
-    """Answers vLLM 0.32's weight-transfer routes (same paths and bodies) with one inference worker that
-    joins the transfer group as rank `rank_offset` over gloo. It checks the protocol — init before
-    start, start before updates, updates only inside a session, finish closes it — and records any
-    violation (answered with vLLM's error status). Each update is received the way vLLM's packed
-    consumer does it: chunks cut from the metadata alone, one broadcast each, sliced and viewed per
-    tensor. Like vLLM's layerwise reload, received tensors are applied at once; only finish sets the
-    version.
-
-    `fail=(k, "after"|"before")` makes the k-th update of the next session answer 500, after receiving
-    its broadcast (a load error) or before (a rejected request); `reject_init` answers 400 to init.
-
-    It also answers the dev routes path 1 and the inference adapter use (/pause, /resume, /is_paused,
-    /reset_prefix_cache, /update_weight_version, /collective_rpc reload_weights from a safetensors
-    folder, /health). A reload of a folder in `fail_reload` replaces one tensor, then fails (500), as a
-    reload that breaks part-way would."""
-
-    INIT_FIELDS = {
-        "master_address",
-        "master_port",
-        "rank_offset",
-        "world_size",
-        "nccl_unique_id_b64",
-        "packed",
-        "packed_buffer_size_bytes",
-        "packed_num_buffers",
-    }
-
-    def __init__(
-        self,
-        weights: dict[str, torch.Tensor],
-        *,
-        fail: tuple[int, str] | None = None,
-        reject_init: bool = False,
-    ) -> None:
-        self.weights = {k: v.clone() for k, v in weights.items()}
-        self.version = "0"
-        self.fail, self.reject_init = fail, reject_init
-        self.log: list[str] = []
-        self.violations: list[str] = []
-        self.updates: list[list[str]] = []  # names of every update received in full
-        self.chunks_per_update: list[int] = []
-        self.group = None
-        self.buffer_size = 0
-        self.active = False
-        self.session_updates = 0
-        self.paused = False
-        self.fail_reload: set[str] = set()
-        self.app = self._app()
-
-    def _violation(self, message: str) -> None:
-        self.violations.append(message)
-        raise HTTPException(500, message)  # vLLM: a RuntimeError in the worker -> 500
-
-    def _receive(self, info: dict[str, Any]) -> dict[str, torch.Tensor]:
-        out: dict[str, torch.Tensor] = {}
-        chunks = vllm_chunks(info, self.buffer_size)
-        start = 0
-        for names, size in chunks:
-            buf = torch.empty(size, dtype=torch.uint8)
-            self.group.broadcast(buf, 0)
-            part = {k: info[k][start : start + len(names)] for k in ("names", "dtype_names", "shapes")}
-            out.update((name, t.clone()) for name, t in vllm_unpack(buf, part))
-            start += len(names)
-        self.chunks_per_update.append(len(chunks))
-        return out
-
-    def _app(self) -> FastAPI:
-        app = FastAPI()
-
-        @app.post("/init_weight_transfer_engine")
-        def init(init_info: dict[str, Any] = Body(embed=True)):  # noqa: B008 - FastAPI's idiom
-            unknown = set(init_info) - self.INIT_FIELDS
-            missing = {"rank_offset", "world_size"} - set(init_info)
-            if unknown or missing or self.reject_init:
-                raise HTTPException(
-                    400, f"Invalid init_info: unknown {sorted(unknown)}, missing {sorted(missing)}"
-                )
-            if not init_info.get("packed") or init_info["world_size"] != init_info["rank_offset"] + 1:
-                self._violation(f"this fake expects packed transfer and one worker: {init_info}")
-            if self.group is not None:
-                self.group.close()
-            self.buffer_size = int(init_info["packed_buffer_size_bytes"])
-            self.group = create_transfer_group(
-                init_info["master_address"],
-                init_info["master_port"],
-                init_info["world_size"],
-                rank=init_info["rank_offset"],
-                backend="gloo",
-                timeout_s=GROUP_TIMEOUT_S,
-            )
-            self.log.append("init")
-            return {"message": "Weight transfer initialized"}
-
-        @app.post("/start_weight_update")
-        def start():
-            if self.group is None:
-                self._violation("start_weight_update before init_weight_transfer_engine")
-            if self.active:
-                self._violation("start_weight_update while a weight update is already active")
-            self.active, self.session_updates = True, 0
-            self.log.append("start")
-            return {"message": "Weight update started"}
-
-        @app.post("/update_weights")
-        def update(update_info: dict[str, Any] = Body(embed=True)):  # noqa: B008
-            if not self.active:
-                self._violation("update_weights outside a session (before start, or after finish)")
-            names, dnames, shapes = update_info["names"], update_info["dtype_names"], update_info["shapes"]
-            if not (len(names) == len(dnames) == len(shapes)):
-                raise HTTPException(400, "names, dtype_names and shapes differ in length")
-            index, self.session_updates = self.session_updates, self.session_updates + 1
-            mode = None
-            if self.fail is not None and self.fail[0] == index:
-                mode, self.fail = self.fail[1], None
-            if mode == "before":
-                self.active = False  # vLLM's worker ends the session when update_weights raises
-                raise HTTPException(500, "injected failure before receiving")
-            received = self._receive(update_info)
-            if mode == "after":
-                self.active = False
-                raise HTTPException(500, "injected failure after receiving")
-            for name, tensor in received.items():
-                old = self.weights.get(name)
-                if old is None or old.dtype != tensor.dtype or old.shape != tensor.shape:
-                    self._violation(f"{name}: no such weight with that dtype and shape")
-                self.weights[name] = tensor
-            self.updates.append(list(names))
-            self.log.append("update")
-            return {"message": "Weights updated"}
-
-        @app.post("/finish_weight_update")
-        def finish(weight_version: str | None = Body(default=None, embed=True)):  # noqa: B008
-            if not self.active:
-                self._violation("finish_weight_update called without a matching start_weight_update")
-            self.active = False
-            if weight_version is not None:
-                self.version = weight_version
-            self.log.append(f"finish:{weight_version}")
-            return {"message": "Weight update finished"}
-
-        @app.post("/shutdown_weight_transfer_engine")
-        def shutdown():
-            if self.active:
-                raise HTTPException(500, "Cannot release a trainer connection during a weight update")
-            if self.group is not None:
-                self.group.close()
-                self.group = None
-            self.log.append("shutdown")
-            return {"message": "Weight transfer shut down"}
-
-        @app.get("/weight_info")
-        def weight_info():
-            return {"weight_version": self.version}
-
-        @app.get("/health")
-        def health():
-            return {}
-
-        @app.post("/pause")
-        def pause(mode: str = "abort"):
-            self.paused = True
-            self.log.append(f"pause:{mode}")
-            return {}
-
-        @app.post("/resume")
-        def resume():
-            self.paused = False
-            self.log.append("resume")
-            return {}
-
-        @app.get("/is_paused")
-        def is_paused():
-            return {"is_paused": self.paused}
-
-        @app.post("/reset_prefix_cache")
-        def reset_prefix_cache():
-            self.log.append("reset")
-            return {"success": True}
-
-        @app.post("/update_weight_version")
-        def update_weight_version(new_version: str = Body(embed=True)):  # noqa: B008
-            self.version = new_version
-            return {}
-
-        @app.post("/collective_rpc")
-        def collective_rpc(method: str = Body(), kwargs: dict[str, Any] = Body()):  # noqa: B008
-            if method != "reload_weights" or self.active:
-                self._violation(f"collective_rpc {method} (weight update active: {self.active})")
-            folder = kwargs["weights_path"]
-            loaded = _checkpoint(folder)
-            if folder in self.fail_reload:
-                name = next(iter(loaded))
-                self.weights[name] = loaded[name]
-                self.log.append(f"reload-failed:{Path(folder).name}")
-                raise HTTPException(500, f"injected reload failure for {folder}")
-            for name, tensor in loaded.items():
-                if name not in self.weights or self.weights[name].shape != tensor.shape:
-                    self._violation(f"{name}: no such weight with that shape")
-                self.weights[name] = tensor
-            self.log.append(f"reload:{Path(folder).name}")
-            return {"results": [None]}
-
-        @app.get("/get_world_size")
-        def world_size():
-            return {"world_size": 1}
-
-        return app
-
-    def assert_serves(self, state: dict[str, torch.Tensor]) -> None:
-        assert list(self.weights) == list(state)
-        for name, tensor in state.items():
-            assert self.weights[name].dtype == tensor.dtype, name
-            assert torch.equal(self.weights[name], tensor), name
-
-
-@contextmanager
-def serve(app: FastAPI):
-    port = free_port()
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("fake vLLM did not start")
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
-
-
 BUCKET = 48 << 10  # the tiny model's 128x256 MLP matrices (128 KiB) travel alone, the rest is packed
 
 
@@ -456,7 +179,7 @@ async def test_push_over_gloo_choreography():
     state = tiny_state()
     plan = plan_buckets(state, BUCKET)
     assert len(plan) >= 4 and any(b.nbytes > BUCKET for b in plan) and any(len(b.specs) > 1 for b in plan)
-    fake = FakeVLLM({k: torch.zeros_like(v) for k, v in state.items()})
+    fake = FakeVLLMControl({k: torch.zeros_like(v) for k, v in state.items()})
     with serve(fake.app) as url:
         async with WeightTransferClient(url) as client:
             pusher = pusher_for(client)
@@ -489,7 +212,7 @@ async def test_push_over_gloo_choreography():
 
 
 async def test_client_refuses_out_of_order_calls():
-    fake = FakeVLLM({})
+    fake = FakeVLLMControl({})
     with serve(fake.app) as url:
         async with WeightTransferClient(url) as client:
             for call in (
@@ -519,7 +242,7 @@ async def test_failure_on_second_bucket_then_retry(mode):
     state = tiny_state()
     plan = plan_buckets(state, BUCKET)
     old = {k: torch.zeros_like(v) for k, v in state.items()}
-    fake = FakeVLLM(old, fail=(1, mode))
+    fake = FakeVLLMControl(old, fail=(1, mode))
     with serve(fake.app) as url:
         async with WeightTransferClient(url) as client:
             pusher = pusher_for(client)
@@ -569,7 +292,7 @@ async def test_failure_on_second_bucket_then_retry(mode):
 
 async def test_pusher_retries_by_itself():
     state = tiny_state()
-    fake = FakeVLLM({k: torch.zeros_like(v) for k, v in state.items()}, fail=(2, "before"))
+    fake = FakeVLLMControl({k: torch.zeros_like(v) for k, v in state.items()}, fail=(2, "before"))
     with serve(fake.app) as url:
         async with WeightTransferClient(url) as client:
             pusher = pusher_for(client, attempts=2)
@@ -582,7 +305,7 @@ async def test_pusher_retries_by_itself():
 
 
 async def test_rejected_init_fails_fast():
-    fake = FakeVLLM({}, reject_init=True)
+    fake = FakeVLLMControl({}, reject_init=True)
     with serve(fake.app) as url:
         async with WeightTransferClient(url) as client:
             pusher = pusher_for(client, attempts=1)
@@ -597,15 +320,6 @@ async def test_rejected_init_fails_fast():
 
 
 # -- 3b. the scheduler's path-2 wiring through the real trainer and inference services ----------------
-
-
-def _checkpoint(folder: str) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    out: dict[str, torch.Tensor] = {}
-    for f in sorted(Path(folder).glob("*.safetensors")):
-        out.update(load_file(f))
-    return out
 
 
 async def test_scheduler_weight_push_wiring(tmp_path):
@@ -625,7 +339,7 @@ async def test_scheduler_weight_push_wiring(tmp_path):
     from tether.v1 import inference_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
 
     model_dir = tiny_model_dir(tmp_path / "model")
-    fake = FakeVLLM(_checkpoint(str(model_dir)))
+    fake = FakeVLLMControl(checkpoint(str(model_dir)))
     servers = []
     with serve(fake.app) as url:
         settings = TrainerSettings(
@@ -683,7 +397,7 @@ async def test_scheduler_weight_push_wiring(tmp_path):
 
             def served_is(resp) -> None:
                 assert fake.version == str(resp.weight_version) and not fake.paused
-                ckpt = _checkpoint(resp.checkpoint_dir)
+                ckpt = checkpoint(resp.checkpoint_dir)
                 assert ckpt.keys() == fake.weights.keys()
                 assert all(torch.equal(fake.weights[k], v) for k, v in ckpt.items()), (
                     "not the checkpoint's weights"

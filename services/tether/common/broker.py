@@ -181,7 +181,8 @@ async def read_group(
     out = [(eid, decode(f)) for eid, f in entries if f]
     if out:
         return out
-    resp = await r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
+    # redis-py types replies for either decode_responses mode; connect() decodes, so these are str.
+    resp: Any = await r.xreadgroup(group, consumer, {stream: ">"}, count=count, block=block_ms)
     for _, items in resp or []:
         out.extend((eid, decode(f)) for eid, f in items)
     return out
@@ -201,7 +202,7 @@ async def read_all(r: aioredis.Redis, stream: str, batch: int = 1000) -> list[tu
     out: list[tuple[str, dict[str, Any]]] = []
     start = "-"
     while True:
-        items = await r.xrange(stream, min=start, max="+", count=batch)
+        items: Any = await r.xrange(stream, min=start, max="+", count=batch)  # str replies (see read_group)
         if not items:
             return out
         out.extend((eid, decode(f)) for eid, f in items)

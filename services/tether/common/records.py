@@ -14,12 +14,12 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 
-def _to_dict(obj) -> dict[str, Any]:
+def _to_dict(obj: Any) -> dict[str, Any]:
     # Shallow on purpose: dataclasses.asdict deep-copies token lists (milliseconds per 4k-token call).
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
-def _from_dict(cls, data: dict[str, Any]):
+def _from_dict(cls: Any, data: dict[str, Any]) -> Any:
     names = {f.name for f in fields(cls)}
     return cls(**{k: v for k, v in data.items() if k in names})
 

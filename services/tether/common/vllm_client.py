@@ -4,6 +4,7 @@ and the trainer's around a path-2 push."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import httpx
 
@@ -21,7 +22,7 @@ class VLLMControl:
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def _post(self, path: str, **kw) -> dict:
+    async def _post(self, path: str, **kw: Any) -> dict:
         resp = await self.http.post(path, **kw)
         if resp.status_code >= 400:
             raise VLLMError(f"POST {path} -> {resp.status_code}: {resp.text[:300]}")

@@ -538,7 +538,7 @@ def upstream_error(status: int, content: bytes, retry_after_s: int) -> ApiError:
     except orjson.JSONDecodeError:
         data = None
     if isinstance(data, dict):
-        err = data.get("error") if isinstance(data.get("error"), dict) else data  # new and old vLLM shapes
+        err = e if isinstance(e := data.get("error"), dict) else data  # new and old vLLM shapes
         message = str(err.get("message") or message)
         type_ = str(err.get("type") or type_)
         code = None if err.get("code") is None else str(err.get("code"))

@@ -578,7 +578,8 @@ def _generation_config(config: Any, chat: dict[str, Any], t: _Translation) -> bo
 
 def _response_format(config: dict[str, Any], chat: dict[str, Any]) -> None:
     mime = config.get("responseMimeType")
-    schema, where = config.get("responseJsonSchema"), "generationConfig.responseJsonSchema"
+    schema = config.get("responseJsonSchema")
+    where: str | None = "generationConfig.responseJsonSchema"
     if schema is None and config.get("responseSchema") is not None:
         schema, where = json_schema(config["responseSchema"], "generationConfig.responseSchema"), None
     if mime in (None, "text/plain"):

@@ -99,7 +99,7 @@ def guidance_of(d: dict[str, Any]) -> list[str]:
     if tools and choice == "required":
         out.append("tool_choice=required")
     elif tools and isinstance(choice, dict):
-        fn = choice.get("function") if isinstance(choice.get("function"), dict) else choice
+        fn = f if isinstance(f := choice.get("function"), dict) else choice
         out.append(f"tool_choice={fn.get('name', '?')}")
     elif (
         tools
@@ -199,7 +199,7 @@ def parse_rescore(
     for k, ids in enumerate(responses):
         c = by_index.get(k)
         plp = c.get("prompt_logprobs") if c else None
-        if not isinstance(plp, list) or len(plp) != prompt_len + len(ids):
+        if not c or not isinstance(plp, list) or len(plp) != prompt_len + len(ids):
             raise ValueError("rescore carried no prompt logprobs of the right length")
         values = []
         for tok, entry in zip(ids, plp[prompt_len:], strict=True):

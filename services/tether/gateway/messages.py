@@ -88,7 +88,7 @@ _UNSUPPORTED_HINTS = {
 _CUSTOM_TOOL = "custom"
 # Blocks of earlier assistant turns that are Anthropic's own reasoning record (signed or encrypted).
 _DROPPED_BLOCKS = ("thinking", "redacted_thinking")
-_THINKING_ON = {"enabled": True, "adaptive": True, "disabled": False}
+_THINKING_ON: dict[Any, bool] = {"enabled": True, "adaptive": True, "disabled": False}
 _OUTPUT_CONFIG = {"format", "effort"}
 
 _ERROR_TYPES = {

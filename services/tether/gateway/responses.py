@@ -233,21 +233,16 @@ def _input_messages(
             after_assistant = role == "assistant"
             continue
         if kind == "function_call":
-            call_id, name, args = (
-                _required(item, where, "call_id", "name"),
-                item.get("name"),
-                item.get("arguments"),
-            )
+            call_id = _required(item, where, "call_id", "name")
+            name: str = item["name"]  # _required checked it is a non-empty string
+            args = item.get("arguments")
             if not isinstance(args, str):
                 raise invalid(f"{where}.arguments", "must be a string (JSON)")
-            namespace = item.get("namespace") if isinstance(item.get("namespace"), str) else None
+            namespace = ns if isinstance(ns := item.get("namespace"), str) else None
             call = _call(call_id, names.get((namespace, name), name), args)
         elif kind == "custom_tool_call":
-            call_id, name, text = (
-                _required(item, where, "call_id", "name"),
-                item.get("name"),
-                item.get("input"),
-            )
+            call_id = _required(item, where, "call_id", "name")
+            name, text = item["name"], item.get("input")
             if not isinstance(text, str):
                 raise invalid(f"{where}.input", "must be a string")
             call = _call(call_id, names.get((None, name), name), orjson.dumps({CUSTOM_INPUT: text}).decode())
@@ -297,7 +292,7 @@ def _custom_function(name: str, tool: dict[str, Any]) -> dict[str, Any]:
     arguments. Its grammar (e.g. Codex's apply_patch Lark grammar) goes into the description, where the
     model can read what the text must look like; nothing enforces it."""
     description = tool.get("description") if isinstance(tool.get("description"), str) else ""
-    fmt = tool.get("format") if isinstance(tool.get("format"), dict) else {}
+    fmt = f if isinstance(f := tool.get("format"), dict) else {}
     if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
         syntax = fmt.get("syntax") if isinstance(fmt.get("syntax"), str) else "grammar"
         description = (
@@ -658,7 +653,7 @@ def response_from_chat(
     choices = resp.get("choices") or [{}]
     choice = as_dict(choices[0])
     message = as_dict(choice.get("message"))
-    text = message.get("content") if isinstance(message.get("content"), str) else ""
+    text = t if isinstance(t := message.get("content"), str) else ""
     calls = [c for c in message.get("tool_calls") or () if isinstance(c, dict)]
     status = _status(choice.get("finish_reason"))
     output: list[dict[str, Any]] = []

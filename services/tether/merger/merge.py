@@ -526,7 +526,9 @@ def format_mismatch(example: dict[str, Any], decode: cabc.Callable[[list[int]], 
 # ---------------------------------------------------------------- strip tail from a tokenizer
 
 
-def _template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, **kwargs) -> list[int]:
+def _template_ids(
+    tokenizer: Any, messages: list[dict], add_generation_prompt: bool, **kwargs: Any
+) -> list[int]:
     out = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs
     )
@@ -537,7 +539,7 @@ def _template_ids(tokenizer, messages: list[dict], add_generation_prompt: bool, 
     return [int(x) for x in out]
 
 
-def generation_prompt_tail(tokenizer, **template_kwargs) -> list[int]:
+def generation_prompt_tail(tokenizer: Any, **template_kwargs: Any) -> list[int]:
     """Token ids the chat template appends as generation prompt but does not re-render in history.
 
     The generation prompt is ``render([user], add_generation_prompt=True)`` minus

@@ -353,6 +353,9 @@ class PushReport:
 # Collective threads still running -> when they give up by themselves (time.monotonic(); inf: never).
 _running: dict[threading.Thread, float] = {}
 EXIT_WAIT_CAP_S = 60.0
+# How long past its deadline a collective may still take to return: gloo's rendezvous gives up about
+# 1 s after its timeout on an idle machine, later on a loaded one (a grace of 1 s aborted test runs).
+EXIT_GRACE_S = 15.0
 
 
 def _in_daemon_thread(fn: Callable[..., Any], *args: Any, gives_up_after_s: float | None) -> asyncio.Future:
@@ -395,7 +398,7 @@ def _wait_for_collectives_at_exit() -> None:
     waits = {t: d for t, d in list(_running.items()) if t.is_alive() and d != math.inf}
     if not waits:
         return
-    until = min(max(waits.values()) + 1.0, time.monotonic() + EXIT_WAIT_CAP_S)
+    until = min(max(waits.values()) + EXIT_GRACE_S, time.monotonic() + EXIT_WAIT_CAP_S)
     log.info(
         "waiting up to %.0fs for %d abandoned weight-transfer call(s) to time out",
         until - time.monotonic(),

