@@ -198,7 +198,7 @@ def _checked(owner: str, name: str, value: Any, hint: Any) -> Any:
     raise ValueError(f"{owner}.{name}: {value!r} is not {hint}")
 
 
-def _strict(cls, data: dict[str, Any]):
+def _strict(cls: Any, data: dict[str, Any]) -> Any:
     """`cls` from `data`: unknown fields, missing required ones and values of the wrong type are
     errors, never dropped or defaulted."""
     known = {f.name: f for f in fields(cls)}
