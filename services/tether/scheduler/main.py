@@ -1,21 +1,27 @@
 """Scheduler service process. Run: python -m tether.scheduler
 
 Started again with the same TETHER_RUN_ID (and Redis), it picks the run up where the previous process
-left it, however that one ended (see tether.scheduler.run); the local launcher restarts it when it dies.
+left it, however that one ended (see tether.scheduler.run). A fatal error (a gRPC code that is not
+retryable, or one that outlasted the channel's retries; Redis failing) ends the process with status 1,
+so its supervisor -- the local launcher, Compose, Kubernetes -- starts it again and it resumes. Settings
+it refuses (an unknown mode) end it with status 2 before it serves anything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from pathlib import Path
 from typing import Literal
+
+from pydantic import ValidationError, field_validator
 
 from tether.common import broker
 from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
-from tether.scheduler.run import Run, RunConfig, Stubs, load_tasks
+from tether.scheduler.run import MODES, Run, RunConfig, Stubs, load_tasks
 from tether.scheduler.servicer import SchedulerServicer
 from tether.v1 import (
     gateway_pb2_grpc,
@@ -26,6 +32,8 @@ from tether.v1 import (
 )
 
 log = logging.getLogger("tether.scheduler")
+
+SETTINGS_REFUSED = 2  # exit status for settings refused at start-up (the launcher does not restart it)
 
 
 class SchedulerSettings(CommonSettings):
@@ -52,6 +60,14 @@ class SchedulerSettings(CommonSettings):
     # "checkpoint": inference reloads each step's checkpoint (path 1). "nccl": the trainer streams the
     # weights into vLLM (path 2; the trainer needs TETHER_WEIGHT_PUSH=nccl too), path 1 on failure.
     weight_push: Literal["checkpoint", "nccl"] = "checkpoint"
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, mode: str) -> str:
+        # Refused here, at start-up, before health says SERVING (not when the run loop first reads it).
+        if mode not in MODES:
+            raise ValueError(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+        return mode
 
 
 async def amain(s: SchedulerSettings) -> None:
@@ -91,11 +107,10 @@ async def amain(s: SchedulerSettings) -> None:
     log.info("scheduler on %s:%d", s.scheduler_grpc_host, port)
 
     async def work() -> None:
-        try:
-            await (run.run() if tasks else run.serve(s.groups_per_step))
-        except Exception:
-            log.exception("run failed")
-        await asyncio.Event().wait()  # keep answering GetRun until stopped
+        # A failure ends the process (run_until_signal raises it again): the supervisor starts the
+        # scheduler again and it resumes the run from Redis. A finished run keeps answering GetRun.
+        await (run.run() if tasks else run.serve(s.groups_per_step))
+        await asyncio.Event().wait()
 
     try:
         await run_until_signal(server, health, [work()])
@@ -104,9 +119,17 @@ async def amain(s: SchedulerSettings) -> None:
 
 
 def main() -> None:
-    s = SchedulerSettings()
+    try:
+        s = SchedulerSettings()
+    except ValidationError as exc:  # refused before anything serves: restarting cannot help
+        print(f"tether.scheduler: refusing to start, bad settings: {exc}", file=sys.stderr)
+        sys.exit(SETTINGS_REFUSED)
     setup_logging("scheduler", s.log_level)
-    asyncio.run(amain(s))
+    try:
+        asyncio.run(amain(s))
+    except Exception as exc:
+        log.critical("fatal: %r; exiting non-zero so that the supervisor starts the scheduler again", exc)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
