@@ -138,6 +138,20 @@ async def test_retry_call_retries_only_retryable_codes_with_a_bound():
     await server.stop(None)
 
 
+async def test_a_retrying_stub_retries_its_methods_except_the_exempt_ones():
+    servicer = RejectingTrainer(reject=set(), unavailable={"flaky": 1, "exempt": 1})
+    server, _, port = await _trainer(servicer)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        retried = retry.Retrying(trainer_pb2_grpc.TrainerStub(ch), base_s=0.01)
+        await retried.SubmitGroup(trainer_pb2.SubmitGroupRequest(group_id="flaky"), timeout=10)
+        assert servicer.attempts["flaky"] == 2 and servicer.accepted == ["flaky"]
+        exempt = retry.Retrying(trainer_pb2_grpc.TrainerStub(ch), exempt={"SubmitGroup"}, base_s=0.01)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await exempt.SubmitGroup(trainer_pb2.SubmitGroupRequest(group_id="exempt"), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and servicer.attempts["exempt"] == 1
+    await server.stop(None)
+
+
 async def _check(stub, timeout=20.0):
     return (await stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)).status
 

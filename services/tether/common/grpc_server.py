@@ -127,17 +127,17 @@ async def run_until_signal(
 
 
 def channel(address: str, wait_for_ready: bool = True) -> grpc.aio.Channel:
-    """A client channel to another service. Calls retry the retryable codes (`tether.common.retry`)
-    and, with `wait_for_ready`, wait for a callee that is (re)starting instead of failing at once: a
-    restart of the trainer, inference or the gateway is part of a run. Reconnect attempts back off to
-    at most 5 s (gRPC's default grows to 2 min), so a restarted callee is found again soon."""
+    """A client channel to another service. With `wait_for_ready`, calls wait for a callee that is
+    (re)starting instead of failing at once (a restart of the trainer, inference or the gateway is part
+    of a run); a call's deadline still bounds the wait. Reconnect attempts back off to at most 5 s
+    (gRPC's default grows to 2 min), so a restarted callee is found again soon. Retrying a failed call
+    is the caller's (`tether.common.retry`)."""
     return grpc.aio.insecure_channel(
         address,
         options=[
             ("grpc.max_receive_message_length", 256 * 1024 * 1024),
             ("grpc.max_send_message_length", 256 * 1024 * 1024),
             ("grpc.service_config", retry.service_config(wait_for_ready)),
-            ("grpc.enable_retries", 1),
             ("grpc.initial_reconnect_backoff_ms", 200),
             ("grpc.min_reconnect_backoff_ms", 200),
             ("grpc.max_reconnect_backoff_ms", 5000),

@@ -1,6 +1,6 @@
 """Which gRPC failures a caller retries, and how: the one list of retryable status codes, a bounded
-async retry with exponential backoff and jitter, and the same rule as a gRPC service config (retry
-policy, wait for ready) for the channels `tether.common.grpc_server.channel` builds.
+async retry with exponential backoff and jitter (`call`, or a whole stub through `Retrying`), and the
+service config (wait for ready) of the channels `tether.common.grpc_server.channel` builds.
 
 Retryable codes say "the same request may succeed later" (a callee restarting or overloaded, a
 deadline, a conflict); every other code (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND, INTERNAL,
@@ -15,8 +15,8 @@ import asyncio
 import json
 import logging
 import random
-from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any, TypeVar
 
 import grpc
 
@@ -77,15 +77,30 @@ async def call(
 
 def service_config(wait_for_ready: bool = True) -> str:
     """A gRPC service config (JSON) for every method of a channel: wait for the callee to be reachable
-    instead of failing at once while it (re)starts, and retry the retryable codes (gRPC caps attempts
-    at 5; a call's own deadline bounds the whole)."""
-    policy = {
-        "maxAttempts": 5,
-        "initialBackoff": "0.2s",
-        "maxBackoff": "5s",
-        "backoffMultiplier": 2,
-        "retryableStatusCodes": sorted(code.name for code in RETRYABLE),
-    }
-    return json.dumps(
-        {"methodConfig": [{"name": [{}], "waitForReady": wait_for_ready, "retryPolicy": policy}]}
-    )
+    instead of failing at once while it (re)starts. No transparent retry policy: our servers answer
+    UNAVAILABLE for failures their callers act on (a failed path-2 push falls back to a checkpoint
+    load), which a channel-level retry would hide; callers retry with `call` or `Retrying` instead."""
+    return json.dumps({"methodConfig": [{"name": [{}], "waitForReady": wait_for_ready}]})
+
+
+class Retrying:
+    """A gRPC stub whose unary methods go through `call` (retryable codes retried with backoff, at most
+    `attempts` tries), except the methods in `exempt`, whose callers handle every failure themselves."""
+
+    def __init__(self, stub: Any, exempt: Iterable[str] = (), attempts: int = 5, base_s: float = 0.5) -> None:
+        self._stub = stub
+        self._exempt = frozenset(exempt)
+        self._attempts = attempts
+        self._base_s = base_s
+
+    def __getattr__(self, name: str) -> Any:
+        method = getattr(self._stub, name)
+        if name in self._exempt:
+            return method
+
+        async def retried(request: Any, **kwargs: Any) -> Any:
+            return await call(
+                lambda: method(request, **kwargs), attempts=self._attempts, base_s=self._base_s, what=name
+            )
+
+        return retried

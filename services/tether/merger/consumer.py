@@ -112,7 +112,7 @@ SESSION_REWARDS = PromCounter(
     "Rewarded record-only session calls consumed (session_training on)",
     ["outcome"],
 )
-SUBMIT_ATTEMPTS = 6  # SubmitGroup tries per group for retryable codes (each also retried by the channel)
+SUBMIT_ATTEMPTS = 6  # SubmitGroup tries per group for retryable codes (the channel waits for a restart)
 TRAINER_SUBMIT = "trainer:SubmitGroup"  # the dead-letter record's "stream" for a group the trainer refused
 DEFERRED = PromCounter(
     "tether_merger_events_deferred_total",

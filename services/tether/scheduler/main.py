@@ -2,7 +2,7 @@
 
 Started again with the same TETHER_RUN_ID (and Redis), it picks the run up where the previous process
 left it, however that one ended (see tether.scheduler.run). A fatal error (a gRPC code that is not
-retryable, or one that outlasted the channel's retries; Redis failing) ends the process with status 1,
+retryable, or one that outlasted its retries; Redis failing) ends the process with status 1,
 so its supervisor -- the local launcher, Compose, Kubernetes -- starts it again and it resumes. Settings
 it refuses (an unknown mode) end it with status 2 before it serves anything.
 """
@@ -20,6 +20,7 @@ from pydantic import ValidationError, field_validator
 from tether.common import broker
 from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
+from tether.common.retry import Retrying
 from tether.common.settings import CommonSettings
 from tether.scheduler.run import MODES, Run, RunConfig, Stubs, load_tasks
 from tether.scheduler.servicer import SchedulerServicer
@@ -72,10 +73,15 @@ class SchedulerSettings(CommonSettings):
 
 async def amain(s: SchedulerSettings) -> None:
     r = broker.connect(s.redis_url)
+    # Calls retry the retryable codes with backoff, a few times; then, or on any other code, the run
+    # fails and the process exits (see main). Not retried: a weight load or a path-2 push, whose
+    # failures the run handles itself (fallback to path 1; reconcile after a restart).
     stubs = Stubs(
-        gateway=gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address)),
-        inference=inference_pb2_grpc.InferenceStub(channel(s.inference_address)),
-        trainer=trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)),
+        gateway=Retrying(gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address))),
+        inference=Retrying(
+            inference_pb2_grpc.InferenceStub(channel(s.inference_address)), exempt={"LoadWeights"}
+        ),
+        trainer=Retrying(trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)), exempt={"PushWeights"}),
     )
     cfg = RunConfig(
         run_id=s.run_id,
