@@ -4,9 +4,9 @@ Named steps per rollout event: load the rollout's recorded calls (rejecting, wit
 calls without exact token ids: they are never re-tokenised), merge them into sequences, park the
 result in its group; once every rollout of the group reported -- or the group's deadline passed --
 score the group (advantage once per rollout, broadcast to its tokens), hand the samples to the
-trainer over gRPC and publish them. A group the trainer refuses (a non-retryable status code) goes to
-the dead-letter stream with its reason and resolves as ``rejected``; the merger goes on. Every step is idempotent, so a crash between steps is repaired by
-reprocessing the event.
+trainer over gRPC and publish them (a group the trainer refuses with a non-retryable status code goes
+to the dead-letter stream with its reason and resolves as ``rejected``; the merger goes on). Every
+step is idempotent, so a crash between steps is repaired by reprocessing the event.
 
 Redis keys this service adds next to ``tether.common.broker.Keys`` (built here, same namespace):
 
