@@ -3,8 +3,9 @@ behind the inference adapter, trainer, merger, gateway, scheduler, agent workers
 health, supervises them, and stops them all — on success, on failure and on Ctrl-C.
 
 Supervision: a process that exits ends the stack with an error, except the scheduler, which is started
-again (up to MAX_RESTARTS times), as `restart: on-failure` would in Compose or Kubernetes: it keeps the
-run's state in Redis and continues from the last completed step.
+again (up to MAX_RESTARTS times) when it exits non-zero -- on a fatal error, or killed -- as
+`restart: on-failure` would in Compose or Kubernetes: it keeps the run's state in Redis and continues
+from the last completed step. Exit status 2 (settings refused at start-up) is not restarted.
 
 Only the cli uses this module; no service imports it.
 """
@@ -30,6 +31,7 @@ from tether.common.redis_server import start_embedded_redis
 STATE_DIR = Path(".tether")
 STATE_FILE = STATE_DIR / "stack.json"
 MAX_RESTARTS = 5
+SETTINGS_REFUSED = 2  # a service that refused its settings at start-up: starting it again cannot help
 # The user's TETHER_* settings reach every service, except these, which only one process may hold.
 PER_PROCESS_SETTINGS = frozenset({"TETHER_METRICS_PORT"})
 
@@ -131,7 +133,7 @@ class Stack:
             code = p.popen.poll()
             if code is None:
                 continue
-            if not p.restart or code == 0 or p.restarts >= MAX_RESTARTS or self.stopped:
+            if not p.restart or code in (0, SETTINGS_REFUSED) or p.restarts >= MAX_RESTARTS or self.stopped:
                 raise StackError(f"{p.name} exited with code {code}; last log lines:\n{tail(p.log)}")
             _signal_group(p.popen.pid, signal.SIGKILL)  # whatever it left behind in its group
             p.restarts += 1

@@ -13,6 +13,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from tether.common import retry
+
 log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -40,6 +42,26 @@ class Health:
     async def set(self, serving: bool) -> None:
         for name in self.names:
             await self.servicer.set(name, SERVING if serving else NOT_SERVING)
+
+
+async def follow_health(
+    health_handle: Health, probe: Callable[[], Awaitable[bool]], interval_s: float = 1.0, what: str = ""
+) -> None:
+    """Set health from `probe()` every `interval_s`, for good (a background task of
+    `run_until_signal`): SERVING while it answers True, NOT_SERVING while it answers False or fails."""
+    serving: bool | None = None
+    while True:
+        try:
+            ok = bool(await probe())
+        except Exception as exc:  # a probe that fails says "not serving", it does not end the watch
+            log.debug("health probe failed: %r", exc)
+            ok = False
+        if ok != serving:
+            if serving is not None:
+                log.warning("%s: %s", what or "health", "serving again" if ok else "not serving")
+            serving = ok
+            await health_handle.set(ok)
+        await asyncio.sleep(interval_s)
 
 
 async def start_server(
@@ -78,7 +100,9 @@ async def run_until_signal(
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace: float = 5.0,
 ) -> None:
-    """Serve until SIGTERM/SIGINT or until a background task ends; then drain and stop."""
+    """Serve until SIGTERM/SIGINT or until a background task ends; then drain and stop. A background
+    task that failed is raised again once the server stopped, so the process exits non-zero and its
+    supervisor (the launcher, Compose, Kubernetes) sees it."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -86,8 +110,10 @@ async def run_until_signal(
     tasks = [asyncio.ensure_future(b) for b in background]
     waiter = asyncio.ensure_future(stop.wait())
     done, _ = await asyncio.wait([waiter, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    failure: BaseException | None = None
     for task in done:
         if task is not waiter and task.exception() is not None:
+            failure = failure or task.exception()
             log.error("background task failed", exc_info=task.exception())
     await health_handle.set(False)
     for task in tasks:
@@ -96,13 +122,24 @@ async def run_until_signal(
     if on_stop is not None:
         await on_stop()
     await server.stop(grace)
+    if failure is not None:
+        raise failure
 
 
-def channel(address: str) -> grpc.aio.Channel:
+def channel(address: str, wait_for_ready: bool = True) -> grpc.aio.Channel:
+    """A client channel to another service. With `wait_for_ready`, calls wait for a callee that is
+    (re)starting instead of failing at once (a restart of the trainer, inference or the gateway is part
+    of a run); a call's deadline still bounds the wait. Reconnect attempts back off to at most 5 s
+    (gRPC's default grows to 2 min), so a restarted callee is found again soon. Retrying a failed call
+    is the caller's (`tether.common.retry`)."""
     return grpc.aio.insecure_channel(
         address,
         options=[
             ("grpc.max_receive_message_length", 256 * 1024 * 1024),
             ("grpc.max_send_message_length", 256 * 1024 * 1024),
+            ("grpc.service_config", retry.service_config(wait_for_ready)),
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 5000),
         ],
     )

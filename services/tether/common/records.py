@@ -147,6 +147,7 @@ UNTRAINABLE_REASONS = (
     "retried",  # a failed attempt another attempt replaced
     "late",  # it reported after its group was scored
     "eval",  # an evaluation rollout: scored, never trained
+    "rejected",  # the trainer refused its group (on the dead-letter stream with the trainer's reason)
 )
 
 

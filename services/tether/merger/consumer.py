@@ -3,9 +3,10 @@
 Named steps per rollout event: load the rollout's recorded calls (rejecting, with a counted reason,
 calls without exact token ids: they are never re-tokenised), merge them into sequences, park the
 result in its group; once every rollout of the group reported -- or the group's deadline passed --
-score the group (advantage once per rollout, broadcast to its tokens), publish the samples and hand
-them to the trainer over gRPC. Every step is idempotent, so a crash between steps is repaired by
-reprocessing the event.
+score the group (advantage once per rollout, broadcast to its tokens), hand the samples to the
+trainer over gRPC and publish them (a group the trainer refuses with a non-retryable status code goes
+to the dead-letter stream with its reason and resolves as ``rejected``; the merger goes on). Every
+step is idempotent, so a crash between steps is repaired by reprocessing the event.
 
 Redis keys this service adds next to ``tether.common.broker.Keys`` (built here, same namespace):
 
@@ -46,7 +47,7 @@ from tether.algorithms.advantages import (
     running_baseline_advantages,
 )
 from tether.algorithms.names import AdvantageEstimator, AdvantageLevel
-from tether.common import broker
+from tether.common import broker, retry
 from tether.common.records import RolloutEvent, SampleRecord, Trace, TrainingOutcome, spans_cover
 from tether.merger.merge import Call, MergeMode, OverlongPolicy, compact_mismatch, merge_calls
 from tether.merger.sidecalls import SideCallRule, compile_patterns, side_call_exclusions, system_text
@@ -108,6 +109,12 @@ SESSION_REWARDS = PromCounter(
     "tether_merger_session_rewards_total",
     "Rewarded record-only session calls consumed (session_training on)",
     ["outcome"],
+)
+SUBMIT_ATTEMPTS = 6  # SubmitGroup tries per group for retryable codes (the channel waits for a restart)
+TRAINER_SUBMIT = "trainer:SubmitGroup"  # the dead-letter record's "stream" for a group the trainer refused
+DEFERRED = PromCounter(
+    "tether_merger_events_deferred_total",
+    "Entries left unacknowledged after the trainer stayed unavailable through every retry (redelivered)",
 )
 OUTCOME_TTL_S = 7 * 24 * 3600  # as long as the trace markers the rollout's calls are found by
 
@@ -752,17 +759,19 @@ class Merger:
             for x in ok:
                 advs, rets = per_rollout.get(x["rollout_id"], ([], []))
                 samples.extend(build_samples(x, advs, scale, rets))
-            for i, s in enumerate(samples):
-                await broker.publish_once(
-                    self.r, self.keys, self.keys.samples, f"sample:{group_id}:{i}", s.to_dict()
-                )
-            await self.submit(group_id, samples, len(ok))
-            self.counts.groups_emitted += 1
-            self.counts.sequences += len(samples)
-            SEQUENCES.inc(len(samples))
-            trainable = sum(sum(s.loss_mask) for s in samples)
-            TOKENS.labels("trainable").inc(trainable)
-            TOKENS.labels("context").inc(sum(len(s.token_ids) for s in samples) - trainable)
+            if await self.hand_over(group_id, samples, len(ok)):
+                for i, s in enumerate(samples):
+                    await broker.publish_once(
+                        self.r, self.keys, self.keys.samples, f"sample:{group_id}:{i}", s.to_dict()
+                    )
+                self.counts.groups_emitted += 1
+                self.counts.sequences += len(samples)
+                SEQUENCES.inc(len(samples))
+                trainable = sum(sum(s.loss_mask) for s in samples)
+                TOKENS.labels("trainable").inc(trainable)
+                TOKENS.labels("context").inc(sum(len(s.token_ids) for s in samples) - trainable)
+            else:
+                outcome, samples = "rejected", []
         elif outcome == "filtered":
             self.counts.groups_filtered += 1
         if timed_out:
@@ -814,6 +823,27 @@ class Merger:
             result["single_sequence_rollouts"],
             len(ok),
         )
+
+    async def hand_over(self, group_id: str, samples: list[SampleRecord], rollouts: int) -> bool:
+        """Submit a scored group to the trainer; False if the trainer refused it. Retryable failures
+        (``tether.common.retry.RETRYABLE``: a restarting or busy trainer) are retried with backoff,
+        ``SUBMIT_ATTEMPTS`` times in all, then raised (the event stays unacknowledged and comes back).
+        Any other code means the group itself cannot train: it goes to the dead-letter stream with the
+        trainer's reason, its result says ``rejected``, and the merger goes on with the next group."""
+        try:
+            await retry.call(
+                lambda: self.submit(group_id, samples, rollouts),
+                attempts=SUBMIT_ATTEMPTS,
+                what=f"handing group {group_id} to the trainer",
+            )
+        except grpc.aio.AioRpcError as exc:
+            if retry.retryable(exc):
+                raise
+            reason = f"trainer refused group {group_id}: {exc.code().name}: {exc.details()}"
+            record = {"group_id": group_id, "rollouts": rollouts, "samples": [s.to_dict() for s in samples]}
+            await broker.dead_letter(self.r, self.keys, TRAINER_SUBMIT, group_id, reason, record)
+            return False
+        return True
 
     async def baseline_advantages(
         self, group_id: str, task_ids: list[str], returns: list[float]
@@ -911,7 +941,13 @@ class Merger:
                         await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record)
                         await self.r.xack(stream, "merger", entry_id)
                         continue
-                    await self.handle_with_retry(event)
+                    try:
+                        await self.handle_with_retry(event)
+                    except grpc.aio.AioRpcError as exc:
+                        # Retryable, and it outlasted the retries: leave the entry pending (read_group
+                        # claims it again once idle) and go on; a refusal never gets here (hand_over).
+                        self.defer(entry_id, exc)
+                        continue
                     await self.r.xack(stream, "merger", entry_id)
         finally:
             if ticker is not None:
@@ -958,23 +994,35 @@ class Merger:
             except (ValueError, KeyError, TypeError) as exc:
                 await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record)
                 outcome = "dead_letter"
+            except grpc.aio.AioRpcError as exc:  # as in run(): left pending, it comes back
+                self.defer(entry_id, exc)
+                continue
             SESSION_REWARDS.labels(outcome).inc()
             if outcome == "trained":
                 self.counts.session_rewards_trained += 1
             await self.r.xack(stream, "merger", entry_id)
 
     async def _retrying(self, fn, *args, what: str):
-        # The trainer may be restarting: keep the entry unacknowledged and retry; every step is idempotent.
+        # Redis may be restarting: retry (every step is idempotent) until it answers; nothing can be
+        # acknowledged or dead-lettered without it. gRPC failures are hand_over's.
         delay = 0.5
         while True:
             try:
                 return await fn(*args)
-            except grpc.aio.AioRpcError as exc:
-                log.warning("trainer unavailable (%s); retrying %s in %.1fs", exc.code(), what, delay)
             except broker.TRANSIENT as exc:
                 log.warning("Redis unavailable (%s); retrying %s in %.1fs", exc, what, delay)
             await asyncio.sleep(delay)
             delay = min(delay * 2, 10.0)
+
+    def defer(self, entry_id: str, exc: grpc.aio.AioRpcError) -> None:
+        DEFERRED.inc()
+        log.error(
+            "trainer still unavailable after %d attempts (%s: %s); entry %s left pending, to be retried",
+            SUBMIT_ATTEMPTS,
+            exc.code().name,
+            exc.details(),
+            entry_id,
+        )
 
     async def handle_with_retry(self, event: RolloutEvent) -> None:
         await self._retrying(self.handle_event, event, what=f"rollout {event.rollout_id}")

@@ -7,11 +7,12 @@ import logging
 import re
 from typing import Any
 
+import grpc
 from pydantic import Field, field_validator
 
 from tether.algorithms.names import AdvantageEstimator, AdvantageLevel
 from tether.common import broker
-from tether.common.grpc_server import channel, run_until_signal, start_server
+from tether.common.grpc_server import channel, follow_health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.records import SampleRecord
 from tether.common.settings import RedisSettings
@@ -118,9 +119,8 @@ def to_proto(s: SampleRecord) -> types_pb2.Sample:
     )
 
 
-async def amain(s: MergerSettings) -> None:
-    r = broker.connect(s.redis_url)
-    trainer = trainer_pb2_grpc.TrainerStub(channel(s.trainer_address))
+def trainer_submitter(trainer: trainer_pb2_grpc.TrainerStub):
+    """The merger's hand-over: one SubmitGroup per scored group (waiting for a restarting trainer)."""
 
     async def submit(group_id: str, samples: list[SampleRecord], rollouts: int) -> None:
         await trainer.SubmitGroup(
@@ -131,9 +131,25 @@ async def amain(s: MergerSettings) -> None:
             wait_for_ready=True,
         )
 
+    return submit
+
+
+async def reachable(r, trainer_channel: grpc.aio.Channel, timeout_s: float = 2.0) -> bool:
+    """The merger's health: Redis answers a ping and the trainer's channel connects, each within
+    `timeout_s` (either one gone, no group can be merged or handed over)."""
+    await asyncio.wait_for(r.ping(), timeout_s)
+    await asyncio.wait_for(trainer_channel.channel_ready(), timeout_s)
+    return True
+
+
+async def amain(s: MergerSettings) -> None:
+    r = broker.connect(s.redis_url)
+    trainer_channel = channel(s.trainer_address)
+    trainer = trainer_pb2_grpc.TrainerStub(trainer_channel)
+
     cfg = config_from_settings(s)
     log.info("merger config: %s", cfg)
-    merger = Merger(r, broker.Keys(s.namespace), cfg, submit)
+    merger = Merger(r, broker.Keys(s.namespace), cfg, trainer_submitter(trainer))
 
     def register(server):
         merger_pb2_grpc.add_MergerServicer_to_server(MergerStatusServicer(merger), server)
@@ -143,10 +159,13 @@ async def amain(s: MergerSettings) -> None:
         s.merger_grpc_port, register, s.merger_grpc_host, s.metrics_port
     )
     await r.ping()
-    await health.set(True)
     log.info("merger on %s:%d", s.merger_grpc_host, port)
     try:
-        await run_until_signal(server, health, [merger.run()])
+        await run_until_signal(
+            server,
+            health,
+            [merger.run(), follow_health(health, lambda: reachable(r, trainer_channel), what="merger")],
+        )
     finally:
         await r.aclose()
 

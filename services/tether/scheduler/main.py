@@ -1,20 +1,25 @@
 """Scheduler service process. Run: python -m tether.scheduler
 
 Started again with the same TETHER_RUN_ID (and Redis), it picks the run up where the previous process
-left it, however that one ended (see tether.scheduler.run); the local launcher restarts it when it dies.
+left it, however that one ended (see tether.scheduler.run). A fatal error (a gRPC code that is not
+retryable, or one that outlasted its retries; Redis failing) ends the process with status 1,
+so its supervisor -- the local launcher, Compose, Kubernetes -- starts it again and it resumes. Settings
+it refuses (an unknown mode) end it with status 2 before it serves anything.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from tether.common import broker
 from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
+from tether.common.retry import Retrying
 from tether.common.settings import RedisSettings, WeightPush
 from tether.scheduler.run import Run, RunConfig, SchedulingMode, Stubs, load_tasks
 from tether.scheduler.servicer import SchedulerServicer
@@ -27,6 +32,8 @@ from tether.v1 import (
 )
 
 log = logging.getLogger("tether.scheduler")
+
+SETTINGS_REFUSED = 2  # exit status for settings refused at start-up (the launcher does not restart it)
 
 
 class SchedulerSettings(RedisSettings):
@@ -57,10 +64,15 @@ class SchedulerSettings(RedisSettings):
 
 async def amain(s: SchedulerSettings) -> None:
     r = broker.connect(s.redis_url)
+    # Calls retry the retryable codes with backoff, a few times; then, or on any other code, the run
+    # fails and the process exits (see main). Not retried: a weight load or a path-2 push, whose
+    # failures the run handles itself (fallback to path 1; reconcile after a restart).
     stubs = Stubs(
-        gateway=gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address)),
-        inference=inference_pb2_grpc.InferenceStub(channel(s.inference_address)),
-        trainer=trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)),
+        gateway=Retrying(gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address))),
+        inference=Retrying(
+            inference_pb2_grpc.InferenceStub(channel(s.inference_address)), exempt={"LoadWeights"}
+        ),
+        trainer=Retrying(trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)), exempt={"PushWeights"}),
     )
     cfg = RunConfig(
         run_id=s.run_id,
@@ -92,11 +104,10 @@ async def amain(s: SchedulerSettings) -> None:
     log.info("scheduler on %s:%d", s.scheduler_grpc_host, port)
 
     async def work() -> None:
-        try:
-            await (run.run() if tasks else run.serve(s.groups_per_step))
-        except Exception:
-            log.exception("run failed")
-        await asyncio.Event().wait()  # keep answering GetRun until stopped
+        # A failure ends the process (run_until_signal raises it again): the supervisor starts the
+        # scheduler again and it resumes the run from Redis. A finished run keeps answering GetRun.
+        await (run.run() if tasks else run.serve(s.groups_per_step))
+        await asyncio.Event().wait()
 
     try:
         await run_until_signal(server, health, [work()])
@@ -105,9 +116,17 @@ async def amain(s: SchedulerSettings) -> None:
 
 
 def main() -> None:
-    s = SchedulerSettings()
+    try:
+        s = SchedulerSettings()
+    except ValidationError as exc:  # refused before anything serves: restarting cannot help
+        print(f"tether.scheduler: refusing to start, bad settings: {exc}", file=sys.stderr)
+        sys.exit(SETTINGS_REFUSED)
     setup_logging("scheduler", s.log_level)
-    asyncio.run(amain(s))
+    try:
+        asyncio.run(amain(s))
+    except Exception as exc:
+        log.critical("fatal: %r; exiting non-zero so that the supervisor starts the scheduler again", exc)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -711,9 +711,11 @@ class Run:
                 shutil.copytree(ckpt, final)
             await self.save_state(status="done", eval_reward=record["eval_reward"])
         except grpc.aio.AioRpcError as exc:
-            log.error("run failed: %s %s", exc.code(), exc.details())
-            await self.save_state(status="failed", error=f"{exc.code()}: {exc.details()}")
+            # Not retryable, or it outlasted its retries: fail loudly. "error" is not a final
+            # status: the process exits non-zero, its supervisor starts it again, and it resumes.
+            log.error("run failed: %s %s", exc.code().name, exc.details())
+            await self.save_state(status="error", error=f"{exc.code().name}: {exc.details()}")
             raise
         except Exception as exc:
-            await self.save_state(status="failed", error=repr(exc))
+            await self.save_state(status="error", error=repr(exc))
             raise
