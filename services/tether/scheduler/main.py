@@ -15,6 +15,7 @@ from tether.common import broker
 from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
+from tether.common.usage import exit_if_help
 from tether.scheduler.run import Run, RunConfig, Stubs, load_tasks
 from tether.scheduler.servicer import SchedulerServicer
 from tether.v1 import (
@@ -104,6 +105,7 @@ async def amain(s: SchedulerSettings) -> None:
 
 
 def main() -> None:
+    exit_if_help(SchedulerSettings, __doc__)
     s = SchedulerSettings()
     setup_logging("scheduler", s.log_level)
     asyncio.run(amain(s))
