@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import json
 import sys
 import types
@@ -76,6 +77,8 @@ def default_text(field: FieldInfo) -> str:
     value = field.default if field.default_factory is None else field.default_factory()  # type: ignore[call-arg]
     if value is None:
         return "(unset)"
+    if isinstance(value, enum.Enum):
+        return str(value.value)
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
@@ -99,6 +102,8 @@ def _type(t: Any) -> str:
         return f"{name}[{', '.join(_type(a) for a in args)}]" if args else name
     if t is type(None):
         return "None"
+    if isinstance(t, type) and issubclass(t, enum.Enum):
+        return "|".join(str(m.value) for m in t)
     return getattr(t, "__name__", str(t).replace("typing.", ""))
 
 
