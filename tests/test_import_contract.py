@@ -192,3 +192,16 @@ def importlib_finds(name: str) -> bool:
     import importlib.util
 
     return importlib.util.find_spec(name) is not None
+
+
+def test_the_merger_says_what_to_install_for_a_strip_tail_from_model_dir(monkeypatch, tmp_path) -> None:
+    """Without transformers (the [merger] extra alone) a model_dir strip tail fails at start, naming the
+    extra and the alternative; an explicit strip tail needs nothing."""
+    from tether.merger.main import MergerSettings, strip_tail_for
+
+    monkeypatch.setitem(sys.modules, "transformers", None)  # what `import transformers` meets when absent
+    base = {"redis_url": "redis://127.0.0.1:1/0", "merger_grpc_port": 1, "trainer_address": "127.0.0.1:2"}
+    with pytest.raises(SystemExit, match=r"tether-rl\[merger,chat-template\].*TETHER_STRIP_TAIL"):
+        strip_tail_for(MergerSettings(**base, model_dir=str(tmp_path)))
+    assert strip_tail_for(MergerSettings(**base, model_dir=str(tmp_path), strip_tail=[7])) == (7,)
+    assert strip_tail_for(MergerSettings(**base)) == ()
