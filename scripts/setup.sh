@@ -31,7 +31,8 @@ if [ "$have" != "$want" ] || ! "$VENV/bin/python" -c "import tether.v1" 2>/dev/n
   "$VENV/bin/pip" install -q --upgrade pip
   # Pinned first: pip takes the CPU wheel from this machine's disk, never a CUDA build.
   "$VENV/bin/pip" install -q torch==2.13.0
-  "$VENV/bin/pip" install -q -e ".[test,lora]"
+  # Every extra: each service's (pyproject.toml), the `tether` command's, LoRA and the test tools.
+  "$VENV/bin/pip" install -q -e ".[all,test]"
   # The vLLM plugin too (editable: it follows its source), so the tests can hold the gateway to its contract.
   "$VENV/bin/pip" install -q --no-deps -e ./services/vllm_plugin
   if [ "$WITH_TESTS" = 1 ]; then

@@ -10,7 +10,35 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tether.algorithms.advantages import ESTIMATORS, discounted_call_rewards, group_advantages, whiten
+from tether.algorithms import advantages as ours
+from tether.algorithms.advantages import ESTIMATORS
+
+# The estimators are numpy (the merger is torch-free); the properties and verl's oracle are written in
+# torch, so these adapters convert at the test boundary, exactly (torch.from_numpy shares the fp32 data).
+
+
+def _np(x):  # type: ignore[no-untyped-def]
+    return x.numpy() if isinstance(x, torch.Tensor) else x
+
+
+def group_advantages(rewards: torch.Tensor, estimator: str = "grpo") -> torch.Tensor:
+    return torch.from_numpy(ours.group_advantages(_np(rewards), estimator))
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    return torch.from_numpy(ours.whiten(_np(values), _np(mask)))
+
+
+def discounted_call_rewards(call_rewards: list[float], gamma: float = 1.0) -> torch.Tensor:
+    return torch.from_numpy(ours.discounted_call_rewards(call_rewards, gamma))
+
+
+def running_baseline_advantages(rewards, task_ids, task_baselines, global_baseline, alpha=0.1):  # type: ignore[no-untyped-def]
+    adv, updated, g = ours.running_baseline_advantages(
+        _np(rewards), task_ids, task_baselines, global_baseline, alpha
+    )
+    return torch.from_numpy(adv), updated, g
+
 
 # torch's first calls are slow, so no per-example deadline.
 props = settings(deadline=None, max_examples=60)
@@ -77,6 +105,15 @@ def test_fp32_rewards_keep_their_precision() -> None:
     # bf16 would store 0.95 as 0.94921875 and give 0.4746 here.
     adv = group_advantages(torch.tensor([0.95, 0.0]), "drgrpo")
     assert adv[0].item() == pytest.approx(0.475, abs=1e-7)
+
+
+def test_numpy_in_fp32_out_and_a_list_is_taken_as_fp32() -> None:
+    adv = ours.group_advantages([0.95, 0.0], "drgrpo")
+    assert isinstance(adv, np.ndarray) and adv.dtype == np.float32
+    # The list's 0.95 is rounded to fp32 first, as a merged reward is: the same as from an fp32 tensor.
+    assert adv.tolist() == group_advantages(torch.tensor([0.95, 0.0]), "drgrpo").tolist()
+    assert ours.whiten([[1.0, 2.0], [3.0, 4.0]]).dtype == np.float32
+    assert ours.discounted_call_rewards([0.0, 1.0], 0.5).dtype == np.float32
 
 
 # --- properties over random groups --------------------------------------------------------------------
@@ -273,8 +310,6 @@ def test_reinforce_pp_baseline_with_token_whitening_matches_verl(verl_algos, bat
 
 
 def test_running_baseline_known_values() -> None:
-    from tether.algorithms.advantages import running_baseline_advantages
-
     # One task, alpha 0.5, no state: the first reward meets the global baseline, 0 while none exists.
     adv, tasks, g = running_baseline_advantages([1.0, 0.0, 1.0], ["a", "a", "a"], {}, None, alpha=0.5)
     assert adv.dtype == torch.float32 and adv.tolist() == [1.0, -1.0, 0.5]
@@ -293,8 +328,6 @@ def test_running_baseline_known_values() -> None:
 
 
 def test_running_baseline_rejects_bad_input() -> None:
-    from tether.algorithms.advantages import running_baseline_advantages
-
     for alpha in (0.0, -0.1, 1.5):
         with pytest.raises(ValueError, match="alpha"):
             running_baseline_advantages([1.0], ["a"], {}, None, alpha=alpha)
@@ -308,8 +341,6 @@ def test_running_baseline_is_the_ema_closed_form(rewards: list[float], alpha: fl
     """Against the closed form of an EMA seeded with its first value: b_n = (1-a)^(n-1) x_0 +
     sum_k a (1-a)^(n-1-k) x_k; each advantage is the reward minus the baseline before it. Applying the
     rewards one call at a time (state carried over, as the merger does across groups) gives the same."""
-    from tether.algorithms.advantages import running_baseline_advantages
-
     x = np.asarray(rewards, dtype=np.float64)
 
     def closed(n: int) -> float:  # baseline after the first n rewards (n >= 1)

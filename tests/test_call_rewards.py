@@ -92,8 +92,8 @@ def test_rewarded_calls_reach_the_samples_with_their_discounted_returns(gw, rdb,
     by = {s.rollout_id: s for s in samples}
     assert len(samples) == 2 and by[a["rollout_id"]].token_ids == [1, 2, 3, *TOKEN_IDS, 5, *TOKEN_IDS]
     # Oracle: a's calls earn [0.95, 1.0 (outcome)], b's one call 0.0; units are the rollouts' first-call returns.
-    g_a = discounted_call_rewards([0.95, 1.0], gamma).double()
-    g_b = discounted_call_rewards([0.0], gamma).double()
+    g_a = torch.from_numpy(discounted_call_rewards([0.95, 1.0], gamma)).double()
+    g_b = torch.from_numpy(discounted_call_rewards([0.0], gamma)).double()
     units = torch.stack([g_a[0], g_b[0]])
     scale = 1.0 / (units.std(correction=1) + 1e-6) if estimator == "grpo" else 1.0
     want_a = [float((g - units.mean()) * scale) for g in g_a]

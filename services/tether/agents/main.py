@@ -9,6 +9,7 @@ from tether.agents.worker import Worker, load_function
 from tether.common import broker
 from tether.common.logs import setup_logging
 from tether.common.settings import RedisSettings
+from tether.common.usage import exit_if_help
 
 
 class AgentSettings(RedisSettings):
@@ -46,6 +47,7 @@ async def amain(s: AgentSettings) -> None:
 
 
 def main() -> None:
+    exit_if_help(AgentSettings, __doc__)
     s = AgentSettings()
     setup_logging("agent", s.log_level)
     asyncio.run(amain(s))

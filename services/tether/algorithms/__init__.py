@@ -1,30 +1,27 @@
 """The RL math as small pure functions: group advantages, loss normalisation, policy losses.
 
-Modules: advantages (group advantages, running baseline; imported by the merger) -> losses (loss
-normalisation, PPO loss, off-policy weights; imported by the trainer). No I/O, no config objects.
+Modules (data-flow order): names (the math's named choices as Literal types: estimators, loss modes,
+KL estimators, off-policy modes; imported by the settings), advantages (numpy: one advantage per
+rollout of a group, the running baseline; used by the merger), losses (torch: loss normalisation, the
+PPO loss, off-policy weights; used by the trainer). No I/O, no config objects.
+
+Importing this package loads neither numpy nor torch: the names are plain Python, and a function is
+loaded from its module on first use, so a torch-free service (the merger) never pulls torch in
+(tests/test_import_contract.py holds every service to that).
 """
 
-from .advantages import (
-    ALL_ESTIMATORS,
-    ESTIMATORS,
-    discounted_call_rewards,
-    group_advantages,
-    running_baseline_advantages,
-    whiten,
-)
-from .losses import (
-    KL_ESTIMATORS,
-    LOSS_MODES,
-    aggregate,
-    kl_to_reference,
-    logprob_mismatch,
-    ppo_token_loss,
-    token_weights,
-    truncated_is_weights,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .names import (
     ADVANTAGE_LEVELS,
+    ALL_ESTIMATORS,
     BASELINE_ESTIMATORS,
+    ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_MODES,
     OFF_POLICY_MODES,
     AdvantageEstimator,
     AdvantageLevel,
@@ -35,9 +32,29 @@ from .names import (
     OffPolicyMode,
 )
 
+if TYPE_CHECKING:
+    from .advantages import (
+        discounted_call_rewards,
+        group_advantages,
+        running_baseline_advantages,
+        whiten,
+    )
+    from .losses import (
+        aggregate,
+        kl_to_reference,
+        logprob_mismatch,
+        ppo_token_loss,
+        token_weights,
+        truncated_is_weights,
+    )
+
 __all__ = [
     "ADVANTAGE_LEVELS",
+    "ALL_ESTIMATORS",
     "BASELINE_ESTIMATORS",
+    "ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_MODES",
     "OFF_POLICY_MODES",
     "AdvantageEstimator",
     "AdvantageLevel",
@@ -46,14 +63,10 @@ __all__ = [
     "KLEstimator",
     "LossMode",
     "OffPolicyMode",
-    "ALL_ESTIMATORS",
-    "ESTIMATORS",
-    "KL_ESTIMATORS",
-    "LOSS_MODES",
     "aggregate",
-    "kl_to_reference",
     "discounted_call_rewards",
     "group_advantages",
+    "kl_to_reference",
     "logprob_mismatch",
     "ppo_token_loss",
     "running_baseline_advantages",
@@ -61,3 +74,21 @@ __all__ = [
     "truncated_is_weights",
     "whiten",
 ]
+
+# Searched in this order; torch (losses) is imported only for a name the torch-free modules lack.
+_LAZY_MODULES = ("advantages", "losses")
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        for module in _LAZY_MODULES:
+            mod = importlib.import_module(f"{__name__}.{module}")
+            if hasattr(mod, name):
+                value = getattr(mod, name)
+                globals()[name] = value
+                return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -7,7 +7,8 @@ sequences the rollout forked into (a per-sequence baseline is biased when rollou
 docs/architecture.md, pitfall 3).
 
 Rewards are fp32 end to end (bf16 would turn 0.95 into 0.949); the statistics are taken in fp64 and the
-result is returned as fp32.
+result is returned as fp32. Plain numpy (no torch): the merger, which scores groups, is a torch-free
+service; the trainer and the tests hand tensors over with ``torch.from_numpy``.
 
 Estimators (``ESTIMATORS``):
 
@@ -39,17 +40,19 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import torch
+import numpy as np
+import numpy.typing as npt
 
 # The names live in names.py (torch-free, for the settings); re-exported here for the math's callers.
 from .names import ALL_ESTIMATORS, BASELINE_ESTIMATORS, ESTIMATORS  # noqa: F401
 
 
-def group_advantages(rewards: torch.Tensor, estimator: str = "grpo", eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(rewards: npt.ArrayLike, estimator: str = "grpo", eps: float = 1e-6) -> np.ndarray:
     """Advantages of the G rollouts of one group.
 
     Args:
-        rewards: (G,) scalar reward of each rollout of the group (any float dtype; fp32 expected).
+        rewards: (G,) scalar reward of each rollout of the group, taken as fp32 (a wider input is
+            rounded to fp32 first, as the trainer's proto carries it).
         estimator: one of ``ESTIMATORS``.
         eps: added to the std in ``grpo`` so a zero-variance group gives 0, not NaN.
 
@@ -60,24 +63,25 @@ def group_advantages(rewards: torch.Tensor, estimator: str = "grpo", eps: float 
     """
     if estimator not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {estimator!r}; choose one of {', '.join(ESTIMATORS)}")
-    if rewards.dim() != 1:
-        raise ValueError(f"rewards must be 1-D (G,), got shape {tuple(rewards.shape)}")
-    g = rewards.shape[0]
+    r32 = np.asarray(rewards, dtype=np.float32)
+    if r32.ndim != 1:
+        raise ValueError(f"rewards must be 1-D (G,), got shape {r32.shape}")
+    g = r32.shape[0]
     if g <= 1:
-        return torch.zeros(g, dtype=torch.float32, device=rewards.device)
+        return np.zeros(g, dtype=np.float32)
 
-    r = rewards.to(torch.float64)
+    r = r32.astype(np.float64)
     centered = r - r.mean()
     if estimator == "grpo":
-        adv = centered / (r.std(correction=1) + eps)
+        adv = centered / (r.std(ddof=1) + eps)
     elif estimator == "rloo":
         adv = centered * (g / (g - 1))
     else:  # drgrpo, reinforce_pp_baseline
         adv = centered
-    return adv.to(torch.float32)
+    return adv.astype(np.float32)
 
 
-def whiten(values: torch.Tensor, mask: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+def whiten(values: npt.ArrayLike, mask: npt.ArrayLike | None = None, eps: float = 1e-8) -> np.ndarray:
     """Shift to mean 0 and scale to std 1 over the selected elements (REINFORCE++ batch whitening).
 
     Args:
@@ -87,28 +91,28 @@ def whiten(values: torch.Tensor, mask: torch.Tensor | None = None, eps: float = 
         eps: added to the variance before the square root.
 
     Returns:
-        fp32 tensor of ``values``' shape: ``(v - mean) / sqrt(var + eps)`` with mean and Bessel-corrected
+        fp32 array of ``values``' shape: ``(v - mean) / sqrt(var + eps)`` with mean and Bessel-corrected
         var over the selected elements; unselected elements are 0. With fewer than two selected
         elements there is no spread to scale by and the result is the centered values (0).
 
     What is whitened decides the weighting: per-rollout values weigh every rollout once, per-token
     values (as verl does) weigh rollouts by their token count.
     """
-    v = values.to(torch.float64)
-    sel = torch.ones_like(v, dtype=torch.bool) if mask is None else mask.to(torch.bool)
+    v = np.asarray(values, dtype=np.float64)
+    sel = np.ones(v.shape, dtype=bool) if mask is None else np.asarray(mask).astype(bool)
     if sel.shape != v.shape:
-        raise ValueError(f"mask shape {tuple(sel.shape)} != values shape {tuple(v.shape)}")
+        raise ValueError(f"mask shape {sel.shape} != values shape {v.shape}")
     n = int(sel.sum())
     if n == 0:
-        return torch.zeros_like(v, dtype=torch.float32)
+        return np.zeros(v.shape, dtype=np.float32)
     picked = v[sel]
     centered = v - picked.mean()
     if n >= 2:
-        centered = centered / torch.sqrt(picked.var(correction=1) + eps)
-    return torch.where(sel, centered, 0.0).to(torch.float32)
+        centered = centered / np.sqrt(picked.var(ddof=1) + eps)
+    return np.where(sel, centered, 0.0).astype(np.float32)
 
 
-def discounted_call_rewards(call_rewards: Sequence[float] | torch.Tensor, gamma: float = 1.0) -> torch.Tensor:
+def discounted_call_rewards(call_rewards: npt.ArrayLike, gamma: float = 1.0) -> np.ndarray:
     """Return-to-go of every LLM call of one rollout, with a per-turn discount.
 
     Args:
@@ -121,24 +125,24 @@ def discounted_call_rewards(call_rewards: Sequence[float] | torch.Tensor, gamma:
     """
     if not 0.0 <= gamma <= 1.0:
         raise ValueError(f"gamma must be in [0, 1], got {gamma}")
-    r = torch.as_tensor(call_rewards, dtype=torch.float64)
-    if r.dim() != 1:
-        raise ValueError(f"call_rewards must be 1-D (C,), got shape {tuple(r.shape)}")
-    out = torch.empty_like(r)
+    r = np.asarray(call_rewards, dtype=np.float64)
+    if r.ndim != 1:
+        raise ValueError(f"call_rewards must be 1-D (C,), got shape {r.shape}")
+    out = np.empty_like(r)
     running = 0.0
     for c in range(r.shape[0] - 1, -1, -1):
         running = float(r[c]) + gamma * running
         out[c] = running
-    return out.to(torch.float32)
+    return out.astype(np.float32)
 
 
 def running_baseline_advantages(
-    rewards: Sequence[float] | torch.Tensor,
+    rewards: npt.ArrayLike,
     task_ids: Sequence[str],
     task_baselines: Mapping[str, float],
     global_baseline: float | None,
     alpha: float = 0.1,
-) -> tuple[torch.Tensor, dict[str, float], float | None]:
+) -> tuple[np.ndarray, dict[str, float], float | None]:
     """Advantages against a per-task running baseline, applied in order (``running_baseline``).
 
     Args:
@@ -160,18 +164,16 @@ def running_baseline_advantages(
     """
     if not 0.0 < alpha <= 1.0:
         raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-    r = torch.as_tensor(rewards, dtype=torch.float64)
-    if r.dim() != 1 or r.shape[0] != len(task_ids):
-        raise ValueError(
-            f"rewards must be 1-D (N,) with one task id each, got {tuple(r.shape)} / {len(task_ids)}"
-        )
+    r = np.asarray(rewards, dtype=np.float64)
+    if r.ndim != 1 or r.shape[0] != len(task_ids):
+        raise ValueError(f"rewards must be 1-D (N,) with one task id each, got {r.shape} / {len(task_ids)}")
     updated: dict[str, float] = {}
     g = None if global_baseline is None else float(global_baseline)
-    adv = torch.empty_like(r)
+    adv = np.empty_like(r)
     for i, task in enumerate(task_ids):
         x = float(r[i])
         b = updated.get(task, task_baselines.get(task))
         adv[i] = x - (b if b is not None else (g if g is not None else 0.0))
         updated[task] = x if b is None else b + alpha * (x - b)
         g = x if g is None else g + alpha * (x - g)
-    return adv.to(torch.float32), updated, g
+    return adv.astype(np.float32), updated, g

@@ -25,6 +25,7 @@ from tether.common import broker
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import RedisSettings
+from tether.common.usage import exit_if_help
 from tether.gateway.admission import Admission
 from tether.gateway.app import create_app
 from tether.gateway.guided import GuidedCheck, GuidedMode
@@ -396,6 +397,7 @@ def run(coro) -> None:
 
 
 def main() -> None:
+    exit_if_help(GatewaySettings, __doc__)
     s = GatewaySettings()
     setup_logging("gateway", s.log_level)
     run(amain(s))

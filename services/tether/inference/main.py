@@ -17,6 +17,7 @@ from pydantic import Field, field_validator
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
+from tether.common.usage import exit_if_help
 from tether.common.vllm_client import VLLMControl
 from tether.inference.launch import model_context_length, start_vllm, vllm_command, vllm_env
 from tether.inference.servicer import WEIGHT_VERSION, InferenceServicer
@@ -131,6 +132,7 @@ async def amain(s: InferenceSettings) -> None:
 
 
 def main() -> None:
+    exit_if_help(InferenceSettings, __doc__)
     s = InferenceSettings()
     setup_logging("inference", s.log_level)
     asyncio.run(amain(s))

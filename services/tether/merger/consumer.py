@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+import numpy as np
 import orjson
-import torch
 from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 from redis.exceptions import WatchError
@@ -283,13 +283,13 @@ def call_weight_spans(spans: Any, n: int) -> tuple[tuple[int, int, int], ...]:
     return out if out and spans_cover(out, n) else ()
 
 
-def advantage_scale(returns: torch.Tensor, estimator: str, eps: float = 1e-6) -> float:
+def advantage_scale(returns: np.ndarray, estimator: str, eps: float = 1e-6) -> float:
     """d(advantage)/d(return) of ``group_advantages``: every estimator is ``scale * (r - mean)``."""
-    g = returns.shape[0]
+    g = len(returns)
     if g <= 1:
         return 0.0
     if estimator == "grpo":
-        std = float(returns.to(torch.float64).std(correction=1))
+        std = float(np.asarray(returns, dtype=np.float64).std(ddof=1))
         # A zero-variance group has all-zero advantages; 1/eps must not amplify per-call deviations.
         return 0.0 if std == 0.0 else 1.0 / (std + eps)
     if estimator == "rloo":
@@ -690,7 +690,7 @@ class Merger:
         rollouts = [orjson.loads(v) for v in (await self.r.hgetall(self.keys.group(group_id))).values()]
         rollouts.sort(key=lambda x: x["rollout_id"])
         ok = [x for x in rollouts if x["status"] == "completed" and x["reward"] is not None]
-        rewards = torch.tensor([float(x["reward"]) for x in ok], dtype=torch.float32)
+        rewards = np.asarray([float(x["reward"]) for x in ok], dtype=np.float32)
         dropped: Counter = Counter()
         for x in rollouts:
             dropped.update(x.get("dropped_calls", {}))
@@ -725,7 +725,7 @@ class Merger:
         else:
             units = [(x, i) for x in ok for i in range(len(x["sequences"]))]
             returns = [float(x["sequences"][i].get("return", x["reward"])) for x, i in units]
-        unit_returns = torch.tensor(returns, dtype=torch.float32)
+        unit_returns = np.asarray(returns, dtype=np.float32)
         # Session groups carry their estimator; a running baseline needs no group and no spread.
         estimator = next((x["estimator"] for x in rollouts if x.get("estimator")), cfg.estimator)
         running = estimator in BASELINE_ESTIMATORS

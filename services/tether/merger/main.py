@@ -16,6 +16,7 @@ from tether.common.grpc_server import channel, follow_health, run_until_signal, 
 from tether.common.logs import setup_logging
 from tether.common.records import SampleRecord
 from tether.common.settings import RedisSettings
+from tether.common.usage import exit_if_help
 from tether.merger.consumer import Merger, MergerConfig
 from tether.merger.merge import MergeMode, OverlongPolicy, generation_prompt_tail
 from tether.merger.servicer import MergerStatusServicer
@@ -69,7 +70,14 @@ def strip_tail_for(s: MergerSettings) -> tuple[int, ...]:
         return tuple(s.strip_tail)
     if not s.model_dir:
         return ()
-    from transformers import AutoTokenizer
+    try:  # only here: the merger never imports transformers otherwise (tests/test_import_contract.py)
+        from transformers import AutoTokenizer
+    except ImportError as exc:
+        raise SystemExit(
+            "TETHER_MODEL_DIR: the merger renders its chat template with transformers, which the [merger] "
+            "extra leaves out; install tether-rl[merger,chat-template], or set TETHER_STRIP_TAIL (a JSON "
+            "list of token ids, [] for none) and leave TETHER_MODEL_DIR unset"
+        ) from exc
 
     tokenizer = AutoTokenizer.from_pretrained(s.model_dir)
     if not getattr(tokenizer, "chat_template", None):
@@ -171,6 +179,7 @@ async def amain(s: MergerSettings) -> None:
 
 
 def main() -> None:
+    exit_if_help(MergerSettings, __doc__)
     s = MergerSettings()
     setup_logging("merger", s.log_level)
     asyncio.run(amain(s))

@@ -21,6 +21,7 @@ from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.retry import Retrying
 from tether.common.settings import RedisSettings, WeightPush
+from tether.common.usage import exit_if_help
 from tether.scheduler.run import Run, RunConfig, SchedulingMode, Stubs, load_tasks
 from tether.scheduler.servicer import SchedulerServicer
 from tether.v1 import (
@@ -116,6 +117,7 @@ async def amain(s: SchedulerSettings) -> None:
 
 
 def main() -> None:
+    exit_if_help(SchedulerSettings, __doc__)
     try:
         s = SchedulerSettings()
     except ValidationError as exc:  # refused before anything serves: restarting cannot help

@@ -22,6 +22,7 @@ from tether.algorithms.names import KLEstimator, LossMode, OffPolicyMode
 from tether.common.grpc_server import run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings, WeightPush
+from tether.common.usage import exit_if_help
 from tether.trainer import distributed, weights
 from tether.trainer.distributed import Dist
 from tether.trainer.servicer import TrainerServicer
@@ -266,6 +267,7 @@ async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resu
 
 
 def main() -> None:
+    exit_if_help(TrainerSettings, __doc__)
     s = TrainerSettings()
     setup_logging("trainer", s.log_level)
     torch.set_num_threads(s.torch_threads)
