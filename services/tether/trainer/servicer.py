@@ -33,7 +33,7 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from tether.common.grpc_server import run_to_end
-from tether.common.records import SampleRecord
+from tether.common.records import RecordError, SampleRecord
 from tether.trainer import distributed
 from tether.trainer.distributed import Dist
 from tether.trainer.nccl_push import PushError
@@ -68,21 +68,7 @@ PUSH_SECONDS = Histogram(
 
 
 def sample_from_proto(p) -> SampleRecord:
-    return SampleRecord(
-        rollout_id=p.rollout_id,
-        group_id=p.group_id,
-        task_id=p.task_id,
-        sequence_index=p.sequence_index,
-        token_ids=list(p.token_ids),
-        loss_mask=list(p.loss_mask),
-        rollout_logprobs=list(p.rollout_logprobs),
-        advantages=list(p.advantages),
-        reward=p.reward,
-        weight_version=p.weight_version,
-        rollout_sequences=p.rollout_sequences,
-        weight_spans=[[w.version, w.start, w.end] for w in p.weight_spans],
-        constrained_tokens=p.constrained_tokens,
-    )
+    return SampleRecord.from_proto(p)  # written once, beside the record; RecordError if inconsistent
 
 
 def validate(sample: SampleRecord, vocab_size: int) -> str | None:
@@ -239,19 +225,14 @@ class GroupSpool:
         for path in sorted(self.folder.glob("*.group")):
             try:
                 data = orjson.loads(path.read_bytes())
-            except orjson.JSONDecodeError:
-                log.warning("unreadable spooled group %s; dropped", path)
+                samples = [SampleRecord.from_dict(s) for s in data["samples"]]
+            except (orjson.JSONDecodeError, RecordError) as exc:
+                log.warning("unreadable spooled group %s (%s); dropped", path, exc)
                 path.unlink(missing_ok=True)
                 continue
             self.files[data["group_id"]] = path
             self.next_seq = max(self.next_seq, int(path.name.split("-", 1)[0]) + 1)
-            out.append(
-                (
-                    data["group_id"],
-                    [SampleRecord.from_dict(s) for s in data["samples"]],
-                    int(data["rollouts"]),
-                )
-            )
+            out.append((data["group_id"], samples, int(data["rollouts"])))
         return out
 
     def add(self, group_id: str, samples: list[SampleRecord], rollouts: int) -> None:
@@ -540,7 +521,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.lock = asyncio.Lock()  # one step, push (or rank command) at a time
 
     async def SubmitGroup(self, request, context):
-        samples = [sample_from_proto(p) for p in request.samples]
+        try:
+            samples = [sample_from_proto(p) for p in request.samples]
+        except RecordError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             buffered, duplicate = self.core.submit(request.group_id, samples, request.rollouts)
         except InvalidGroup as exc:
