@@ -192,7 +192,7 @@ def test_merger_skips_refused_calls(gw, rdb):
         status="completed",
         reward=1.0,
     )
-    merged = Merger(None, gw.keys, MergerConfig(), None).merge_records(event, records, {})
+    merged = Merger(None, gw.keys, MergerConfig(), None).merge_records(event, records)
     assert merged["dropped_calls"] == {"error": 1}
     [seq] = merged["sequences"]
     assert seq["token_ids"] == PROMPT_IDS + TOKEN_IDS

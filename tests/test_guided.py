@@ -267,7 +267,7 @@ def test_merger_masks_the_constrained_tokens_of_traces():
     event = RolloutEvent(
         rollout_id="r", task_id="t", group_id="g", group_size=1, status="completed", reward=1.0
     )
-    merged = Merger(None, Keys("t"), MergerConfig(), None).merge_records(event, records, {})
+    merged = Merger(None, Keys("t"), MergerConfig(), None).merge_records(event, records)
     main, other, branch = merged["sequences"]
     assert main["token_ids"] == [1, 2, 3, 4, 5, 6, 9, 10, 11]
     assert main["loss_mask"] == [0, 0, 0, 0, 0, 1, 0, 1, 1]

@@ -36,6 +36,7 @@ async def _record(r, keys, rollout_id, calls, group_id, reward, status="complete
         await broker.publish_once(
             r, keys, keys.traces, t.call_id, t.to_dict(), index_list=keys.rollout_calls(rollout_id)
         )
+    meta = meta or {}
     ev = RolloutEvent(
         rollout_id=rollout_id,
         task_id="t1",
@@ -43,6 +44,9 @@ async def _record(r, keys, rollout_id, calls, group_id, reward, status="complete
         group_size=group_size,
         status=status,
         reward=reward,
+        attempt=meta.get("attempt", 0),
+        max_attempts=meta.get("max_attempts", 1),
+        eval=meta.get("eval", False),
     )
     await broker.publish_once(r, keys, keys.rollout_events, f"final:{rollout_id}", ev.to_dict())
 
@@ -573,7 +577,7 @@ def test_n_greater_than_one_choices_become_sibling_sequences():
     event = RolloutEvent(
         rollout_id="r", task_id="t", group_id="g", group_size=1, status="completed", reward=1.0
     )
-    merged = merger.merge_records(event, [trace.to_dict()], {})
+    merged = merger.merge_records(event, [trace.to_dict()])
     assert [s["token_ids"] for s in merged["sequences"]] == [[1, 2, 3, 4], [1, 2, 5], [1, 2, 6, 7]]
     assert merged["sequences"][1]["loss_mask"] == [0, 0, 1]
     assert merged["sequences"][1]["logprobs"] == [0.0, 0.0, -0.3]

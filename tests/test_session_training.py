@@ -14,6 +14,7 @@ import pytest
 from stack_helpers import tether_up, wait_for
 
 from tether.common import broker
+from tether.common.records import GroupResult
 from tether.scheduler.run import Run, RunConfig, Stubs
 
 KEY = "dk-prod-test"
@@ -32,6 +33,34 @@ def _expected_advantages(rewards, alpha):
     return out
 
 
+def group_result(gid: str) -> dict:
+    """A trained group's GroupResult as the merger publishes it (every field is required)."""
+    return GroupResult(
+        group_id=gid,
+        rollouts=1,
+        completed=1,
+        rewards=[1.0],
+        eval=False,
+        sequences=1,
+        forks=0,
+        single_sequence_rollouts=1,
+        realigns=0,
+        truncated=0,
+        generated_tokens=4,
+        mismatched_calls=0,
+        side_sequences_excluded=0,
+        dropped_calls={},
+        mismatches=[],
+        timed_out=False,
+        finished_at=0.0,
+        estimator="running_baseline",
+        outcome="trained",
+        samples=1,
+        tokens=8,
+        min_weight_version=0,
+    ).to_dict()
+
+
 async def test_a_task_run_waits_for_its_own_groups_not_session_groups(redis_url, tmp_path):
     """Train mode names its groups: a session group's result, even one that comes first, is neither
     taken for the step's group nor counted in the step (the trainer side, TrainStep with explicit
@@ -45,18 +74,7 @@ async def test_a_task_run_waits_for_its_own_groups_not_session_groups(redis_url,
     try:
         cursor = await run.results_cursor()
         for gid in ("session:prod:call-1", "r-s0-g0"):
-            await broker.publish(
-                r,
-                keys.group_results,
-                {
-                    "group_id": gid,
-                    "outcome": "trained",
-                    "rewards": [1.0],
-                    "samples": 1,
-                    "tokens": 8,
-                    "sequences": 1,
-                },
-            )
+            await broker.publish(r, keys.group_results, group_result(gid))
         results = await run.wait_groups({"r-s0-g0"}, cursor)
         assert [g["group_id"] for g in results] == ["r-s0-g0"]
     finally:

@@ -8,7 +8,7 @@ from typing import Literal
 import pytest
 from pydantic import Field
 
-from tether.common.settings import CommonSettings
+from tether.common.settings import RedisSettings
 from tether.common.usage import exit_if_help
 
 
@@ -17,7 +17,7 @@ class Mode(enum.StrEnum):
     SAFE = "safe"
 
 
-class DemoSettings(CommonSettings):
+class DemoSettings(RedisSettings):
     needed: str
     mode: Mode = Mode.SAFE
     side: Literal["left", "right"] = "left"

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from tether.common import broker
+from tether.common.records import DispatchJob, RecordError
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +79,17 @@ class Worker:
         self.done = 0
         self.failed = 0
 
-    async def attempt(self, job: dict, attempt: int) -> bool:
+    async def attempt(self, job: DispatchJob, attempt: int) -> bool:
         """One attempt at a dispatched rollout: create it through the gateway, run the harness,
         report the reward or the failure. Returns whether it completed."""
-        max_attempts = int(job.get("max_attempts", 1))
-        meta = {**job.get("metadata", {}), "attempt": attempt, "max_attempts": max_attempts}
+        max_attempts = job.max_attempts
+        meta = {**job.metadata, "attempt": attempt, "max_attempts": max_attempts}
         resp = await self.http.post(
             f"{self.gateway_url}/v1/rollouts",
             json={
-                "task_id": job["task_id"],
-                "group_id": job["group_id"],
-                "group_size": job["group_size"],
+                "task_id": job.task_id,
+                "group_id": job.group_id,
+                "group_size": job.group_size,
                 "metadata": meta,
             },
         )
@@ -97,7 +98,7 @@ class Worker:
         auth = {"Authorization": f"Bearer {ro['api_key']}"}
         try:
             call = asyncio.get_running_loop().run_in_executor(
-                self.threads, self.fn, job["task"], ro["base_url"], ro["api_key"], ro["model"]
+                self.threads, self.fn, job.task, ro["base_url"], ro["api_key"], ro["model"]
             )
             reward = float(
                 await asyncio.wait_for(call, timeout=self.timeout_s) if self.timeout_s else await call
@@ -134,11 +135,11 @@ class Worker:
         self.done += 1
         return True
 
-    async def run_one(self, entry_id: str, job: dict) -> None:
+    async def run_one(self, entry_id: str, job: DispatchJob) -> None:
         """Attempts until one completes or `max_attempts` failed (the merger then excludes the slot
         from its group, counted); then acknowledge the dispatch entry."""
         try:
-            for attempt in range(int(job.get("max_attempts", 1))):
+            for attempt in range(job.max_attempts):
                 if await self.attempt(job, attempt):
                     break
             await self.r.xack(self.keys.dispatch, "agents", entry_id)
@@ -147,6 +148,12 @@ class Worker:
             log.error("gateway error for dispatch %s: %s", entry_id, exc)
         finally:
             self.in_flight.discard(entry_id)
+
+    async def dead_letter(self, entry_id: str, record: object, exc: RecordError) -> None:
+        """A dispatch entry that is no DispatchJob: dead-lettered (counted) and acknowledged."""
+        stream = self.keys.dispatch
+        await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record, "DispatchJob")
+        await self.r.xack(stream, "agents", entry_id)
 
     async def run(self) -> None:
         await broker.ensure_group(self.r, self.keys.dispatch, "agents")
@@ -172,8 +179,13 @@ class Worker:
                     log.warning("Redis read failed (%s); retrying", exc)
                     await asyncio.sleep(1.0)
                     continue
-                for entry_id, job in entries:
+                for entry_id, record in entries:
                     if entry_id in self.in_flight:
+                        continue
+                    try:
+                        job = DispatchJob.from_dict(record)
+                    except RecordError as exc:
+                        await self.dead_letter(entry_id, record, exc)
                         continue
                     self.in_flight.add(entry_id)
                     task = asyncio.create_task(self.run_one(entry_id, job))

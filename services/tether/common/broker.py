@@ -1,7 +1,9 @@
 """Redis Streams helpers: key names, idempotent publish, consumer groups, dead-letter.
 
-Every record on a stream is one field, `data`, holding a JSON object. Keys live under a namespace
-so that several runs (or tests) can share one Redis.
+Every record on a stream is one field, `data`, holding a JSON object (one of the records of
+`tether.common.records`). Keys live under a namespace so that several runs (or tests) can share one
+Redis; every key is built by `Keys`. A record a consumer cannot decode goes to the dead-letter stream,
+counted by `tether_dead_letters_total{stream, record}`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 import orjson
 import redis.asyncio as aioredis
+from prometheus_client import Counter
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -97,6 +100,18 @@ class Keys:
     def baseline_applied(self, group_id: str) -> str:  # string: advantages a group got from the baselines
         return f"{self.ns}:baseline-applied:{group_id}"
 
+    @property
+    def mismatches(self) -> str:  # stream: prefix-mismatch examples (merger; `tether mismatches`)
+        return f"{self.ns}:mismatches"
+
+    @property
+    def merger_pending_groups(self) -> str:  # sorted set: group id -> time its first rollout merged
+        return f"{self.ns}:merger:pending-groups"
+
+    @property
+    def run_inflight(self) -> str:  # hash: async modes' dispatched groups (scheduler): id -> JSON
+        return f"{self.ns}:run:inflight"
+
 
 # redis-py 8 gives every socket read a 5 s timeout: on a loaded 2-core host a blocking stream read
 # (XREADGROUP BLOCK) can overrun it and kill a consumer. Reads get a minute; a stall past that is real.
@@ -158,8 +173,14 @@ async def ensure_group(r: aioredis.Redis, stream: str, group: str, start: str = 
             raise
 
 
-def decode(fields: dict[str, str]) -> dict[str, Any]:
-    return orjson.loads(fields["data"])
+def decode(fields: dict[str, str]) -> Any:
+    """An entry's `data` as JSON; an entry that holds none (or no JSON) as it is, for the record
+    decoder to refuse (and the consumer to dead-letter) rather than crash the consumer's loop."""
+    raw = fields.get("data")
+    try:
+        return orjson.loads(raw) if raw is not None else fields
+    except orjson.JSONDecodeError:
+        return raw
 
 
 async def read_group(
@@ -188,12 +209,36 @@ async def read_group(
     return out
 
 
+DEAD_LETTERS = Counter(
+    "tether_dead_letters_total",
+    "Records a consumer could not process, moved to the dead-letter stream",
+    ["stream", "record"],
+)
+
+
 async def dead_letter(
-    r: aioredis.Redis, keys: Keys, stream: str, entry_id: str, reason: str, record: dict[str, Any]
+    r: aioredis.Redis,
+    keys: Keys,
+    stream: str,
+    entry_id: str,
+    reason: str,
+    record: Any,
+    record_type: str = "",
 ) -> None:
+    """Move a record a consumer cannot process to the dead-letter stream and count it (by the stream
+    it came from, without the namespace, and its record type); the caller acknowledges it."""
     log.warning("dead-letter %s %s: %s", stream, entry_id, reason)
+    DEAD_LETTERS.labels(stream.removeprefix(f"{keys.ns}:"), record_type or "unknown").inc()
     await publish(
-        r, keys.dead_letter, {"stream": stream, "entry_id": entry_id, "reason": reason, "record": record}
+        r,
+        keys.dead_letter,
+        {
+            "stream": stream,
+            "entry_id": entry_id,
+            "reason": reason,
+            "record": record,
+            "record_type": record_type,
+        },
     )
 
 

@@ -1,8 +1,18 @@
-"""The records that travel on Redis streams, as plain dataclasses with JSON round-trips.
+"""The records that travel between services through Redis, as dataclasses with strict JSON decoders.
 
-A Trace is one LLM call the gateway recorded; a RolloutEvent says a rollout finished; a
-SampleRecord is exactly what the trainer consumed for one sequence; a TrainingOutcome is the merger's
-verdict on one rollout (trained, or why it never will be), read back by the gateway.
+A Trace is one LLM call the gateway recorded; a RolloutEvent says a rollout finished; a DispatchJob is
+one rollout the scheduler asks an agent worker to run; a MergedRollout is the merger's merge of one
+rollout, parked in its group; a GroupResult is the merger's verdict on one group (read by the
+scheduler); a SampleRecord is exactly what the trainer consumed for one sequence; a StepMetrics is
+one training step's record (the metrics stream); a SessionReward is a reward for one record-only
+call; a TrainingOutcome is the merger's verdict on one rollout (trained, or why it never will be),
+read back by the gateway.
+
+Decoding is strict: a field the record does not know, a required field that is missing, or a value
+of the wrong kind raises RecordError (a ValueError), never a silent default -- a renamed field must
+fail loudly, not switch a guarantee off. Consumers that read a bad record dead-letter it
+(``broker.dead_letter``, counted per stream and record type) and go on. The scheduler's run state
+is not here (``scheduler/run.py``). docs/architecture.md lists who writes and who reads each.
 """
 
 from __future__ import annotations
@@ -10,18 +20,195 @@ from __future__ import annotations
 import json
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import Any, ClassVar, Union
+
+import orjson
+
+
+class RecordError(ValueError):
+    """A record that does not decode: unknown or missing fields, or a value of the wrong type."""
+
+    def __init__(self, record_type: str, problem: str) -> None:
+        super().__init__(f"bad {record_type} record: {problem}")
+        self.record_type = record_type
+        self.problem = problem
 
 
 def _to_dict(obj: Any) -> dict[str, Any]:
     # Shallow on purpose: dataclasses.asdict deep-copies token lists (milliseconds per 4k-token call).
-    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+    wire, omit = obj._wire, obj._omit_none
+    out = {wire.get(f.name, f.name): getattr(obj, f.name) for f in fields(obj)}
+    for name in omit:
+        if out.get(wire.get(name, name), 0) is None:
+            del out[wire.get(name, name)]
+    return out
 
 
-def _from_dict(cls: Any, data: dict[str, Any]) -> Any:
-    names = {f.name for f in fields(cls)}
-    return cls(**{k: v for k, v in data.items() if k in names})
+# Per record class: (wire name -> (attribute name, checker, required)), built once.
+_SCHEMAS: dict[type, dict[str, tuple[str, Any, bool]]] = {}
+
+
+def _checker(tp: Any) -> Callable[[Any], Any]:
+    """A cheap check of a decoded JSON value against an annotation: the outer kind only (a list is a
+    list; its 4k token ids are not walked), None only where the annotation allows it, nested records
+    decoded strictly. Returns fn(value) -> decoded value, raising TypeError."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        args = typing.get_args(tp)
+        inner = [_checker(a) for a in args if a is not type(None)]
+        nullable = type(None) in args
+
+        def check_union(v: Any) -> Any:
+            if v is None and nullable:
+                return None
+            for c in inner:
+                try:
+                    return c(v)
+                except (TypeError, RecordError):
+                    pass
+            raise TypeError(f"expected {tp}, got {type(v).__name__}")
+
+        return check_union
+    if origin is list or tp is list:
+        (item,) = typing.get_args(tp) or (Any,)
+        if isinstance(item, type) and hasattr(item, "_wire"):  # a list of nested records
+
+            def check_records(v: Any) -> Any:
+                if not isinstance(v, list | tuple):
+                    raise TypeError(f"expected a list, got {type(v).__name__}")
+                return [x if isinstance(x, item) else item.from_dict(x) for x in v]  # type: ignore[attr-defined]
+
+            return check_records
+
+        def check_list(v: Any) -> Any:
+            if not isinstance(v, list | tuple):
+                raise TypeError(f"expected a list, got {type(v).__name__}")
+            return v
+
+        return check_list
+    if isinstance(tp, type) and hasattr(tp, "_wire"):  # a nested record
+
+        def check_record(v: Any) -> Any:
+            return v if isinstance(v, tp) else tp.from_dict(v)  # type: ignore[attr-defined]
+
+        return check_record
+    if origin is dict or tp is dict:
+
+        def check_dict(v: Any) -> Any:
+            if not isinstance(v, dict):
+                raise TypeError(f"expected an object, got {type(v).__name__}")
+            return v
+
+        return check_dict
+    if tp is bool:
+
+        def check_bool(v: Any) -> Any:
+            if not isinstance(v, bool):
+                raise TypeError(f"expected a bool, got {type(v).__name__}")
+            return v
+
+        return check_bool
+    if tp is int:
+
+        def check_int(v: Any) -> Any:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"expected an int, got {type(v).__name__}")
+            return v
+
+        return check_int
+    if tp is float:
+
+        def check_float(v: Any) -> Any:
+            if isinstance(v, bool) or not isinstance(v, int | float):
+                raise TypeError(f"expected a number, got {type(v).__name__}")
+            return float(v)
+
+        return check_float
+    if tp is str:
+
+        def check_str(v: Any) -> Any:
+            if not isinstance(v, str):
+                raise TypeError(f"expected a string, got {type(v).__name__}")
+            return v
+
+        return check_str
+    return lambda v: v  # Any
+
+
+def _schema(cls: Any) -> dict[str, tuple[str, Any, bool]]:
+    schema = _SCHEMAS.get(cls)
+    if schema is None:
+        hints = typing.get_type_hints(cls)
+        schema = {
+            cls._wire.get(f.name, f.name): (
+                f.name,
+                _checker(hints[f.name]),
+                f.default is MISSING and f.default_factory is MISSING,
+            )
+            for f in fields(cls)
+        }
+        _SCHEMAS[cls] = schema
+    return schema
+
+
+def _from_dict(cls: Any, data: Any) -> Any:
+    name = cls.__name__
+    if not isinstance(data, dict):
+        raise RecordError(name, f"expected a JSON object, got {type(data).__name__}")
+    schema = _schema(cls)
+    unknown = data.keys() - schema.keys()
+    if unknown:
+        raise RecordError(name, f"unknown field(s) {sorted(unknown)}")
+    missing = [k for k, (_, _, required) in schema.items() if required and k not in data]
+    if missing:
+        raise RecordError(name, f"missing required field(s) {missing}")
+    kwargs = {}
+    for key, value in data.items():
+        attr, check, _ = schema[key]
+        try:
+            kwargs[attr] = check(value)
+        except TypeError as exc:
+            raise RecordError(name, f"field {key!r}: {exc}") from None
+        except RecordError as exc:
+            raise RecordError(name, f"field {key!r}: {exc.problem}") from None
+    return cls(**kwargs)
+
+
+class _Record:
+    """JSON round trips for the records below: ``to_dict`` (shallow), ``from_dict`` (strict),
+    ``from_json`` (bytes or str, strict)."""
+
+    # Attribute -> wire name, where the wire name is not a Python identifier (a merged sequence's
+    # "return").
+    _wire: ClassVar[dict[str, str]] = {}
+    # Optional fields left out of ``to_dict`` while None (their absence is what readers test for).
+    _omit_none: ClassVar[frozenset[str]] = frozenset()
+
+    def to_dict(self) -> dict[str, Any]:
+        return _to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Any:
+        return _from_dict(cls, data)
+
+    def __getitem__(self, key: str) -> Any:
+        """Read like the JSON object the record decodes from, strictly: a name it does not have raises
+        KeyError (and there is no ``get`` with a default, on purpose). Code written against the dicts
+        keeps working while it moves to attribute access."""
+        entry = _schema(type(self)).get(key)
+        if entry is None:
+            raise KeyError(key)
+        return getattr(self, entry[0])
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> Any:
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            raise RecordError(cls.__name__, f"not JSON ({exc})") from None
+        return _from_dict(cls, data)
 
 
 def spans_cover(spans: Any, n: int) -> bool:
@@ -35,7 +222,7 @@ def spans_cover(spans: Any, n: int) -> bool:
 
 
 @dataclass
-class Trace:
+class Trace(_Record):
     """One LLM call, with the exact token ids vLLM consumed and produced."""
 
     call_id: str
@@ -75,18 +262,27 @@ class Trace:
     guided_by: list[str] = field(default_factory=list)
     constrained_spans: list[list[int]] = field(default_factory=list)
     guidance: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Trace:
-        return _from_dict(cls, data)
+    # The gateway's own account of the call: the weight version when it ended (a push may have come
+    # in between; `weight_spans` say which tokens it touched), the vLLM replica that answered (None
+    # when none did), the retries after an upstream 5xx or timeout and the failovers after a connect
+    # failure, and the session name of a record-only call (None for a rollout's call).
+    weight_version_end: int | None = None
+    replica: str | None = None
+    retries: int = 0
+    failovers: int = 0
+    session: str | None = None
+    # A per-call reward written with the trace by a producer other than the gateway (the merger uses
+    # it with call_rewards on; the gateway's reward route stores them in Keys.call_rewards instead).
+    reward: float | None = None
 
 
 @dataclass
-class RolloutEvent:
-    """A rollout reached a final state ("completed" with a reward, or "failed")."""
+class RolloutEvent(_Record):
+    """A rollout reached a final state ("completed" with a reward, or "failed"); published by the
+    gateway once per rollout on Keys.rollout_events, consumed by the merger. ``attempt`` (0-based) and
+    ``max_attempts`` say whether a failed attempt will be retried in its slot; ``eval`` marks an
+    evaluation rollout (scored, never trained). All three come from the rollout's metadata at
+    creation (the agent worker and the scheduler set them)."""
 
     rollout_id: str
     task_id: str
@@ -95,18 +291,182 @@ class RolloutEvent:
     status: str
     reward: float | None = None
     finished_at: float = 0.0
+    attempt: int = 0
+    max_attempts: int = 1
+    eval: bool = False
 
-    def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> RolloutEvent:
-        return _from_dict(cls, data)
+    @property
+    def retried(self) -> bool:
+        """A failed attempt that is not the slot's last one (its worker starts another attempt)."""
+        return self.status == "failed" and self.attempt + 1 < self.max_attempts
 
 
 @dataclass
-class SampleRecord:
-    """One training sequence, as handed to the trainer (mirrors tether.v1.Sample)."""
+class DispatchJob(_Record):
+    """One rollout the scheduler asks an agent worker to run (Keys.dispatch; consumer group
+    ``agents``): ``group_size`` entries of one group are published, one per slot."""
+
+    group_id: str
+    task_id: str
+    group_size: int
+    task: dict[str, Any]
+    metadata: dict[str, Any]
+    max_attempts: int
+
+
+@dataclass
+class SessionReward(_Record):
+    """A reward for one record-only session call (gateway -> merger, Keys.session_rewards)."""
+
+    session: str
+    call_id: str
+    rollout_id: str
+    reward: float
+    trace_entry_id: str
+    rewarded_at: float
+
+
+@dataclass
+class MergedSequence(_Record):
+    """One sequence of a merged rollout. ``spans`` / ``returns`` / ``return`` only with per-call
+    returns: one [start, end) per call of the sequence, its return-to-go, and the first call's."""
+
+    _wire: ClassVar[dict[str, str]] = {"return_": "return"}
+    _omit_none: ClassVar[frozenset[str]] = frozenset({"spans", "returns", "return_"})
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    weight_version: int
+    weight_spans: list[list[int]]
+    truncated: bool
+    constrained_tokens: int
+    spans: list[list[int]] | None = None
+    returns: list[float] | None = None
+    return_: float | None = None
+
+
+@dataclass
+class MergedRollout(_Record):
+    """The merger's merge of one rollout, parked in its group (Keys.group: rollout id -> this) until
+    the group is scored. Written and read by the merger only. A failed rollout carries no sequences
+    and none of the merge accounting (zeros). ``return`` only with per-call returns; ``estimator``
+    only where the group overrides the configured one (record-only sessions)."""
+
+    _wire: ClassVar[dict[str, str]] = {"return_": "return"}
+    _omit_none: ClassVar[frozenset[str]] = frozenset({"return_", "estimator"})
+
+    rollout_id: str
+    group_id: str
+    task_id: str
+    status: str  # completed | failed | empty (completed, nothing to train on)
+    reward: float | None
+    eval: bool
+    sequences: list[MergedSequence]
+    group_size: int
+    forks: int = 0
+    calls: int = 0
+    realigns: int = 0
+    truncated: int = 0
+    mismatched_calls: int = 0
+    dropped_calls: dict[str, int] = field(default_factory=dict)
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    call_rewards: int = 0
+    unused_call_rewards: int = 0
+    side_sequences_excluded: int = 0
+    side_excluded_by_reason: dict[str, int] = field(default_factory=dict)
+    choice_branches: int = 0
+    return_: float | None = None
+    estimator: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = _to_dict(self)
+        out["sequences"] = [s.to_dict() for s in self.sequences]
+        return out
+
+
+@dataclass
+class GroupResult(_Record):
+    """The merger's verdict on one group (Keys.group_results), read by the scheduler. Every field is
+    required: the scheduler's staleness bound reads ``min_weight_version`` (-1 when the group has no
+    samples), and a record without it must be refused, not trained as if fresh."""
+
+    group_id: str
+    rollouts: int
+    completed: int
+    rewards: list[float]
+    eval: bool
+    sequences: int
+    forks: int
+    single_sequence_rollouts: int
+    realigns: int
+    truncated: int
+    generated_tokens: int
+    mismatched_calls: int
+    side_sequences_excluded: int
+    dropped_calls: dict[str, int]
+    mismatches: list[dict[str, Any]]
+    timed_out: bool
+    finished_at: float
+    estimator: str
+    outcome: str  # trained | filtered | too_few | eval
+    samples: int
+    tokens: int
+    min_weight_version: int
+
+
+@dataclass
+class StepMetrics(_Record):
+    """One training step's record (Keys.metrics, and a line of the run's metrics.jsonl), written by
+    the scheduler. The always-measured fields are required; the ones a mode does not measure (serve
+    mode trains without rollout timing or loss figures) are None there. A metric vLLM or the trainer
+    did not report is NaN, which the stream's JSON carries as null. ``to_dict`` leaves out the
+    optional fields a step did not measure."""
+
+    step: int
+    weight_version: int
+    reward_mean: float | None
+    rollouts: float
+    groups_trained: float
+    groups_filtered: float
+    samples: float
+    tokens: float
+    generated_tokens: float
+    forks: float
+    sequences_per_rollout: float
+    logprob_abs_diff: float | None
+    constrained_tokens_masked: float | None
+    push_seconds: float
+    paused_seconds: float
+    step_seconds: float
+    time: float
+    logprob_k3_kl: float | None = None
+    loss: float | None = None
+    grad_norm: float | None = None
+    clip_fraction: float | None = None
+    trainer_tokens_per_s: float | None = None
+    staleness_max: float | None = None
+    staleness_mean: float | None = None
+    token_staleness_max: float | None = None
+    token_staleness_mean: float | None = None
+    mixed_version_fraction: float | None = None
+    rollout_seconds: float | None = None
+    tokens_per_s: float | None = None
+    weight_push: str | None = None
+    mode: str | None = None
+    stale_groups_dropped: float | None = None
+    groups_in_flight: float | None = None
+
+
+@dataclass
+class SampleRecord(_Record):
+    """One training sequence, as handed to the trainer (tether.v1.Sample; ``to_proto`` /
+    ``from_proto`` convert) and published on Keys.samples.
+
+    Which weights sampled it: ``weight_spans`` when given are authoritative, and ``weight_version``
+    is their oldest version (the proto keeps both fields for wire compatibility; a record or a proto
+    where they disagree is refused). With no spans, every trainable token counts as sampled by
+    ``weight_version``."""
 
     rollout_id: str
     group_id: str
@@ -126,12 +486,57 @@ class SampleRecord:
     # them (Trace.constrained_spans): counted by the trainer per step.
     constrained_tokens: int = 0
 
-    def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
+    def __post_init__(self) -> None:
+        if self.weight_spans:
+            oldest = min(int(v) for v, _, _ in self.weight_spans)
+            if self.weight_version != oldest:
+                raise RecordError(
+                    "SampleRecord",
+                    f"weight_version {self.weight_version} is not its spans' oldest version {oldest}",
+                )
+
+    @staticmethod
+    def version_of(spans: Any, default: int) -> int:
+        """The version a sample with these weight spans carries: their oldest (``default`` without)."""
+        return min(int(v) for v, _, _ in spans) if spans else default
+
+    def to_proto(self) -> Any:
+        from tether.v1 import types_pb2
+
+        return types_pb2.Sample(
+            rollout_id=self.rollout_id,
+            group_id=self.group_id,
+            task_id=self.task_id,
+            sequence_index=self.sequence_index,
+            token_ids=self.token_ids,
+            loss_mask=self.loss_mask,
+            rollout_logprobs=self.rollout_logprobs,
+            advantages=self.advantages,
+            reward=self.reward,
+            weight_version=self.weight_version,
+            rollout_sequences=self.rollout_sequences,
+            weight_spans=[types_pb2.WeightSpan(version=v, start=a, end=b) for v, a, b in self.weight_spans],
+            constrained_tokens=self.constrained_tokens,
+        )
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SampleRecord:
-        return _from_dict(cls, data)
+    def from_proto(cls, p: Any) -> SampleRecord:
+        """A tether.v1.Sample as a record; RecordError when its weight_version disagrees with its spans."""
+        return cls(
+            rollout_id=p.rollout_id,
+            group_id=p.group_id,
+            task_id=p.task_id,
+            sequence_index=p.sequence_index,
+            token_ids=list(p.token_ids),
+            loss_mask=list(p.loss_mask),
+            rollout_logprobs=list(p.rollout_logprobs),
+            advantages=list(p.advantages),
+            reward=p.reward,
+            weight_version=p.weight_version,
+            rollout_sequences=p.rollout_sequences,
+            weight_spans=[[w.version, w.start, w.end] for w in p.weight_spans],
+            constrained_tokens=p.constrained_tokens,
+        )
 
 
 # Why a rollout will not train (TrainingOutcome.reason); docs/merging.md, "Rollouts that will not train".
@@ -147,12 +552,11 @@ UNTRAINABLE_REASONS = (
     "retried",  # a failed attempt another attempt replaced
     "late",  # it reported after its group was scored
     "eval",  # an evaluation rollout: scored, never trained
-    "rejected",  # the trainer refused its group (on the dead-letter stream with the trainer's reason)
 )
 
 
 @dataclass
-class TrainingOutcome:
+class TrainingOutcome(_Record):
     """What became of one rollout in training, written by the merger once it decided (the gateway
     answers ``pending`` until then)."""
 
@@ -164,58 +568,29 @@ class TrainingOutcome:
     group_outcome: str = ""  # the group result's outcome (trained | filtered | too_few | eval | ...)
     decided_at: float = 0.0
 
-    def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
 
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainingOutcome:
-        return _from_dict(cls, data)
+StepMetrics._omit_none = frozenset(f.name for f in fields(StepMetrics) if f.default is None)
+
+# Every record type that travels through Redis, by name (tests walk it).
+RECORDS: tuple[type[_Record], ...] = (
+    Trace,
+    RolloutEvent,
+    DispatchJob,
+    SessionReward,
+    MergedSequence,
+    MergedRollout,
+    GroupResult,
+    StepMetrics,
+    SampleRecord,
+    TrainingOutcome,
+)
 
 
 # --- Run state (scheduler -> Redis hash `Keys.run`; read by the scheduler's servicer and the CLI) ------
 
 
-def _checked(owner: str, name: str, value: Any, hint: Any) -> Any:
-    """`value` (decoded JSON) if it has the annotated type's shape: str, int, float (an int is made a
-    float), bool, list, dict, a nested record's dict, or one of them or None. Deeper structure is the
-    nested record's business."""
-    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
-    for t in options:
-        origin = typing.get_origin(t) or t
-        if t is type(None):
-            if value is None:
-                return value
-        elif origin is float:
-            if isinstance(value, int | float) and not isinstance(value, bool):
-                return float(value)
-        elif origin is int:
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-        elif hasattr(origin, "from_dict"):
-            if isinstance(value, dict):
-                return origin.from_dict(value)
-        elif isinstance(value, origin):
-            return value
-    raise ValueError(f"{owner}.{name}: {value!r} is not {hint}")
-
-
-def _strict(cls: Any, data: dict[str, Any]) -> Any:
-    """`cls` from `data`: unknown fields, missing required ones and values of the wrong type are
-    errors, never dropped or defaulted."""
-    known = {f.name: f for f in fields(cls)}
-    unknown = data.keys() - known.keys()
-    if unknown:
-        raise ValueError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
-    required = {n for n, f in known.items() if f.default is MISSING and f.default_factory is MISSING}
-    missing = required - data.keys()
-    if missing:
-        raise ValueError(f"{cls.__name__}: missing fields {sorted(missing)}")
-    hints = typing.get_type_hints(cls)
-    return cls(**{k: _checked(cls.__name__, k, v, hints[k]) for k, v in data.items()})
-
-
 @dataclass(frozen=True)
-class PendingStep:
+class PendingStep(_Record):
     """A step whose groups were chosen and written down before it trains: a restarted scheduler
     finishes it with exactly these (tether.scheduler.run, `resume_pending`)."""
 
@@ -227,16 +602,9 @@ class PendingStep:
     rollout_s: float
     extra: dict[str, float] = field(default_factory=dict)  # more fields for the step's record
 
-    def to_dict(self) -> dict[str, Any]:
-        return _to_dict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> PendingStep:
-        return _strict(cls, data)
-
 
 @dataclass(frozen=True)
-class RunState:
+class RunState(_Record):
     """The run as the scheduler keeps it in the Redis hash `Keys.run`: one field per attribute, each
     holding its value as JSON (so a partial update writes only the fields it changes, and an
     operator's `HGETALL` reads plainly). A run's hash always holds the required fields: the scheduler
@@ -275,4 +643,8 @@ class RunState:
     @classmethod
     def from_redis(cls, raw: dict[str, str]) -> RunState:
         """Strict: an unknown field, a missing required one or a value of the wrong type is an error."""
-        return _strict(cls, {k: json.loads(v) for k, v in raw.items()})
+        try:
+            data = {k: json.loads(v) for k, v in raw.items()}
+        except json.JSONDecodeError as exc:
+            raise RecordError(cls.__name__, f"a field is not JSON ({exc})") from None
+        return _from_dict(cls, data)

@@ -586,7 +586,7 @@ class Proxy:
     def trace_record(
         self, call: Call, captured: Captured | None, error: str | None, http_status: int
     ) -> dict:
-        """The published record: the Trace's fields plus the gateway's own (replica, retries,
+        """The published record: the Trace's fields, the gateway's own among them (replica, retries,
         failovers, weight_version_end, and session for record-only calls)."""
         if call.max_tokens is not None:
             note = applied_max_tokens(
@@ -613,15 +613,13 @@ class Proxy:
         )
         if call.guided_by:
             annotate(trace, call.guided_by, call.guided)
+        trace.weight_version_end = self.admission.weight_version
+        trace.replica = call.replica.url if call.replica is not None else None
+        trace.retries = call.retries
+        trace.failovers = call.failovers
+        trace.session = call.session
         # Shallow on purpose: Trace.to_dict's field walk is the same, without its call overhead.
-        record = {name: getattr(trace, name) for name in _TRACE_FIELDS}
-        record["weight_version_end"] = self.admission.weight_version
-        record["replica"] = call.replica.url if call.replica is not None else None
-        record["retries"] = call.retries
-        record["failovers"] = call.failovers
-        if call.session is not None:
-            record["session"] = call.session
-        return record
+        return {name: getattr(trace, name) for name in _TRACE_FIELDS}
 
     async def inspect_guided(self, call: Call, captured: Captured | None) -> None:
         """A guided call's constrained tokens (guided.py), found on the replica that served it while

@@ -1,6 +1,7 @@
 """The rollout registry in Redis: create a rollout with its own API key, resolve keys on every call,
 reward single calls while the rollout runs, and finish a rollout exactly once (completed with a
-reward, or failed), publishing its RolloutEvent after its in-flight calls are recorded.
+reward, or failed), publishing its RolloutEvent after its in-flight calls are recorded (with the
+attempt, max_attempts and eval of the rollout's metadata, so that the merger reads no rollout hash).
 
 Redis layout (see common.broker.Keys): hash Keys.rollout(id) with task_id, group_id, group_size,
 status (running | completed | failed), created_at, metadata (JSON), replica (the vLLM replica it
@@ -29,7 +30,7 @@ import orjson
 import redis.asyncio as aioredis
 
 from tether.common import broker
-from tether.common.records import RolloutEvent, TrainingOutcome
+from tether.common.records import RecordError, RolloutEvent, TrainingOutcome
 from tether.gateway.admission import Admission
 from tether.gateway.capture import ApiError
 from tether.gateway.recorder import Batcher
@@ -44,8 +45,8 @@ local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
 if st ~= 'running' then return {-1, st} end
 redis.call('HSET', KEYS[1], unpack(ARGV))
-local f = redis.call('HMGET', KEYS[1], 'task_id', 'group_id', 'group_size')
-return {1, st, f[1], f[2], f[3]}
+local f = redis.call('HMGET', KEYS[1], 'task_id', 'group_id', 'group_size', 'metadata')
+return {1, st, f[1], f[2], f[3], f[4]}
 """
 
 # Set one call's reward while the rollout runs, in one step with the status check, so that a reward
@@ -139,11 +140,10 @@ def parse_reason(body: dict[str, Any]) -> str:
 NO_GROUP_ESTIMATORS = ("running_baseline",)
 
 
-def training_state(raw: str | None) -> dict[str, Any]:
+def training_state(o: TrainingOutcome | None) -> dict[str, Any]:
     """A rollout's `training` object: the merger's TrainingOutcome, or pending while it has none."""
-    if not raw:
+    if o is None:
         return {"status": "pending", "reason": None}
-    o = TrainingOutcome.from_dict(orjson.loads(raw))
     return {
         "status": o.status,
         "reason": o.reason,
@@ -172,7 +172,19 @@ def complete_warning(group_size: int, calls: int, estimator: str | None) -> str 
     return "; ".join(out) or None
 
 
-def _state(rollout_id: str, h: dict[str, str], calls: int, training: str | None = None) -> dict[str, Any]:
+def attempts_of(metadata: dict[str, Any]) -> tuple[int, int]:
+    """(attempt, max_attempts) from a rollout's metadata (the agent worker sets them; a harness
+    creating rollouts itself may not, or may set anything): (0, 1), one attempt, unless both read as
+    integers."""
+    try:
+        return int(metadata.get("attempt", 0)), int(metadata.get("max_attempts", 1))
+    except (TypeError, ValueError):
+        return 0, 1
+
+
+def _state(
+    rollout_id: str, h: dict[str, str], calls: int, training: TrainingOutcome | None = None
+) -> dict[str, Any]:
     def num(name: str) -> float | None:
         return float(h[name]) if h.get(name) else None
 
@@ -309,9 +321,16 @@ class RolloutRegistry:
         pipe.hgetall(self.keys.rollout(rollout_id))
         pipe.llen(self.keys.rollout_calls(rollout_id))
         pipe.get(self.keys.rollout_training(rollout_id))
-        h, calls, training = await pipe.execute()
+        h, calls, raw = await pipe.execute()
         if not h:
             raise rollout_not_found(rollout_id)
+        training = None
+        if raw:
+            try:
+                training = TrainingOutcome.from_json(raw)
+            except RecordError as exc:  # answered as pending; the record goes where it can be read
+                key = self.keys.rollout_training(rollout_id)
+                await broker.dead_letter(self.r, self.keys, key, "", repr(exc), raw, "TrainingOutcome")
         return _state(rollout_id, h, int(calls), training)
 
     async def exists(self, rollout_id: str) -> bool:
@@ -333,6 +352,8 @@ class RolloutRegistry:
             raise rollout_not_found(rollout_id)
         if int(res[0]) < 0:
             raise rollout_finished(rollout_id, res[1])
+        meta = orjson.loads(res[5]) if res[5] else {}
+        attempt, max_attempts = attempts_of(meta)
         event = RolloutEvent(
             rollout_id=rollout_id,
             task_id=res[2],
@@ -341,6 +362,9 @@ class RolloutRegistry:
             status=status,
             reward=reward,
             finished_at=finished_at,
+            attempt=attempt,
+            max_attempts=max_attempts,
+            eval=bool(meta.get("eval")),
         )
         # The status is final now: shield the rest so that a cancelled request still publishes the event.
         await asyncio.shield(self._publish_final(event))

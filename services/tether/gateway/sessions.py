@@ -16,17 +16,20 @@ Who may call: app.py (the rewards route), proxy.py (identify).
 from __future__ import annotations
 
 import hmac
+import logging
 import re
 import time
 from typing import Any
 
-import orjson
 import redis.asyncio as aioredis
 
 from tether.common import broker
+from tether.common.records import RecordError, SessionReward, Trace
 from tether.gateway.capture import ApiError
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import parse_reward, unauthorized
+
+log = logging.getLogger(__name__)
 
 DEFAULT_SESSION = "default"
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
@@ -54,7 +57,7 @@ def parse_deployment_keys(spec: str | None) -> dict[str, str]:
 
 
 def session_stream(keys: broker.Keys) -> str:
-    return keys.session_rewards
+    return keys.session_rewards  # the SessionReward stream (records.SessionReward)
 
 
 def session_rollout_id(name: str, call_id: str) -> str:
@@ -106,22 +109,25 @@ class Sessions:
         trace = None
         if entry:
             items = await self.r.xrange(self.keys.traces, min=entry, max=entry)
-            trace = orjson.loads(items[0][1]["data"]) if items else None
-        if trace is None or trace.get("session") != name:
+            try:
+                trace = Trace.from_json(items[0][1]["data"]) if items else None
+            except RecordError as exc:  # not a trace this gateway can read: not one of its calls
+                log.warning("session reward for %s: %s", call_id, exc)
+        if trace is None or trace.session != name:
             raise ApiError(
                 404,
                 f"no recorded call '{call_id}' in session '{name}'",
                 code="call_not_found",
                 param="call_id",
             )
-        record = {
-            "session": name,
-            "call_id": call_id,
-            "rollout_id": trace.get("rollout_id"),
-            "reward": reward,
-            "trace_entry_id": entry,
-            "rewarded_at": time.time(),
-        }
+        record = SessionReward(
+            session=name,
+            call_id=call_id,
+            rollout_id=trace.rollout_id,
+            reward=reward,
+            trace_entry_id=entry,
+            rewarded_at=time.time(),
+        ).to_dict()
         entry_id, added = await self.recorder.publish(self.stream, f"session-reward:{call_id}", record)
         if not added:
             raise ApiError(

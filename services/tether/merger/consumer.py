@@ -8,12 +8,12 @@ trainer over gRPC and publish them (a group the trainer refuses with a non-retry
 to the dead-letter stream with its reason and resolves as ``rejected``; the merger goes on). Every
 step is idempotent, so a crash between steps is repaired by reprocessing the event.
 
-Redis keys this service adds next to ``tether.common.broker.Keys`` (built here, same namespace):
+Redis keys only this service uses (built by ``tether.common.broker.Keys`` too):
 
-* ``{ns}:mismatches`` (stream): one record per prefix-mismatch example (at most
+* ``Keys.mismatches`` (stream): one record per prefix-mismatch example (at most
   ``MAX_MISMATCH_EXAMPLES`` per rollout), ``compact_mismatch`` form plus ``rollout_id``, ``group_id``,
   ``task_id``, ``time``; capped at ``MISMATCH_STREAM_MAXLEN`` entries.  ``format_mismatch`` renders one.
-* ``{ns}:merger:pending-groups`` (sorted set): group id -> time its first rollout was merged; the
+* ``Keys.merger_pending_groups`` (sorted set): group id -> time its first rollout was merged; the
   deadline check (``group_timeout_s``) resolves the groups older than the timeout.
 
 Keys in ``broker.Keys`` it writes: ``rollout_training(id)`` (a ``TrainingOutcome`` per rollout, read by
@@ -21,6 +21,10 @@ the gateway's ``GET /v1/rollouts/{id}``), ``merger_estimator`` (so the gateway c
 time), ``baselines`` / ``baseline_applied(group)`` (the ``running_baseline`` state, applied once per
 group); with ``session_training`` it consumes ``session_rewards`` (consumer group ``merger``): each
 rewarded record-only call becomes a group of one scored against its session's running baseline.
+
+What it reads and writes through Redis is typed in ``tether.common.records`` (RolloutEvent, Trace,
+SessionReward in; MergedRollout in its group hash; GroupResult, SampleRecord, TrainingOutcome out),
+decoded strictly: a record that does not decode is dead-lettered, counted and skipped.
 """
 
 from __future__ import annotations
@@ -48,7 +52,17 @@ from tether.algorithms.advantages import (
 )
 from tether.algorithms.names import AdvantageEstimator, AdvantageLevel
 from tether.common import broker, retry
-from tether.common.records import RolloutEvent, SampleRecord, Trace, TrainingOutcome, spans_cover
+from tether.common.records import (
+    GroupResult,
+    MergedRollout,
+    RecordError,
+    RolloutEvent,
+    SampleRecord,
+    SessionReward,
+    Trace,
+    TrainingOutcome,
+    spans_cover,
+)
 from tether.merger.merge import Call, MergeMode, OverlongPolicy, compact_mismatch, merge_calls
 from tether.merger.sidecalls import SideCallRule, compile_patterns, side_call_exclusions, system_text
 
@@ -119,17 +133,17 @@ DEFERRED = PromCounter(
 OUTCOME_TTL_S = 7 * 24 * 3600  # as long as the trace markers the rollout's calls are found by
 
 
-def choice_branches(records: list[dict[str, Any]], kept: list[Call]) -> list[tuple[str, dict[str, Any]]]:
+def choice_branches(traces: list[Trace], kept: list[Call]) -> list[tuple[str, dict[str, Any]]]:
     """The further choices of n > 1 calls, each its own sequence (prompt mask 0, that choice's
     sampled tokens mask 1 with their logprobs): siblings share a prompt, so they cannot merge into
     one sequence, and dedupe by prompt would otherwise drop them. Only calls the merge kept count."""
     kept_ids = {c.call_id for c in kept}
     out: list[tuple[str, dict[str, Any]]] = []
-    for d in records:
-        if d.get("call_id") not in kept_ids:
+    for t in traces:
+        if t.call_id not in kept_ids:
             continue
-        prompt = list(d.get("prompt_token_ids") or [])
-        for choice in d.get("extra_choices") or []:
+        prompt = list(t.prompt_token_ids)
+        for choice in t.extra_choices:
             ids, lps = list(choice.get("token_ids") or []), list(choice.get("logprobs") or [])
             if not prompt or not ids or len(ids) != len(lps):
                 continue
@@ -140,12 +154,12 @@ def choice_branches(records: list[dict[str, Any]], kept: list[Call]) -> list[tup
                 [float(x) for x in lps],
                 constrained=call_constrained(choice.get("constrained_spans"), len(ids)),
             ).response_mask()
-            version = int(d.get("weight_version", 0))
+            version = t.weight_version
             spans = call_weight_spans(choice.get("weight_spans"), len(ids)) or ((version, 0, len(ids)),)
             n = len(prompt)
             out.append(
                 (
-                    d["call_id"],
+                    t.call_id,
                     {
                         "token_ids": prompt + ids,
                         "loss_mask": [0] * n + mask,
@@ -160,22 +174,14 @@ def choice_branches(records: list[dict[str, Any]], kept: list[Call]) -> list[tup
     return out
 
 
-def retried_failure(meta: dict) -> bool:
-    """A failed attempt that is not the slot's last one (its worker starts another attempt)."""
-    try:
-        return int(meta.get("attempt", 0)) + 1 < int(meta.get("max_attempts", 1))
-    except (TypeError, ValueError):
-        return False
-
-
 def mismatch_stream(keys: broker.Keys) -> str:
     """Stream of prefix-mismatch examples (see the module docstring)."""
-    return f"{keys.ns}:mismatches"
+    return keys.mismatches
 
 
 def pending_groups(keys: broker.Keys) -> str:
     """Sorted set: group id -> time its first rollout was merged."""
-    return f"{keys.ns}:merger:pending-groups"
+    return keys.merger_pending_groups
 
 
 @dataclass(frozen=True)
@@ -390,16 +396,23 @@ class Merger:
 
     # ------------------------------------------------------------------ load + merge
 
-    async def load_records(self, rollout_id: str) -> list[dict[str, Any]]:
-        """The rollout's recorded traces as stored (dicts), in call order."""
+    async def load_records(self, rollout_id: str) -> list[Trace]:
+        """The rollout's recorded traces, in call order; one that does not decode is dead-lettered
+        (the rollout merges without it: its call counts as a prefix mismatch if a later one extends it)."""
         ids = await self.r.lrange(self.keys.rollout_calls(rollout_id), 0, -1)
         pipe = self.r.pipeline(transaction=False)
         for eid in ids:
             pipe.xrange(self.keys.traces, min=eid, max=eid)
         out = []
         for items in await pipe.execute():
-            for _, fields in items:
-                out.append(broker.decode(fields))
+            for eid, fields in items:
+                record = broker.decode(fields)
+                try:
+                    out.append(Trace.from_dict(record))
+                except RecordError as exc:
+                    await broker.dead_letter(
+                        self.r, self.keys, self.keys.traces, eid, repr(exc), record, "Trace"
+                    )
         return out
 
     async def load_call_rewards(self, rollout_id: str) -> dict[str, float]:
@@ -407,30 +420,31 @@ class Merger:
         return {k: float(v) for k, v in (await self.r.hgetall(self.keys.call_rewards(rollout_id))).items()}
 
     async def load_traces(self, rollout_id: str) -> list[Trace]:
-        return [Trace.from_dict(d) for d in await self.load_records(rollout_id)]
+        return await self.load_records(rollout_id)
 
     def merge_records(
         self,
         event: RolloutEvent,
-        records: list[dict[str, Any]],
-        meta: dict,
+        records: list[Trace] | list[dict[str, Any]],
         posted_rewards: dict[str, float] | None = None,
     ) -> dict:
-        """Pure part of ``merge_rollout``: recorded traces in, the merged rollout (JSON-able) out.
-        With ``call_rewards`` a call's reward is the one posted to the gateway (``posted_rewards``),
-        else a ``"reward"`` its trace carries, else 0."""
+        """Pure part of ``merge_rollout``: recorded traces in (records, or their dicts, decoded
+        strictly), the merged rollout (a MergedRollout's dict) out. With ``call_rewards`` a call's
+        reward is the one posted to the gateway (``posted_rewards``), else a ``reward`` its trace
+        carries, else 0."""
         cfg = self.cfg
+        traces = [d if isinstance(d, Trace) else Trace.from_dict(d) for d in records]
         calls: list[Call] = []
         call_reward: dict[str, float] = {}
         dropped: Counter = Counter()
-        for d in records:
-            call, reason = trace_to_call(Trace.from_dict(d))
+        for t in traces:
+            call, reason = trace_to_call(t)
             if call is None:
                 dropped[reason] += 1
                 continue
             calls.append(call)
-            if cfg.call_rewards and d.get("reward") is not None:
-                call_reward[call.call_id] = float(d["reward"])
+            if cfg.call_rewards and t.reward is not None:
+                call_reward[call.call_id] = float(t.reward)
         unused = 0
         if cfg.call_rewards and posted_rewards:
             kept = {c.call_id for c in calls}
@@ -448,11 +462,7 @@ class Merger:
         dropped.update(stats.dropped())
         side: Counter = Counter()
         if seqs and (cfg.side_calls != "keep" or self._side_patterns):
-            systems = (
-                {d.get("call_id", ""): system_text(d.get("request") or {}) for d in records}
-                if self._side_patterns
-                else {}
-            )
+            systems = {t.call_id: system_text(t.request) for t in traces} if self._side_patterns else {}
             why = side_call_exclusions(
                 [s.call_ids for s in seqs],
                 [c.call_id for c in calls],
@@ -485,7 +495,7 @@ class Merger:
             "task_id": event.task_id,
             "status": event.status if seqs or event.status != "completed" else "empty",
             "reward": event.reward,
-            "eval": bool(meta.get("eval")),
+            "eval": event.eval,
             "sequences": out_seqs,
             "forks": stats.forks,
             "calls": len(records),
@@ -515,7 +525,7 @@ class Merger:
             if seqs:
                 first = min((cid for s in seqs for cid in s.call_ids), key=pos.__getitem__)
                 merged["return"] = g[first]
-        branches = choice_branches(records, calls)
+        branches = choice_branches(traces, calls)
         for parent, seq in branches:
             if cfg.per_call_returns and calls:
                 seq["returns"] = [g[parent]]
@@ -527,15 +537,13 @@ class Merger:
             merged["status"] = event.status
         return merged
 
-    async def merge_rollout(
-        self, event: RolloutEvent, meta: dict, records: list[dict[str, Any]] | None = None
-    ) -> dict:
+    async def merge_rollout(self, event: RolloutEvent, records: list[Trace] | None = None) -> dict:
         """Load (unless ``records`` are given), merge and account for one rollout."""
         t0 = time.perf_counter()
         posted = await self.load_call_rewards(event.rollout_id) if self.cfg.call_rewards else None
         if records is None:
             records = await self.load_records(event.rollout_id)
-        merged = self.merge_records(event, records, meta, posted)
+        merged = self.merge_records(event, records, posted)
         MERGE_SECONDS.observe(time.perf_counter() - t0)
         c = self.counts
         for reason, n in merged["side_excluded_by_reason"].items():
@@ -617,22 +625,20 @@ class Merger:
             self.counts.untrainable_by_reason[outcome.reason] += 1
 
     async def handle_event(
-        self, event: RolloutEvent, records: list[dict[str, Any]] | None = None, estimator: str | None = None
+        self, event: RolloutEvent, records: list[Trace] | None = None, estimator: str | None = None
     ) -> None:
         """One finished rollout: merge it, park it in its group, score the group once it is complete.
         ``records`` replaces loading its traces; ``estimator`` overrides the configured one for its group
         (record-only session calls: ``running_baseline``)."""
-        raw_meta = await self.r.hget(self.keys.rollout(event.rollout_id), "metadata")
-        meta = orjson.loads(raw_meta) if raw_meta else {}
-        if event.status == "failed" and retried_failure(meta):
+        if event.retried:
             # The worker runs another attempt in this slot: this one is not a member of the group.
             RETRIED.inc()
             self.counts.rollouts_retried += 1
             log.info(
                 "rollout %s failed (attempt %s of %s); retried",
                 event.rollout_id,
-                meta.get("attempt"),
-                meta.get("max_attempts"),
+                event.attempt,
+                event.max_attempts,
             )
             await self.write_outcome(
                 TrainingOutcome(
@@ -641,24 +647,24 @@ class Merger:
             )
             return
         if event.status == "completed":
-            merged = await self.merge_rollout(event, meta, records)
+            merged = await self.merge_rollout(event, records)
         else:
-            merged = {
-                "rollout_id": event.rollout_id,
-                "group_id": event.group_id,
-                "task_id": event.task_id,
-                "status": event.status,
-                "reward": None,
-                "eval": bool(meta.get("eval")),
-                "sequences": [],
-                "group_size": event.group_size,
-            }
+            merged = MergedRollout(
+                rollout_id=event.rollout_id,
+                group_id=event.group_id,
+                task_id=event.task_id,
+                status=event.status,
+                reward=None,
+                eval=event.eval,
+                sequences=[],
+                group_size=event.group_size,
+            ).to_dict()
         if estimator is not None:
             merged["estimator"] = estimator
         ROLLOUTS.labels(merged["status"]).inc()
         self.counts.rollouts_merged += 1
         gkey = self.keys.group(event.group_id)
-        await self.r.hset(gkey, event.rollout_id, _dumps(merged))
+        await self.r.hset(gkey, event.rollout_id, _dumps(MergedRollout.from_dict(merged).to_dict()))
         if await self.r.exists(self.keys.group_done(event.group_id)):
             LATE.inc()
             self.counts.late_rollouts += 1
@@ -687,7 +693,14 @@ class Merger:
 
     async def _resolve(self, group_id: str, timed_out: bool) -> None:
         cfg = self.cfg
-        rollouts = [orjson.loads(v) for v in (await self.r.hgetall(self.keys.group(group_id))).values()]
+        rollouts = []
+        for rollout_id, raw in (await self.r.hgetall(self.keys.group(group_id))).items():
+            try:
+                rollouts.append(MergedRollout.from_json(raw).to_dict())
+            except RecordError as exc:  # written by another merger version: not a member of the group
+                await broker.dead_letter(
+                    self.r, self.keys, self.keys.group(group_id), rollout_id, repr(exc), raw, "MergedRollout"
+                )
         rollouts.sort(key=lambda x: x["rollout_id"])
         ok = [x for x in rollouts if x["status"] == "completed" and x["reward"] is not None]
         rewards = np.asarray([float(x["reward"]) for x in ok], dtype=np.float32)
@@ -783,7 +796,13 @@ class Merger:
             tokens=sum(len(s.token_ids) for s in samples),
             min_weight_version=min((s.weight_version for s in samples), default=-1),
         )
-        await broker.publish_once(self.r, self.keys, self.keys.group_results, f"group:{group_id}", result)
+        await broker.publish_once(
+            self.r,
+            self.keys,
+            self.keys.group_results,
+            f"group:{group_id}",
+            GroupResult.from_dict(result).to_dict(),
+        )
         per_rollout_samples = Counter(s.rollout_id for s in samples)
         now = time.time()
         outcomes = []
@@ -937,8 +956,10 @@ class Merger:
                         event = RolloutEvent.from_dict(record)
                         if event.status not in ("completed", "failed") or event.group_size < 1:
                             raise ValueError(f"unexpected rollout event {record}")
-                    except (ValueError, KeyError, TypeError) as exc:
-                        await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record)
+                    except ValueError as exc:  # RecordError among them
+                        await broker.dead_letter(
+                            self.r, self.keys, stream, entry_id, repr(exc), record, "RolloutEvent"
+                        )
                         await self.r.xack(stream, "merger", entry_id)
                         continue
                     try:
@@ -956,26 +977,27 @@ class Merger:
 
     # ------------------------------------------------------------------ record-only sessions
 
-    async def handle_session_reward(self, record: dict[str, Any]) -> str:
+    async def handle_session_reward(self, record: dict[str, Any] | SessionReward) -> str:
         """One rewarded session call (``sessions.Sessions.reward``'s record) as a group of one, scored
         against its session's running baseline (task id ``session:<name>``). Returns what became of it:
         ``trained``, ``seen`` (its group was scored before: a redelivery), or the reason it will not."""
-        group_id = str(record["rollout_id"])
+        reward = record if isinstance(record, SessionReward) else SessionReward.from_dict(record)
+        group_id = reward.rollout_id
         if await self.r.exists(self.keys.group_done(group_id)):
             return "seen"
-        entry = str(record["trace_entry_id"])
+        entry = reward.trace_entry_id
         items = await self.r.xrange(self.keys.traces, min=entry, max=entry)
         if not items:
             return "trace_gone"
-        trace = broker.decode(items[0][1])
+        trace = Trace.from_dict(broker.decode(items[0][1]))
         event = RolloutEvent(
             rollout_id=group_id,
-            task_id=f"session:{record['session']}",
+            task_id=f"session:{reward.session}",
             group_id=group_id,
             group_size=1,
             status="completed",
-            reward=float(record["reward"]),
-            finished_at=float(record.get("rewarded_at", 0.0)),
+            reward=reward.reward,
+            finished_at=reward.rewarded_at,
         )
         await self.handle_event(event, records=[trace], estimator="running_baseline")
         return (await self.r.get(self.keys.group_done(group_id))) or "pending"
@@ -991,8 +1013,9 @@ class Merger:
                 outcome = await self._retrying(
                     self.handle_session_reward, record, what=f"session entry {entry_id}"
                 )
-            except (ValueError, KeyError, TypeError) as exc:
-                await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record)
+            except (ValueError, KeyError, TypeError) as exc:  # RecordError: the reward or its trace
+                what = exc.record_type if isinstance(exc, RecordError) else "SessionReward"
+                await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record, what)
                 outcome = "dead_letter"
             except grpc.aio.AioRpcError as exc:  # as in run(): left pending, it comes back
                 self.defer(entry_id, exc)

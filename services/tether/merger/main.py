@@ -110,21 +110,7 @@ def config_from_settings(s: MergerSettings) -> MergerConfig:
 
 
 def to_proto(s: SampleRecord) -> types_pb2.Sample:
-    return types_pb2.Sample(
-        rollout_id=s.rollout_id,
-        group_id=s.group_id,
-        task_id=s.task_id,
-        sequence_index=s.sequence_index,
-        token_ids=s.token_ids,
-        loss_mask=s.loss_mask,
-        rollout_logprobs=s.rollout_logprobs,
-        advantages=s.advantages,
-        reward=s.reward,
-        weight_version=s.weight_version,
-        rollout_sequences=s.rollout_sequences,
-        weight_spans=[types_pb2.WeightSpan(version=v, start=a, end=b) for v, a, b in s.weight_spans],
-        constrained_tokens=s.constrained_tokens,
-    )
+    return s.to_proto()  # written once, beside the record
 
 
 def trainer_submitter(trainer: trainer_pb2_grpc.TrainerStub):

@@ -47,7 +47,7 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from tether.common import broker
-from tether.common.records import PendingStep, RunState
+from tether.common.records import DispatchJob, GroupResult, PendingStep, RecordError, RunState, StepMetrics
 from tether.common.settings import WeightPush
 from tether.scheduler.plan import (
     Ready,
@@ -129,19 +129,19 @@ def load_tasks(path: Path) -> list[dict]:
     return tasks
 
 
-def step_summary(results: list[dict]) -> dict[str, float]:
+def step_summary(results: list[GroupResult]) -> dict[str, float]:
     """Reward and accounting over one step's resolved groups (pure)."""
-    rewards = [r for g in results for r in g["rewards"]]
+    rewards = [r for g in results for r in g.rewards]
     return {
         "reward_mean": sum(rewards) / len(rewards) if rewards else float("nan"),
         "rollouts": float(len(rewards)),
-        "groups_trained": float(sum(g["outcome"] == "trained" for g in results)),
-        "groups_filtered": float(sum(g["outcome"] == "filtered" for g in results)),
-        "samples": float(sum(g["samples"] for g in results)),
-        "tokens": float(sum(g["tokens"] for g in results)),
-        "generated_tokens": float(sum(g.get("generated_tokens", 0) for g in results)),
-        "forks": float(sum(g.get("forks", 0) for g in results)),
-        "sequences_per_rollout": (sum(g["sequences"] for g in results) / len(rewards)) if rewards else 0.0,
+        "groups_trained": float(sum(g.outcome == "trained" for g in results)),
+        "groups_filtered": float(sum(g.outcome == "filtered" for g in results)),
+        "samples": float(sum(g.samples for g in results)),
+        "tokens": float(sum(g.tokens for g in results)),
+        "generated_tokens": float(sum(g.generated_tokens for g in results)),
+        "forks": float(sum(g.forks for g in results)),
+        "sequences_per_rollout": (sum(g.sequences for g in results) / len(rewards)) if rewards else 0.0,
     }
 
 
@@ -161,7 +161,7 @@ class Run:
             next_step=0,
             weight_version=0,
         )
-        self.inflight_key = f"{keys.run}:inflight"  # async modes: group id -> {version, cursor, task}
+        self.inflight_key = keys.run_inflight  # async modes: group id -> {version, cursor, task}
         self.publisher = WeightPublisher(stubs.inference, stubs.trainer, cfg.weight_push)
 
     @property
@@ -193,24 +193,30 @@ class Run:
                 self.keys,
                 self.keys.dispatch,
                 f"dispatch:{group_id}:{i}",
-                {
-                    "group_id": group_id,
-                    "task_id": task["task_id"],
-                    "group_size": size,
-                    "task": task,
-                    "metadata": meta,
-                    "max_attempts": self.cfg.max_attempts,
-                },
+                DispatchJob(
+                    group_id=group_id,
+                    task_id=task["task_id"],
+                    group_size=size,
+                    task=task,
+                    metadata=meta,
+                    max_attempts=self.cfg.max_attempts,
+                ).to_dict(),
             )
 
-    async def read_results(self, cursor: str, block_ms: int) -> tuple[str, list[dict]]:
-        """Group results published after `cursor` (waiting up to `block_ms`), and the new cursor."""
+    async def read_results(self, cursor: str, block_ms: int) -> tuple[str, list[GroupResult]]:
+        """Group results published after `cursor` (waiting up to `block_ms`), and the new cursor. One
+        that does not decode is dead-lettered and skipped (never trained on with a defaulted field)."""
         resp = await self.r.xread({self.keys.group_results: cursor}, count=256, block=block_ms)
         out = []
         for _, items in resp or []:
             for eid, fields in items:
                 cursor = eid
-                out.append(broker.decode(fields))
+                record = broker.decode(fields)
+                try:
+                    out.append(GroupResult.from_dict(record))
+                except RecordError as exc:
+                    stream = self.keys.group_results
+                    await broker.dead_letter(self.r, self.keys, stream, eid, repr(exc), record, "GroupResult")
         return cursor, out
 
     async def wait_groups(self, group_ids: set[str], cursor: str) -> list[dict]:
@@ -300,9 +306,7 @@ class Run:
     ) -> dict[str, Any]:
         summary = step_summary(results)
         trained = [g for g in results if g["outcome"] == "trained"]
-        staleness = [
-            version_before - g["min_weight_version"] for g in trained if g.get("min_weight_version", -1) >= 0
-        ]
+        staleness = [version_before - g.min_weight_version for g in trained if g.min_weight_version >= 0]
         step_s = time.perf_counter() - started
         return {
             "step": step,
@@ -359,8 +363,9 @@ class Run:
 
     async def report(self, record: dict[str, Any]) -> None:
         self.write_metrics(record)
+        step = StepMetrics.from_dict(record).to_dict()  # what the metrics stream carries, checked
         await broker.publish_once(
-            self.r, self.keys, self.keys.metrics, f"metrics:{self.cfg.run_id}:{record['step']}", record
+            self.r, self.keys, self.keys.metrics, f"metrics:{self.cfg.run_id}:{step['step']}", step
         )
 
     async def recover_metrics(self) -> None:
@@ -446,7 +451,7 @@ class Run:
                 step=step,
                 take=take,
                 drop=drop,
-                results=results,
+                results=[g.to_dict() for g in results],
                 version_before=version_before,
                 rollout_s=rollout_s,
                 extra=extra or {},
@@ -479,7 +484,7 @@ class Run:
             step,
             pending.take,
             pending.drop,
-            pending.results,
+            [GroupResult.from_dict(g) for g in pending.results],
             pending.version_before,
             time.perf_counter(),
             pending.rollout_s,
@@ -600,7 +605,7 @@ class Run:
             version = self.state.weight_version
             by_id = {g["group_id"]: g for g in ready}
             plan = plan_async_step(
-                [Ready(g["group_id"], g.get("min_weight_version", version)) for g in ready],
+                [Ready(g["group_id"], g.min_weight_version) for g in ready],
                 outstanding,
                 version,
                 P,
@@ -689,7 +694,7 @@ class Run:
                 "time": time.time(),
             }
             self.write_metrics(record)
-            await broker.publish(self.r, self.keys.metrics, record)
+            await broker.publish(self.r, self.keys.metrics, StepMetrics.from_dict(record).to_dict())
             step += 1
             await self.save_state(
                 status="serving", next_step=step, step=step, reward_mean=summary["reward_mean"]

@@ -16,7 +16,7 @@ import grpc
 from prometheus_client import Counter, Histogram
 
 from tether.common.grpc_server import run_to_end
-from tether.common.records import SampleRecord
+from tether.common.records import RecordError, SampleRecord
 from tether.trainer.nccl_push import PushError
 from tether.trainer.steps import InvalidGroup, NotReady, StepFailed, StepRecord, Trainer, TrainerBroken
 from tether.v1 import trainer_pb2, trainer_pb2_grpc
@@ -32,21 +32,7 @@ PUSH_SECONDS = Histogram(
 
 
 def sample_from_proto(p) -> SampleRecord:
-    return SampleRecord(
-        rollout_id=p.rollout_id,
-        group_id=p.group_id,
-        task_id=p.task_id,
-        sequence_index=p.sequence_index,
-        token_ids=list(p.token_ids),
-        loss_mask=list(p.loss_mask),
-        rollout_logprobs=list(p.rollout_logprobs),
-        advantages=list(p.advantages),
-        reward=p.reward,
-        weight_version=p.weight_version,
-        rollout_sequences=p.rollout_sequences,
-        weight_spans=[[w.version, w.start, w.end] for w in p.weight_spans],
-        constrained_tokens=p.constrained_tokens,
-    )
+    return SampleRecord.from_proto(p)  # written once, beside the record; RecordError if inconsistent
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
@@ -57,7 +43,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.on_broken = on_broken
 
     async def SubmitGroup(self, request, context):
-        samples = [sample_from_proto(p) for p in request.samples]
+        try:
+            samples = [sample_from_proto(p) for p in request.samples]
+        except RecordError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
             buffered, duplicate = self.trainer.core.submit(request.group_id, samples, request.rollouts)
         except InvalidGroup as exc:

@@ -31,7 +31,7 @@ import orjson
 import torch
 from prometheus_client import Counter, Gauge, Histogram
 
-from tether.common.records import SampleRecord
+from tether.common.records import RecordError, SampleRecord
 from tether.trainer import distributed
 from tether.trainer.distributed import Dist
 from tether.trainer.train import StepConfig, train_step
@@ -211,19 +211,14 @@ class GroupSpool:
         for path in sorted(self.folder.glob("*.group")):
             try:
                 data = orjson.loads(path.read_bytes())
-            except orjson.JSONDecodeError:
-                log.warning("unreadable spooled group %s; dropped", path)
+                samples = [SampleRecord.from_dict(s) for s in data["samples"]]
+            except (orjson.JSONDecodeError, RecordError) as exc:
+                log.warning("unreadable spooled group %s (%s); dropped", path, exc)
                 path.unlink(missing_ok=True)
                 continue
             self.files[data["group_id"]] = path
             self.next_seq = max(self.next_seq, int(path.name.split("-", 1)[0]) + 1)
-            out.append(
-                (
-                    data["group_id"],
-                    [SampleRecord.from_dict(s) for s in data["samples"]],
-                    int(data["rollouts"]),
-                )
-            )
+            out.append((data["group_id"], samples, int(data["rollouts"])))
         return out
 
     def add(self, group_id: str, samples: list[SampleRecord], rollouts: int) -> None:
