@@ -6,6 +6,7 @@ real consumer (merger, agent worker, scheduler) which then goes on."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
 import time
 from dataclasses import MISSING, fields
@@ -514,7 +515,7 @@ async def test_scheduler_dead_letters_a_group_result_without_its_version(redis_u
         assert _dead("group-results", "GroupResult") == before + 1
         ((_, letter),) = await broker.read_all(r, keys.dead_letter)
         assert letter["record"]["group_id"] == "old" and "min_weight_version" in letter["reason"]
-        run.state["weight_version"] = 5
+        run.state = dataclasses.replace(run.state, weight_version=5)
         record = run.step_record(0, results, {}, time.perf_counter(), 1.0, 0.0, 0.0, version_before=5)
         assert record["staleness_max"] == 3.0  # 5 - min_weight_version 2
         StepMetrics.from_dict(orjson.loads(orjson.dumps(record)))  # what goes on the metrics stream

@@ -20,24 +20,47 @@ from tether.scheduler.run import Run, RunConfig, Stubs
 from tether.scheduler.servicer import SchedulerServicer
 from tether.v1 import trainer_pb2
 
+
+def _group_result(group_id: str, outcome: str, rewards: list[float], samples: int, tokens: int) -> dict:
+    """A group result as the merger publishes it (tether.common.records.GroupResult: every field)."""
+    counts = dict.fromkeys(["forks", "single_sequence_rollouts", "realigns", "truncated"], 0)
+    counts |= dict.fromkeys(["mismatched_calls", "side_sequences_excluded"], 0)
+    return {
+        "group_id": group_id,
+        "rollouts": 2,
+        "completed": 2,
+        "rewards": rewards,
+        "eval": False,
+        "sequences": 2,
+        **counts,
+        "generated_tokens": tokens,
+        "dropped_calls": {},
+        "mismatches": [],
+        "timed_out": False,
+        "finished_at": 1700000000.0,
+        "estimator": "grpo",
+        "outcome": outcome,
+        "samples": samples,
+        "tokens": tokens,
+        "min_weight_version": 2 if samples else -1,
+    }
+
+
 RESULTS = [
-    {
-        "group_id": "r-s2-g0",
-        "outcome": "trained",
-        "rewards": [1.0, 0.0],
-        "samples": 2,
-        "tokens": 40,
-        "sequences": 2,
-    },
-    {
-        "group_id": "r-s2-g1",
-        "outcome": "filtered",
-        "rewards": [1.0, 1.0],
-        "samples": 0,
-        "tokens": 0,
-        "sequences": 2,
-    },
+    _group_result("r-s2-g0", "trained", [1.0, 0.0], 2, 40),
+    _group_result("r-s2-g1", "filtered", [1.0, 1.0], 0, 0),
 ]
+
+# Step 1's record, as the scheduler writes it (tether.common.records.StepMetrics).
+LAST_RECORD = {
+    "step": 1,
+    "weight_version": 2,
+    "reward_mean": 0.5,
+    **dict.fromkeys(["rollouts", "groups_trained", "groups_filtered", "samples", "tokens"], 2.0),
+    **dict.fromkeys(["generated_tokens", "forks", "sequences_per_rollout", "logprob_abs_diff"], 1.0),
+    **dict.fromkeys(["constrained_tokens_masked", "push_seconds", "paused_seconds", "step_seconds"], 0.0),
+    "time": 1700000000.0,
+}
 
 # The run hash exactly as the scheduler wrote it before RunState existed (a colocated-sync run killed
 # while step 2 trained, vLLM asleep): one field per key, each value JSON.
@@ -56,7 +79,7 @@ OLD_HASH = {
         "results_cursor": "1700000000000-0",
         "checkpoint_dir": "/ckpt/v2",
         "slept": True,
-        "last_record": {"step": 1, "reward_mean": 0.5, "weight_version": 2},
+        "last_record": LAST_RECORD,
         "pending": {
             "step": 2,
             "take": ["r-s2-g0"],
@@ -89,15 +112,19 @@ def test_the_hash_the_scheduler_always_wrote_decodes():
 @pytest.mark.parametrize(
     "change, error",
     [
-        ({"weight_verison": "2"}, "unknown fields"),  # a rename must fail, not switch a field off
-        ({"run_id": None}, "missing fields"),
-        ({"next_step": None}, "missing fields"),
-        ({"step": '"2"'}, "RunState.step"),
-        ({"slept": "1"}, "RunState.slept"),
-        ({"reward_mean": "true"}, "RunState.reward_mean"),
-        ({"pending": '{"step": 2, "take": []}'}, "PendingStep: missing fields"),
-        ({"pending": json.dumps({**json.loads(OLD_HASH["pending"]), "tkae": []})}, "PendingStep: unknown"),
-        ({"pending": "[]"}, "RunState.pending"),
+        # a rename must fail, not switch a field off
+        ({"weight_verison": "2"}, r"RunState record: unknown field\(s\) \['weight_verison'\]"),
+        ({"run_id": None}, r"RunState record: missing required field\(s\) \['run_id'\]"),
+        ({"next_step": None}, r"RunState record: missing required field\(s\) \['next_step'\]"),
+        ({"step": '"2"'}, "RunState record: field 'step'"),
+        ({"slept": "1"}, "RunState record: field 'slept'"),
+        ({"reward_mean": "true"}, "RunState record: field 'reward_mean'"),
+        ({"pending": '{"step": 2, "take": []}'}, r"field 'pending': missing required field\(s\)"),
+        (
+            {"pending": json.dumps({**json.loads(OLD_HASH["pending"]), "tkae": []})},
+            r"field 'pending': unknown field\(s\) \['tkae'\]",
+        ),
+        ({"pending": "[]"}, "RunState record: field 'pending'"),
     ],
 )
 def test_the_decoder_is_strict(change, error):

@@ -63,6 +63,8 @@ def _checker(tp: Any) -> Callable[[Any], Any]:
         def check_union(v: Any) -> Any:
             if v is None and nullable:
                 return None
+            if len(inner) == 1:  # X | None: X's own error says what is wrong (a nested record's field)
+                return inner[0](v)
             for c in inner:
                 try:
                     return c(v)
