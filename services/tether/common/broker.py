@@ -101,7 +101,7 @@ class Keys:
         return f"{self.ns}:baseline-applied:{group_id}"
 
     @property
-    def mismatches(self) -> str:  # stream: prefix-mismatch examples (merger; `tether mismatches`)
+    def mismatches(self) -> str:  # stream: prefix-mismatch examples (merger; `tether samples --mismatches`)
         return f"{self.ns}:mismatches"
 
     @property

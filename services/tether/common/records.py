@@ -12,7 +12,8 @@ Decoding is strict: a field the record does not know, a required field that is m
 of the wrong kind raises RecordError (a ValueError), never a silent default -- a renamed field must
 fail loudly, not switch a guarantee off. Consumers that read a bad record dead-letter it
 (``broker.dead_letter``, counted per stream and record type) and go on. The scheduler's run state
-is not here (``scheduler/run.py``). docs/architecture.md lists who writes and who reads each.
+(RunState, with its PendingStep) is here too, at the end. docs/architecture.md lists who writes and
+who reads each.
 """
 
 from __future__ import annotations
@@ -619,7 +620,7 @@ class RunState(_Record):
     mode: str  # the scheduling mode (tether.scheduler.run.MODES)
     next_step: int  # the first step not yet finished
     weight_version: int  # the version inference serves
-    status: str = "starting"  # rolling_out, training, pushing, evaluating, serving, done, stopped, failed
+    status: str = "starting"  # rolling_out, training, pushing, evaluating, serving, done, stopped, error
     step: int = 0  # the step being run
     reward_mean: float = 0.0  # the last finished step's (NaN when it had no rollouts)
     checkpoint_dir: str = ""  # the checkpoint of `weight_version` (copied to final-model at the end)
