@@ -687,9 +687,12 @@ class Merger:
         async with self._resolve_lock:
             if not await self.r.exists(self.keys.group_done(group_id)):
                 await self._resolve(group_id, timed_out)
-            await self.r.zrem(pending_groups(self.keys), group_id)
+            # Counted as resolved as soon as its done marker is written, before the next await: a
+            # merger stopped at the zrem below must not report it pending (its deadline entry is
+            # removed again by the next resolve).
             self.counts.pending.discard(group_id)
             PENDING.set(len(self.counts.pending))
+            await self.r.zrem(pending_groups(self.keys), group_id)
 
     async def _resolve(self, group_id: str, timed_out: bool) -> None:
         cfg = self.cfg
@@ -971,9 +974,12 @@ class Merger:
                         continue
                     await self.r.xack(stream, "merger", entry_id)
         finally:
-            if ticker is not None:
+            # Cancelled until it is done: under load a cancel that lands inside a deadline check can
+            # be lost (the loop then slept on and the merger never stopped; 1 run in ~8 of
+            # tests/test_merger_service.py on a busy box), and a second one stops it.
+            while ticker is not None and not ticker.done():
                 ticker.cancel()
-                await asyncio.gather(ticker, return_exceptions=True)
+                await asyncio.wait({ticker}, timeout=1.0)
 
     # ------------------------------------------------------------------ record-only sessions
 
