@@ -9,10 +9,8 @@ import time
 import pytest
 
 from tether.common import broker
-from tether.common.records import RolloutEvent, Trace
+from tether.common.records import RolloutEvent, SampleRecord, Trace
 from tether.merger.consumer import Merger, MergerConfig
-from tether.merger.main import to_proto
-from tether.trainer.servicer import sample_from_proto
 
 
 async def _record(r, keys, rollout_id, calls, group_id, reward, status="completed", group_size=2, meta=None):
@@ -112,7 +110,7 @@ async def test_group_is_merged_scored_and_handed_over(redis_url):
     assert a.weight_version == 3
     assert a.weight_spans == [[3, 2, 3], [4, 3, 4], [3, 5, 6]]
     assert b.weight_spans == [[3, 2, 3]]
-    assert sample_from_proto(to_proto(a)) == a  # what the trainer receives over gRPC
+    assert SampleRecord.from_proto(a.to_proto()) == a  # what the trainer receives over gRPC
     # What the trainer consumed is also on the samples stream, and the group result is published.
     assert len(await broker.read_all(r, keys.samples)) == 2
     results = [rec for _, rec in await broker.read_all(r, keys.group_results)]

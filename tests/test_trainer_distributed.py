@@ -16,7 +16,6 @@ from test_trainer_resume import TrainerProcess, _weights, group_requests, step, 
 from tether.common.net import free_port
 from tether.common.records import SampleRecord
 from tether.trainer import distributed
-from tether.trainer.servicer import sample_from_proto
 from tether.trainer.train import StepConfig, shard_rows, train_step
 from tether.v1 import types_pb2
 
@@ -116,7 +115,7 @@ def test_torchrun_service_with_two_ranks_matches_one_rank(tmp_path):
 
     model, _ = load_model(model_dir, 0)
     opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.99))
-    samples = [sample_from_proto(p) for g in groups for p in g.samples]
+    samples = [SampleRecord.from_proto(p) for g in groups for p in g.samples]
     metrics = train_step(model, opt, samples, StepConfig(micro_batch_tokens=24, pad_token_id=1))
     got = _weights(tmp_path / "ckpt" / "v000001")
     # Adam's first step is lr * g / (|g| + eps): entries whose gradient is at fp32 summation noise

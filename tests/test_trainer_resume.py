@@ -250,9 +250,11 @@ def _train(core, n: int, *args, **kwargs):
 
 
 def _groups(n: int):
-    from tether.trainer.servicer import sample_from_proto
+    from tether.common.records import SampleRecord
 
-    return [(g.group_id, [sample_from_proto(p) for p in g.samples], g.rollouts) for g in group_requests(n)]
+    return [
+        (g.group_id, [SampleRecord.from_proto(p) for p in g.samples], g.rollouts) for g in group_requests(n)
+    ]
 
 
 def test_lora_trainer_resumes_in_process(tmp_path):

@@ -21,7 +21,7 @@ from tether.merger.consumer import Merger, MergerConfig
 from tether.merger.merge import MergeMode, OverlongPolicy, generation_prompt_tail
 from tether.merger.servicer import MergerStatusServicer
 from tether.merger.sidecalls import SideCallRule, compile_patterns
-from tether.v1 import merger_pb2, merger_pb2_grpc, trainer_pb2, trainer_pb2_grpc, types_pb2
+from tether.v1 import merger_pb2, merger_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger("tether.merger")
 
@@ -109,17 +109,13 @@ def config_from_settings(s: MergerSettings) -> MergerConfig:
     )
 
 
-def to_proto(s: SampleRecord) -> types_pb2.Sample:
-    return s.to_proto()  # written once, beside the record
-
-
 def trainer_submitter(trainer: trainer_pb2_grpc.TrainerStub):
     """The merger's hand-over: one SubmitGroup per scored group (waiting for a restarting trainer)."""
 
     async def submit(group_id: str, samples: list[SampleRecord], rollouts: int) -> None:
         await trainer.SubmitGroup(
             trainer_pb2.SubmitGroupRequest(
-                group_id=group_id, samples=[to_proto(x) for x in samples], rollouts=rollouts
+                group_id=group_id, samples=[x.to_proto() for x in samples], rollouts=rollouts
             ),
             timeout=60,
             wait_for_ready=True,

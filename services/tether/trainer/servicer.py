@@ -31,10 +31,6 @@ PUSH_SECONDS = Histogram(
 )
 
 
-def sample_from_proto(p) -> SampleRecord:
-    return SampleRecord.from_proto(p)  # written once, beside the record; RecordError if inconsistent
-
-
 class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
     """`on_broken`: called when the trainer can no longer train (main.py sets health NOT_SERVING)."""
 
@@ -44,7 +40,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
 
     async def SubmitGroup(self, request, context):
         try:
-            samples = [sample_from_proto(p) for p in request.samples]
+            samples = [SampleRecord.from_proto(p) for p in request.samples]
         except RecordError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         try:
