@@ -88,10 +88,18 @@ def export_eval(eval_reward: float | None) -> None:
     EVAL_REWARD.set(_value(eval_reward))
 
 
+_phases_shown: list[str] = list(PHASES)
+
+
 def export_phase(status: str) -> None:
     """1 for `status`, 0 for every other phase (an unknown status gets its own series, at 1)."""
-    for phase in (*PHASES, *([status] if status not in PHASES else [])):
+    if status not in _phases_shown:
+        _phases_shown.append(status)
+    for phase in _phases_shown:
         PHASE.labels(phase).set(1.0 if phase == status else 0.0)
+
+
+export_phase("starting")
 
 
 # --- broker ------------------------------------------------------------------------------------
@@ -136,7 +144,10 @@ class BrokerExport:
 
 
 async def follow_broker(
-    r: aioredis.Redis, keys: broker.Keys, interval_s: float = BROKER_INTERVAL_S, export: BrokerExport | None = None
+    r: aioredis.Redis,
+    keys: broker.Keys,
+    interval_s: float = BROKER_INTERVAL_S,
+    export: BrokerExport | None = None,
 ) -> None:
     """Refresh the broker gauges every `interval_s`, for good. Never raises (but for cancellation): a
     failed round is logged (once per outage) and the gauges keep their last values."""

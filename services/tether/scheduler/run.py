@@ -437,7 +437,11 @@ class Run:
         """The run gauges of a resumed run: its status, its last finished step's record and its
         evaluation, so that a restarted scheduler does not show NaN until its next step."""
         run_metrics.export_phase(state.status)
-        evaluated = state.eval_reward if state.eval_reward is not None else (state.eval_record or {}).get("eval_reward")
+        evaluated = (
+            state.eval_reward
+            if state.eval_reward is not None
+            else (state.eval_record or {}).get("eval_reward")
+        )
         if evaluated is not None:
             run_metrics.export_eval(evaluated)
         if state.last_record:
