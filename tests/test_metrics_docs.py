@@ -31,7 +31,10 @@ PROCESSES = {
     "agents": "tether.agents.main",
 }
 
-# Printed by a fresh interpreter that imported one service's main module: its tether_* metrics.
+# Printed by a fresh interpreter that imported one service's main module: its tether_* metrics. The
+# collectors themselves, not REGISTRY.collect(): a labelled metric with no child yet yields no samples,
+# and its label names are known only to the collector (prometheus_client's `_name`, `_type`,
+# `_labelnames`; a counter's `_name` is without `_total`).
 _DUMP = """
 import importlib, json, sys
 from prometheus_client import REGISTRY
