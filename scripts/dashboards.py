@@ -228,9 +228,10 @@ def run_overview() -> Dashboard:
             ),
             Panel(
                 "Step, push and pause time",
-                "Wall time of the last step, of its weight push, and how long rollouts were paused for it",
+                "Wall time of the last step, the part it waited for its groups, its weight push, and how long generation was held for it",
                 (
                     q("max(tether_run_step_seconds)", "step"),
+                    q("max(tether_run_rollout_seconds)", "waiting for groups"),
                     q("max(tether_run_push_seconds)", "push"),
                     q("max(tether_run_paused_seconds)", "paused"),
                 ),
@@ -302,8 +303,25 @@ def run_overview() -> Dashboard:
                 (
                     q("max(tether_run_groups_in_flight)", "in flight"),
                     q("sum(tether_merger_groups_pending)", "merger pending"),
+                    q("max(tether_run_stale_groups_dropped)", "dropped as stale (all)"),
                 ),
                 min=0,
+            ),
+            Panel(
+                "Mixed-version sequences",
+                "Share of the last step's sequences sampled by more than one weight version (a push landed mid-call)",
+                (q("max(tether_run_mixed_version_fraction)", "mixed"),),
+                unit="percentunit",
+                min=0,
+                max=1,
+            ),
+            Panel(
+                "Evaluation reward",
+                "Mean reward of the final evaluation (empty until it ran), next to the last step's training reward",
+                (
+                    q("max(tether_run_eval_reward)", "eval"),
+                    q("max(tether_run_reward_mean)", "train (last step)"),
+                ),
             ),
         ),
     )
@@ -766,6 +784,22 @@ def trainer() -> Dashboard:
                 ),
                 min=0,
             ),
+            Panel(
+                "Loss and gradient norm",
+                "Policy loss and gradient norm of the last step",
+                (
+                    q("max(tether_run_loss)", "loss"),
+                    q("max(tether_run_grad_norm)", "grad norm"),
+                ),
+            ),
+            Panel(
+                "Clip fraction",
+                "Share of the last step's tokens whose importance ratio was clipped",
+                (q("max(tether_run_clip_fraction)", "clipped"),),
+                unit="percentunit",
+                min=0,
+                max=1,
+            ),
         ),
     )
 
@@ -976,16 +1010,15 @@ ALERTS = (
         "The gateway has taken replica {{ $labels.replica }} out of rotation for 2 minutes.",
     ),
     Alert(
-        # The gauge catches the first record (increase() of a counter born at 1 reads 0); the counter
-        # catches growth once the stream is trimmed at its maximum length.
+        # The gauge, not increase(tether_dead_letters_total): a labelled counter is born at its first
+        # dead letter, at 1, and increase() over a series' first sample reads 0.
         "TetherDeadLettersGrowing",
-        "delta(tether_broker_dead_letter_entries[10m]) > 0\n"
-        "or sum by (stream) (increase(tether_dead_letters_total[10m])) > 0",
+        "delta(tether_broker_dead_letter_entries[10m]) > 0",
         "1m",
         "warning",
         "Records are being dead-lettered",
-        "Records a consumer could not process were moved to the dead-letter stream in the last 10"
-        " minutes; inspect the stream before they pile up.",
+        "{{ $value }} more records in the dead-letter stream than 10 minutes ago: a consumer could not"
+        " process them; inspect the stream before they pile up.",
     ),
     Alert(
         # phase training = the scheduler is blocked in the trainer's TrainStep; a step that takes longer
