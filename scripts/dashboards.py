@@ -294,7 +294,7 @@ def run_overview() -> Dashboard:
             Panel(
                 "Tokens per second",
                 "Tokens the run trained per second of step wall time",
-                (q("max(tether_run_tokens_per_s)", "tokens/s"),),
+                (q("max(tether_run_tokens_per_second)", "tokens/s"),),
                 min=0,
             ),
             Panel(
@@ -664,11 +664,8 @@ def broker() -> Dashboard:
             ),
             Panel(
                 "Dead letters",
-                "Entries in the dead-letter stream, and records moved there per second by the stream they came from",
-                (
-                    q("max(tether_broker_dead_letter_entries)", "entries"),
-                    q(rate("tether_dead_letters_total", "stream"), "moved/s {{stream}}"),
-                ),
+                "Entries in the dead-letter stream (each entry names the stream and consumer it came from)",
+                (q("max(tether_broker_dead_letter_entries)", "entries"),),
                 min=0,
             ),
         ),
@@ -732,7 +729,7 @@ def trainer() -> Dashboard:
                 "Tokens trained on per second (trainer) and trained tokens per second of step time (scheduler)",
                 (
                     q(rate("tether_trainer_tokens_total"), "trainer"),
-                    q("max(tether_run_tokens_per_s)", "per step time"),
+                    q("max(tether_run_tokens_per_second)", "per step time"),
                 ),
                 min=0,
             ),

@@ -143,7 +143,7 @@ def test_the_issue_names_are_there():
             for n in (
                 "reward_mean step_seconds push_seconds paused_seconds staleness_max staleness_mean "
                 "token_staleness_max token_staleness_mean logprob_abs_diff logprob_k3_kl "
-                "sequences_per_rollout forks groups_in_flight tokens_per_s eval_reward max_staleness phase"
+                "sequences_per_rollout forks groups_in_flight tokens_per_second eval_reward max_staleness phase"
             ).split()
         ),
         *(f"tether_{c}_weight_version" for c in ("gateway", "inference", "trainer", "scheduler")),

@@ -53,13 +53,14 @@ def test_a_step_record_sets_every_run_gauge_and_unmeasured_ones_are_nan():
     m.export_step(record)
     for name in m.STEP_FIELDS:
         value = getattr(record, name)
-        got = _gauge(f"tether_run_{name}")
+        got = _gauge(f"tether_run_{m.GAUGE_NAMES.get(name, name)}")
         assert got is not None, name
         if value is None or math.isnan(value):
             assert math.isnan(got), name
         else:
             assert got == value, name
     assert _gauge("tether_run_reward_mean") == 0.75 and _gauge("tether_run_groups_in_flight") == 6.0
+    assert _gauge("tether_run_tokens_per_second") == 800.0
 
     # The next step measured no staleness and no mismatch (serve mode): NaN, not the step before's.
     later = StepMetrics.from_dict({**LAST_RECORD, "step": 2, "logprob_abs_diff": float("nan")})

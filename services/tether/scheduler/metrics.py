@@ -50,8 +50,11 @@ STEP_FIELDS: dict[str, str] = {
     "grad_norm": "Gradient norm of the last step",
     "clip_fraction": "Fraction of the last step's tokens whose ratio was clipped",
 }
+# A field whose name would break Prometheus's naming rules gets another gauge name (units spelled out).
+GAUGE_NAMES = {"tokens_per_s": "tokens_per_second"}
 RUN_STEP: dict[str, Gauge] = {
-    name: Gauge(f"tether_run_{name}", f"{help_} (NaN: not measured)") for name, help_ in STEP_FIELDS.items()
+    name: Gauge(f"tether_run_{GAUGE_NAMES.get(name, name)}", f"{help_} (NaN: not measured)")
+    for name, help_ in STEP_FIELDS.items()
 }
 EVAL_REWARD = Gauge("tether_run_eval_reward", "Mean reward of the final evaluation (NaN until it ran)")
 MAX_STALENESS = Gauge("tether_run_max_staleness", "Configured bound on a sample's weight-version lag")
