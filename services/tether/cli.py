@@ -1,4 +1,4 @@
-"""`tether` commands: demo, up, down, agent, gateway, traces, samples.
+"""`tether` commands: demo, up, down, agent, gateway, traces, samples, prepare-demo.
 
 The cli sits above every service: it starts them as processes (see launcher.py) and reads the
 stack's Redis; nothing imports it.
@@ -67,6 +67,24 @@ def write_tasks(path: Path) -> int:
     tasks = load_example()["tasks"]()
     path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     return len(tasks)
+
+
+def cmd_prepare_demo(args) -> int:
+    """The demo's inputs in one folder, as compose's one-shot model-init writes them into its volume:
+    OUT/model (a link to the warm-started model, cached in OUT/cache by the code that makes it) and
+    OUT/tasks.jsonl. Run again, it finds the cached model and rewrites the tasks."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = prepare_calculator_model(args.seed, out / "cache")
+    link = out / "model"
+    tmp = out / f".model-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    # Relative: the folder may be mounted at another path than the one it was written under.
+    tmp.symlink_to(os.path.relpath(model, out))
+    os.replace(tmp, link)
+    n_tasks = write_tasks(out / "tasks.jsonl")
+    print(f"model {link} -> {model.name}; {n_tasks} tasks in {out / 'tasks.jsonl'}", flush=True)
+    return 0
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -554,6 +572,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-arg=--enable-prefix-caching",
     )
     up.set_defaults(fn=cmd_up)
+
+    prepare = sub.add_parser(
+        "prepare-demo", help="write the demo's warm-started model and tasks file into a folder"
+    )
+    prepare.add_argument("--out", required=True, help="folder: OUT/model and OUT/tasks.jsonl")
+    prepare.add_argument("--seed", type=int, default=0)
+    prepare.set_defaults(fn=cmd_prepare_demo)
 
     down = sub.add_parser("down", help="stop the stack started here")
     down.set_defaults(fn=cmd_down)
