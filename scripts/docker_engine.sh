@@ -169,25 +169,29 @@ base() {
   docker import -c 'CMD ["python3"]' -c 'ENV LANG=C.UTF-8' "$BASE_TAR" "$BASE_IMAGE" >/dev/null
 }
 
-# A Debian package on the local base, run as a non-root numeric user. The Dockerfile comes on stdin (no
-# context); apt reaches Debian over plain HTTP through the host network.
+# A Debian package on the local base, run as the numeric user the official image uses and owning the
+# data folder it has (so docker-compose.yml's `user:` and volumes fit both). The Dockerfile comes on
+# stdin (no context); apt reaches Debian over plain HTTP through the host network.
 debian_image() {
-  local tag=$1 package=$2
+  local tag=$1 packages=$2 user=$3 data=$4
   image_exists "$tag" && return
-  log "building $tag ($package)"
+  log "building $tag ($packages)"
   docker build --network host -q -t "$tag" - >/dev/null <<EOF
 FROM $BASE_IMAGE
 RUN echo "deb $MIRROR $SUITE main" > /etc/apt/sources.list \\
- && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $package \\
- && rm -rf /var/lib/apt/lists/*
-USER 10001:0
+ && apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $packages \\
+ && rm -rf /var/lib/apt/lists/* \\
+ && mkdir -p $data && chown $user $data
+USER $user
 EOF
 }
 
 images() {
   base
-  debian_image local/redis:bookworm redis-server
-  debian_image local/prometheus:bookworm prometheus
+  # redis: uid 999 and /data, as in redis:7.4; prometheus: nobody and /prometheus, as in prom/prometheus,
+  # plus wget, which its healthcheck calls (busybox's in the official image).
+  debian_image local/redis:bookworm redis-server 999:999 /data
+  debian_image local/prometheus:bookworm "prometheus wget" 65534:65534 /prometheus
 }
 
 case "${1:-}" in

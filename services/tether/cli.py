@@ -1,4 +1,4 @@
-"""`tether` commands: demo, up, down, agent, gateway, traces, samples, prepare-demo.
+"""`tether` commands: demo, up, down, agent, gateway, traces, samples, metrics, prepare-demo.
 
 The cli sits above every service: it starts them as processes (see launcher.py) and reads the
 stack's Redis; nothing imports it.
@@ -475,6 +475,11 @@ def cmd_samples(args) -> int:
     return 0
 
 
+def cmd_metrics(args) -> int:
+    _with_redis(args, lambda url, ns: asyncio.run(_dump("metrics", url, ns, lambda rec: True)))
+    return 0
+
+
 def cmd_gateway(args) -> int:
     """The gateway alone in front of any vLLM-compatible server, recording to REDIS_URL or to an
     embedded Redis kept in .tether/gateway-redis."""
@@ -609,9 +614,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, help_ in (
         ("traces", cmd_traces, "print recorded LLM calls as JSON lines"),
         ("samples", cmd_samples, "print what the trainer consumed as JSON lines"),
+        (
+            "metrics",
+            cmd_metrics,
+            "print the run's training steps (reward, weight version, ...) as JSON lines",
+        ),
     ):
         c = sub.add_parser(name, help=help_)
-        c.add_argument("--rollout")
+        if name != "metrics":
+            c.add_argument("--rollout")
         if name == "samples":
             c.add_argument("--group")
             c.add_argument(
