@@ -29,7 +29,6 @@ from pathlib import Path
 
 import pytest
 import redis
-
 from compose_helpers import HOST_ENV, ROOT, compose_args, compose_env
 
 pytestmark = pytest.mark.slow
