@@ -1,4 +1,4 @@
-"""`tether` commands: demo, up, down, agent, gateway, traces, samples, metrics, prepare-demo.
+"""`tether` commands: demo, up, down, agent, gateway, traces, samples, metrics, prepare-demo, health.
 
 The cli sits above every service: it starts them as processes (see launcher.py) and reads the
 stack's Redis; nothing imports it.
@@ -376,6 +376,8 @@ def cmd_agent(args) -> int:
         agent_fn=args.harness,
         gateway_url=args.gateway or state["addresses"]["gateway_url"],
         agent_concurrency=args.concurrency,
+        # Any free port for its gRPC health unless one is set: several workers may share a host.
+        **({} if "TETHER_AGENT_GRPC_PORT" in os.environ else {"agent_grpc_port": 0}),
     )
     setup_logging("agent", s.log_level)
     asyncio.run(amain(s))
@@ -636,10 +638,22 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--redis-url")
         c.add_argument("--namespace")
         c.set_defaults(fn=fn)
+
+    from tether.common import health
+
+    # Listed here for --help; main() hands `tether health ...` to tether.common.health before parsing.
+    health.add_arguments(sub.add_parser("health", help="check one service's health (exit 0 = healthy)"))
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["health"]:
+        # Runs every few seconds in every container: its own light module, and exit 1 (not argparse's
+        # 2, which Docker reserves) on bad arguments.
+        from tether.common import health
+
+        sys.exit(health.main(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         sys.exit(args.fn(args))
