@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 import redis
-from compose_helpers import HOST_ENV, ROOT, compose_args, compose_env
+from compose_helpers import HOST_ENV, ROOT, compose_args, compose_env, config
 
 pytestmark = pytest.mark.slow
 
@@ -51,14 +51,9 @@ RUN_SETTINGS = {
     "TETHER_AGENT_CONCURRENCY": "16",
     "TETHER_ROLLOUT_TIMEOUT_S": "120",
 }
-IMAGES = {  # target -> (tag, build args beyond BASE)
-    "tether": (
-        "tether/tether:dev",
-        {"TETHER_EXTRAS": "gateway,merger,scheduler,agents,inference,chat-template,demo"},
-    ),
-    "trainer": ("tether/trainer:dev", {"TRAINER_EXTRAS": "trainer,demo"}),
-    "inference-cpu": ("tether/inference-cpu:dev", {}),
-}
+# The images to build (target: the variable naming its tag in docker/compose.host.env); their build
+# arguments are those docker-compose.yml gives its services, so the test builds what compose would.
+IMAGES = {"inference-cpu": "INFERENCE_CPU_IMAGE", "trainer": "TRAINER_IMAGE", "tether": "TETHER_IMAGE"}
 BASE = "local/python:3.11-bookworm"
 PROMETHEUS_JOBS = {"gateway", "vllm", "inference", "trainer", "merger", "scheduler", "agent"}
 
@@ -134,16 +129,25 @@ def images(engine):
     local = ROOT / "scripts" / "docker_local.sh"
     if local.exists():
         sh(["bash", str(local)], env, timeout=300)
+    builds = {
+        s["build"]["target"]: s["build"]
+        for s in config(("cpu", "monitoring"))["services"].values()
+        if s.get("build")
+    }
+    tags = host_env()
     with phase("build"):
-        for target, (tag, args) in IMAGES.items():
-            cmd = ["docker", "build", "--network", "host", "-f", "docker/Dockerfile", "--target", target]
-            cmd += ["--build-arg", f"BASE={BASE}", "-t", tag]
-            for k, v in args.items():
+        # inference-cpu first: the classic builder builds every stage before the target, so the
+        # tether and trainer builds after it find theirs in the cache.
+        for target, tag_var in IMAGES.items():
+            build = builds[target]
+            cmd = ["docker", "build", "--network", "host", "-f", build["dockerfile"], "--target", target]
+            cmd += ["--build-arg", f"BASE={BASE}", "-t", tags[tag_var]]
+            for k, v in sorted((build.get("args") or {}).items()):
                 cmd += ["--build-arg", f"{k}={v}"]
             t0 = time.monotonic()
             sh([*cmd, "."], env, timeout=3000)
             FIGURES[f"build_{target}_s"] = round(time.monotonic() - t0, 1)
-            print(f"[compose] built {tag} in {FIGURES[f'build_{target}_s']}s", flush=True)
+            print(f"[compose] built {tags[tag_var]} in {FIGURES[f'build_{target}_s']}s", flush=True)
     return env
 
 
