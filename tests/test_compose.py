@@ -37,9 +37,11 @@ ENGINE = ROOT / "scripts" / "docker_engine.sh"
 PROJECT = "tether-compose-test"
 NAMESPACE = "tether-compose-test"
 RUN_ID = "compose-test"
-# Small and quick on 2 cores: 4 tasks x 4 rollouts a step; 6 steps, Redis killed after the 2nd.
-STEPS = 6
+# Small and quick on 2 cores: 4 tasks x 4 rollouts a step (a few seconds); Redis is killed after the
+# 2nd step, and the run must train 3 more after it came back.
+STEPS = 10
 KILL_AFTER_STEP = 2
+STEPS_AFTER_KILL = 3
 MIN_STEPS = 5
 RUN_SETTINGS = {
     "TETHER_RUN_ID": RUN_ID,
@@ -247,29 +249,30 @@ def test_compose_cpu_stack_trains_survives_redis_kill_and_is_scraped(images):
 
     compose(cenv, "down", "-v", "--remove-orphans", "-t", "5", check=False)  # a previous run's leftovers
     try:
-        with phase("up"):
-            # depends_on makes `up` wait for each service's dependencies (healthy, or model-init done).
-            compose(cenv, "up", "-d", "--no-build", timeout=1200)
-            wait_for(
-                "every service healthy",
-                lambda: all_healthy(cenv),
-                900,
-                on_timeout=logs,
-            )
         r = redis.Redis.from_url(redis_url, decode_responses=True)
 
         def steps_done() -> int:
             return int(run_state(r).get("next_step", 0))
 
+        with phase("up"):
+            # depends_on makes `up` wait for each service's dependencies (healthy, or model-init done);
+            # the scheduler starts last and the run starts with it.
+            compose(cenv, "up", "-d", "--no-build", timeout=1200)
         with phase("train_before_kill"):
+            # Polled often: a step takes seconds, and Redis must die while the run still has steps to go.
             wait_for(
-                f"{KILL_AFTER_STEP} steps", lambda: steps_done() >= KILL_AFTER_STEP, 900, on_timeout=logs
+                f"{KILL_AFTER_STEP} steps",
+                lambda: steps_done() >= KILL_AFTER_STEP,
+                900,
+                0.25,
+                on_timeout=logs,
             )
 
         with phase("redis_kill_restart"):
             cid = container_id(cenv, "redis")
             restarts = int(inspect(cenv, cid, "{{.RestartCount}}"))
             before = streams(r)
+            killed_at = run_state(r)
             pid = int(inspect(cenv, cid, "{{.State.Pid}}"))
             assert pid > 1
             os.kill(pid, 9)  # kill -9 of the container's process: a crash, which restart: on-failure restarts
@@ -296,13 +299,17 @@ def test_compose_cpu_stack_trains_survives_redis_kill_and_is_scraped(images):
         FIGURES["streams_checked"] = {k.removeprefix(NAMESPACE + ":"): len(v) for k, v in before.items()}
         assert set(after) >= set(before)
 
+        # The run was mid-way when Redis died, and trains on after it came back.
+        assert killed_at["status"] not in ("done", "evaluating") and killed_at["next_step"] < STEPS, killed_at
+        FIGURES["killed_at_step"] = killed_at["next_step"]
         with phase("train_after_kill"):
             wait_for(
-                f"{MIN_STEPS} steps (the run goes on after Redis came back)",
-                lambda: steps_done() >= MIN_STEPS,
+                f"{STEPS_AFTER_KILL} more steps (the run goes on after Redis came back)",
+                lambda: steps_done() >= max(MIN_STEPS, killed_at["next_step"] + STEPS_AFTER_KILL),
                 900,
                 on_timeout=logs,
             )
+            wait_for("every service healthy", lambda: all_healthy(cenv), 300, on_timeout=logs)
         state = run_state(r)
         FIGURES["steps"] = state["next_step"]
         FIGURES["weight_version"] = state["weight_version"]
