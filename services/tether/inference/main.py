@@ -12,13 +12,14 @@ import logging
 import shlex
 from pathlib import Path
 
+import httpx
 from pydantic import Field, field_validator
 
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings
 from tether.common.usage import exit_if_help
-from tether.common.vllm_client import VLLMControl
+from tether.common.vllm_client import VLLMControl, VLLMError
 from tether.inference.launch import model_context_length, start_vllm, vllm_command, vllm_env
 from tether.inference.servicer import WEIGHT_VERSION, InferenceServicer
 from tether.v1 import inference_pb2, inference_pb2_grpc
@@ -70,12 +71,24 @@ def command(s: InferenceSettings) -> list[str]:
     )
 
 
+async def refresh_weight_version(servicer: InferenceServicer) -> None:
+    """Set tether_inference_weight_version from what vLLM reports (an adapter attached to a running
+    vLLM, or a vLLM that restarted on its own, serves another version than this process last loaded);
+    unchanged while vLLM does not answer."""
+    try:
+        WEIGHT_VERSION.set(await servicer.loader.served_version())
+    except (VLLMError, httpx.HTTPError, ValueError) as exc:
+        log.debug("weight version not read: %r", exc)
+
+
 async def watch_health(vllm: VLLMControl, health: Health, proc, servicer: InferenceServicer) -> None:
     serving = None
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {proc.returncode}")
         answering = await vllm.healthy()
+        if answering:
+            await refresh_weight_version(servicer)
         ok = answering and not servicer.loader.unsafe
         if ok != serving:
             await health.set(ok)

@@ -22,6 +22,7 @@ from tether.common.logs import setup_logging
 from tether.common.retry import Retrying
 from tether.common.settings import RedisSettings, WeightPush
 from tether.common.usage import exit_if_help
+from tether.scheduler.metrics import follow_broker
 from tether.scheduler.run import Run, RunConfig, SchedulingMode, Stubs, load_tasks
 from tether.scheduler.servicer import SchedulerServicer
 from tether.v1 import (
@@ -61,6 +62,9 @@ class SchedulerSettings(RedisSettings):
     # "checkpoint": inference reloads each step's checkpoint (path 1). "nccl": the trainer streams the
     # weights into vLLM (path 2; the trainer needs TETHER_WEIGHT_PUSH=nccl too), path 1 on failure.
     weight_push: WeightPush = "checkpoint"
+    # With a metrics port: how often the tether_broker_* gauges (stream lengths, consumer-group lag and
+    # pending entries) are read from Redis.
+    broker_metrics_interval_s: float = Field(5.0, gt=0)
 
 
 async def amain(s: SchedulerSettings) -> None:
@@ -92,7 +96,8 @@ async def amain(s: SchedulerSettings) -> None:
         weight_push=s.weight_push,
     )
     tasks = load_tasks(Path(s.tasks_file)) if s.tasks_file else []
-    run = Run(r, broker.Keys(s.namespace), cfg, stubs, tasks)
+    keys = broker.Keys(s.namespace)
+    run = Run(r, keys, cfg, stubs, tasks)
 
     def register(server):
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(run), server)
@@ -110,8 +115,12 @@ async def amain(s: SchedulerSettings) -> None:
         await (run.run() if tasks else run.serve(s.groups_per_step))
         await asyncio.Event().wait()
 
+    # The broker gauges only where someone can scrape them; the task never ends or raises.
+    background = [work()]
+    if s.metrics_port:
+        background.append(follow_broker(r, keys, s.broker_metrics_interval_s))
     try:
-        await run_until_signal(server, health, [work()])
+        await run_until_signal(server, health, background)
     finally:
         await r.aclose()
 

@@ -49,6 +49,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from tether.common import broker
 from tether.common.records import DispatchJob, GroupResult, PendingStep, RecordError, RunState, StepMetrics
 from tether.common.settings import WeightPush
+from tether.scheduler import metrics as run_metrics
 from tether.scheduler.plan import (
     Ready,
     Wait,
@@ -162,7 +163,13 @@ class Run:
             weight_version=0,
         )
         self.inflight_key = keys.run_inflight  # async modes: group id -> {version, cursor, task}
+        # Whether Redis holds every field of the run state yet: until then a save writes them all, so
+        # that a run failing before its first save (inference not answering at start) still leaves a
+        # hash a restarted scheduler can decode and resume from.
+        self.state_written = False
         self.publisher = WeightPublisher(stubs.inference, stubs.trainer, cfg.weight_push)
+        run_metrics.MAX_STALENESS.set(cfg.max_staleness)
+        run_metrics.export_phase(self.state.status)
 
     @property
     def push_path(self) -> str:
@@ -175,7 +182,10 @@ class Run:
     async def save_state(self, **changes: Any) -> None:
         """Update the run state and write the changed fields (finish_step writes them all at once)."""
         self.state = dataclasses.replace(self.state, **changes)
-        await self.r.hset(self.keys.run, mapping=self.state.to_redis(changes))
+        await self.r.hset(self.keys.run, mapping=self.state.to_redis(changes if self.state_written else None))
+        self.state_written = True
+        if "status" in changes:
+            run_metrics.export_phase(self.state.status)
 
     async def load_state(self) -> RunState | None:
         """The run state Redis holds (strictly decoded: a bad field is an error), None if none."""
@@ -363,7 +373,9 @@ class Run:
 
     async def report(self, record: dict[str, Any]) -> None:
         self.write_metrics(record)
-        step = StepMetrics.from_dict(record).to_dict()  # what the metrics stream carries, checked
+        checked = StepMetrics.from_dict(record)
+        run_metrics.export_step(checked)
+        step = checked.to_dict()  # what the metrics stream carries, checked
         await broker.publish_once(
             self.r, self.keys, self.keys.metrics, f"metrics:{self.cfg.run_id}:{step['step']}", step
         )
@@ -401,7 +413,9 @@ class Run:
         if previous is not None and previous.run_id == self.cfg.run_id:
             start = previous.next_step
             self.state = previous
+            self.state_written = True
             RESUMES.inc()
+            self.export_resumed(previous)
             log.info(
                 "resuming run %s at step %d (%s when the previous scheduler stopped)",
                 self.cfg.run_id,
@@ -411,6 +425,7 @@ class Run:
         else:
             start = 0
             await self.r.delete(self.keys.run, self.inflight_key)
+            self.state_written = False
         version = await self.reconcile_weights()
         VERSION.set(version)
         await self.save_state(
@@ -424,6 +439,23 @@ class Run:
         await self.recover_metrics()
         await self.stubs.gateway.ResumeAdmission(gateway_pb2.ResumeAdmissionRequest(weight_version=version))
         return start
+
+    def export_resumed(self, state: RunState) -> None:
+        """The run gauges of a resumed run: its status, its last finished step's record and its
+        evaluation, so that a restarted scheduler does not show NaN until its next step."""
+        run_metrics.export_phase(state.status)
+        evaluated = (
+            state.eval_reward
+            if state.eval_reward is not None
+            else (state.eval_record or {}).get("eval_reward")
+        )
+        if evaluated is not None:
+            run_metrics.export_eval(evaluated)
+        if state.last_record:
+            try:
+                run_metrics.export_step(StepMetrics.from_dict(state.last_record))
+            except RecordError as exc:  # written by an older scheduler: the next step sets them
+                log.warning("last step's record not shown in the run gauges: %s", exc)
 
     async def train(self) -> None:
         start = await self.start_run()
@@ -662,6 +694,7 @@ class Run:
             "time": time.time(),
         }
         await self.save_state(eval_record=record)
+        run_metrics.export_eval(record["eval_reward"])
         self.write_metrics(record)
         return record
 
@@ -694,7 +727,9 @@ class Run:
                 "time": time.time(),
             }
             self.write_metrics(record)
-            await broker.publish(self.r, self.keys.metrics, StepMetrics.from_dict(record).to_dict())
+            checked = StepMetrics.from_dict(record)
+            run_metrics.export_step(checked)
+            await broker.publish(self.r, self.keys.metrics, checked.to_dict())
             step += 1
             await self.save_state(
                 status="serving", next_step=step, step=step, reward_mean=summary["reward_mean"]

@@ -1,0 +1,328 @@
+"""The dashboards and alert rules scripts/dashboards.py writes under helm/tether/: fresh, well-formed
+Grafana JSON with the conventions its docstring states, PromQL that promtool compiles, alert rules that
+fire (and stay quiet) in `promtool test rules`, and metrics that the services really define."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from promtool import promtool
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "dashboards.py"
+DASHBOARD_DIR = ROOT / "helm" / "tether" / "dashboards"
+ALERTS = ROOT / "helm" / "tether" / "alerts" / "tether-alerts.yaml"
+ALERT_TESTS = ROOT / "tests" / "alerts_test.yaml"
+
+# Each dashboard's uid is part of its address (links, bookmarks, the chart's ConfigMaps): never change.
+UIDS = {
+    "run-overview": "tether-run",
+    "gateway": "tether-gateway",
+    "inference": "tether-inference",
+    "broker": "tether-broker",
+    "trainer": "tether-trainer",
+}
+# What vLLM itself exports and a panel may use (the rest of vLLM's metrics are not relied on).
+VLLM_GAUGES = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
+VLLM_GAUGES |= {"vllm:engine_sleep_state"}
+VLLM_COUNTERS = {"vllm:prompt_tokens_total", "vllm:generation_tokens_total"}
+VLLM_HISTOGRAMS = {
+    "vllm:time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds",
+}
+VLLM_SERIES = (
+    VLLM_GAUGES | VLLM_COUNTERS | {h + s for h in VLLM_HISTOGRAMS for s in ("_bucket", "_sum", "_count")}
+)
+DATASOURCE = {"type": "prometheus", "uid": "${datasource}"}
+
+
+def load_generator():
+    spec = importlib.util.spec_from_file_location("tether_dashboards", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = load_generator()
+
+
+def committed() -> dict[str, dict]:
+    return {p.stem: json.loads(p.read_text()) for p in sorted(DASHBOARD_DIR.glob("*.json"))}
+
+
+def panels():
+    for name, d in committed().items():
+        for p in d["panels"]:
+            yield name, p
+
+
+def exprs():
+    for name, p in panels():
+        for t in p["targets"]:
+            yield f"{name}/{p['title']}/{t['refId']}", t["expr"]
+
+
+def check(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(root / "scripts" / "dashboards.py"), "--check"], capture_output=True, text=True
+    )
+
+
+# --- the generated files are fresh ----------------------------------------------------------------
+
+
+def test_check_passes_on_the_committed_files():
+    out = check(ROOT)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("change", ["edit-dashboard", "edit-alerts", "delete", "extra"])
+def test_check_fails_on_a_changed_file(tmp_path, change):
+    (tmp_path / "scripts").mkdir()
+    shutil.copy(SCRIPT, tmp_path / "scripts" / "dashboards.py")
+    shutil.copytree(ROOT / "helm" / "tether" / "dashboards", tmp_path / "helm" / "tether" / "dashboards")
+    shutil.copytree(ROOT / "helm" / "tether" / "alerts", tmp_path / "helm" / "tether" / "alerts")
+    assert check(tmp_path).returncode == 0  # the copy itself is fresh
+    dash = tmp_path / "helm" / "tether" / "dashboards"
+    if change == "edit-dashboard":
+        path = dash / "gateway.json"
+        path.write_text(path.read_text().replace('"Tether / Gateway"', '"Gateway (edited)"'))
+    elif change == "edit-alerts":
+        path = tmp_path / "helm" / "tether" / "alerts" / "tether-alerts.yaml"
+        path.write_text(path.read_text().replace("for: 5m", "for: 6m"))
+    elif change == "delete":
+        (dash / "broker.json").unlink()
+    else:
+        (dash / "hand-made.json").write_text("{}\n")
+    out = check(tmp_path)
+    assert out.returncode == 1, out.stdout
+    assert "stale" in out.stdout
+
+
+def test_output_is_deterministic():
+    assert gen.render() == gen.render()
+    for path, text in gen.render().items():
+        if path.suffix == ".json":
+            assert text == json.dumps(json.loads(text), indent=2, sort_keys=True) + "\n"
+
+
+# --- Grafana conventions --------------------------------------------------------------------------
+
+
+def test_uids_are_unique_and_stable():
+    dashboards = committed()
+    assert {name: d["uid"] for name, d in dashboards.items()} == UIDS
+    assert len({d["uid"] for d in dashboards.values()}) == len(dashboards)
+    for name, d in dashboards.items():
+        ids = [p["id"] for p in d["panels"]]
+        assert ids == list(range(1, len(ids) + 1)), name
+        titles = [p["title"] for p in d["panels"]]
+        assert len(set(titles)) == len(titles), name
+        assert "tether" in d["tags"]
+
+
+def test_datasource_is_a_template_variable():
+    for path in DASHBOARD_DIR.glob("*.json"):
+        text = path.read_text()
+        assert "__inputs" not in text and "${DS_" not in text, path.name
+        d = json.loads(text)
+        (var,) = [v for v in d["templating"]["list"] if v["name"] == "datasource"]
+        assert var["type"] == "datasource" and var["query"] == "prometheus"
+    for name, p in panels():
+        assert p["datasource"] == DATASOURCE, (name, p["title"])
+        assert all(t["datasource"] == DATASOURCE for t in p["targets"]), (name, p["title"])
+
+
+_WINDOWED = re.compile(r"\b(rate|irate|increase|delta|idelta|deriv|[a-z]+_over_time)\s*\(")
+
+
+def windows(expr: str) -> list[tuple[str, str]]:
+    """(function, its range window) for each range-vector function of an expression."""
+    out = []
+    for m in _WINDOWED.finditer(expr):
+        depth, i = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(expr[i], 0)
+            i += 1
+        arg = expr[m.end() : i - 1]
+        window = re.findall(r"\[([^\]]*)\]\s*$", arg)
+        out.append((m.group(1), window[0] if window else ""))
+    return out
+
+
+def test_windows_helper_finds_each_window():
+    assert windows('sum(rate(a{x="1"}[5m])) / clamp_min(increase(b[$__rate_interval]), 1)') == [
+        ("rate", "5m"),
+        ("increase", "$__rate_interval"),
+    ]
+
+
+def test_every_rate_and_increase_uses_the_rate_interval():
+    seen = 0
+    for where, expr in exprs():
+        for fn, window in windows(expr):
+            assert window == "$__rate_interval", f"{where}: {fn}(...[{window}]) in {expr}"
+            seen += 1
+    assert seen > 20  # the rule above checked something
+
+
+def divisors(expr: str) -> list[str]:
+    """What follows each division operator."""
+    return [expr[m.end() :].lstrip() for m in re.finditer(r"/", expr)]
+
+
+def test_every_ratio_is_guarded_against_an_idle_window():
+    ratios = 0
+    for where, expr in exprs():
+        for rest in divisors(expr):
+            ratios += 1
+            assert rest.startswith("clamp_min(") or re.match(r"\d", rest), f"{where}: unguarded / in {expr}"
+    assert ratios > 5
+
+
+def test_every_panel_describes_itself_and_names_its_metrics():
+    for name, p in panels():
+        metrics = set().union(*(gen.metric_names(t["expr"]) for t in p["targets"]))
+        assert metrics, (name, p["title"])
+        about, _, listed = p["description"].partition(" Metrics: ")
+        assert len(about) > 10, (name, p["title"])
+        assert set(listed.rstrip(".").split(", ")) == metrics, (name, p["title"])
+
+
+def test_metric_names_of_an_expression():
+    expr = (
+        'histogram_quantile(0.9, sum by (le, route) (rate(a_bucket{route=~"x|y"}[$__rate_interval])))'
+        ' / clamp_min(sum(rate(b_total[5m] offset 1h)), 1e-9) or on () vllm:c{s="awake"} > bool 0'
+        ' and ignoring (job) label_replace(d, "component", "gateway", "", "")'
+    )
+    assert gen.metric_names(expr) == {"a_bucket", "b_total", "vllm:c", "d"}
+
+
+def test_the_run_overview_shows_what_the_issue_asks_for():
+    run = committed()["run-overview"]
+    used = {m for p in run["panels"] for t in p["targets"] for m in gen.metric_names(t["expr"])}
+    for metric in (
+        "tether_run_reward_mean",
+        "tether_run_step_seconds",
+        "tether_run_phase",
+        "tether_run_push_seconds",
+        "tether_run_paused_seconds",
+        "tether_run_staleness_max",
+        "tether_run_token_staleness_max",
+        "tether_run_max_staleness",
+        "tether_run_logprob_abs_diff",
+        "tether_run_logprob_k3_kl",
+        "tether_run_forks",
+        *gen.WEIGHT_VERSIONS.values(),
+    ):
+        assert metric in used, metric
+
+
+# --- PromQL compiles; alerts fire ----------------------------------------------------------------
+
+
+def compile_rules(tmp_path: Path, named: dict[str, str]) -> subprocess.CompletedProcess:
+    rules = [{"record": name, "expr": expr} for name, expr in named.items()]
+    path = tmp_path / "panels.yaml"
+    path.write_text(yaml.safe_dump({"groups": [{"name": "panels", "rules": rules}]}))
+    return subprocess.run(
+        [str(promtool()), "check", "rules", str(path)], capture_output=True, text=True, timeout=120
+    )
+
+
+def grafana_free(expr: str) -> str:
+    """The expression with Grafana's variables replaced by what Prometheus would see."""
+    return expr.replace("$__rate_interval", "1m").replace("$__interval", "15s").replace("$__range", "1h")
+
+
+def test_every_panel_expression_compiles(tmp_path):
+    named = {}
+    for i, (_, expr) in enumerate(exprs()):
+        assert "$" not in grafana_free(expr), expr
+        named[f"tether_panel_{i}"] = grafana_free(expr)
+    out = compile_rules(tmp_path, named)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert f"SUCCESS: {len(named)} rules found" in out.stdout
+
+
+def test_a_broken_expression_does_not_compile(tmp_path):
+    out = compile_rules(tmp_path, {"ok": "sum(rate(x[1m]))", "broken": "sum(rate(x[1m])"})
+    assert out.returncode != 0
+
+
+def test_alert_rules_pass_promtool():
+    out = subprocess.run(
+        [str(promtool()), "check", "rules", str(ALERTS)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_alert_unit_tests_pass():
+    out = subprocess.run(
+        [str(promtool()), "test", "rules", str(ALERT_TESTS)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "SUCCESS" in out.stdout
+
+
+def test_every_alert_is_complete_and_tested_both_ways():
+    groups = yaml.safe_load(ALERTS.read_text())["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    names = {r["alert"] for r in rules}
+    assert names == {
+        "TetherStalenessAboveBound",
+        "TetherWeightVersionsDisagree",
+        "TetherTargetDown",
+        "TetherReplicaUnhealthy",
+        "TetherDeadLettersGrowing",
+        "TetherTrainerStalled",
+    }
+    for r in rules:
+        assert re.fullmatch(r"\d+[smh]", r["for"]), r["alert"]
+        assert r["labels"]["severity"] in {"warning", "critical"}, r["alert"]
+        assert r["annotations"]["summary"] and r["annotations"]["description"], r["alert"]
+    cases = [c for t in yaml.safe_load(ALERT_TESTS.read_text())["tests"] for c in t["alert_rule_test"]]
+    fires = {c["alertname"] for c in cases if c["exp_alerts"]}
+    quiet = {c["alertname"] for c in cases if not c["exp_alerts"]}
+    assert fires == names and quiet == names
+
+
+# --- the metrics exist ----------------------------------------------------------------------------
+
+
+def defined_metrics() -> set[str]:
+    """Every series name the services' metrics would show in a scrape: each module under tether that
+    imports prometheus_client is imported, then the default registry is read."""
+    from prometheus_client import REGISTRY
+
+    services = ROOT / "services"
+    for path in sorted((services / "tether").rglob("*.py")):
+        if "prometheus_client" in path.read_text():
+            importlib.import_module(".".join(path.relative_to(services).with_suffix("").parts))
+    suffixes = {
+        "counter": ("_total",),
+        "gauge": ("",),
+        "histogram": ("_bucket", "_sum", "_count"),
+        "summary": ("", "_sum", "_count"),
+    }
+    return {m.name + s for m in REGISTRY.collect() for s in suffixes.get(m.type, ("",))}
+
+
+def test_every_used_metric_is_defined_by_the_services_or_vllm():
+    used = gen.used_metrics()
+    assert len(used) > 50
+    assert not used & gen.PROMETHEUS_SERIES
+    missing = used - defined_metrics() - VLLM_SERIES
+    assert not missing, sorted(missing)
