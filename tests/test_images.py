@@ -158,11 +158,13 @@ class Containers:
     def __init__(self, env: dict[str, str]) -> None:
         self.env, self.names = env, []
 
-    def run(self, image: str, *args: str, env: dict[str, str], name: str) -> str:
+    def run(
+        self, image: str, *args: str, env: dict[str, str], name: str, command: tuple[str, ...] = ()
+    ) -> str:
         name = f"tether-img-{name}-{uuid.uuid4().hex[:6]}"
         flags = [f"--env={k}={v}" for k, v in env.items()]
         cmd = ["docker", "run", "-d", "--name", name, "--network", "host", "--health-interval", "2s"]
-        sh([*cmd, *LOCKED, *flags, *args, image], self.env)
+        sh([*cmd, *LOCKED, *flags, *args, image, *command], self.env)
         self.names.append(name)
         return name
 
@@ -232,6 +234,7 @@ def test_services_become_healthy_locked_down_and_stop_on_sigterm(images, tmp_pat
                 "-v",
                 f"{harness}:/harness:ro",
                 name="agent",
+                command=("python", "-m", "tether.agents"),
                 env={
                     "TETHER_REDIS_URL": redis_url,
                     "TETHER_AGENT_FN": "/harness/h.py:run",
