@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 import math
 
+import grpc
 import pytest
 import redis
-from fake_control import FakeGateway, FakeInference, FakeTrainer
+from fake_control import FakeGateway, FakeInference, FakeTrainer, rpc_error
 
 from tether.cli import _run_status
 from tether.common import broker
@@ -195,8 +196,9 @@ async def test_a_new_run_id_starts_afresh_and_every_reader_sees_the_state(redis_
         assert inference.log == ["version", "resume"]  # nothing to wake, nothing trained to load
         assert not await r.exists(f"{keys.run}:inflight")
         raw = await r.hgetall(keys.run)
-        # The first write of a run holds every required field, so the state always decodes.
-        assert set(raw) == {"run_id", "total_steps", "weight_version", "run_dir", "next_step", "mode"}
+        # The first write of a run holds every field, so the state always decodes.
+        assert set(raw) == set(run.state.to_redis())
+        assert {"run_id", "total_steps", "weight_version", "run_dir", "next_step", "mode"} <= set(raw)
         assert RunState.from_redis(raw).run_id == "r"
 
         await run.save_state(status="rolling_out", step=1, reward_mean=float("nan"))
@@ -215,5 +217,40 @@ async def test_a_new_run_id_starts_afresh_and_every_reader_sees_the_state(redis_
         plain = redis.Redis.from_url(redis_url)
         assert not plain.hexists(keys.run, "stauts")
         plain.close()
+    finally:
+        await r.aclose()
+
+
+class InferenceDownAtStart(FakeInference):
+    """An adapter whose vLLM does not answer yet: GetWeightVersion fails as the real one does
+    (UNKNOWN, from the HTTP error under it) until `up` is set."""
+
+    up = False
+
+    async def GetWeightVersion(self, req):
+        if not self.up:
+            raise rpc_error(grpc.StatusCode.UNKNOWN, "Unexpected <class 'httpx.ConnectError'>")
+        return await super().GetWeightVersion(req)
+
+
+async def test_a_run_failing_before_its_first_save_leaves_a_state_a_restart_resumes(redis_url, tmp_path):
+    """docker compose started the scheduler while vLLM was still down: its first call failed before the
+    run's first save, and the error save wrote `status`/`error` alone, a hash no restart could decode
+    (each restarted scheduler died on it again). The first save of a run writes every field."""
+    r = broker.connect(redis_url)
+    keys = broker.Keys("t")
+    try:
+        inference = InferenceDownAtStart()
+        run = _run(r, tmp_path, inference, FakeTrainer(inference), FakeGateway())
+        with pytest.raises(grpc.aio.AioRpcError):
+            await run.run()
+        saved = RunState.from_redis(await r.hgetall(keys.run))
+        assert (saved.run_id, saved.status, saved.next_step) == ("r", "error", 0)
+        assert "ConnectError" in saved.error
+        # The supervisor starts it again once vLLM answers: it picks the run up.
+        inference.up = True
+        again = _run(r, tmp_path, inference, FakeTrainer(inference), FakeGateway())
+        assert await again.start_run() == 0
+        assert RunState.from_redis(await r.hgetall(keys.run)).run_id == "r"
     finally:
         await r.aclose()

@@ -1,4 +1,4 @@
-"""`tether` commands: demo, up, down, agent, gateway, traces, samples.
+"""`tether` commands: demo, up, down, agent, gateway, traces, samples, metrics, prepare-demo, health.
 
 The cli sits above every service: it starts them as processes (see launcher.py) and reads the
 stack's Redis; nothing imports it.
@@ -67,6 +67,24 @@ def write_tasks(path: Path) -> int:
     tasks = load_example()["tasks"]()
     path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     return len(tasks)
+
+
+def cmd_prepare_demo(args) -> int:
+    """The demo's inputs in one folder, as compose's one-shot model-init writes them into its volume:
+    OUT/model (a link to the warm-started model, cached in OUT/cache by the code that makes it) and
+    OUT/tasks.jsonl. Run again, it finds the cached model and rewrites the tasks."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model = prepare_calculator_model(args.seed, out / "cache")
+    link = out / "model"
+    tmp = out / f".model-{os.getpid()}"
+    tmp.unlink(missing_ok=True)
+    # Relative: the folder may be mounted at another path than the one it was written under.
+    tmp.symlink_to(os.path.relpath(model, out))
+    os.replace(tmp, link)
+    n_tasks = write_tasks(out / "tasks.jsonl")
+    print(f"model {link} -> {model.name}; {n_tasks} tasks in {out / 'tasks.jsonl'}", flush=True)
+    return 0
 
 
 def read_metrics(path: Path) -> list[dict]:
@@ -358,6 +376,8 @@ def cmd_agent(args) -> int:
         agent_fn=args.harness,
         gateway_url=args.gateway or state["addresses"]["gateway_url"],
         agent_concurrency=args.concurrency,
+        # Any free port for its gRPC health unless one is set: several workers may share a host.
+        **({} if "TETHER_AGENT_GRPC_PORT" in os.environ else {"agent_grpc_port": 0}),
     )
     setup_logging("agent", s.log_level)
     asyncio.run(amain(s))
@@ -454,6 +474,11 @@ def cmd_samples(args) -> int:
         )
 
     _with_redis(args, lambda url, ns: asyncio.run(_dump("samples", url, ns, keep)))
+    return 0
+
+
+def cmd_metrics(args) -> int:
+    _with_redis(args, lambda url, ns: asyncio.run(_dump("metrics", url, ns, lambda rec: True)))
     return 0
 
 
@@ -555,6 +580,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.set_defaults(fn=cmd_up)
 
+    prepare = sub.add_parser(
+        "prepare-demo", help="write the demo's warm-started model and tasks file into a folder"
+    )
+    prepare.add_argument("--out", required=True, help="folder: OUT/model and OUT/tasks.jsonl")
+    prepare.add_argument("--seed", type=int, default=0)
+    prepare.set_defaults(fn=cmd_prepare_demo)
+
     down = sub.add_parser("down", help="stop the stack started here")
     down.set_defaults(fn=cmd_down)
 
@@ -584,9 +616,15 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, help_ in (
         ("traces", cmd_traces, "print recorded LLM calls as JSON lines"),
         ("samples", cmd_samples, "print what the trainer consumed as JSON lines"),
+        (
+            "metrics",
+            cmd_metrics,
+            "print the run's training steps (reward, weight version, ...) as JSON lines",
+        ),
     ):
         c = sub.add_parser(name, help=help_)
-        c.add_argument("--rollout")
+        if name != "metrics":
+            c.add_argument("--rollout")
         if name == "samples":
             c.add_argument("--group")
             c.add_argument(
@@ -600,10 +638,22 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--redis-url")
         c.add_argument("--namespace")
         c.set_defaults(fn=fn)
+
+    from tether.common import health
+
+    # Listed here for --help; main() hands `tether health ...` to tether.common.health before parsing.
+    health.add_arguments(sub.add_parser("health", help="check one service's health (exit 0 = healthy)"))
     return p
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["health"]:
+        # Runs every few seconds in every container: its own light module, and exit 1 (not argparse's
+        # 2, which Docker reserves) on bad arguments.
+        from tether.common import health
+
+        sys.exit(health.main(argv[1:]))
     args = build_parser().parse_args(argv)
     try:
         sys.exit(args.fn(args))

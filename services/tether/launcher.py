@@ -341,6 +341,8 @@ def start_agents(stack: Stack, fn_spec: str, concurrency: int, workers: int = 1)
                 "TETHER_GATEWAY_URL": stack.addresses["gateway_url"],
                 "TETHER_AGENT_CONCURRENCY": str(concurrency),
                 "TETHER_AGENT_NAME": f"agent-{i}",
+                # Its gRPC health: a free port each (the fixed 50056 is the containers').
+                "TETHER_AGENT_GRPC_PORT": str(free_port()),
             },
         )
     stack.write_state()

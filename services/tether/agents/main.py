@@ -1,15 +1,23 @@
-"""Agent worker process. Run: python -m tether.agents (or `tether agent FN`)."""
+"""Agent worker process. Run: python -m tether.agents (or `tether agent FN`).
+
+Besides the worker it serves gRPC health (no other gRPC service) on TETHER_AGENT_GRPC_PORT: SERVING
+while the run's Redis answers a ping, which is all a worker needs to take dispatched rollouts; and
+Prometheus /metrics on TETHER_METRICS_PORT when set.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import signal
 
 from tether.agents.worker import Worker, load_function
 from tether.common import broker
+from tether.common.grpc_server import follow_health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import RedisSettings
 from tether.common.usage import exit_if_help
+
+# The agent worker's port in the containers' fixed interface (docker/, helm/).
+DEFAULT_GRPC_PORT = 50056
 
 
 class AgentSettings(RedisSettings):
@@ -19,6 +27,13 @@ class AgentSettings(RedisSettings):
     agent_name: str = "agent-0"
     admin_token: str = ""
     rollout_timeout_s: float = 0.0  # per attempt; 0 = no limit
+    agent_grpc_host: str = "127.0.0.1"
+    agent_grpc_port: int = DEFAULT_GRPC_PORT  # gRPC health only; 0 = any free port
+
+
+async def redis_answers(r, timeout_s: float = 2.0) -> bool:
+    await asyncio.wait_for(r.ping(), timeout_s)
+    return True
 
 
 async def amain(s: AgentSettings) -> None:
@@ -34,14 +49,17 @@ async def amain(s: AgentSettings) -> None:
         s.agent_name,
         s.rollout_timeout_s,
     )
-    task = asyncio.create_task(worker.run())
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, task.cancel)
+    server, health, _ = await start_server(
+        s.agent_grpc_port, lambda _server: [], s.agent_grpc_host, s.metrics_port
+    )
     try:
-        await task
-    except asyncio.CancelledError:
-        pass
+        # SIGTERM/SIGINT cancel the worker (its rollouts in flight stay pending in the dispatch stream
+        # for another worker to reclaim), then the health server stops.
+        await run_until_signal(
+            server,
+            health,
+            [worker.run(), follow_health(health, lambda: redis_answers(r), what="agent worker")],
+        )
     finally:
         await r.aclose()
 

@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+from prometheus_client import Counter, Gauge
 
 from tether.common import broker
 from tether.common.records import DispatchJob, RecordError
@@ -26,6 +27,11 @@ from tether.common.records import DispatchJob, RecordError
 log = logging.getLogger(__name__)
 
 HarnessFn = Callable[[dict, str, str, str], float]
+
+ATTEMPTS = Counter(
+    "tether_agent_rollout_attempts_total", "Rollout attempts the harness ran, by outcome", ["outcome"]
+)
+IN_FLIGHT = Gauge("tether_agent_rollouts_in_flight", "Dispatched rollouts this worker is running")
 
 
 def load_function(spec: str) -> HarnessFn:
@@ -107,6 +113,7 @@ class Worker:
                 raise ValueError(f"harness returned a non-finite reward {reward}")
         except Exception as exc:
             self.failed += 1
+            ATTEMPTS.labels("failed").inc()
             reason = (
                 "timeout"
                 if isinstance(exc, TimeoutError)
@@ -133,6 +140,7 @@ class Worker:
         )
         done.raise_for_status()
         self.done += 1
+        ATTEMPTS.labels("completed").inc()
         return True
 
     async def run_one(self, entry_id: str, job: DispatchJob) -> None:
@@ -148,6 +156,7 @@ class Worker:
             log.error("gateway error for dispatch %s: %s", entry_id, exc)
         finally:
             self.in_flight.discard(entry_id)
+            IN_FLIGHT.dec()
 
     async def dead_letter(self, entry_id: str, record: object, exc: RecordError) -> None:
         """A dispatch entry that is no DispatchJob: dead-lettered (counted) and acknowledged."""
@@ -188,6 +197,7 @@ class Worker:
                         await self.dead_letter(entry_id, record, exc)
                         continue
                     self.in_flight.add(entry_id)
+                    IN_FLIGHT.inc()
                     task = asyncio.create_task(self.run_one(entry_id, job))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)

