@@ -51,7 +51,8 @@ RUN_SETTINGS = {
     "TETHER_GROUP_SIZE": "4",
     "TETHER_EVAL_REPEATS": "1",
     "TETHER_AGENT_CONCURRENCY": "16",
-    "TETHER_ROLLOUT_TIMEOUT_S": "120",
+    # A step whose rollouts were lost would wait this long: the test then fails on the steps' rewards.
+    "TETHER_STEP_TIMEOUT_S": "120",
 }
 # The images to build (target: the variable naming its tag in docker/compose.host.env); their build
 # arguments are those docker-compose.yml gives its services, so the test builds what compose would.
@@ -197,7 +198,7 @@ def run_state(r: redis.Redis) -> dict:
 
 
 def prometheus(path: str, **params: str):
-    url = f"http://127.0.0.1:9090{path}"
+    url = f"http://127.0.0.1:{host_env()['PROMETHEUS_PORT']}{path}"
     if params:
         url += "?" + urllib.parse.urlencode(params)
     with urllib.request.urlopen(url, timeout=10) as resp:
@@ -319,11 +320,14 @@ def test_compose_cpu_stack_trains_survives_redis_kill_and_is_scraped(images):
         steps = [m for m in metrics if "step" in m]
         assert len(steps) >= MIN_STEPS, metrics
         rewards = [m["reward_mean"] for m in steps]
-        assert all(0.0 <= x <= 1.0 for x in rewards), rewards
+        FIGURES["reward_mean_by_step"] = [None if x is None else round(x, 3) for x in rewards]
+        FIGURES["rollouts_by_step"] = [m.get("rollouts") for m in steps]
+        # Every step rolled out and was rewarded, the steps after the kill too: none lost its rollouts
+        # (a NaN/None reward_mean is a step with no rollout back before its timeout).
+        assert all(x is not None and 0.0 <= x <= 1.0 for x in rewards), rewards
         # colocated-sync: each step's new weights are pushed before the next step rolls out.
         versions = [m["weight_version"] for m in steps]
         assert versions == sorted(versions) and versions[-1] >= MIN_STEPS, versions
-        FIGURES["reward_mean_by_step"] = [round(x, 3) for x in rewards]
         samples = tether_cli("samples", "--redis-url", redis_url, "--namespace", NAMESPACE)
         assert samples, "no samples"
         assert all(0.0 <= s["reward"] <= 1.0 for s in samples)
