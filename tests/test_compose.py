@@ -151,6 +151,9 @@ def images(engine):
             sh([*cmd, "."], env, timeout=3000)
             FIGURES[f"build_{target}_s"] = round(time.monotonic() - t0, 1)
             print(f"[compose] built {tags[tag_var]} in {FIGURES[f'build_{target}_s']}s", flush=True)
+        # The images these builds replaced: the data folder is a cache kept between runs, it must not
+        # grow with each one (the new images' layers, the build cache, stay).
+        sh(["docker", "image", "prune", "-f"], env, timeout=300)
     return env
 
 
