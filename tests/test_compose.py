@@ -148,13 +148,23 @@ def images(engine):
             for k, v in sorted((build.get("args") or {}).items()):
                 cmd += ["--build-arg", f"{k}={v}"]
             t0 = time.monotonic()
+            before = image_id(env, tags[tag_var])
             sh([*cmd, "."], env, timeout=3000)
+            # The image this build replaced, with its own layers (those it shares with the new one stay):
+            # the data folder is a cache kept between runs and must not grow with each. Not `docker
+            # image prune`: the classic builder's stage outputs are untagged too, and they are the cache.
+            if before and before != image_id(env, tags[tag_var]):
+                sh(["docker", "rmi", before], env, check=False)
             FIGURES[f"build_{target}_s"] = round(time.monotonic() - t0, 1)
             print(f"[compose] built {tags[tag_var]} in {FIGURES[f'build_{target}_s']}s", flush=True)
-        # The images these builds replaced: the data folder is a cache kept between runs, it must not
-        # grow with each one (the new images' layers, the build cache, stay).
-        sh(["docker", "image", "prune", "-f"], env, timeout=300)
     return env
+
+
+def image_id(env: dict[str, str], tag: str) -> str:
+    res = subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{.Id}}", tag], env=env, capture_output=True, text=True
+    )
+    return res.stdout.strip() if res.returncode == 0 else ""
 
 
 def compose(env: dict[str, str], *args: str, timeout: float = 600, check: bool = True) -> str:
