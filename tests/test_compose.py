@@ -31,7 +31,8 @@ import pytest
 import redis
 from compose_helpers import HOST_ENV, ROOT, compose_args, compose_env, config
 
-pytestmark = pytest.mark.slow
+# Cold (no cached layers: a new machine) the builds alone take about ten minutes on 2 cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 ENGINE = ROOT / "scripts" / "docker_engine.sh"
 PROJECT = "tether-compose-test"
