@@ -366,6 +366,7 @@ def test_compose_cpu_stack_trains_survives_redis_kill_and_is_scraped(images):
                 ],
             )
             up = prometheus("/api/v1/query", query="up")["result"]
+            FIGURES["targets_up"] = sorted(s["metric"]["job"] for s in up if s["value"][1] == "1")
             assert {s["metric"]["job"]: s["value"][1] for s in up} == {j: "1" for j in PROMETHEUS_JOBS}
             names = set(prometheus("/api/v1/label/__name__/values"))
             FIGURES["series_names"] = len(names)
