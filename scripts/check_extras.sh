@@ -3,7 +3,8 @@
 # are built: one wheel (what `pip install .` builds, non-editable), then per extra a new venv with
 # `pip install "<wheel>[<extra>]"` and its full dependency resolution; the torch-free extras must not
 # bring torch, transformers or matplotlib in; then `python -m tether.<service> --help` must exit 0
-# with no TETHER_* variable set (it lists the settings).
+# with no TETHER_* variable set (it lists the settings), and `tether health` must run (the images'
+# HEALTHCHECK, on the core alone).
 # Usage: scripts/check_extras.sh [EXTRA ...]   (default: the core alone and every service extra, cli)
 #   PYTHON (default python3), TETHER_EXTRAS_DIR (default a new /tmp folder, removed at the end).
 # tests/test_extras.py runs it (marked slow: a few minutes, mostly installing torch twice).
@@ -67,6 +68,12 @@ tether.v1.scheduler_pb2_grpc, tether.v1.trainer_pb2_grpc, tether.algorithms") ;;
   fi
   if [ "$extra" != core ] && [ "$extra" != cli ] && ! grep -q "TETHER_LOG_LEVEL" <<<"$out"; then
     echo "check_extras: FAIL [$extra]: --help lists no settings:"; echo "$out" | tail -20; failed=1; continue
+  fi
+  # `tether health` (every image's HEALTHCHECK) runs on the core alone: against a closed port it must
+  # report the service unhealthy (exit 1, one line), not fail to import.
+  health=$(cd "$WORK" && env -u PYTHONPATH "$venv/bin/tether" health --grpc 127.0.0.1:1 --timeout 1 2>&1) && rc=0 || rc=$?
+  if [ "$rc" != 1 ] || ! grep -q "^unhealthy: gRPC" <<<"$health"; then
+    echo "check_extras: FAIL [$extra]: tether health exited $rc:"; echo "$health" | tail -20; failed=1; continue
   fi
   size=$(du -sm "$venv" | cut -f1)
   echo "check_extras: ok [$extra] in $((SECONDS - t))s (venv ${size} MB)"
