@@ -19,6 +19,7 @@ COMPOSE_FILE = ROOT / "docker-compose.yml"
 HOST_OVERRIDE = ROOT / "docker" / "compose.host.yml"
 HOST_ENV = ROOT / "docker" / "compose.host.env"
 PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
+PROMETHEUS_HOST_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.host.yml"
 SECRETS = ("TETHER_ADMIN_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
 PROFILES = ("cpu", "gpu", "monitoring")
 
@@ -179,6 +180,24 @@ def metrics_targets(service: dict) -> set[int]:
     return ports
 
 
+def service_ports(service: dict) -> set[int]:
+    """Every port a service listens on: its TETHER_*_PORT settings (one for Redis, from its command)."""
+    env = service.get("environment") or {}
+    ports = {
+        int(v)
+        for k, v in env.items()
+        if k.startswith("TETHER_") and k.endswith("_PORT") and v not in ("", "0")
+    }
+    for flag in ("--port",):
+        value = flag_value(service.get("command") or [], flag)
+        if value:
+            ports.add(int(value))
+    for word in service.get("command") or []:
+        if str(word).startswith("--web.listen-address="):
+            ports.add(int(str(word).rsplit(":", 1)[1]))
+    return ports
+
+
 def names_of(name: str, service: dict) -> set[str]:
     """The names a service answers to: its own and its network aliases."""
     aliases = {
@@ -187,20 +206,36 @@ def names_of(name: str, service: dict) -> set[str]:
     return {name} | aliases
 
 
+def loopback_names(service: dict) -> set[str]:
+    """On the host network: the names a container resolves to 127.0.0.1 (extra_hosts), where every
+    service listens."""
+    if service.get("network_mode") != "host":
+        return set()
+    hosts = service.get("extra_hosts") or []
+    pairs = (
+        hosts.items() if isinstance(hosts, dict) else (h.replace("=", ":", 1).split(":", 1) for h in hosts)
+    )
+    return {name for name, ip in pairs if (ip[0] if isinstance(ip, list) else ip) == "127.0.0.1"} | {
+        "localhost"
+    }
+
+
 def scrape_problems(cfg: dict, prometheus: dict) -> list[str]:
-    """Every metrics port of every service in `cfg` is a Prometheus target (by name or alias), and every
-    target names a service of `cfg` on one of its metrics ports."""
+    """Every metrics port of every service in `cfg` is a Prometheus target (by name or alias; on the host
+    network, by any name Prometheus resolves to 127.0.0.1), and every target is a service's metrics port."""
     targets = {
         t
         for job in prometheus.get("scrape_configs", [])
         for sc in job.get("static_configs", [])
         for t in sc["targets"]
     }
+    loopback = loopback_names(cfg["services"].get("prometheus", {}))
     problems = []
     served = set()
     for name, s in cfg["services"].items():
+        names = names_of(name, s) | (loopback if s.get("network_mode") == "host" else set())
         for port in metrics_targets(s):
-            hits = {f"{n}:{port}" for n in names_of(name, s)} & targets
+            hits = {f"{n}:{port}" for n in names} & targets
             if not hits:
                 problems.append(f"{name}: metrics port {port} is no Prometheus target")
             served |= hits

@@ -31,7 +31,8 @@ import pytest
 import redis
 from compose_helpers import HOST_ENV, ROOT, compose_args, compose_env, config
 
-pytestmark = pytest.mark.slow
+# Cold (no cached layers: a new machine) the builds alone take about ten minutes on 2 cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 ENGINE = ROOT / "scripts" / "docker_engine.sh"
 PROJECT = "tether-compose-test"
@@ -51,7 +52,8 @@ RUN_SETTINGS = {
     "TETHER_GROUP_SIZE": "4",
     "TETHER_EVAL_REPEATS": "1",
     "TETHER_AGENT_CONCURRENCY": "16",
-    "TETHER_ROLLOUT_TIMEOUT_S": "120",
+    # A step whose rollouts were lost would wait this long: the test then fails on the steps' rewards.
+    "TETHER_STEP_TIMEOUT_S": "120",
 }
 # The images to build (target: the variable naming its tag in docker/compose.host.env); their build
 # arguments are those docker-compose.yml gives its services, so the test builds what compose would.
@@ -147,10 +149,23 @@ def images(engine):
             for k, v in sorted((build.get("args") or {}).items()):
                 cmd += ["--build-arg", f"{k}={v}"]
             t0 = time.monotonic()
+            before = image_id(env, tags[tag_var])
             sh([*cmd, "."], env, timeout=3000)
+            # The image this build replaced, with its own layers (those it shares with the new one stay):
+            # the data folder is a cache kept between runs and must not grow with each. Not `docker
+            # image prune`: the classic builder's stage outputs are untagged too, and they are the cache.
+            if before and before != image_id(env, tags[tag_var]):
+                sh(["docker", "rmi", before], env, check=False)
             FIGURES[f"build_{target}_s"] = round(time.monotonic() - t0, 1)
             print(f"[compose] built {tags[tag_var]} in {FIGURES[f'build_{target}_s']}s", flush=True)
     return env
+
+
+def image_id(env: dict[str, str], tag: str) -> str:
+    res = subprocess.run(
+        ["docker", "image", "inspect", "-f", "{{.Id}}", tag], env=env, capture_output=True, text=True
+    )
+    return res.stdout.strip() if res.returncode == 0 else ""
 
 
 def compose(env: dict[str, str], *args: str, timeout: float = 600, check: bool = True) -> str:
@@ -197,7 +212,7 @@ def run_state(r: redis.Redis) -> dict:
 
 
 def prometheus(path: str, **params: str):
-    url = f"http://127.0.0.1:9090{path}"
+    url = f"http://127.0.0.1:{host_env()['PROMETHEUS_PORT']}{path}"
     if params:
         url += "?" + urllib.parse.urlencode(params)
     with urllib.request.urlopen(url, timeout=10) as resp:
@@ -319,11 +334,14 @@ def test_compose_cpu_stack_trains_survives_redis_kill_and_is_scraped(images):
         steps = [m for m in metrics if "step" in m]
         assert len(steps) >= MIN_STEPS, metrics
         rewards = [m["reward_mean"] for m in steps]
-        assert all(0.0 <= x <= 1.0 for x in rewards), rewards
+        FIGURES["reward_mean_by_step"] = [None if x is None else round(x, 3) for x in rewards]
+        FIGURES["rollouts_by_step"] = [m.get("rollouts") for m in steps]
+        # Every step rolled out and was rewarded, the steps after the kill too: none lost its rollouts
+        # (a NaN/None reward_mean is a step with no rollout back before its timeout).
+        assert all(x is not None and 0.0 <= x <= 1.0 for x in rewards), rewards
         # colocated-sync: each step's new weights are pushed before the next step rolls out.
         versions = [m["weight_version"] for m in steps]
         assert versions == sorted(versions) and versions[-1] >= MIN_STEPS, versions
-        FIGURES["reward_mean_by_step"] = [round(x, 3) for x in rewards]
         samples = tether_cli("samples", "--redis-url", redis_url, "--namespace", NAMESPACE)
         assert samples, "no samples"
         assert all(0.0 <= s["reward"] <= 1.0 for s in samples)
@@ -348,6 +366,7 @@ def test_compose_cpu_stack_trains_survives_redis_kill_and_is_scraped(images):
                 ],
             )
             up = prometheus("/api/v1/query", query="up")["result"]
+            FIGURES["targets_up"] = sorted(s["metric"]["job"] for s in up if s["value"][1] == "1")
             assert {s["metric"]["job"]: s["value"][1] for s in up} == {j: "1" for j in PROMETHEUS_JOBS}
             names = set(prometheus("/api/v1/label/__name__/values"))
             FIGURES["series_names"] = len(names)

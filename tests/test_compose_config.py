@@ -17,6 +17,7 @@ from compose_helpers import (
     COMPOSE_FILE,
     HOST_OVERRIDE,
     PROMETHEUS_CONFIG,
+    PROMETHEUS_HOST_CONFIG,
     ROOT,
     SECRETS,
     compose_args,
@@ -27,6 +28,7 @@ from compose_helpers import (
     redis_problems,
     run_compose,
     scrape_problems,
+    service_ports,
 )
 
 VARIANTS = {
@@ -222,12 +224,18 @@ def test_gpu_profile_reserves_nvidia_gpus_and_shared_memory(configs):
         assert s.get("shm_size"), name
 
 
-def test_prometheus_scrapes_every_metrics_port():
+def test_prometheus_scrapes_every_metrics_port(configs):
     prometheus = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
-    cfg = config(("cpu", "monitoring"))
+    cfg = configs["cpu+monitoring"]
     assert scrape_problems(cfg, prometheus) == []
-    gpu = config(("gpu", "monitoring"))
-    assert scrape_problems(gpu, prometheus) == []
+    assert scrape_problems(config(("gpu", "monitoring")), prometheus) == []
+    # On the host network every port moved: the host config names the same targets on those ports.
+    host = configs["host cpu+monitoring"]
+    assert Path(mounts(host["services"]["prometheus"])["/etc/prometheus/prometheus.yml"]["source"]) == (
+        PROMETHEUS_HOST_CONFIG
+    )
+    assert scrape_problems(host, yaml.safe_load(PROMETHEUS_HOST_CONFIG.read_text())) == []
+    assert scrape_problems(host, prometheus) != []  # the base file's ports are not those
     # Fails when a target is missing, or names nothing.
     broken = copy.deepcopy(prometheus)
     broken["scrape_configs"] = [j for j in broken["scrape_configs"] if j["job_name"] != "trainer"]
@@ -235,6 +243,28 @@ def test_prometheus_scrapes_every_metrics_port():
     problems = scrape_problems(cfg, broken)
     assert any("trainer: metrics port 9103" in p for p in problems)
     assert any("nowhere:1" in p for p in problems)
+
+
+def test_host_network_ports_are_distinct_and_out_of_the_ephemeral_range(configs):
+    """On one host every service's ports must differ, and none may be one the kernel hands out as the
+    local port of a client socket (32768-60999 by default), which another process can hold by chance."""
+    seen: dict[int, str] = {}
+    for name, s in sorted(configs["host cpu+monitoring"]["services"].items()):
+        for port in service_ports(s):
+            assert port not in seen, f"{name} and {seen.get(port)} both use port {port}"
+            seen[port] = name
+            assert 1024 <= port < 32768, f"{name}: port {port}"
+    assert 6379 not in seen  # the machine's own Redis
+    assert {
+        "redis",
+        "gateway",
+        "inference-cpu",
+        "trainer",
+        "merger",
+        "scheduler",
+        "agent",
+        "prometheus",
+    } <= set(seen.values())
 
 
 def test_prometheus_loads_the_alert_rules_and_grafana_the_dashboards(configs):

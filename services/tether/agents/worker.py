@@ -33,6 +33,26 @@ ATTEMPTS = Counter(
 )
 IN_FLIGHT = Gauge("tether_agent_rollouts_in_flight", "Dispatched rollouts this worker is running")
 
+# Gateway answers a worker tries again: the gateway could not take the request yet (its Redis not
+# answering, say, for the seconds a restarted Redis takes), so it created nothing and a retry is safe;
+# the same for a refused connection (the request never arrived). Bounded (~20 s): past that the entry
+# stays pending and is reclaimed later, and the scheduler's step timeout decides.
+RETRYABLE_STATUS = frozenset({502, 503, 504})
+GATEWAY_RETRIES = 6
+FIRST_BACKOFF_S = 0.5
+MAX_BACKOFF_S = 5.0
+
+
+def backoff_s(resp: httpx.Response | None, previous: float) -> float:
+    """The wait before the next try: the gateway's Retry-After when it gives one (capped), else double
+    the previous wait (capped)."""
+    if resp is not None:
+        try:
+            return min(max(float(resp.headers.get("retry-after", "")), 0.0), MAX_BACKOFF_S)
+        except ValueError:
+            pass
+    return min(previous * 2, MAX_BACKOFF_S)
+
 
 def load_function(spec: str) -> HarnessFn:
     """'package.module:fn' or 'path/to/file.py:fn'."""
@@ -85,12 +105,31 @@ class Worker:
         self.done = 0
         self.failed = 0
 
+    async def post(self, url: str, **kwargs) -> httpx.Response:
+        """POST to the gateway, trying again on the answers RETRYABLE_STATUS names and on a refused
+        connection, GATEWAY_RETRIES times at most; the last try's answer (or error) is the caller's."""
+        wait = FIRST_BACKOFF_S / 2
+        for tries_left in range(GATEWAY_RETRIES, 0, -1):
+            resp: httpx.Response | None = None
+            try:
+                resp = await self.http.post(url, **kwargs)
+            except httpx.ConnectError as exc:
+                why = repr(exc)
+            else:
+                if resp.status_code not in RETRYABLE_STATUS:
+                    return resp
+                why = str(resp.status_code)
+            wait = backoff_s(resp, wait)
+            log.warning("gateway %s: %s; trying again in %.1fs (%d tries left)", url, why, wait, tries_left)
+            await asyncio.sleep(wait)
+        return await self.http.post(url, **kwargs)
+
     async def attempt(self, job: DispatchJob, attempt: int) -> bool:
         """One attempt at a dispatched rollout: create it through the gateway, run the harness,
         report the reward or the failure. Returns whether it completed."""
         max_attempts = job.max_attempts
         meta = {**job.metadata, "attempt": attempt, "max_attempts": max_attempts}
-        resp = await self.http.post(
+        resp = await self.post(
             f"{self.gateway_url}/v1/rollouts",
             json={
                 "task_id": job.task_id,
@@ -127,13 +166,13 @@ class Worker:
                 reason,
             )
             # Failing it first makes the gateway refuse any call a timed-out harness still makes.
-            await self.http.post(
+            await self.post(
                 f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/fail",
                 headers=auth,
                 json={"reason": reason[:2000]},
             )
             return False
-        done = await self.http.post(
+        done = await self.post(
             f"{self.gateway_url}/v1/rollouts/{ro['rollout_id']}/complete",
             headers=auth,
             json={"reward": reward},
