@@ -125,7 +125,11 @@ class Keys:
             self.session_rewards,
             self.mismatches,
         )
-        return {key.removeprefix(f"{self.ns}:"): key for key in keys}
+        return {self.short(key): key for key in keys}
+
+    def short(self, key: str) -> str:
+        """A key's name without the namespace (metrics label streams by it)."""
+        return key.removeprefix(f"{self.ns}:")
 
 
 # redis-py 8 gives every socket read a 5 s timeout: on a loaded 2-core host a blocking stream read
@@ -243,7 +247,7 @@ async def dead_letter(
     """Move a record a consumer cannot process to the dead-letter stream and count it (by the stream
     it came from, without the namespace, and its record type); the caller acknowledges it."""
     log.warning("dead-letter %s %s: %s", stream, entry_id, reason)
-    DEAD_LETTERS.labels(stream.removeprefix(f"{keys.ns}:"), record_type or "unknown").inc()
+    DEAD_LETTERS.labels(keys.short(stream), record_type or "unknown").inc()
     await publish(
         r,
         keys.dead_letter,

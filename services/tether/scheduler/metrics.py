@@ -155,7 +155,7 @@ async def follow_broker(
     """Refresh the broker gauges every `interval_s`, for good. Never raises (but for cancellation): a
     failed round is logged (once per outage) and the gauges keep their last values."""
     export = export or BrokerExport()
-    dead_letter = keys.dead_letter.removeprefix(f"{keys.ns}:")
+    dead_letter = keys.short(keys.dead_letter)
     failing = False
     while True:
         try:
