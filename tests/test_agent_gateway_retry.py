@@ -128,7 +128,11 @@ async def test_a_refused_connection_is_tried_again_then_raised(monkeypatch):
 
 def test_backoff_follows_retry_after_and_is_capped():
     resp = httpx.Response(503, headers={"Retry-After": "2"})
-    assert backoff_s(resp, 0.5) == 2.0
-    assert backoff_s(httpx.Response(503, headers={"Retry-After": "60"}), 0.5) == worker_mod.MAX_BACKOFF_S
-    assert backoff_s(httpx.Response(503), 0.5) == 1.0
-    assert backoff_s(None, 4.0) == worker_mod.MAX_BACKOFF_S
+    assert backoff_s(resp, 0) == 2.0
+    assert backoff_s(httpx.Response(503, headers={"Retry-After": "60"}), 0) == worker_mod.MAX_BACKOFF_S
+    # No Retry-After: full jitter under a doubling ceiling, capped at MAX_BACKOFF_S.
+    for attempt, ceiling in ((0, 0.5), (1, 1.0), (2, 2.0), (9, worker_mod.MAX_BACKOFF_S)):
+        waits = [backoff_s(httpx.Response(503), attempt) for _ in range(200)]
+        assert all(0.0 <= w <= ceiling for w in waits), (attempt, max(waits))
+        assert max(waits) > ceiling / 2, (attempt, max(waits))  # drawn up to the ceiling, not pinned low
+    assert all(0.0 <= backoff_s(None, 4) <= worker_mod.MAX_BACKOFF_S for _ in range(50))

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 from prometheus_client import Counter, Gauge
 
-from tether.common import broker
+from tether.common import broker, retry
 from tether.common.records import DispatchJob, RecordError
 
 log = logging.getLogger(__name__)
@@ -43,15 +43,16 @@ FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 5.0
 
 
-def backoff_s(resp: httpx.Response | None, previous: float) -> float:
-    """The wait before the next try: the gateway's Retry-After when it gives one (capped), else double
-    the previous wait (capped)."""
+def backoff_s(resp: httpx.Response | None, attempt: int) -> float:
+    """The wait after failed try `attempt` (0-based): the gateway's Retry-After when it gives one
+    (capped), else the project's jittered exponential backoff (tether.common.retry.backoff), so the
+    workers a restarted Redis failed together do not come back together."""
     if resp is not None:
         try:
             return min(max(float(resp.headers.get("retry-after", "")), 0.0), MAX_BACKOFF_S)
         except ValueError:
             pass
-    return min(previous * 2, MAX_BACKOFF_S)
+    return retry.backoff(attempt, FIRST_BACKOFF_S, MAX_BACKOFF_S)
 
 
 def load_function(spec: str) -> HarnessFn:
@@ -108,8 +109,7 @@ class Worker:
     async def post(self, url: str, **kwargs) -> httpx.Response:
         """POST to the gateway, trying again on the answers RETRYABLE_STATUS names and on a refused
         connection, GATEWAY_RETRIES times at most; the last try's answer (or error) is the caller's."""
-        wait = FIRST_BACKOFF_S / 2
-        for tries_left in range(GATEWAY_RETRIES, 0, -1):
+        for attempt in range(GATEWAY_RETRIES):
             resp: httpx.Response | None = None
             try:
                 resp = await self.http.post(url, **kwargs)
@@ -119,7 +119,8 @@ class Worker:
                 if resp.status_code not in RETRYABLE_STATUS:
                     return resp
                 why = str(resp.status_code)
-            wait = backoff_s(resp, wait)
+            wait = backoff_s(resp, attempt)
+            tries_left = GATEWAY_RETRIES - attempt
             log.warning("gateway %s: %s; trying again in %.1fs (%d tries left)", url, why, wait, tries_left)
             await asyncio.sleep(wait)
         return await self.http.post(url, **kwargs)
@@ -195,7 +196,7 @@ class Worker:
             log.error("gateway error for dispatch %s: %s", entry_id, exc)
         finally:
             self.in_flight.discard(entry_id)
-            IN_FLIGHT.dec()
+            IN_FLIGHT.set(len(self.in_flight))
 
     async def dead_letter(self, entry_id: str, record: object, exc: RecordError) -> None:
         """A dispatch entry that is no DispatchJob: dead-lettered (counted) and acknowledged."""
@@ -236,7 +237,7 @@ class Worker:
                         await self.dead_letter(entry_id, record, exc)
                         continue
                     self.in_flight.add(entry_id)
-                    IN_FLIGHT.inc()
+                    IN_FLIGHT.set(len(self.in_flight))
                     task = asyncio.create_task(self.run_one(entry_id, job))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
