@@ -21,9 +21,11 @@ from tether.common.records import (
     RECORDS,
     DispatchJob,
     GroupResult,
+    InferenceReplica,
     MergedRollout,
     MergedSequence,
     RecordError,
+    ReplicaSet,
     RolloutEvent,
     SampleRecord,
     SessionReward,
@@ -136,6 +138,23 @@ EXAMPLES = {
         "weight_version": 2,
     },
     TrainingOutcome: {"rollout_id": "r", "group_id": "g", "status": "trained"},
+    InferenceReplica: {
+        "name": "tether-inference-0",
+        "vllm_url": "http://10.1.2.3:8001",
+        "control_address": "10.1.2.3:50052",
+    },
+    ReplicaSet: {
+        "version": 3,
+        "source": "kubernetes",
+        "replicas": [
+            {
+                "name": "tether-inference-0",
+                "vllm_url": "http://10.1.2.3:8001",
+                "control_address": "10.1.2.3:50052",
+            }
+        ],
+        "updated_at": 1.0,
+    },
 }
 
 
@@ -158,9 +177,8 @@ def test_round_trip_through_json(cls):
     assert again == record
     assert again.to_dict() == record.to_dict()
     for key, value in EXAMPLES[cls].items():  # what the producer wrote comes back as written
-        assert record[key] == value or (
-            key == "sequences" and record[key][0] == MergedSequence.from_dict(value[0])
-        )
+        nested = {"sequences": MergedSequence, "replicas": InferenceReplica}.get(key)
+        assert record[key] == value or (nested and record[key][0] == nested.from_dict(value[0]))
 
 
 @pytest.mark.parametrize("cls", RECORDS, ids=lambda c: c.__name__)

@@ -112,6 +112,10 @@ class Keys:
     def run_inflight(self) -> str:  # hash: async modes' dispatched groups (scheduler): id -> JSON
         return f"{self.ns}:run:inflight"
 
+    @property
+    def replicas(self) -> str:  # string: ReplicaSet JSON, the inference replicas discovered (scheduler)
+        return f"{self.ns}:inference:replicas"
+
     def streams(self) -> dict[str, str]:
         """Every stream, by its name without the namespace (the `stream` label of the broker gauges)."""
         keys = (

@@ -572,6 +572,28 @@ class TrainingOutcome(_Record):
     decided_at: float = 0.0
 
 
+@dataclass
+class InferenceReplica(_Record):
+    """One vLLM replica a deployment serves: its OpenAI server (routed to by the gateway) and its
+    control adapter (the scheduler's gRPC Inference service beside it)."""
+
+    name: str  # stable per replica: the pod name on Kubernetes
+    vllm_url: str  # e.g. http://10.1.2.3:8001 (no trailing slash)
+    control_address: str  # host:port of its tether.inference gRPC adapter
+
+
+@dataclass
+class ReplicaSet(_Record):
+    """The inference replicas serving now, as discovered (scheduler on Kubernetes -> Redis
+    ``Keys.replicas``; read by the gateway's routing and the scheduler's weight pushes). ``version``
+    rises with every change, so a reader applies each list once and never goes back to an older one."""
+
+    version: int
+    source: str  # who discovered them: "kubernetes"
+    replicas: list[InferenceReplica]
+    updated_at: float
+
+
 StepMetrics._omit_none = frozenset(f.name for f in fields(StepMetrics) if f.default is None)
 
 # Every record type that travels through Redis, by name (tests walk it).
@@ -586,6 +608,8 @@ RECORDS: tuple[type[_Record], ...] = (
     StepMetrics,
     SampleRecord,
     TrainingOutcome,
+    InferenceReplica,
+    ReplicaSet,
 )
 
 
