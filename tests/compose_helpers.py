@@ -20,7 +20,7 @@ HOST_OVERRIDE = ROOT / "docker" / "compose.host.yml"
 HOST_ENV = ROOT / "docker" / "compose.host.env"
 PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
 PROMETHEUS_HOST_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.host.yml"
-SECRETS = ("TETHER_ADMIN_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
+SECRETS = ("TETHER_ADMIN_TOKEN", "TETHER_SERVICE_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
 PROFILES = ("cpu", "gpu", "monitoring")
 
 

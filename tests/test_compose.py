@@ -27,6 +27,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import grpc
 import pytest
 import redis
 from compose_helpers import HOST_ENV, ROOT, compose_args, compose_env, config
@@ -244,11 +245,29 @@ def tether_cli(*args: str) -> list[dict]:
     return [json.loads(line) for line in out.splitlines() if line.strip()]
 
 
+def scheduler_without_token(port: int) -> tuple[object, bool]:
+    """GetRun on the scheduler with no service token (its status code), and whether its gRPC
+    health still answers SERVING to the same bare caller."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tether.v1 import scheduler_pb2_grpc, types_pb2
+
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        try:
+            scheduler_pb2_grpc.SchedulerStub(ch).GetRun(types_pb2.Empty(), timeout=10)
+            code: object = "answered"
+        except grpc.RpcError as exc:
+            code = exc.code()
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+    return code, reply.status == health_pb2.HealthCheckResponse.SERVING
+
+
 def test_compose_cpu_stack_trains_survives_redis_kill_and_is_scraped(images):
     env = images
     started = time.monotonic()
     secrets_ = {
         "TETHER_ADMIN_TOKEN": secrets.token_urlsafe(24),
+        "TETHER_SERVICE_TOKEN": secrets.token_urlsafe(24),
         "REDIS_PASSWORD": secrets.token_urlsafe(24),
         "GRAFANA_ADMIN_PASSWORD": secrets.token_urlsafe(24),
     }
@@ -327,6 +346,9 @@ def test_compose_cpu_stack_trains_survives_redis_kill_and_is_scraped(images):
             wait_for("every service healthy", lambda: all_healthy(cenv), 300, on_timeout=logs)
         state = run_state(r)
         FIGURES["steps"] = state["next_step"]
+        # The services speak gRPC only with the service token: a bare call is refused, health is not.
+        refused, health_ok = scheduler_without_token(int(host_env()["SCHEDULER_PORT"]))
+        assert refused == grpc.StatusCode.UNAUTHENTICATED and health_ok, (refused, health_ok)
         FIGURES["weight_version"] = state["weight_version"]
 
         # The run's records through the CLI, against the compose Redis.

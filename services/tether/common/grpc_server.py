@@ -1,9 +1,19 @@
-"""gRPC server bootstrap: health, reflection, metrics port, graceful stop on SIGTERM/SIGINT."""
+"""gRPC server bootstrap: health, reflection, metrics port, graceful stop on SIGTERM/SIGINT, and the
+service token that every call between Tether's services carries.
+
+Service token: with TETHER_SERVICE_TOKEN (or TETHER_SERVICE_TOKEN_FILE, a mounted secret; it wins) set,
+every server refuses a call whose metadata lacks `authorization: Bearer <token>` with UNAUTHENTICATED,
+and every client channel made by `channel()` sends it. Health checks are exempt: kubelet's gRPC
+probes and container HEALTHCHECKs cannot send metadata, and health reveals nothing. Unset, calls are
+not checked (the local stack on loopback); Compose and the Helm chart always set it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import os
 import signal
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -21,6 +31,118 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 _RUNNING_TO_END: set[asyncio.Task] = set()
+
+TOKEN_ENV = "TETHER_SERVICE_TOKEN"
+TOKEN_FILE_ENV = "TETHER_SERVICE_TOKEN_FILE"
+# Methods any caller may use without the token: health, for probes that cannot send metadata.
+OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
+
+
+def service_token(environ: dict[str, str] | None = None) -> str:
+    """The deployment's service token: the file TETHER_SERVICE_TOKEN_FILE names (surrounding
+    whitespace stripped), else TETHER_SERVICE_TOKEN, else "" (no token). A named file that cannot be
+    read is an error (a missing secret must not turn authentication off)."""
+    env = os.environ if environ is None else environ
+    path = env.get(TOKEN_FILE_ENV, "")
+    if path:
+        try:
+            with open(path, encoding="utf-8") as f:
+                token = f.read().strip()
+        except OSError as exc:
+            raise RuntimeError(f"{TOKEN_FILE_ENV}={path}: cannot read the service token: {exc}") from None
+        if not token:
+            raise RuntimeError(f"{TOKEN_FILE_ENV}={path}: the file is empty")
+        return token
+    return env.get(TOKEN_ENV, "").strip()
+
+
+def _bearer(metadata: Any) -> str:
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+            scheme, _, credential = text.partition(" ")
+            return credential.strip() if scheme.lower() == "bearer" else ""
+    return ""
+
+
+class TokenCheck(grpc.aio.ServerInterceptor):
+    """Refuse, with UNAUTHENTICATED, every call but health's that does not carry the token."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token.encode()
+
+    async def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(OPEN_PREFIXES):
+            return await continuation(handler_call_details)
+        given = _bearer(handler_call_details.invocation_metadata).encode()
+        if hmac.compare_digest(given, self._token):
+            return await continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
+        return _refusal(handler, "missing service token" if not given else "wrong service token")
+
+
+def _refusal(handler: grpc.RpcMethodHandler | None, why: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED (the shape must
+    match: a streaming method answered by a unary handler breaks the call instead of refusing it)."""
+
+    async def abort(request_or_iterator, context):
+        await context.abort(
+            grpc.StatusCode.UNAUTHENTICATED, f"{why}: this service needs Tether's service token"
+        )
+
+    async def abort_stream(request_or_iterator, context):
+        await abort(request_or_iterator, context)
+        yield  # pragma: no cover - abort raises
+
+    streaming_in = bool(handler and handler.request_streaming)
+    streaming_out = bool(handler and handler.response_streaming)
+    if streaming_in and streaming_out:
+        return grpc.stream_stream_rpc_method_handler(abort_stream)
+    if streaming_in:
+        return grpc.stream_unary_rpc_method_handler(abort)
+    if streaming_out:
+        return grpc.unary_stream_rpc_method_handler(abort_stream)
+    return grpc.unary_unary_rpc_method_handler(abort)
+
+
+class _SendToken:
+    """Add `authorization: Bearer <token>` to a call's metadata."""
+
+    def __init__(self, token: str) -> None:
+        self._pair = ("authorization", f"Bearer {token}")
+
+    def _details(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
+        metadata = [*(details.metadata or ()), self._pair]
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
+
+
+# grpc.aio files each interceptor under the first call kind it is an instance of: one class per kind.
+class _SendTokenUnaryUnary(_SendToken, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+class _SendTokenUnaryStream(_SendToken, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(self, continuation, details, request):
+        return await continuation(self._details(details), request)
+
+
+class _SendTokenStreamUnary(_SendToken, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
+class _SendTokenStreamStream(_SendToken, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(self, continuation, details, request_iterator):
+        return await continuation(self._details(details), request_iterator)
+
+
+def _token_senders(token: str) -> list[Any]:
+    kinds = (_SendTokenUnaryUnary, _SendTokenUnaryStream, _SendTokenStreamUnary, _SendTokenStreamStream)
+    return [kind(token) for kind in kinds]
 
 
 async def run_to_end(coro: Awaitable[Any]) -> Any:
@@ -69,16 +191,20 @@ async def start_server(
     register: Callable[[grpc.aio.Server], Iterable[str]],
     host: str = "127.0.0.1",
     metrics_port: int = 0,
+    token: str | None = None,
 ) -> tuple[grpc.aio.Server, Health, int]:
     """Start a grpc.aio server on host:port (0 = any free port). `register` adds servicers and
-    returns their full service names. Returns the server, its health handle and the bound port."""
+    returns their full service names. Returns the server, its health handle and the bound port.
+    `token`: the service token calls must carry (None: `service_token()`; "": none)."""
+    token = service_token() if token is None else token
     # so_reuseport off: a second process on the same fixed port must fail loudly, not share it.
     server = grpc.aio.server(
+        interceptors=[TokenCheck(token)] if token else [],
         options=[
             ("grpc.max_receive_message_length", 256 * 1024 * 1024),
             ("grpc.max_send_message_length", 256 * 1024 * 1024),
             ("grpc.so_reuseport", 0),
-        ]
+        ],
     )
     names = list(register(server))
     health_handle = Health(names)
@@ -126,14 +252,17 @@ async def run_until_signal(
         raise failure
 
 
-def channel(address: str, wait_for_ready: bool = True) -> grpc.aio.Channel:
+def channel(address: str, wait_for_ready: bool = True, token: str | None = None) -> grpc.aio.Channel:
     """A client channel to another service. With `wait_for_ready`, calls wait for a callee that is
     (re)starting instead of failing at once (a restart of the trainer, inference or the gateway is part
     of a run); a call's deadline still bounds the wait. Reconnect attempts back off to at most 5 s
     (gRPC's default grows to 2 min), so a restarted callee is found again soon. Retrying a failed call
-    is the caller's (`tether.common.retry`)."""
+    is the caller's (`tether.common.retry`). `token`: the service token every call carries (None:
+    `service_token()`; "": none)."""
+    token = service_token() if token is None else token
     return grpc.aio.insecure_channel(
         address,
+        interceptors=_token_senders(token) if token else None,
         options=[
             ("grpc.max_receive_message_length", 256 * 1024 * 1024),
             ("grpc.max_send_message_length", 256 * 1024 * 1024),
