@@ -114,6 +114,24 @@ def test_chat_records_exact_ids_and_weight_version(gw, rdb, vllm):
     assert rdb.get(gw.keys.api_key(rollout["api_key"])) == rollout["rollout_id"]
 
 
+def test_redis_holds_no_usable_rollout_key(gw, rdb):
+    # What a Redis dump shows (every key name and every string value of the namespace) contains no
+    # rollout key in clear, and nothing in it authenticates as the rollout.
+    rollout = gw.new_rollout()
+    key = rollout["api_key"]
+    names = list(rdb.scan_iter(f"{gw.keys.ns}:*"))
+    strings = [rdb.get(n) for n in names if rdb.type(n) == "string"]
+    hashes = [v for n in names if rdb.type(n) == "hash" for v in rdb.hgetall(n).values()]
+    dump = " ".join([*names, *(s for s in strings if s), *hashes])
+    assert key not in dump and key.removeprefix("tr-") not in dump
+    stored = [n.removeprefix(f"{gw.keys.ns}:key:") for n in names if n.startswith(f"{gw.keys.ns}:key:")]
+    assert stored, "no key entry found"
+    for digest in stored:
+        resp = gw.http.get(f"/v1/rollouts/{rollout['rollout_id']}", headers=bearer(digest))
+        assert resp.status_code == 401, resp.text
+    assert gw.http.get(f"/v1/rollouts/{rollout['rollout_id']}", headers=bearer(key)).status_code == 200
+
+
 def test_fields_kept_when_the_client_asks(gw):
     rollout = gw.new_rollout()
     resp = gw.client(rollout).chat.completions.create(

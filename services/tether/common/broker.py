@@ -8,6 +8,7 @@ counted by `tether_dead_letters_total{stream, record}`.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import weakref
 from dataclasses import dataclass, field
@@ -70,8 +71,10 @@ class Keys:
     def call_rewards(self, rollout_id: str) -> str:  # hash: call id -> per-call reward (gateway -> merger)
         return f"{self.ns}:rollout:{rollout_id}:call-rewards"
 
-    def api_key(self, key: str) -> str:  # string: api key -> rollout id
-        return f"{self.ns}:key:{key}"
+    def api_key(self, key: str) -> str:  # string: SHA-256 of an api key -> rollout id
+        # Stored by digest, never in clear: a Redis dump (or KEYS/SCAN) yields no key that authenticates.
+        # Keys are 192 random bits, so an unsalted hash cannot be brute-forced back.
+        return f"{self.ns}:key:{hashlib.sha256(key.encode()).hexdigest()}"
 
     def group(self, group_id: str) -> str:  # hash: rollout id -> merged rollout (merger)
         return f"{self.ns}:group:{group_id}"
