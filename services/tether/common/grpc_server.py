@@ -82,6 +82,44 @@ class TokenCheck(grpc.aio.ServerInterceptor):
         return _refusal(handler, "missing service token" if not given else "wrong service token")
 
 
+class StrictDecode(grpc.aio.ServerInterceptor):
+    """A request that is not the method's message (bytes that do not parse) is refused with
+    INVALID_ARGUMENT, the caller's mistake; gRPC's own decoding would answer INTERNAL, which reads as
+    the server's fault (and which callers retry)."""
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        decode = handler.request_deserializer
+        behaviour = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        method = handler_call_details.method
+
+        async def parse(raw: bytes, context) -> Any:
+            try:
+                return decode(raw)
+            except Exception as exc:  # DecodeError, and whatever a bad wire type raises
+                log.info("%s: a request that does not parse (%d bytes): %s", method, len(raw), exc)
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"the request is not a valid message: {exc}"
+                )
+
+        if handler.response_streaming:
+
+            async def unary_stream(raw: bytes, context):
+                request = await parse(raw, context)
+                async for reply in behaviour(request, context):
+                    yield reply
+
+            return handler._replace(request_deserializer=None, unary_stream=unary_stream)
+
+        async def unary_unary(raw: bytes, context):
+            result = behaviour(await parse(raw, context), context)
+            return await result if asyncio.iscoroutine(result) else result
+
+        return handler._replace(request_deserializer=None, unary_unary=unary_unary)
+
+
 def _refusal(handler: grpc.RpcMethodHandler | None, why: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED (the shape must
     match: a streaming method answered by a unary handler breaks the call instead of refusing it)."""
@@ -199,7 +237,7 @@ async def start_server(
     token = service_token() if token is None else token
     # so_reuseport off: a second process on the same fixed port must fail loudly, not share it.
     server = grpc.aio.server(
-        interceptors=[TokenCheck(token)] if token else [],
+        interceptors=[*([TokenCheck(token)] if token else []), StrictDecode()],
         options=[
             ("grpc.max_receive_message_length", 256 * 1024 * 1024),
             ("grpc.max_send_message_length", 256 * 1024 * 1024),
