@@ -15,7 +15,7 @@ import hmac
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
 
 import grpc
@@ -71,7 +71,7 @@ class TokenCheck(grpc.aio.ServerInterceptor):
     def __init__(self, token: str) -> None:
         self._token = token.encode()
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
         method = handler_call_details.method
         if method.startswith(OPEN_PREFIXES):
             return await continuation(handler_call_details)
@@ -87,7 +87,7 @@ class StrictDecode(grpc.aio.ServerInterceptor):
     INVALID_ARGUMENT, the caller's mistake; gRPC's own decoding would answer INTERNAL, which reads as
     the server's fault (and which callers retry)."""
 
-    async def intercept_service(self, continuation, handler_call_details):
+    async def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
         handler = await continuation(handler_call_details)
         if handler is None or handler.request_streaming or handler.request_deserializer is None:
             return handler
@@ -95,7 +95,7 @@ class StrictDecode(grpc.aio.ServerInterceptor):
         behaviour = handler.unary_stream if handler.response_streaming else handler.unary_unary
         method = handler_call_details.method
 
-        async def parse(raw: bytes, context) -> Any:
+        async def parse(raw: bytes, context: Any) -> Any:
             try:
                 return decode(raw)
             except Exception as exc:  # DecodeError, and whatever a bad wire type raises
@@ -106,14 +106,14 @@ class StrictDecode(grpc.aio.ServerInterceptor):
 
         if handler.response_streaming:
 
-            async def unary_stream(raw: bytes, context):
+            async def unary_stream(raw: bytes, context: Any) -> AsyncIterator[Any]:
                 request = await parse(raw, context)
                 async for reply in behaviour(request, context):
                     yield reply
 
             return handler._replace(request_deserializer=None, unary_stream=unary_stream)
 
-        async def unary_unary(raw: bytes, context):
+        async def unary_unary(raw: bytes, context: Any) -> Any:
             result = behaviour(await parse(raw, context), context)
             return await result if asyncio.iscoroutine(result) else result
 
@@ -124,12 +124,12 @@ def _refusal(handler: grpc.RpcMethodHandler | None, why: str) -> grpc.RpcMethodH
     """A handler of the same shape as `handler` that aborts with UNAUTHENTICATED (the shape must
     match: a streaming method answered by a unary handler breaks the call instead of refusing it)."""
 
-    async def abort(request_or_iterator, context):
+    async def abort(request_or_iterator: Any, context: Any) -> None:
         await context.abort(
             grpc.StatusCode.UNAUTHENTICATED, f"{why}: this service needs Tether's service token"
         )
 
-    async def abort_stream(request_or_iterator, context):
+    async def abort_stream(request_or_iterator: Any, context: Any) -> AsyncIterator[Any]:
         await abort(request_or_iterator, context)
         yield  # pragma: no cover - abort raises
 
@@ -159,22 +159,22 @@ class _SendToken:
 
 # grpc.aio files each interceptor under the first call kind it is an instance of: one class per kind.
 class _SendTokenUnaryUnary(_SendToken, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(self, continuation, details, request):
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
 class _SendTokenUnaryStream(_SendToken, grpc.aio.UnaryStreamClientInterceptor):
-    async def intercept_unary_stream(self, continuation, details, request):
+    async def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
         return await continuation(self._details(details), request)
 
 
 class _SendTokenStreamUnary(_SendToken, grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation, details, request_iterator):
+    async def intercept_stream_unary(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
 
 class _SendTokenStreamStream(_SendToken, grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation, details, request_iterator):
+    async def intercept_stream_stream(self, continuation: Any, details: Any, request_iterator: Any) -> Any:
         return await continuation(self._details(details), request_iterator)
 
 
