@@ -781,3 +781,36 @@ def test_capture_pure_functions():
     assert c.prompt_token_ids == [5, 6] and c.choices[0].token_ids == [7, 8, 9]
     assert c.choices[0].logprobs == [-1.0, -2.0, -0.5] and c.choices[0].finish_reason == "stop"
     assert not math.isnan(sum(c.choices[0].logprobs))
+
+
+@pytest.fixture(scope="module")
+def open_gw(redis_port, vllm):
+    """A gateway with no admin token (loopback, as `tether up` runs it without one)."""
+    with InProcessGateway(gateway_settings(redis_port, vllm.url, admin_token=None)) as g:
+        yield g
+
+
+def test_without_an_admin_token_a_key_is_still_only_its_rollouts(open_gw):
+    gw = open_gw
+    a = gw.http.post("/v1/rollouts", json={"task_id": "a", "group_id": "ga"}).json()
+    b = gw.http.post("/v1/rollouts", json={"task_id": "b", "group_id": "gb"}).json()
+    # Its own state, yes; another rollout's state, its reward or its failure, no (403), and nothing
+    # changes for the other rollout.
+    assert gw.http.get(f"/v1/rollouts/{a['rollout_id']}", headers=bearer(a["api_key"])).status_code == 200
+    for method, path, body in (
+        ("GET", f"/v1/rollouts/{b['rollout_id']}", None),
+        ("POST", f"/v1/rollouts/{b['rollout_id']}/complete", {"reward": 1.0}),
+        ("POST", f"/v1/rollouts/{b['rollout_id']}/fail", {"reason": "x"}),
+        ("POST", f"/v1/rollouts/{b['rollout_id']}/calls/c1/reward", {"reward": 1.0}),
+        ("POST", "/v1/rollouts", {"task_id": "c", "group_id": "gc"}),  # a key may not create rollouts either
+    ):
+        resp = gw.http.request(method, path, json=body, headers=bearer(a["api_key"]))
+        assert resp.status_code == 403, (method, path, resp.text)
+        assert_openai_error(resp, 403)
+    state = gw.http.get(f"/v1/rollouts/{b['rollout_id']}").json()  # open reads without a key
+    assert state["status"] == "running"
+    # With its own key, b completes as usual.
+    done = gw.http.post(
+        f"/v1/rollouts/{b['rollout_id']}/complete", json={"reward": 0.5}, headers=bearer(b["api_key"])
+    )
+    assert done.status_code == 200, done.text

@@ -734,7 +734,7 @@ def create_app(
 
     @app.post("/v1/rollouts", status_code=201)
     async def create_rollout(request: Request) -> Response:
-        rollouts.require_admin(_bearer(request))
+        await rollouts.require_admin(_bearer(request))
         req = parse_create(load_json_object(await _read_body(request, max_body_bytes)), default_group_size)
         new = await rollouts.create(req)
         rollout_root = f"{root_url}/rollouts/{new.rollout_id}"

@@ -233,13 +233,18 @@ class RolloutRegistry:
     def is_admin(self, bearer: str | None) -> bool:
         return bool(self.admin_token and bearer and hmac.compare_digest(bearer, self.admin_token))
 
-    def require_admin(self, bearer: str | None) -> None:
+    async def require_admin(self, bearer: str | None) -> None:
+        """The admin token, when one is configured. Without one (a gateway on loopback) anyone may
+        use the admin routes, except a caller presenting a rollout key: a key is its rollout's and
+        nothing more."""
         if self.admin_token and not self.is_admin(bearer):
             raise (
                 unauthorized("This route needs the admin token")
                 if not bearer
                 else ApiError(403, "This route needs the admin token", "permission_error", "forbidden")
             )
+        if not self.admin_token and await self.owner(bearer) is not None:
+            raise ApiError(403, "A rollout's API key may not use this route", "permission_error", "forbidden")
 
     async def authenticate(self, api_key: str | None, rollout_id: str | None = None) -> str:
         """The rollout id of an API key (401 when missing or unknown). With `rollout_id` (a
@@ -283,16 +288,20 @@ class RolloutRegistry:
 
     async def authorize(self, rollout_id: str, bearer: str | None, open_without_admin: bool) -> None:
         """Allow the rollout's own key, the admin token, or (reads only) anyone when no admin token
-        is configured."""
-        if self.is_admin(bearer) or (open_without_admin and not self.admin_token):
+        is configured -- but a request that presents another rollout's key is refused even then: a
+        key is its rollout's, and only its rollout's."""
+        if self.is_admin(bearer):
             return
-        if not bearer:
-            raise unauthorized()
-        owner = self._key_cache.get(bearer) or await self.r.get(self.keys.api_key(bearer))
-        if owner is None:
-            raise unauthorized()
-        if owner != rollout_id:
-            raise ApiError(403, "This API key belongs to another rollout", "permission_error", "forbidden")
+        owner = await self.owner(bearer)
+        if owner is not None:
+            if owner != rollout_id:
+                raise ApiError(
+                    403, "This API key belongs to another rollout", "permission_error", "forbidden"
+                )
+            return
+        if open_without_admin and not self.admin_token:
+            return
+        raise unauthorized()
 
     # --- lifecycle -----------------------------------------------------------------------------
 
