@@ -485,6 +485,8 @@ def cmd_metrics(args) -> int:
 def cmd_gateway(args) -> int:
     """The gateway alone in front of any vLLM-compatible server, recording to REDIS_URL or to an
     embedded Redis kept in .tether/gateway-redis."""
+    from pydantic import ValidationError
+
     from tether.common.logs import setup_logging
     from tether.common.net import free_port
     from tether.common.redis_server import start_embedded_redis
@@ -507,7 +509,13 @@ def cmd_gateway(args) -> int:
     }
     if args.model:
         overrides["served_model"] = args.model
-    s = GatewaySettings(**overrides)
+    try:
+        s = GatewaySettings(**overrides)
+    except ValidationError as exc:
+        print(f"tether gateway: refusing to start, bad settings: {exc}", file=sys.stderr)
+        if proc is not None:
+            proc.terminate()
+        return 2
     setup_logging("gateway", s.log_level)
     try:
         asyncio.run(amain(s))

@@ -14,17 +14,19 @@ import gc
 import json
 import logging
 import socket
+import sys
 from collections.abc import Iterator
 
 import grpc
 import redis.asyncio as aioredis
 import uvicorn
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from redis.exceptions import RedisError
 
 from tether.common import broker
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
+from tether.common.net import is_loopback
 from tether.common.settings import RedisSettings
 from tether.common.usage import exit_if_help
 from tether.gateway.admission import Admission
@@ -76,6 +78,10 @@ class GatewaySettings(RedisSettings):
     public_url: str | None = None
     # When set, POST /v1/rollouts (and admin reads/finishes) need "Authorization: Bearer <admin_token>".
     admin_token: str | None = None
+    # Without an admin token anyone may create rollouts (and so have the model trained on what they
+    # send): a gateway listening beyond loopback refuses to start without one, unless this says an
+    # open gateway is meant (a private network that is guarded otherwise).
+    allow_open_admin: bool = False
     # How long a call waits while admission is paused before 429 + Retry-After.
     admission_wait_s: float = Field(60.0, ge=0)
     retry_after_s: int = Field(5, ge=0)
@@ -134,6 +140,15 @@ class GatewaySettings(RedisSettings):
     def _deployment_keys(cls, v: str | None) -> str | None:
         parse_deployment_keys(v)
         return v
+
+    @model_validator(mode="after")
+    def _admin_guard(self) -> GatewaySettings:
+        if not self.admin_token and not self.allow_open_admin and not is_loopback(self.gateway_host):
+            raise ValueError(
+                f"gateway_host {self.gateway_host!r} listens beyond loopback without an admin token: set "
+                "TETHER_ADMIN_TOKEN (or TETHER_ALLOW_OPEN_ADMIN=true to serve an open gateway on purpose)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _some_replica(self) -> GatewaySettings:
@@ -414,9 +429,16 @@ def run(coro) -> None:
     uvloop.run(coro)
 
 
+SETTINGS_REFUSED = 2  # exit status for settings refused at start-up (supervisors need not restart it)
+
+
 def main() -> None:
     exit_if_help(GatewaySettings, __doc__)
-    s = GatewaySettings()
+    try:
+        s = GatewaySettings()
+    except ValidationError as exc:  # refused before anything serves: restarting cannot help
+        print(f"tether.gateway: refusing to start, bad settings: {exc}", file=sys.stderr)
+        sys.exit(SETTINGS_REFUSED)
     setup_logging("gateway", s.log_level)
     run(amain(s))
 
