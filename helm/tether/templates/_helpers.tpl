@@ -334,3 +334,22 @@ lifecycle:
     exec:
       command: ["sleep", {{ .Values.shutdown.preStopSeconds | quote }}]
 {{- end -}}
+
+{{/* gRPC-native probes on a service's health (grpc.health.v1). Called as (dict "port" 50054). */}}
+{{- define "tether.grpcProbes" -}}
+startupProbe:
+  grpc: {port: {{ .port }}}
+  periodSeconds: 2
+  timeoutSeconds: 5
+  failureThreshold: 90
+readinessProbe:
+  grpc: {port: {{ .port }}}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 3
+livenessProbe:
+  grpc: {port: {{ .port }}}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end -}}
