@@ -212,9 +212,11 @@ metadata.labels['batch.kubernetes.io/job-completion-index']
   image: {{ include "tether.trainerImage" $root }}
   imagePullPolicy: {{ $root.Values.pullPolicy }}
   {{- include "tether.trainerCommand" . | nindent 2 }}
+  {{- /* In the colocated pod the inference container holds the names grpc and metrics. */}}
+  {{- $p := ternary "trainer-" "" (default false .colocated) }}
   ports:
-    - {name: grpc, containerPort: 50053, protocol: TCP}
-    - {name: metrics, containerPort: 9103, protocol: TCP}
+    - {name: {{ $p }}grpc, containerPort: 50053, protocol: TCP}
+    - {name: {{ $p }}metrics, containerPort: 9103, protocol: TCP}
     - {name: rdzv, containerPort: {{ $t.rdzv.port }}, protocol: TCP}
   env:
     {{- include "tether.env" $root | nindent 4 }}
