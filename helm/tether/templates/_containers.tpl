@@ -46,10 +46,12 @@ trainer onto its node. Called as (dict "root" $ "values" .Values.inference).
 {{- define "tether.affinity" -}}
 {{- $aff := deepCopy (default (dict) .values.affinity) -}}
 {{- $root := .root -}}
-{{- if and $root.Values.checkpoints.sameNode (not (has "ReadWriteMany" $root.Values.checkpoints.accessModes)) -}}
+{{- $modes := $root.Values.checkpoints.accessModes -}}
+{{- if and $root.Values.checkpoints.sameNode (not (or (has "ReadWriteMany" $modes) (has "ReadOnlyMany" $modes))) -}}
 {{- $pa := deepCopy (default (dict) $aff.podAffinity) -}}
 {{- $terms := default (list) $pa.requiredDuringSchedulingIgnoredDuringExecution -}}
-{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (dict "app.kubernetes.io/instance" $root.Release.Name "app.kubernetes.io/component" "trainer")) -}}
+{{- $trainer := ternary "colocated" "trainer" (eq (include "tether.colocatedPod" $root) "true") -}}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (dict "app.kubernetes.io/instance" $root.Release.Name "app.kubernetes.io/component" $trainer)) -}}
 {{- $_ := set $pa "requiredDuringSchedulingIgnoredDuringExecution" (append $terms $term) -}}
 {{- $_ := set $aff "podAffinity" $pa -}}
 {{- end -}}
