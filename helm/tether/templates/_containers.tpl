@@ -61,9 +61,13 @@ affinity:
 {{- end }}
 {{- end -}}
 
-{{/* vLLM flags the chart adds to the user's: path-2 weight pushes need vLLM's NCCL transfer engine. */}}
+{{/*
+vLLM flags the chart adds to the user's: the drain the grace period was sized for (vLLM's default
+shutdown timeout, 0, aborts every in-flight request on SIGTERM), and path-2 weight pushes need vLLM's
+NCCL transfer engine.
+*/}}
 {{- define "tether.vllmExtraArgs" -}}
-{{- $args := list -}}
+{{- $args := list (printf "--shutdown-timeout %d" (int .Values.shutdown.drainSeconds)) -}}
 {{- with .Values.inference.extraArgs -}}{{- $args = append $args . -}}{{- end -}}
 {{- if eq .Values.run.weightPush "nccl" -}}
 {{- $args = append $args "--weight-transfer-config '{\"backend\": \"nccl\"}'" -}}
