@@ -180,6 +180,12 @@ annotations:
   value: "false"
 - name: HF_HUB_OFFLINE
   value: "1"
+{{- /* Every gRPC call between the services carries it (tether.common.grpc_server); health is exempt. */}}
+- name: TETHER_SERVICE_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "tether.secretName" . }}
+      key: {{ .Values.secrets.serviceTokenKey }}
 {{- end -}}
 
 {{/* The run's Redis (compose's x-redis-env): the URL from a Secret, never a literal. */}}

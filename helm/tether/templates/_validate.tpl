@@ -84,7 +84,7 @@ templates/validate.yaml.
 {{- fail "redis.external.existingSecret required with redis.mode: external (a Secret whose redis.external.urlKey holds redis://:password@host:6379/0)" -}}
 {{- end -}}
 {{- if and (not $v.secrets.existingSecret) (not $v.secrets.generate) -}}
-{{- fail (printf "secrets.existingSecret required (or secrets.generate: true): kubectl -n %s create secret generic tether-secrets --from-literal=%s=$(openssl rand -hex 32) --from-literal=%s=$(openssl rand -hex 32), then --set secrets.existingSecret=tether-secrets" (default "NAMESPACE" .Release.Namespace) $v.secrets.adminTokenKey $v.secrets.redisPasswordKey) -}}
+{{- fail (printf "secrets.existingSecret required (or secrets.generate: true): kubectl -n %s create secret generic tether-secrets --from-literal=%s=$(openssl rand -hex 32) --from-literal=%s=$(openssl rand -hex 32) --from-literal=%s=$(openssl rand -hex 32), then --set secrets.existingSecret=tether-secrets" (default "NAMESPACE" .Release.Namespace) $v.secrets.adminTokenKey $v.secrets.serviceTokenKey $v.secrets.redisPasswordKey) -}}
 {{- end -}}
 
 {{- /* The scheduler's Kubernetes features. */ -}}
