@@ -13,9 +13,8 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 from gateway_helpers import ADMIN
-from kube_fake import FakeKube
+from kube_fake import Cluster, finished
 
-from tether.agents import job as agent_job
 from tether.common import broker
 from tether.common.records import DispatchJob
 from tether.scheduler.kube import jobs
@@ -60,68 +59,6 @@ def test_job_outcomes():
 
 
 # --- the dispatcher ------------------------------------------------------------------------------------
-
-
-def finished(job: dict, kind: str, reason: str = "") -> dict:
-    cond = {"type": kind, "status": "True"} | (
-        {"reason": reason, "message": f"{reason} (test)"} if reason else {}
-    )
-    return {**job, "status": {"conditions": [cond]}}
-
-
-class Cluster:
-    """The fake API server plus what the kubelet would do: a Job's pod starts once its Secret
-    exists, runs `tether agent-job` (tether.agents.job.run) with the Job's environment and the key
-    from the Secret, and the Job ends Complete (exit 0) or Failed (exit 1); `plan` may end a Job
-    otherwise (a deadline, a pod that exits 0 without reporting) or hold it."""
-
-    def __init__(self, gateway_url: str, plan) -> None:
-        self.fake = FakeKube()
-        self.gateway_url = gateway_url
-        self.plan = plan  # (job body, attempt) -> "run" | "deadline" | "silent" | "hold"
-        self.started: list[str] = []
-        self.held: list[str] = []
-        self.max_alive = 0
-
-    def alive(self) -> int:
-        return sum(1 for j in self.fake.store["jobs"].values() if jobs.job_outcome(j) is None)
-
-    async def run_pod(self, job: dict, action: str) -> None:
-        name = job["metadata"]["name"]
-        if action == "hold":
-            self.held.append(name)
-            return
-        if action == "deadline":
-            self.fake.put("jobs", finished(job, "Failed", "DeadlineExceeded"))
-            return
-        if action == "silent":
-            self.fake.put("jobs", finished(job, "Complete"))
-            return
-        env = {e["name"]: e.get("value", "") for e in job["spec"]["template"]["spec"]["containers"][0]["env"]}
-        env["TETHER_API_KEY"] = self.fake.store["secrets"][name]["stringData"][jobs.KEY_FIELD]
-
-        def harness(task, base_url, api_key, model):
-            assert base_url.endswith("/v1") and model and api_key.startswith("tr-")
-            if task.get("raise_on_attempt") == int(job["metadata"]["annotations"][jobs.ATTEMPT_ANNOTATION]):
-                raise RuntimeError("the agent crashed")
-            return float(task["reward"])
-
-        code = await asyncio.to_thread(agent_job.run, env, harness)
-        self.fake.put(
-            "jobs",
-            finished(job, "Complete") if code == 0 else finished(job, "Failed", "BackoffLimitExceeded"),
-        )
-
-    async def kubelet(self) -> None:
-        while True:
-            self.max_alive = max(self.max_alive, self.alive())
-            for name, job in list(self.fake.store["jobs"].items()):
-                if name in self.started or name not in self.fake.store["secrets"]:
-                    continue
-                self.started.append(name)
-                attempt = int(job["metadata"]["annotations"][jobs.ATTEMPT_ANNOTATION])
-                asyncio.create_task(self.run_pod(job, self.plan(job, attempt)))
-            await asyncio.sleep(0.01)
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """The scheduler's Kubernetes settings (TETHER_KUBE_* and TETHER_AGENT_JOB*), as the chart renders them
-(helm/tether/templates/scheduler-deployment.yaml; docs/scheduler-kubernetes.md lists them). Parsed and
+(the scheduler Deployment of helm/tether; docs/scheduler-kubernetes.md lists them). Parsed and
 checked once at start-up, so a bad value refuses the scheduler before it talks to the API server."""
 
 from __future__ import annotations
@@ -7,16 +7,15 @@ from __future__ import annotations
 from typing import Any
 
 from pydantic import Field, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from tether.common.settings import CommonSettings
 
 # What a container's `resources` may hold (core/v1 ResourceRequirements).
 RESOURCE_KEYS = frozenset({"requests", "limits", "claims"})
 
 
-class KubeSettings(BaseSettings):
+class KubeSettings(CommonSettings):
     """Off unless TETHER_KUBE_ENABLED=true; each feature is on when its own setting names a target."""
-
-    model_config = SettingsConfigDict(env_prefix="TETHER_", extra="ignore")
 
     kube_enabled: bool = False
     kube_namespace: str = ""  # the chart sets it from the downward API (metadata.namespace)
