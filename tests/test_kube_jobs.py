@@ -290,3 +290,20 @@ async def test_after_a_restart_a_pending_entry_waits_for_its_job(gw, aredis):
         await asyncio.gather(task, kubelet, return_exceptions=True)
     ros = await rollouts_of(gw, group)
     assert [(x["status"], x["reward"]) for x in ros] == [("completed", 0.75)]
+
+
+async def test_a_job_deleted_before_it_finished_is_a_failed_attempt(gw, aredis):
+    before = JOBS_FAILED.labels("Deleted")._value.get()
+    cluster = Cluster(gw.url, lambda job, attempt: "hold" if attempt == 0 else "run")
+
+    async def done(dispatcher, group):
+        await until(lambda: len(cluster.held) == 1)
+        cluster.fake.remove("jobs", cluster.held[0])  # someone ran kubectl delete job
+        cluster.fake.compact()  # and the watch missed it: the next list no longer shows it
+        await wait_for_slots(gw, aredis, group, 2)
+
+    group, _, _ = await run_dispatcher(gw, aredis, cluster, [{"reward": 1.0}], done=done)
+    ros = await rollouts_of(gw, group)
+    assert [x["status"] for x in ros] == ["failed", "completed"]
+    assert "Deleted" in ros[0]["reason"]
+    assert JOBS_FAILED.labels("Deleted")._value.get() == before + 1

@@ -60,7 +60,7 @@ def replicas_from_slices(slices: Iterable[dict[str, Any]]) -> list[InferenceRepl
                 continue
             address = host(ep["addresses"][0])  # consumers use the first (the API's own rule)
             ref = ep.get("targetRef") or {}
-            name = ref.get("name") if ref.get("kind", "Pod") == "Pod" and ref.get("name") else address
+            name = str(ref["name"]) if ref.get("kind", "Pod") == "Pod" and ref.get("name") else address
             out.setdefault(name, InferenceReplica(name, f"http://{address}:{http}", f"{address}:{grpc}"))
     return [out[n] for n in sorted(out)]
 

@@ -131,7 +131,8 @@ def job_body(
     reads it from the Secret `secret_body` makes (same name)."""
     rid = rollout["rollout_id"]
     name = job_name(t.instance, rid)
-    own = task.get("agent_job") if isinstance(task.get("agent_job"), dict) else {}
+    raw = task.get("agent_job")
+    own: dict[str, Any] = raw if isinstance(raw, dict) else {}
     command, args = own.get("command", t.command), own.get("args", t.args)
     env = [
         {"name": "TETHER_ROLLOUT_ID", "value": rid},
@@ -328,6 +329,7 @@ class JobDispatcher:
         self.jobs: Snapshot = {}  # this deployment's Jobs, as last listed/watched
         self.synced = asyncio.Event()
         self.waiters: dict[str, asyncio.Future[Outcome]] = {}
+        self.seen: set[str] = set()  # Jobs waited for that a snapshot has shown
         self.in_flight: set[str] = set()
 
     # -- the Jobs, as the watch sees them
@@ -342,9 +344,11 @@ class JobDispatcher:
                 continue
             job = snapshot.get(name)
             if job is None:
-                if event and event["type"] == "DELETED":
+                # Deleted: by its event, or, after a gap in the watch, missing from a new list once seen.
+                if (event and event["type"] == "DELETED") or (event is None and name in self.seen):
                     fut.set_result(("failed", "Deleted"))
                 continue
+            self.seen.add(name)
             outcome = job_outcome(job)
             if outcome is not None:
                 fut.set_result(outcome)
@@ -376,6 +380,7 @@ class JobDispatcher:
         finally:
             JOBS_ACTIVE.dec()
             self.waiters.pop(name, None)
+            self.seen.discard(name)
 
     # -- one attempt
 
@@ -462,6 +467,8 @@ class JobDispatcher:
             await self.r.xack(self.keys.dispatch, GROUP, entry_id)
         except (httpx.HTTPError, *broker.TRANSIENT) as exc:
             log.error("dispatch %s left pending: %r", entry_id, exc)
+        except Exception:  # left pending as well: claimed again later, by this scheduler or the next
+            log.exception("dispatch %s failed unexpectedly; left pending", entry_id)
         finally:
             self.in_flight.discard(entry_id)
 
