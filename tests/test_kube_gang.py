@@ -80,7 +80,7 @@ def pod(name: str, uid: str, restarts: int = 0, ready: bool = True, phase: str =
 
 
 def test_rank_of_reads_a_pod():
-    assert gang.rank_of(pod("t0", "u", restarts=2)) == Rank("u", 2, running=True, deleting=False)
+    assert gang.rank_of(pod("t0", "u", restarts=2)) == Rank("u", 2, running=True, deleting=False, pod="t0")
     assert not gang.rank_of(pod("t0", "u", ready=False)).running
     assert not gang.rank_of(pod("t0", "u", phase="Pending")).running
 
@@ -149,3 +149,44 @@ async def test_a_pod_replaced_before_the_delete_is_not_deleted():
     await controller.changed({"t0": pod("t0", "a"), "t1": pod("t1", "b2", ready=False)}, None)
     assert deletes(fake) == [gang.delete_options("a")]
     assert fake.store["pods"]["t0"]["metadata"]["uid"] == "a-new"
+
+
+def indexed_pod(
+    name: str, uid: str, index: int, deleting: bool = False, created: str = "2026-01-01T00:00:00Z"
+) -> dict:
+    p = pod(name, uid)
+    p["metadata"]["labels"]["batch.kubernetes.io/job-completion-index"] = str(index)
+    p["metadata"]["creationTimestamp"] = created
+    if deleting:
+        p["metadata"]["deletionTimestamp"] = "2026-01-01T00:05:00Z"
+    return p
+
+
+def test_ranks_of_an_indexed_job_follow_the_index_not_the_pod_name():
+    before = gang.ranks(
+        {
+            p["metadata"]["name"]: p
+            for p in (indexed_pod("tr-0-aaaaa", "a", 0), indexed_pod("tr-1-bbbbb", "b", 1))
+        }
+    )
+    assert set(before) == {"rank-0", "rank-1"} and gang.settled(before)
+    # Rank 1 failed; the Job controller made a replacement under a new name while the old one terminates.
+    now = gang.ranks(
+        {
+            p["metadata"]["name"]: p
+            for p in (
+                indexed_pod("tr-0-aaaaa", "a", 0),
+                indexed_pod("tr-1-bbbbb", "b", 1, deleting=True),
+                indexed_pod("tr-1-ccccc", "c", 1, created="2026-01-01T00:05:01Z"),
+            )
+        }
+    )
+    assert now["rank-1"].pod == "tr-1-ccccc"
+    assert pods_to_restart(before, now) == ["tr-0-aaaaa"]
+
+
+def test_statefulset_pods_are_ranked_by_their_pod_index_label():
+    p = pod("demo-tether-trainer-1", "u")
+    p["metadata"]["labels"]["apps.kubernetes.io/pod-index"] = "1"
+    assert gang.rank_key(p) == "rank-1"
+    assert gang.rank_key(pod("plain", "u")) == "plain"

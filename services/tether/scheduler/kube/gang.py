@@ -4,7 +4,8 @@ restarted, or its pod was replaced) while the others keep running, the others' p
 controller (the trainer StatefulSet) creates them again, all ranks meet at the rendezvous, and the
 trainer resumes from its checkpoint.
 
-The decision is a pure function over two snapshots; `GangRestart` keeps the baseline: the last
+A rank is its pod's index label (an Indexed Job replaces a failed pod under a new name; a StatefulSet
+under the same one), else its pod's name. The decision is a pure function over two snapshots; `GangRestart` keeps the baseline: the last
 snapshot in which the gang was settled (every rank running and ready). Nothing is decided while no
 baseline exists (ranks still coming up, or coming back after a restart), so one event restarts the
 gang once, and the restarts of pods we deleted ourselves never count as new events.
@@ -24,14 +25,20 @@ from tether.scheduler.kube.watch import Snapshot, follow
 log = logging.getLogger(__name__)
 
 
+# The rank of a trainer pod: its index under an Indexed Job (whose replacement pods get new names),
+# or under a StatefulSet (whose replacements keep the name; the label exists since Kubernetes 1.28).
+INDEX_LABELS = ("batch.kubernetes.io/job-completion-index", "apps.kubernetes.io/pod-index")
+
+
 @dataclass(frozen=True)
 class Rank:
-    """What the decision needs of one trainer pod."""
+    """What the decision needs of the pod that runs one trainer rank."""
 
     uid: str
     restarts: int  # sum of its containers' restartCount
     running: bool  # phase Running and the Ready condition true
     deleting: bool  # deletionTimestamp set
+    pod: str = ""  # its name, to delete it (the rank's own name where empty)
 
 
 def rank_of(pod: dict[str, Any]) -> Rank:
@@ -44,11 +51,28 @@ def rank_of(pod: dict[str, Any]) -> Rank:
         restarts=sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or []),
         running=status.get("phase") == "Running" and ready,
         deleting=bool(meta.get("deletionTimestamp")),
+        pod=meta.get("name", ""),
     )
 
 
+def rank_key(pod: dict[str, Any]) -> str:
+    meta = pod.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    index = next((labels[k] for k in INDEX_LABELS if k in labels), None)
+    return f"rank-{index}" if index is not None else str(meta.get("name", ""))
+
+
 def ranks(snapshot: Snapshot) -> dict[str, Rank]:
-    return {name: rank_of(pod) for name, pod in snapshot.items()}
+    """Rank -> its pod. Where two pods hold one rank (a replacement created while the old pod
+    terminates), the one not being deleted, else the newer."""
+    out: dict[str, tuple[tuple[bool, str], Rank]] = {}
+    for pod in snapshot.values():
+        rank = rank_of(pod)
+        order = (not rank.deleting, str((pod.get("metadata") or {}).get("creationTimestamp", "")))
+        key = rank_key(pod)
+        if key not in out or order > out[key][0]:
+            out[key] = (order, rank)
+    return {key: rank for key, (_, rank) in out.items()}
 
 
 def settled(current: Mapping[str, Rank]) -> bool:
@@ -68,14 +92,14 @@ def restarted_ranks(previous: Mapping[str, Rank], current: Mapping[str, Rank]) -
 
 def pods_to_restart(previous: Mapping[str, Rank], current: Mapping[str, Rank]) -> list[str]:
     """The pods to delete so that all ranks restart together: when a rank of the settled gang
-    `previous` restarted in `current`, every other rank still running the pod it ran in `previous`
-    (sorted). Empty when nothing restarted, and for the ranks already restarting (deleted, replaced,
-    or being deleted)."""
+    `previous` restarted in `current`, the pod of every other rank still running the pod it ran in
+    `previous` (pod names, sorted). Empty when nothing restarted, and for the ranks already restarting
+    (deleted, replaced, or being deleted)."""
     restarted = restarted_ranks(previous, current)
     if not restarted:
         return []
     return sorted(
-        name
+        now.pod or name
         for name, now in current.items()
         if name not in restarted and name in previous and now.uid == previous[name].uid and not now.deleting
     )
@@ -106,9 +130,10 @@ class GangRestart:
             )
             GANG_RESTARTS.inc()
             self.baseline = None  # until the gang settles again: one event, one restart
+            uids = {r.pod or key: r.uid for key, r in current.items()}
             try:
                 for name in victims:
-                    await self.delete(name, current[name].uid)
+                    await self.delete(name, uids[name])
             except Exception:
                 # Listed again after the failure, the ranks deleted so far count as restarted against
                 # the old baseline and the rest are deleted then.

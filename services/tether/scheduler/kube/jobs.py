@@ -137,7 +137,9 @@ def job_body(
     env = [
         {"name": "TETHER_ROLLOUT_ID", "value": rid},
         {"name": "TETHER_GATEWAY_URL", "value": t.gateway_url},
-        {"name": "TETHER_BASE_URL", "value": rollout["base_url"]},
+        # The gateway in the cluster (what the Job's NetworkPolicy lets it reach), not the public URL
+        # the gateway hands out (an ingress, maybe): the rollout's key is what names the rollout.
+        {"name": "TETHER_BASE_URL", "value": f"{t.gateway_url.rstrip('/')}/v1"},
         {"name": "TETHER_MODEL", "value": rollout["model"]},
         {"name": "TETHER_TASK", "value": json.dumps(task)},
         {"name": "TETHER_API_KEY", "valueFrom": {"secretKeyRef": {"name": name, "key": KEY_FIELD}}},
