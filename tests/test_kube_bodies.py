@@ -151,7 +151,9 @@ def test_the_job_holds_the_key_only_by_reference():
     assert env["TETHER_BASE_URL"]["value"] == ROLLOUT["base_url"]
     # A gateway that hands out its public (ingress) URL: the Job still talks to it inside the cluster.
     public = jobs.job_body(TEMPLATE, {**ROLLOUT, "base_url": "https://tether.example.com/v1"}, TASK, "1-0", 0)
-    env_public = {e["name"]: e.get("value") for e in public["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env_public = {
+        e["name"]: e.get("value") for e in public["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     assert env_public["TETHER_BASE_URL"] == "http://demo-tether-gateway:8000/v1"
     assert env["TETHER_MODEL"]["value"] == "tether-policy"
     assert env["TETHER_AGENT_FN"]["value"] == TEMPLATE.agent_fn
