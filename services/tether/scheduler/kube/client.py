@@ -68,6 +68,13 @@ class KubeApi:
         resp = await self.call(resource, "create", fn, namespace, body, _preload_content=False)
         return json.loads(resp.data)
 
+    async def delete(
+        self, resource: str, fn: Callable[..., Any], name: str, namespace: str, body: dict
+    ) -> None:
+        """A delete call. Its answer is not read: the API server answers with the object or with a
+        Status, and the client, which types the answer as the object, fails on a Status."""
+        await self.call(resource, "delete", fn, name, namespace, body=body, _preload_content=False)
+
     async def stream(
         self, resource: str, fn: Callable[..., Any], **kwargs: Any
     ) -> AsyncIterator[dict[str, Any]]:

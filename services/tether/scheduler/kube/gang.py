@@ -144,13 +144,8 @@ class GangRestart:
 
     async def delete(self, name: str, uid: str) -> None:
         try:
-            await self.api.call(
-                "pods",
-                "delete",
-                self.api.core.delete_namespaced_pod,
-                name,
-                self.namespace,
-                body=delete_options(uid),
+            await self.api.delete(
+                "pods", self.api.core.delete_namespaced_pod, name, self.namespace, delete_options(uid)
             )
         except Exception as exc:
             # Gone already (404) or replaced (409, the uid precondition): restarting anyway.

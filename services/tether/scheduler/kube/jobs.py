@@ -175,7 +175,9 @@ def job_body(
         "metadata": {
             "name": name,
             "labels": meta_labels,
-            "annotations": {ENTRY_ANNOTATION: entry_id, ATTEMPT_ANNOTATION: str(attempt)},
+            # The exact rollout id (the label holds it as a label value may), the dispatch entry and
+            # the attempt: what a restarted scheduler needs to take the Job over.
+            "annotations": {ROLLOUT_LABEL: rid, ENTRY_ANNOTATION: entry_id, ATTEMPT_ANNOTATION: str(attempt)},
         },
         "spec": {
             "backoffLimit": 0,  # one pod per attempt: the dispatcher's max_attempts is the retry rule
@@ -413,13 +415,12 @@ class JobDispatcher:
             log.error("could not create agent Job %s: %r", name, exc)
             if created is not None:
                 try:
-                    await self.api.call(
+                    await self.api.delete(
                         "jobs",
-                        "delete",
                         self.api.batch.delete_namespaced_job,
                         name,
                         self.namespace,
-                        body=delete_job_options(),
+                        delete_job_options(),
                     )
                 except Exception as cleanup:  # its deadline ends it; its pod cannot start without the key
                     log.warning("could not delete agent Job %s: %r", name, cleanup)
@@ -456,7 +457,7 @@ class JobDispatcher:
             if existing is not None:  # a previous scheduler's attempt: wait for it, don't start another
                 meta = existing["metadata"]
                 first = int(meta["annotations"].get(ATTEMPT_ANNOTATION, "0")) + 1
-                rid = meta["labels"][ROLLOUT_LABEL]
+                rid = meta["annotations"].get(ROLLOUT_LABEL) or meta["labels"][ROLLOUT_LABEL]
                 done = await self.settle(rid, meta["name"], await self.wait(meta["name"]))
             for attempt in range(first, job.max_attempts):
                 if done:
