@@ -23,6 +23,7 @@ from tether.scheduler.kube.metrics import API_ERRORS
 log = logging.getLogger(__name__)
 
 _END = object()
+REQUEST_TIMEOUT_S = 30
 
 
 class Gone(Exception):
@@ -48,7 +49,10 @@ class KubeApi:
         self.pool = ThreadPoolExecutor(max_workers=self.threads, thread_name_prefix="kube")
 
     async def call(self, resource: str, verb: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`fn(*args, **kwargs)` in the pool; a failure is counted (resource, verb) and raised."""
+        """`fn(*args, **kwargs)` in the pool; a failure is counted (resource, verb) and raised. The
+        client waits forever by default: every call gets a timeout (a stalled API server then fails
+        the call, and the watch loops list again)."""
+        kwargs.setdefault("_request_timeout", REQUEST_TIMEOUT_S)
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(self.pool, lambda: fn(*args, **kwargs))
@@ -80,6 +84,9 @@ class KubeApi:
     ) -> AsyncIterator[dict[str, Any]]:
         """The events of one watch window ({"type", "object"}; object as raw JSON) until the server
         ends it; a 410 raises Gone, any other failure is counted and raised."""
+        # A read timeout past the server's own end of the window: a connection that went silent
+        # (a dead API server, a dropped NAT entry) ends instead of hanging the watch forever.
+        kwargs.setdefault("_request_timeout", kwargs.get("timeout_seconds", 300) + REQUEST_TIMEOUT_S)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[Any] = asyncio.Queue()
         w = self.watch()
