@@ -615,8 +615,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     agent_job = sub.add_parser(
         "agent-job",
-        help="run one rollout's harness inside its Kubernetes Job (TETHER_TASK, TETHER_BASE_URL, "
-        "TETHER_API_KEY, TETHER_MODEL, TETHER_AGENT_FN, TETHER_ROLLOUT_ID, TETHER_GATEWAY_URL)",
+        help="run one rollout's harness inside its Kubernetes Job (the scheduler creates the Job)",
+        description="Runs TETHER_AGENT_FN (MODULE:FUNCTION, called as fn(task, base_url, api_key, model)) "
+        "once with TETHER_TASK (JSON), TETHER_BASE_URL, TETHER_API_KEY and TETHER_MODEL, and reports its "
+        "reward (or its failure) for TETHER_ROLLOUT_ID to TETHER_GATEWAY_URL. Exit 0: a reward was reported.",
     )
     agent_job.set_defaults(fn=cmd_agent_job)
 
