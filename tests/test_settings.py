@@ -23,6 +23,7 @@ from tether.common.settings import CommonSettings, RedisSettings
 from tether.gateway.main import GatewaySettings
 from tether.inference.main import InferenceSettings
 from tether.merger.main import MergerSettings
+from tether.scheduler.kube.settings import KubeSettings
 from tether.scheduler.main import SchedulerSettings
 from tether.trainer.main import TrainerSettings
 
@@ -39,6 +40,7 @@ TABLES: dict[type, tuple[str, str]] = {
     SchedulerSettings: ("docs/settings.md", "## Scheduler"),
     InferenceSettings: ("docs/settings.md", "## Inference adapter"),
     AgentSettings: ("docs/settings.md", "## Agent worker"),
+    KubeSettings: ("docs/scheduler-kubernetes.md", "## Settings"),
 }
 SERVICE_OF = {
     "gateway": GatewaySettings,

@@ -1,4 +1,5 @@
-"""`tether` commands: demo, up, down, agent, gateway, traces, samples, metrics, prepare-demo, health.
+"""`tether` commands: demo, up, down, agent, agent-job, gateway, traces, samples, metrics, prepare-demo,
+health.
 
 The cli sits above every service: it starts them as processes (see launcher.py) and reads the
 stack's Redis; nothing imports it.
@@ -384,6 +385,15 @@ def cmd_agent(args) -> int:
     return 0
 
 
+def cmd_agent_job(args) -> int:
+    """One rollout's harness inside its Kubernetes Job (tether.agents.job); settings from the env."""
+    from tether.agents.job import run
+    from tether.common.logs import setup_logging
+
+    setup_logging("agent-job", os.environ.get("TETHER_LOG_LEVEL", "INFO"))
+    return run(os.environ)
+
+
 async def _dump(stream_attr: str, redis_url: str, namespace: str, keys_filter) -> int:
     from tether.common import broker
 
@@ -610,6 +620,15 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--redis-url")
     agent.add_argument("--namespace")
     agent.set_defaults(fn=cmd_agent)
+
+    agent_job = sub.add_parser(
+        "agent-job",
+        help="run one rollout's harness inside its Kubernetes Job (the scheduler creates the Job)",
+        description="Runs TETHER_AGENT_FN (MODULE:FUNCTION, called as fn(task, base_url, api_key, model)) "
+        "once with TETHER_TASK (JSON), TETHER_BASE_URL, TETHER_API_KEY and TETHER_MODEL, and reports its "
+        "reward (or its failure) for TETHER_ROLLOUT_ID to TETHER_GATEWAY_URL. Exit 0: a reward was reported.",
+    )
+    agent_job.set_defaults(fn=cmd_agent_job)
 
     gateway = sub.add_parser("gateway", help="run the gateway alone in front of a vLLM-compatible server")
     gateway.add_argument(

@@ -22,6 +22,7 @@ from tether.common.logs import setup_logging
 from tether.common.retry import Retrying
 from tether.common.settings import RedisSettings, WeightPush
 from tether.common.usage import exit_if_help
+from tether.scheduler import kube
 from tether.scheduler.metrics import follow_broker
 from tether.scheduler.run import Run, RunConfig, SchedulingMode, Stubs, load_tasks
 from tether.scheduler.servicer import SchedulerServicer
@@ -67,7 +68,7 @@ class SchedulerSettings(RedisSettings):
     broker_metrics_interval_s: float = Field(5.0, gt=0)
 
 
-async def amain(s: SchedulerSettings) -> None:
+async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> None:
     r = broker.connect(s.redis_url)
     # Calls retry the retryable codes with backoff, a few times; then, or on any other code, the run
     # fails and the process exits (see main). Not retried: a weight load or a path-2 push, whose
@@ -119,6 +120,8 @@ async def amain(s: SchedulerSettings) -> None:
     background = [work()]
     if s.metrics_port:
         background.append(follow_broker(r, keys, s.broker_metrics_interval_s))
+    # On Kubernetes: replica discovery, agent Jobs, trainer gang restart (each when configured).
+    background += kube.start(k or kube.KubeSettings(), r, keys, s.run_id)
     try:
         await run_until_signal(server, health, background)
     finally:
@@ -129,12 +132,13 @@ def main() -> None:
     exit_if_help(SchedulerSettings, __doc__)
     try:
         s = SchedulerSettings()
+        k = kube.KubeSettings()
     except ValidationError as exc:  # refused before anything serves: restarting cannot help
         print(f"tether.scheduler: refusing to start, bad settings: {exc}", file=sys.stderr)
         sys.exit(SETTINGS_REFUSED)
     setup_logging("scheduler", s.log_level)
     try:
-        asyncio.run(amain(s))
+        asyncio.run(amain(s, k))
     except Exception as exc:
         log.critical("fatal: %r; exiting non-zero so that the supervisor starts the scheduler again", exc)
         sys.exit(1)
