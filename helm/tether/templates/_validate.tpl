@@ -91,6 +91,9 @@ templates/validate.yaml.
 {{- if and $v.agents.jobs.enabled (not $v.scheduler.kubernetes.enabled) -}}
 {{- fail "agents.jobs.enabled: agent Jobs need scheduler.kubernetes.enabled: true (the scheduler creates them)" -}}
 {{- end -}}
+{{- if and $v.agents.jobs.enabled $v.agents.worker.enabled -}}
+{{- fail "agents.worker.enabled: the agent worker and agent Jobs would split the dispatched rollouts between them (one consumer group); set agents.worker.enabled: false with agents.jobs.enabled (agents.worker.fn still names the harness the Jobs run)" -}}
+{{- end -}}
 {{- if and $v.agents.jobs.enabled (not $v.agents.jobs.command) -}}
 {{- fail "agents.jobs.command required with agents.jobs.enabled (the harness each rollout's Job runs, e.g. [\"tether\", \"agent-job\"])" -}}
 {{- end -}}
