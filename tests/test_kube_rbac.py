@@ -192,7 +192,10 @@ def values_for(discovery: bool, gang: bool, agent_jobs: bool, enabled: bool = Tr
     return {
         "secrets": {"existingSecret": "tether-secrets"},
         "scheduler": {"kubernetes": {"enabled": enabled, "discovery": discovery, "gangRestart": gang}},
-        "agents": {"jobs": {"enabled": agent_jobs, "command": ["tether", "agent-job"]}},
+        "agents": {
+            "worker": {"enabled": not agent_jobs},
+            "jobs": {"enabled": agent_jobs, "command": ["tether", "agent-job"]},
+        },
     }
 
 
