@@ -13,6 +13,7 @@ ones, so a reader never goes back to a stale list.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import orjson
 
@@ -25,7 +26,7 @@ def same_replicas(a: list[InferenceReplica], b: list[InferenceReplica]) -> bool:
     return sorted(r.to_dict().items() for r in a) == sorted(r.to_dict().items() for r in b)
 
 
-async def current(r, keys: Keys) -> ReplicaSet | None:
+async def current(r: Any, keys: Keys) -> ReplicaSet | None:
     """The stored set, None when none was published (or what is stored does not decode)."""
     raw = await r.get(keys.replicas)
     if raw is None:
@@ -36,7 +37,7 @@ async def current(r, keys: Keys) -> ReplicaSet | None:
         return None
 
 
-async def publish(r, keys: Keys, replicas: list[InferenceReplica], source: str) -> ReplicaSet | None:
+async def publish(r: Any, keys: Keys, replicas: list[InferenceReplica], source: str) -> ReplicaSet | None:
     """Store `replicas` as the new set when they differ from the stored one; returns the new set, or
     None when nothing changed. One writer (the scheduler) at a time."""
     stored = await current(r, keys)

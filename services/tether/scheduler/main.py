@@ -22,6 +22,7 @@ from tether.common.logs import setup_logging
 from tether.common.retry import Retrying
 from tether.common.settings import RedisSettings, WeightPush
 from tether.common.usage import exit_if_help
+from tether.scheduler.fleet import InferenceFleet
 from tether.scheduler.metrics import follow_broker
 from tether.scheduler.run import Run, RunConfig, SchedulingMode, Stubs, load_tasks
 from tether.scheduler.servicer import SchedulerServicer
@@ -72,12 +73,19 @@ async def amain(s: SchedulerSettings) -> None:
     # Calls retry the retryable codes with backoff, a few times; then, or on any other code, the run
     # fails and the process exits (see main). Not retried: a weight load or a path-2 push, whose
     # failures the run handles itself (fallback to path 1; reconcile after a restart).
+    trainer = Retrying(trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)), exempt={"PushWeights"})
+    # The one adapter at inference_address, until Kubernetes discovery hands the fleet the replicas
+    # (fleet.update); from then on every replica's adapter (tether.scheduler.fleet).
+    fleet = InferenceFleet(
+        Retrying(inference_pb2_grpc.InferenceStub(channel(s.inference_address)), exempt={"LoadWeights"}),
+        r,
+        broker.Keys(s.namespace),
+        trainer=trainer,
+    )
     stubs = Stubs(
         gateway=Retrying(gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address))),
-        inference=Retrying(
-            inference_pb2_grpc.InferenceStub(channel(s.inference_address)), exempt={"LoadWeights"}
-        ),
-        trainer=Retrying(trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)), exempt={"PushWeights"}),
+        inference=fleet,
+        trainer=trainer,
     )
     cfg = RunConfig(
         run_id=s.run_id,
@@ -122,6 +130,7 @@ async def amain(s: SchedulerSettings) -> None:
     try:
         await run_until_signal(server, health, background)
     finally:
+        await fleet.aclose()
         await r.aclose()
 
 
