@@ -91,6 +91,7 @@ class InferenceFleet:
         connect: Callable[[InferenceReplica], Member] = connect,
         load_timeout_s: float = 1800.0,
         call_timeout_s: float = 60.0,
+        join_backoff_s: float = 1.0,
     ) -> None:
         self.single: Any = single  # the inference_address stub; None once discovery took over
         self.r = r
@@ -99,6 +100,7 @@ class InferenceFleet:
         self._connect = connect
         self.load_timeout_s = load_timeout_s
         self.call_timeout_s = call_timeout_s
+        self.join_backoff_s = join_backoff_s  # a failed join is tried again after backoff (full jitter)
         self.members: dict[Key, Member] = {}
         self.pending: dict[Key, InferenceReplica] = {}  # discovered, not joined yet
         self.failures: dict[Key, str] = {}  # why a pending replica's last join failed
@@ -289,7 +291,7 @@ class InferenceFleet:
             async with self._lock:
                 await self._join_round()
             if self.pending:
-                await asyncio.sleep(backoff(attempt, 1.0, 30.0))
+                await asyncio.sleep(backoff(attempt, self.join_backoff_s, 30.0))
                 attempt += 1
 
     async def _adopt(self) -> None:
