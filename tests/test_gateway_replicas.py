@@ -188,6 +188,57 @@ def test_an_empty_set_answers_503_at_once_until_replicas_come(redis_port, rdb, t
         assert chat(gw, rollout["api_key"]).status_code == 200
 
 
+def test_calls_keep_succeeding_while_the_set_keeps_changing(redis_port, rdb, three):
+    """Every set lists two replicas or more: whatever changes, each call is answered, and the in-flight
+    counts end at zero with every drained client closed."""
+    a, b, c = three
+    sets = [(a, b), (b, c), (a, c), (c,), (a, b, c), (b,), (a, b)]
+    with discovering(redis_port, a.url) as gw:
+        publish(rdb, gw, 1, replica(a, "inference-0"), replica(b, "inference-1"))
+        assert wait_until(lambda: states(gw) == {a.url: "routed", b.url: "routed"})
+        answers: list[int] = []
+        rollouts = [gw.new_rollout()["api_key"] for _ in range(6)]
+
+        def agent(key: str) -> None:
+            with httpx.Client(base_url=gw.url, timeout=30) as http:
+                for i in range(12):
+                    answers.append(
+                        http.post(
+                            "/v1/chat/completions",
+                            headers=bearer(key),
+                            json={
+                                "model": MODEL,
+                                "messages": [{"role": "user", "content": f"sleep:0.0{i % 4}"}],
+                            },
+                        ).status_code
+                    )
+
+        agents = [threading.Thread(target=agent, args=(k,)) for k in rollouts]
+        for t in agents:
+            t.start()
+        for version, fakes in enumerate(sets, start=2):
+            current = {f.url for f in fakes}
+            routed = {u for u, state in states(gw).items() if state == "routed"}
+            # The next set keeps one replica routed now, so that one is always there to take calls.
+            keep = next(f for f in three if f.url in routed)
+            publish(
+                rdb, gw, version, *(replica(f, f"inference-{'abc'[three.index(f)]}") for f in {*fakes, keep})
+            )
+            assert wait_until(
+                lambda cur=current | {keep.url}: (
+                    {u for u, state in states(gw).items() if state == "routed"} == cur
+                )
+            )
+        for t in agents:
+            t.join(60)
+        assert answers == [200] * len(answers) and len(answers) == 72
+        assert wait_until(lambda: all(s == "routed" for s in states(gw).values()))
+        shown = gw.http.get("/health").json()["replicas"]
+        assert all(r["in_flight"] == 0 for r in shown), shown
+        pool = gw.server.pool
+        assert pool.draining == [] and set(pool.by_url) == {r.url for r in pool.replicas}
+
+
 # --- the pool itself ---------------------------------------------------------------------------------
 
 

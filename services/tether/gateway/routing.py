@@ -200,7 +200,7 @@ class ReplicaPool:
         replica.reason = reason
 
     def mark_up(self, replica: Replica) -> None:
-        if not replica.healthy:
+        if not replica.healthy and replica in self.replicas:  # a joining one says so when routed
             log.info("vLLM replica %s is back", replica.url)
         replica.healthy = True
         replica.reason = ""
