@@ -13,6 +13,7 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 from fake_control import FakeInference, FakeTrainer, rpc_error
+from prometheus_client import REGISTRY
 
 from tether.common import replicas as published
 from tether.common.broker import Keys
@@ -172,6 +173,9 @@ async def test_a_failure_names_the_replica_and_a_failed_load_leaves_routing(clus
     # It may still serve version 0: out of routing at once; it joins again (to version 2) once it can.
     assert await cluster.routed() == ["inference-0"]
     assert cluster.fleet.status()["serving"] == ["inference-0"]
+    await cluster.fleet.settled()
+    assert "/ckpt/v2" in cluster.fleet.status()["joining"]["inference-1"]  # tried, failed again
+    assert REGISTRY.get_sample_value("tether_scheduler_inference_replicas", {"state": "joining"}) == 1
     b.fake.fail_load = set()
     await eventually(lambda: _is(cluster.fleet.status()["serving"] == ["inference-0", "inference-1"]))
     assert (b.fake.version, b.fake.checkpoint_dir) == (2, "/ckpt/v2")

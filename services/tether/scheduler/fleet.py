@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+from prometheus_client import Gauge
 
 from tether.common import replicas as published
 from tether.common.broker import Keys
@@ -43,6 +44,12 @@ from tether.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 log = logging.getLogger(__name__)
 
 SOURCE = "kubernetes"
+
+REPLICAS = Gauge(
+    "tether_scheduler_inference_replicas",
+    "Discovered inference replicas: serving (joined, published) or joining (not yet at the run's weights)",
+    ["state"],
+)
 
 Key = tuple[str, str, str]  # name, vllm_url, control_address: a replica whose address changed is another
 
@@ -114,6 +121,8 @@ class InferenceFleet:
         self._joiner: asyncio.Task | None = None
         self._joins: dict[Key, asyncio.Future] = {}  # joins under way (cancelled when one goes away)
         self._tried = asyncio.Condition()  # notified after every round of joins
+        REPLICAS.labels("serving").set_function(lambda: len(self.members))
+        REPLICAS.labels("joining").set_function(lambda: len(self.pending))
 
     # --- the Inference surface the run calls ---------------------------------------------------------
 
@@ -166,32 +175,31 @@ class InferenceFleet:
             return answer
 
     async def Pause(self, req: inference_pb2.PauseRequest, **kw: Any) -> types_pb2.Empty:
-        self.paused = req.mode or "keep"
-        return await self._each("Pause", req, kw)
+        return await self._each("Pause", req, kw, paused=req.mode or "keep")
 
     async def Resume(self, req: types_pb2.Empty, **kw: Any) -> types_pb2.Empty:
-        out = await self._each("Resume", req, kw)
-        self.paused = None
-        return out
+        return await self._each("Resume", req, kw, paused=None)
 
     async def Sleep(self, req: inference_pb2.SleepRequest, **kw: Any) -> types_pb2.Empty:
-        self.asleep = req.level or 1
-        return await self._each("Sleep", req, kw)
+        return await self._each("Sleep", req, kw, asleep=req.level or 1)
 
     async def WakeUp(self, req: types_pb2.Empty, **kw: Any) -> types_pb2.Empty:
-        out = await self._each("WakeUp", req, kw)
-        self.asleep = None
-        return out
+        return await self._each("WakeUp", req, kw, asleep=None)
 
     # --- fan-out --------------------------------------------------------------------------------------
 
-    async def _each(self, method: str, req: Any, kw: dict) -> types_pb2.Empty:
+    async def _each(self, method: str, req: Any, kw: dict, **state: Any) -> types_pb2.Empty:
+        """A call without an answer; once it succeeded, the state it put the replicas in (`paused`,
+        `asleep`) is what a joining replica is put in too."""
         async with self._lock:
             if self.single is not None:
                 result: types_pb2.Empty = await getattr(self.single, method)(req, **kw)
-                return result
-            await self._all(method, req, kw)
-            return types_pb2.Empty()
+            else:
+                await self._all(method, req, kw)
+                result = types_pb2.Empty()
+            for name, value in state.items():
+                setattr(self, name, value)
+            return result
 
     async def _all(self, method: str, req: Any, kw: dict) -> list[Any]:
         """Every member's answer (the lock held), or one error naming those that failed; a replica that
