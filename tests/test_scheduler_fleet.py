@@ -304,3 +304,35 @@ async def test_without_discovery_the_fleet_is_the_one_adapter():
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await fleet.LoadWeights(load(9))
     assert err.value.details() == "weight load failed: /ckpt/v9"  # the adapter's own error
+
+
+async def test_a_removal_published_while_redis_is_away_is_published_once_it_answers(tmp_path):
+    from tether.common.net import free_port
+    from tether.common.redis_server import start_embedded_redis
+
+    port = free_port()
+    proc = start_embedded_redis(tmp_path / "redis", port)
+    c = Cluster(port)
+    try:
+        await c.add("inference-0")
+        await c.add("inference-1")
+        await c.discover("inference-0", "inference-1")
+        await c.fleet.settled()
+        assert await c.routed() == ["inference-0", "inference-1"]
+        proc.terminate()
+        proc.wait(10)
+        await c.discover("inference-0")  # does not raise: the set is published once Redis is back
+        assert c.fleet.status()["serving"] == ["inference-0"]
+        proc = start_embedded_redis(tmp_path / "redis", port)
+
+        async def republished() -> bool:
+            try:
+                return await c.routed() == ["inference-0"]
+            except Exception:
+                return False
+
+        await eventually(republished, 60)
+    finally:
+        await c.close()
+        proc.terminate()
+        proc.wait(10)

@@ -121,6 +121,7 @@ class InferenceFleet:
         self._joiner: asyncio.Task | None = None
         self._joins: dict[Key, asyncio.Future] = {}  # joins under way (cancelled when one goes away)
         self._tried = asyncio.Condition()  # notified after every round of joins
+        self._unpublished = False  # the last publish failed (Redis): publish again
         REPLICAS.labels("serving").set_function(lambda: len(self.members))
         REPLICAS.labels("joining").set_function(lambda: len(self.pending))
 
@@ -169,8 +170,9 @@ class InferenceFleet:
                     del self.members[key(m.replica)]
                     self.pending[key(m.replica)] = m.replica
                     await _closed(m)
-                await self._publish()
                 self._join_later()
+                with contextlib.suppress(Exception):  # Redis away: published by the next round
+                    await self._publish()
                 raise combined_error([(m.replica, exc) for m, exc in failed])
             return answer
 
@@ -244,7 +246,7 @@ class InferenceFleet:
         """The replicas discovered now (all of them). Those gone are published out at once (never
         waiting for a push) and their channels closed; those new join in the background (`settled`
         waits for their first try). The first call hands the run from the configured adapter to the
-        discovered replicas."""
+        discovered replicas. Never raises for Redis: a set not published is published again later."""
         if self.single is not None:
             log.info("inference replicas discovered: weights go to each of them from now on")
             self.single = None
@@ -259,13 +261,16 @@ class InferenceFleet:
             join = self._joins.pop(k, None)
             if join is not None:
                 join.cancel()
-        if gone or not want:
-            await self._publish()  # an empty list is news too: the gateway stops its configured URLs
-            for m in gone:
-                await _closed(m)
         for k, x in want.items():
             if k not in self.members and k not in self.pending:
                 self.pending[k] = x
+        for m in gone:
+            await _closed(m)  # ends its calls in flight
+        if gone or not want or self._unpublished:
+            try:
+                await self._publish()  # an empty list is news too: the gateway stops its configured URLs
+            except Exception as exc:
+                log.warning("inference replicas not published (%r): trying again", exc)
         self._join_later()
 
     async def settled(self) -> None:
@@ -290,15 +295,20 @@ class InferenceFleet:
         self.members.clear()
 
     def _join_later(self) -> None:
-        if self.pending and (self._joiner is None or self._joiner.done()):
+        if (self.pending or self._unpublished) and (self._joiner is None or self._joiner.done()):
             self._joiner = asyncio.create_task(self._join_pending())
 
     async def _join_pending(self) -> None:
         attempt = 0
-        while self.pending:
-            async with self._lock:
-                await self._join_round()
-            if self.pending:
+        while self.pending or self._unpublished:
+            try:
+                async with self._lock:
+                    await self._join_round()
+                    if self._unpublished:
+                        await self._publish()
+            except Exception as exc:  # Redis not answering: the joined stay joined, published later
+                log.warning("inference replicas: %r; trying again", exc)
+            if self.pending or self._unpublished:
                 await asyncio.sleep(backoff(attempt, self.join_backoff_s, 30.0))
                 attempt += 1
 
@@ -380,9 +390,13 @@ class InferenceFleet:
             await stub.Sleep(inference_pb2.SleepRequest(level=self.asleep), timeout=self.call_timeout_s)
 
     async def _publish(self) -> None:
+        """Publish the members as the set the gateway routes to (a no-op when it did not change). Until
+        that succeeds, `_unpublished` says so: the next update or round of joins publishes again."""
         async with self._publish_lock:
+            self._unpublished = True
             routed = [m.replica for m in self.members.values()]
             new = await published.publish(self.r, self.keys, routed, SOURCE)
+            self._unpublished = False
             if new is not None:
                 log.info(
                     "replica set %d published: %s", new.version, ", ".join(x.name for x in routed) or "none"
