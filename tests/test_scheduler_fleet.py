@@ -82,7 +82,7 @@ class Cluster:
         self.single = FakeInference()
         self.fleet = InferenceFleet(self.single, self.r, self.keys, trainer=self.trainer, join_backoff_s=0.02)
 
-    async def add(self, name: str, version: int = 0, checkpoint_dir: str = "") -> Adapter:
+    async def add(self, name: str, version: int = 0, checkpoint_dir: str = "", vllm_url: str = "") -> Adapter:
         adapter = Adapter(FakeInference(version, checkpoint_dir))
         server, _, port = await start_server(
             0, lambda srv: inference_pb2_grpc.add_InferenceServicer_to_server(adapter, srv) or []
@@ -90,7 +90,9 @@ class Cluster:
         self.servers.append(server)
         self.adapters[name] = adapter
         self.replicas[name] = InferenceReplica(
-            name=name, vllm_url=f"http://127.0.0.1:{port + 1}", control_address=f"127.0.0.1:{port}"
+            name=name,
+            vllm_url=vllm_url or f"http://127.0.0.1:{port + 1}",
+            control_address=f"127.0.0.1:{port}",
         )
         return adapter
 
@@ -336,3 +338,55 @@ async def test_a_removal_published_while_redis_is_away_is_published_once_it_answ
         await c.close()
         proc.terminate()
         proc.wait(10)
+
+
+async def test_the_gateway_routes_to_what_the_fleet_publishes_and_never_to_stale_weights(redis_port, cluster):
+    """Both consumers of the one interface together: the fleet publishes, a discovering gateway
+    follows; a replica is routed only after it loaded the run's weights, and drained once it left."""
+    from fakes.vllm_openai import FakeVLLM
+    from gateway_helpers import InProcessGateway, gateway_settings
+
+    def routed_by_gateway(gw: InProcessGateway) -> set[str]:
+        return {r["url"] for r in gw.http.get("/health").json()["replicas"] if r["state"] == "routed"}
+
+    async def gateway_routes(gw: InProcessGateway, urls: set[str]) -> None:
+        async def check() -> bool:
+            return await asyncio.to_thread(routed_by_gateway, gw) == urls
+
+        await eventually(check)
+
+    with (
+        FakeVLLM() as service,
+        FakeVLLM() as va,
+        FakeVLLM() as vb,
+        InProcessGateway(
+            gateway_settings(
+                redis_port,
+                service.url,
+                namespace=cluster.keys.ns,
+                replica_discovery=True,
+                health_check_s=0.05,
+            )
+        ) as gw,
+    ):
+        await cluster.add("inference-0", vllm_url=va.url)
+        b = await cluster.add("inference-1", vllm_url=vb.url)
+        await cluster.discover("inference-0")
+        await cluster.fleet.LoadWeights(load(1))
+        await gateway_routes(gw, {va.url})
+        routed_while_loading: list[set[str]] = []
+
+        async def look() -> None:
+            await asyncio.sleep(0.2)  # several of the gateway's reads
+            routed_while_loading.append(await asyncio.to_thread(routed_by_gateway, gw))
+
+        b.seen["LoadWeights"] = look
+        await cluster.discover("inference-0", "inference-1")
+        await cluster.fleet.settled()
+        assert routed_while_loading == [{va.url}] and b.fake.version == 1
+        await gateway_routes(gw, {va.url, vb.url})
+        await cluster.discover("inference-1")
+        await gateway_routes(gw, {vb.url})
+        await eventually(
+            lambda: _is(va.url not in {r["url"] for r in gw.http.get("/health").json()["replicas"]})
+        )
