@@ -249,6 +249,25 @@ async def test_a_replica_joining_during_a_push_waits_for_it_and_gets_the_new_wei
     ]
 
 
+async def test_a_join_that_hangs_ends_when_its_replica_goes_away(cluster):
+    await cluster.add("inference-0")
+    await cluster.discover("inference-0")
+    await cluster.fleet.LoadWeights(load(1))
+    await cluster.fleet.settled()
+    c = await cluster.add("inference-2")
+    c.gates["GetWeightVersion"] = asyncio.Event()  # its adapter never answers
+    await cluster.discover("inference-0", "inference-2")
+    await c.started["GetWeightVersion"].wait()
+    push = asyncio.create_task(cluster.fleet.LoadWeights(load(2)))
+    await asyncio.sleep(0.2)
+    assert not push.done()  # a push waits for the join under way
+    await cluster.discover("inference-0")  # it went away: its join is cancelled
+    assert (await asyncio.wait_for(push, 10)).version == 2
+    await cluster.fleet.settled()
+    assert cluster.fleet.status()["joining"] == {} and await cluster.routed() == ["inference-0"]
+    assert c.fake.log == []
+
+
 async def test_a_replica_that_goes_away_is_published_out_at_once_even_mid_push(cluster):
     a, b = await cluster.add("inference-0"), await cluster.add("inference-1")
     await cluster.discover("inference-0", "inference-1")

@@ -3,7 +3,7 @@
 Until `update` is first called (local, Compose, Kubernetes without discovery) the fleet hands every
 call to the one adapter at `inference_address`, as that stub would answer it: nothing changes.
 
-Once the scheduler's Kubernetes discovery calls `update` (tether.scheduler.kube, from its watch), the
+Once the scheduler's Kubernetes discovery calls `update` (from its EndpointSlice watch), the
 fleet is the replicas discovered and *joined*, its members. A call goes to every member at once and
 is answered from all of them: it succeeds only when every member succeeded (a failure names each
 replica that failed, as one grpc.aio.AioRpcError with the first failure's code, so that the run's own
@@ -272,6 +272,7 @@ class InferenceFleet:
             except Exception as exc:
                 log.warning("inference replicas not published (%r): trying again", exc)
         self._join_later()
+        await self._notify()  # one that went away is no longer waited for
 
     async def settled(self) -> None:
         """Wait until every replica discovered has joined or failed its latest try."""
@@ -338,7 +339,14 @@ class InferenceFleet:
                 self.failures[k] = str(res) or repr(res)
                 log.warning("inference replica %s did not join (tried again later): %s", x.name, res)
         if joined:
-            await self._publish()
+            try:
+                await self._publish()
+            except Exception as exc:  # joined all the same: the joiner publishes them once Redis answers
+                log.warning("inference replicas not published (%r): trying again", exc)
+                self._join_later()
+        await self._notify()
+
+    async def _notify(self) -> None:
         async with self._tried:
             self._tried.notify_all()
 
