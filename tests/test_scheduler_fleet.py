@@ -409,3 +409,38 @@ async def test_the_gateway_routes_to_what_the_fleet_publishes_and_never_to_stale
         await eventually(
             lambda: _is(va.url not in {r["url"] for r in gw.http.get("/health").json()["replicas"]})
         )
+
+
+async def test_a_colocated_step_of_the_run_reaches_every_replica_and_one_joining_mid_step(cluster, tmp_path):
+    """The run's own code (Run.start_run, Run.push with sleep) against the fleet: every replica sleeps,
+    wakes and loads; one that joins while the trainer trains is put to sleep like the others first."""
+    from fake_control import FakeGateway
+
+    from tether.scheduler.run import Run, RunConfig, Stubs
+
+    a, b = await cluster.add("inference-0"), await cluster.add("inference-1")
+    c = await cluster.add("inference-2")
+    await cluster.discover("inference-0", "inference-1")
+    trainer = FakeTrainer(FakeInference())
+    train_step = trainer.TrainStep
+
+    async def train_while_one_joins(req):
+        await cluster.discover("inference-0", "inference-1", "inference-2")
+        await cluster.fleet.settled()
+        assert await cluster.routed() == ["inference-0", "inference-1", "inference-2"]
+        return await train_step(req)
+
+    trainer.TrainStep = train_while_one_joins
+    config = RunConfig(
+        run_id="r", steps=2, tasks_per_step=1, group_size=1, seed=0, run_dir=tmp_path, sleep_level=1
+    )
+    run = Run(
+        cluster.r, cluster.keys, config, Stubs(FakeGateway(), cluster.fleet, trainer), [{"task_id": "t"}]
+    )
+    assert await run.start_run() == 0
+    await run.push(0, ["g0"], colocated=True)
+    assert run.state.weight_version == 1
+    for f in (a.fake, b.fake):
+        assert f.log == ["version", "version", "resume", "sleep:1", "wake", "load:/ckpt/v1:1"]
+    assert c.fake.log == ["version", "resume", "sleep:1", "wake", "load:/ckpt/v1:1"]
+    assert all((f.fake.version, f.fake.asleep) == (1, False) for f in (a, b, c))
