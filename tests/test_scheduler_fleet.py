@@ -28,12 +28,13 @@ METHODS = ("GetWeightVersion", "LoadWeights", "Pause", "Resume", "Sleep", "WakeU
 
 class Adapter(inference_pb2_grpc.InferenceServicer):
     """A FakeInference behind gRPC. `gates[method]`: the call waits until the event is set; `fail`:
-    methods answering UNAVAILABLE; `seen[method]`: runs (awaited) before the call is answered."""
+    methods answering `fail_code`; `seen[method]`: runs (awaited) before the call is answered."""
 
     def __init__(self, fake: FakeInference) -> None:
         self.fake = fake
         self.gates: dict[str, asyncio.Event] = {}
         self.fail: set[str] = set()
+        self.fail_code = grpc.StatusCode.FAILED_PRECONDITION  # not retried: the test stays quick
         self.seen: dict = {}
         self.started: dict[str, asyncio.Event] = {m: asyncio.Event() for m in METHODS}
 
@@ -44,7 +45,7 @@ class Adapter(inference_pb2_grpc.InferenceServicer):
         if method in self.seen:
             await self.seen[method]()
         if method in self.fail:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{method} failed here")
+            await context.abort(self.fail_code, f"{method} failed here")
         try:
             return await getattr(self.fake, method)(request)
         except grpc.aio.AioRpcError as exc:
@@ -162,7 +163,7 @@ async def test_a_failure_names_the_replica_and_a_failed_load_leaves_routing(clus
     b.fail.add("Pause")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await cluster.fleet.Pause(inference_pb2.PauseRequest(mode="keep"))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # the replica's own code
     assert "inference replica inference-1" in err.value.details() and "inference-0" not in err.value.details()
     assert b.fake.log.count("pause:keep") == 0 and a.fake.paused
     b.fail.clear()
