@@ -445,3 +445,17 @@ async def test_a_colocated_step_of_the_run_reaches_every_replica_and_one_joining
         assert f.log == ["version", "version", "resume", "sleep:1", "wake", "load:/ckpt/v1:1"]
     assert c.fake.log == ["version", "resume", "sleep:1", "wake", "load:/ckpt/v1:1"]
     assert all((f.fake.version, f.fake.asleep) == (1, False) for f in (a, b, c))
+
+
+async def test_a_replica_on_other_weights_than_the_base_model_joins_after_the_next_load(cluster):
+    await cluster.add("inference-0")
+    await cluster.discover("inference-0")
+    assert (await cluster.fleet.GetWeightVersion(types_pb2.Empty())).version == 0  # the run: base model
+    stray = await cluster.add("inference-1", version=5, checkpoint_dir="/ckpt/v5")  # another run's
+    await cluster.discover("inference-0", "inference-1")
+    await cluster.fleet.settled()
+    assert "serves version 5" in cluster.fleet.status()["joining"]["inference-1"]
+    assert await cluster.routed() == ["inference-0"]  # never routed on those weights
+    await cluster.fleet.LoadWeights(load(1))
+    await eventually(lambda: _is(cluster.fleet.status()["serving"] == ["inference-0", "inference-1"]))
+    assert (stray.fake.version, await cluster.routed()) == (1, ["inference-0", "inference-1"])

@@ -370,11 +370,8 @@ class InferenceFleet:
         current = served.version == version and (
             not served.checkpoint_dir or not checkpoint_dir or served.checkpoint_dir == checkpoint_dir
         )
-        if not current and version == 0:
-            log.warning(
-                "inference replica %s serves version %d, the run the base model", name, served.version
-            )
-            current = True
+        if not current and version == 0:  # no checkpoint holds the base model: wait for the next push
+            raise RuntimeError(f"it serves version {served.version}, the run the base model (version 0)")
         if not current:
             if not checkpoint_dir:  # pushed by path 2: the trainer's checkpoint of that version
                 status = await self.trainer.GetStatus(types_pb2.Empty()) if self.trainer is not None else None
