@@ -96,6 +96,14 @@ def test_configured_urls_serve_until_a_set_arrives_then_versions_apply_in_order(
         assert len(a.requests) == seen
         publish(rdb, gw, 4, replica(c, "inference-1"))
         assert wait_until(lambda: states(gw) == {c.url: "routed"})
+        # A set no longer stored (Redis lost its data) keeps routing; the scheduler's next one counts
+        # from 1 again.
+        rdb.delete(gw.keys.replicas)
+        assert wait_until(lambda: gw.server.pool.version == 0) and states(gw) == {c.url: "routed"}
+        publish(rdb, gw, 1, replica(b, "inference-0"), replica(c, "inference-1"))
+        assert wait_until(lambda: states(gw) == {b.url: "routed", c.url: "routed"})
+        publish(rdb, gw, 2, replica(c, "inference-1"))
+        assert wait_until(lambda: states(gw) == {c.url: "routed"})
         text = gw.http.get("/metrics").text
         assert 'tether_gateway_replicas{state="up"} 1.0' in text
         assert 'tether_gateway_replicas{state="draining"} 0.0' in text

@@ -19,7 +19,8 @@ characters or ids), which every later turn of that conversation repeats. These a
 
 Discovered replicas (TETHER_REPLICA_DISCOVERY=true, on Kubernetes): the pool follows the ReplicaSet the
 scheduler publishes at `Keys.replicas` (tether.common.replicas), read with every health check. Each
-set is applied once, in version order (an older or equal version is ignored). The configured URLs
+set is applied once, in version order (an older or equal version is ignored; once the key is gone,
+as when Redis lost its data, the next set counts whatever its version). The configured URLs
 serve until the first set arrives. A replica new in the set *joins*: it gets its client and takes no
 call until a health check passes. A replica no longer in the set is *drained*: out of routing at once
 (rollouts that stuck to it move on their next call), its calls in flight finish, and its client is
@@ -328,6 +329,11 @@ class ReplicaPool:
                 unread = False
                 if replica_set is not None:
                     self.apply(replica_set, new_client)
+                elif self.version:  # the key is gone (Redis lost its data): the next set counts anew
+                    log.warning(
+                        "replica set %d no longer stored; routing stays until the next one", self.version
+                    )
+                    self.version = 0
             try:
                 await self.check_all(timeout_s)
                 await self.close_drained()

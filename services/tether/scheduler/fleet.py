@@ -370,13 +370,14 @@ class InferenceFleet:
         current = served.version == version and (
             not served.checkpoint_dir or not checkpoint_dir or served.checkpoint_dir == checkpoint_dir
         )
-        if not current and version == 0:  # no checkpoint holds the base model: wait for the next push
-            raise RuntimeError(f"it serves version {served.version}, the run the base model (version 0)")
         if not current:
-            if not checkpoint_dir:  # pushed by path 2: the trainer's checkpoint of that version
+            if not checkpoint_dir:  # pushed by path 2 (or the base model): the trainer's checkpoint
                 status = await self.trainer.GetStatus(types_pb2.Empty()) if self.trainer is not None else None
                 if status is None or status.weight_version != version or not status.checkpoint_dir:
-                    raise RuntimeError(f"no checkpoint known for version {version} (pushed by path 2)")
+                    # Tried again after the run's next load, which names one.
+                    raise RuntimeError(
+                        f"it serves version {served.version}; no checkpoint known for version {version}"
+                    )
                 checkpoint_dir = status.checkpoint_dir
             log.info(
                 "inference replica %s serves version %d: loading %s", name, served.version, checkpoint_dir
