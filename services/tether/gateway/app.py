@@ -594,9 +594,7 @@ def create_app(
     m.IN_FLIGHT.set_function(lambda: admission.in_flight)
     m.PAUSED.set_function(lambda: float(admission.paused))
     m.WEIGHT_VERSION.set_function(lambda: admission.weight_version)
-    for replica in pool.replicas:
-        m.REPLICA_HEALTHY.labels(replica.url).set_function(lambda r=replica: float(r.healthy))
-        m.REPLICA_IN_FLIGHT.labels(replica.url).set_function(lambda r=replica: r.in_flight)
+    pool.export_metrics()  # per-replica gauges follow replicas that join and leave
     created = int(time.time())
 
     # --- errors --------------------------------------------------------------------------------

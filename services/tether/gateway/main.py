@@ -23,7 +23,7 @@ import uvicorn
 from pydantic import Field, ValidationError, field_validator, model_validator
 from redis.exceptions import RedisError
 
-from tether.common import broker
+from tether.common import broker, replicas
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.net import is_loopback
@@ -54,6 +54,9 @@ class GatewaySettings(RedisSettings):
     vllm_api_key: str | None = None
     # Replicas: GET /health every health_check_s puts a replica back (or takes it out).
     health_check_s: float = Field(5.0, gt=0)
+    # Follow the replicas the scheduler discovers (Kubernetes) and publishes at Keys.replicas, read
+    # every health_check_s; vllm_url(s) serve until the first set arrives (tether.gateway.routing).
+    replica_discovery: bool = False
     health_timeout_s: float = Field(2.0, gt=0)
     # Upstream 502/503/504, timeouts and broken connections are sent again (while nothing reached the
     # client) up to upstream_retries times, after retry_backoff_s, doubling. A 500 is not (proxy.py).
@@ -244,21 +247,7 @@ class GatewayServer:
         self.recorder = Recorder(self.redis, s.redis_url, keys)
         with contextlib.suppress(RedisError, OSError):  # loaded on first use when Redis is not up yet
             await self.recorder.start()
-        self.pool = ReplicaPool(
-            [
-                Replica(
-                    url,
-                    UpstreamClient(
-                        url,
-                        s.upstream_timeout_s,
-                        s.upstream_max_connections,
-                        s.vllm_api_key,
-                        s.upstream_connect_timeout_s,
-                    ),
-                )
-                for url in s.replica_urls
-            ]
-        )
+        self.pool = ReplicaPool([Replica(url, self._upstream(url)) for url in s.replica_urls])
         self.rollouts = RolloutRegistry(
             self.redis, keys, self.admission, s.admin_token, s.finish_wait_s, batch=self.recorder.batch
         )
@@ -298,7 +287,17 @@ class GatewayServer:
             access=s.access_log,
             cors_origins=s.cors_origin_list,
         )
-        self._health_task = asyncio.create_task(self.pool.watch(s.health_check_s, s.health_timeout_s))
+        if s.replica_discovery:
+            self._health_task = asyncio.create_task(
+                self.pool.follow(
+                    lambda: replicas.current(self.redis, keys),
+                    self._upstream,
+                    s.health_check_s,
+                    s.health_timeout_s,
+                )
+            )
+        else:
+            self._health_task = asyncio.create_task(self.pool.watch(s.health_check_s, s.health_timeout_s))
 
         def register(server: grpc.aio.Server) -> list[str]:
             gateway_pb2_grpc.add_GatewayControlServicer_to_server(
@@ -340,6 +339,16 @@ class GatewayServer:
             s.gateway_host,
             self.grpc_port,
             ", ".join(s.replica_urls),
+        )
+
+    def _upstream(self, url: str) -> UpstreamClient:
+        s = self.s
+        return UpstreamClient(
+            url,
+            s.upstream_timeout_s,
+            s.upstream_max_connections,
+            s.vllm_api_key,
+            s.upstream_connect_timeout_s,
         )
 
     async def _redis_ok(self) -> bool:

@@ -44,6 +44,11 @@ FAILOVERS = Counter(
 IN_FLIGHT = Gauge("tether_gateway_in_flight", "Calls admitted and not yet recorded")
 REPLICA_IN_FLIGHT = Gauge("tether_gateway_replica_in_flight", "Calls in flight per vLLM replica", ["replica"])
 REPLICA_HEALTHY = Gauge("tether_gateway_replica_healthy", "1 while a vLLM replica takes calls", ["replica"])
+REPLICAS = Gauge(
+    "tether_gateway_replicas",
+    "vLLM replicas by state: up, down (routed), joining (discovered, not checked yet), draining",
+    ["state"],
+)
 PAUSED = Gauge("tether_gateway_admission_paused", "1 while admission is paused")
 WEIGHT_VERSION = Gauge("tether_gateway_weight_version", "Weight version new calls are recorded with")
 

@@ -342,7 +342,8 @@ class Proxy:
             await self.rollouts.authenticate(api_key, path_rollout)
         body = api.count_tokens_body(raw)
         replica = self.pool.pick()
-        assert replica is not None
+        if replica is None:  # every discovered replica went away
+            raise self._unavailable_error(ConnectFailed("no vLLM replica reachable"))
         try:
             ex = await replica.client.request("POST", TOKENIZE_PATH, body)
             status = await ex.head()
@@ -424,7 +425,7 @@ class Proxy:
                 self.pool.mark_down(replica, str(exc))
                 m.child(m.UPSTREAM_ERRORS, replica.url, exc.kind).inc()
                 exclude.add(replica)
-                if len(exclude) >= len(self.pool.replicas):
+                if all(r in exclude for r in self.pool.replicas):  # the list may have changed meanwhile
                     call.upstream_latency_s = time.perf_counter() - t_up
                     raise await self._unavailable(call, exc) from None
                 call.failovers += 1

@@ -23,6 +23,7 @@ from tether.common.retry import Retrying
 from tether.common.settings import RedisSettings, WeightPush
 from tether.common.usage import exit_if_help
 from tether.scheduler import kube
+from tether.scheduler.fleet import InferenceFleet
 from tether.scheduler.metrics import follow_broker
 from tether.scheduler.run import Run, RunConfig, SchedulingMode, Stubs, load_tasks
 from tether.scheduler.servicer import SchedulerServicer
@@ -73,12 +74,19 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
     # Calls retry the retryable codes with backoff, a few times; then, or on any other code, the run
     # fails and the process exits (see main). Not retried: a weight load or a path-2 push, whose
     # failures the run handles itself (fallback to path 1; reconcile after a restart).
+    trainer = Retrying(trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)), exempt={"PushWeights"})
+    # The one adapter at inference_address, until Kubernetes discovery hands the fleet the replicas
+    # (fleet.update); from then on every replica's adapter (tether.scheduler.fleet).
+    fleet = InferenceFleet(
+        Retrying(inference_pb2_grpc.InferenceStub(channel(s.inference_address)), exempt={"LoadWeights"}),
+        r,
+        broker.Keys(s.namespace),
+        trainer=trainer,
+    )
     stubs = Stubs(
         gateway=Retrying(gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address))),
-        inference=Retrying(
-            inference_pb2_grpc.InferenceStub(channel(s.inference_address)), exempt={"LoadWeights"}
-        ),
-        trainer=Retrying(trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)), exempt={"PushWeights"}),
+        inference=fleet,
+        trainer=trainer,
     )
     cfg = RunConfig(
         run_id=s.run_id,
@@ -121,10 +129,11 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
     if s.metrics_port:
         background.append(follow_broker(r, keys, s.broker_metrics_interval_s))
     # On Kubernetes: replica discovery, agent Jobs, trainer gang restart (each when configured).
-    background += kube.start(k or kube.KubeSettings(), r, keys, s.run_id)
+    background += kube.start(k or kube.KubeSettings(), r, keys, s.run_id, on_replicas=fleet.update)
     try:
         await run_until_signal(server, health, background)
     finally:
+        await fleet.aclose()
         await r.aclose()
 
 

@@ -35,8 +35,9 @@ def start(
     api: KubeApi | None = None,
 ) -> list[Coroutine[Any, Any, None]]:
     """The background coroutines of the features `s` turns on (none when Kubernetes is off).
-    `on_replicas` defaults to publishing each discovered list as the ReplicaSet; `api` to the pod's
-    service account."""
+    `on_replicas`: the scheduler passes its inference fleet's `update` (new replicas are brought to the
+    run's weights before they are published to the gateway); without it each discovered list is
+    published as is. `api` defaults to the pod's service account."""
     if not s.kube_enabled:
         return []
     from tether.scheduler.kube import client, gang, jobs
