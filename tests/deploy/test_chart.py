@@ -1,0 +1,119 @@
+"""helm/tether for every value set under tests/deploy/values/: lint (strict), schema, render at two
+Kubernetes versions, each object valid there (kubernetes-validate --strict; custom resources against
+their CRDs' vendored schemas), the kinds the set promises, and the golden render reviewers diff.
+
+TETHER_UPDATE_GOLDEN=1 rewrites tests/deploy/golden/ from the current chart."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+
+from deploy import chart
+from deploy.validate import kube_violations
+
+GOOD = chart.good_sets()
+NAMES = [s.name for s in GOOD]
+AT_VERSIONS = [pytest.param(s.name, v, id=f"{s.name}@{v}") for s in GOOD for v in s.kube_versions]
+UPDATE = os.environ.get("TETHER_UPDATE_GOLDEN") == "1"
+
+
+def test_the_chart_is_what_the_other_code_expects():
+    meta = chart.chart_metadata()
+    assert (meta["name"], meta["version"], meta["appVersion"]) == ("tether", "0.1.0", "0.1.0")
+    assert meta["kubeVersion"] == ">=1.29.0-0"
+    assert chart.schema() is not None, "values.schema.json is missing"
+
+
+def test_every_good_set_is_checked_at_two_kubernetes_versions():
+    for vs in GOOD:
+        assert len(set(vs.kube_versions)) >= 2, vs.name
+        for v in vs.kube_versions:
+            assert re.fullmatch(r"1\.\d+\.\d+", v), (vs.name, v)
+    assert len(GOOD) >= 9
+
+
+@pytest.mark.parametrize("name,version", AT_VERSIONS)
+def test_helm_lint_strict(name, version):
+    report = chart.lint(name, version)
+    # Severity 1 is INFO ("icon is recommended"); strict lint fails on warnings (2) and errors (3).
+    problems = [m for m in report["messages"] if m["severity"] >= 2] + report["errors"]
+    assert problems == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_values_pass_the_schema(name):
+    chart.validate_schema(chart.value_set(name).values)
+
+
+@pytest.mark.parametrize("name,version", AT_VERSIONS)
+def test_every_object_is_valid_at_the_kubernetes_version(name, version):
+    vs = chart.value_set(name)
+    render = chart.render(name, version, vs.api_versions)
+    assert render.objects, "the render is empty"
+    problems = [
+        f"{o['kind']}/{o.get('metadata', {}).get('name')}: {p}" for o in render.objects for p in kube_violations(o, version)
+    ]
+    assert problems == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_render_holds_the_kinds_the_set_promises(name):
+    vs = chart.value_set(name)
+    kinds = {o["kind"] for o in chart.render(name).objects}
+    assert set(vs.words("expect-kinds")) <= kinds, f"missing {set(vs.words('expect-kinds')) - kinds}"
+    assert not set(vs.words("expect-no-kinds")) & kinds, f"unexpected {set(vs.words('expect-no-kinds')) & kinds}"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_object_is_named_and_labelled_for_the_release(name):
+    problems = []
+    for o in chart.render(name).objects:
+        meta = o.get("metadata") or {}
+        labels = meta.get("labels") or {}
+        where = f"{o['kind']}/{meta.get('name')}"
+        if not str(meta.get("name", "")).startswith(chart.FULLNAME):
+            problems.append(f"{where}: name does not start with {chart.FULLNAME}")
+        for k, v in (("app.kubernetes.io/name", "tether"), ("app.kubernetes.io/instance", chart.RELEASE)):
+            if labels.get(k) != v:
+                problems.append(f"{where}: label {k}={labels.get(k)!r}")
+        if "app.kubernetes.io/component" not in labels:
+            problems.append(f"{where}: no component label")
+    assert problems == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_golden_render(name):
+    text = chart.render(name).text()
+    path = chart.GOLDEN / f"{name}.yaml"
+    if UPDATE:
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text)
+    assert path.exists(), f"no golden render: TETHER_UPDATE_GOLDEN=1 writes {path.relative_to(chart.ROOT)}"
+    # Compared exactly: a change to the chart shows up as a diff of these files in review.
+    assert text == path.read_text(), f"{path.name} differs: rerun with TETHER_UPDATE_GOLDEN=1 and review the diff"
+
+
+def test_no_golden_render_without_its_value_set():
+    stale = {p.stem for p in chart.GOLDEN.glob("*.yaml")} - set(NAMES)
+    assert not stale, f"golden renders of removed value sets: {sorted(stale)}"
+
+
+def test_renders_are_reproducible():
+    """Two renders of one set are identical (no random password, no timestamp): the goldens and GitOps
+    diffs depend on it."""
+    vs = GOOD[0]
+    first = chart.render_values(vs.values, vs.kube_versions[0], vs.api_versions).text()
+    assert first == chart.render(vs.name).text()
+
+
+def test_monitoring_auto_follows_the_cluster_and_true_renders_without_it():
+    """auto renders the PodMonitors and PrometheusRule exactly when monitoring.coreos.com/v1 is served;
+    true renders them with no Capabilities (helm template, GitOps)."""
+    present = chart.value_set("monitoring-crds-present")
+    kinds = {o["kind"] for o in chart.render(present.name, None, ()).objects}
+    assert not {"PodMonitor", "PrometheusRule"} & kinds, "auto rendered without the CRDs"
+    kinds = {o["kind"] for o in chart.render("gitops-no-capabilities", None, ()).objects}
+    assert {"PodMonitor", "PrometheusRule"} <= kinds
