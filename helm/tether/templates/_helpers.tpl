@@ -40,6 +40,20 @@ tether.dev/run: {{ .root.Values.run.id | quote }}
 {{- end }}
 {{- end -}}
 
+{{/* Labels of the objects that belong to the release rather than to one component. */}}
+{{- define "tether.releaseLabels" -}}
+app.kubernetes.io/name: tether
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/part-of: tether
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ include "tether.chart" . }}
+tether.dev/run: {{ .Values.run.id | quote }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
 {{/*
 An image reference: repository@digest when a digest is given, else repository:tag, the tag defaulting
 to the chart's appVersion (plus tagSuffix). Called as (dict "root" $ "image" .Values.images.tether).
