@@ -56,7 +56,11 @@ class ValueSet:
 
     @property
     def kube_versions(self) -> tuple[str, ...]:
-        return tuple(self.meta["kube-versions"].split()) if "kube-versions" in self.meta else DEFAULT_KUBE_VERSIONS
+        return (
+            tuple(self.meta["kube-versions"].split())
+            if "kube-versions" in self.meta
+            else DEFAULT_KUBE_VERSIONS
+        )
 
     @property
     def api_versions(self) -> tuple[str, ...]:
@@ -74,7 +78,9 @@ def _meta(text: str) -> dict[str, str]:
             break
         m = META_LINE.match(line)
         if m:
-            meta[m.group(1)] = (meta[m.group(1)] + " " + m.group(2)).strip() if m.group(1) in meta else m.group(2)
+            meta[m.group(1)] = (
+                (meta[m.group(1)] + " " + m.group(2)).strip() if m.group(1) in meta else m.group(2)
+            )
     return meta
 
 

@@ -15,7 +15,16 @@ from typing import Any
 
 # PSS restricted: the only volume types a pod may use.
 ALLOWED_VOLUME_TYPES = frozenset(
-    {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected", "secret"}
+    {
+        "configMap",
+        "csi",
+        "downwardAPI",
+        "emptyDir",
+        "ephemeral",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
+    }
 )
 ALLOWED_ADD_CAPABILITIES = frozenset({"NET_BIND_SERVICE"})
 ALLOWED_SECCOMP = frozenset({"RuntimeDefault", "Localhost"})
@@ -34,13 +43,16 @@ SAFE_SYSCTLS = frozenset(
         "net.ipv4.tcp_keepalive_probes",
     }
 )
-ALLOWED_SELINUX_TYPES = frozenset({"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"})
+ALLOWED_SELINUX_TYPES = frozenset(
+    {"", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"}
+)
 # Words that make an environment variable's value a secret: it must come from a Secret (valueFrom) or
 # a mounted file, never a literal in the pod spec.
 SECRET_WORDS = frozenset({"TOKEN", "PASSWORD", "PASSWD", "KEY", "SECRET", "APIKEY", "CREDENTIALS"})
 # ...unless the variable names where the secret lives rather than holding it.
 REFERENCE_SUFFIXES = frozenset({"FILE", "PATH", "DIR", "NAME", "REF"})
-URL_WITH_PASSWORD = re.compile(r"://[^/\s:@]*:[^/\s@]+@")
+URL_PASSWORD = re.compile(r"://[^/\s:@]*:([^/\s@]+)@")
+VAR_REF = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
 SLEEP_EXEC = re.compile(r"(?:^|[\s;&|])sleep\s+(\d+)")
 
 
@@ -101,7 +113,9 @@ def pod_spec_violations(pod_spec: dict[str, Any]) -> list[str]:
             out.append(f"{where}.securityContext.runAsUser: 0")
         seccomp = (sc.get("seccompProfile") or {}).get("type", pod_seccomp)
         if seccomp not in ALLOWED_SECCOMP:
-            out.append(f"{where}: seccompProfile must be RuntimeDefault or Localhost (pod or container), got {seccomp}")
+            out.append(
+                f"{where}: seccompProfile must be RuntimeDefault or Localhost (pod or container), got {seccomp}"
+            )
         if sc.get("procMount") not in (None, "Default"):
             out.append(f"{where}.securityContext.procMount: {sc.get('procMount')}")
         out += _selinux_violations(f"{where}.securityContext", sc)
@@ -110,7 +124,9 @@ def pod_spec_violations(pod_spec: dict[str, Any]) -> list[str]:
             out.append(f"{where}.securityContext.windowsOptions.hostProcess: true")
         for p in c.get("ports") or []:
             if p.get("hostPort"):
-                out.append(f"{where}.ports[{p.get('name', p.get('containerPort'))}]: hostPort {p['hostPort']}")
+                out.append(
+                    f"{where}.ports[{p.get('name', p.get('containerPort'))}]: hostPort {p['hostPort']}"
+                )
     return out
 
 
@@ -210,7 +226,9 @@ def probe_violations(pod_spec: dict[str, Any]) -> list[str]:
                     elif port not in names:
                         out.append(f"{where}.{kind}.{handler}.port {port!r} is not a port of the container")
             if "grpc" in probe and probe["grpc"].get("port") not in numbers:
-                out.append(f"{where}.{kind}.grpc.port {probe['grpc'].get('port')!r} is not a port of the container")
+                out.append(
+                    f"{where}.{kind}.grpc.port {probe['grpc'].get('port')!r} is not a port of the container"
+                )
     return out
 
 
@@ -223,17 +241,27 @@ def _is_secret_name(name: str) -> bool:
 
 def env_violations(pod_spec: dict[str, Any]) -> list[str]:
     """No secret as a literal value: a secret-like name (TOKEN, PASSWORD, KEY, ... as a word) takes its
-    value from a Secret, and no literal value carries a URL with a password in it."""
+    value from a Secret, and a URL's password is a `$(VAR)` of a variable that does (defined earlier in
+    the list: the kubelet expands only those, and leaves a later one as the literal text)."""
     out = []
     for where, c in containers(pod_spec):
+        from_secret: set[str] = set()
         for e in c.get("env") or []:
-            value = e.get("value")
+            name, value = e.get("name", ""), e.get("value")
+            if "secretKeyRef" in (e.get("valueFrom") or {}):
+                from_secret.add(name)
             if value in (None, ""):
                 continue
-            if _is_secret_name(e.get("name", "")):
-                out.append(f"{where}.env[{e['name']}] is a literal value (use valueFrom.secretKeyRef)")
-            elif URL_WITH_PASSWORD.search(str(value)):
-                out.append(f"{where}.env[{e['name']}] has a password in a literal URL")
+            if _is_secret_name(name):
+                out.append(f"{where}.env[{name}] is a literal value (use valueFrom.secretKeyRef)")
+            for password in URL_PASSWORD.findall(str(value)):
+                ref = VAR_REF.fullmatch(password)
+                if not ref:
+                    out.append(f"{where}.env[{name}] has a password in a literal URL")
+                elif ref.group(1) not in from_secret:
+                    out.append(
+                        f"{where}.env[{name}]: $({ref.group(1)}) is not a Secret variable defined before it"
+                    )
     return out
 
 
@@ -252,7 +280,9 @@ def uses_gpu(pod_spec: dict[str, Any]) -> bool:
     """The pod holds a GPU: an extended GPU resource on a container, or a DRA claim on a container."""
     if pod_spec.get("resourceClaims"):
         return True
-    return any(gpu_resources(c) or (c.get("resources") or {}).get("claims") for _, c in _main_containers(pod_spec))
+    return any(
+        gpu_resources(c) or (c.get("resources") or {}).get("claims") for _, c in _main_containers(pod_spec)
+    )
 
 
 def shm_violations(pod_spec: dict[str, Any]) -> list[str]:
@@ -261,7 +291,9 @@ def shm_violations(pod_spec: dict[str, Any]) -> list[str]:
     if not uses_gpu(pod_spec):
         return []
     memory_dirs = {
-        v["name"] for v in pod_spec.get("volumes") or [] if (v.get("emptyDir") or {}).get("medium") == "Memory"
+        v["name"]
+        for v in pod_spec.get("volumes") or []
+        if (v.get("emptyDir") or {}).get("medium") == "Memory"
     }
     out = []
     for where, c in _main_containers(pod_spec):
@@ -290,7 +322,9 @@ def grace_violations(pod_spec: dict[str, Any], *, drain_seconds: int = 0) -> lis
     for where, c in _main_containers(pod_spec):
         need = prestop_seconds(c) + drain_seconds
         if need and grace <= need:
-            out.append(f"{where}: terminationGracePeriodSeconds {grace} <= preStop {prestop_seconds(c)} + drain {drain_seconds}")
+            out.append(
+                f"{where}: terminationGracePeriodSeconds {grace} <= preStop {prestop_seconds(c)} + drain {drain_seconds}"
+            )
     return out
 
 
@@ -306,7 +340,10 @@ def pod_templates(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     if kind in POD_TEMPLATE_KINDS:
         yield "spec.template", spec.get("template") or {}
     elif kind == "CronJob":
-        yield "spec.jobTemplate.spec.template", ((spec.get("jobTemplate") or {}).get("spec") or {}).get("template") or {}
+        yield (
+            "spec.jobTemplate.spec.template",
+            ((spec.get("jobTemplate") or {}).get("spec") or {}).get("template") or {},
+        )
     elif kind == "Pod":
         yield "", {"metadata": obj.get("metadata") or {}, "spec": spec}
     elif kind == "JobSet":
@@ -344,9 +381,15 @@ def network_policy_violations(pod_labels: dict[str, str], policies: Iterable[dic
     for p in policies:
         spec = p.get("spec") or {}
         if label_selector_matches(spec.get("podSelector"), pod_labels):
-            declared = spec.get("policyTypes") or (["Ingress", "Egress"] if spec.get("egress") else ["Ingress"])
+            declared = spec.get("policyTypes") or (
+                ["Ingress", "Egress"] if spec.get("egress") else ["Ingress"]
+            )
             types.update(declared)
-    return [f"no NetworkPolicy governs {t} of pods labelled {pod_labels}" for t in ("Ingress", "Egress") if t not in types]
+    return [
+        f"no NetworkPolicy governs {t} of pods labelled {pod_labels}"
+        for t in ("Ingress", "Egress")
+        if t not in types
+    ]
 
 
 def surge_violations(obj: dict[str, Any]) -> list[str]:

@@ -54,7 +54,9 @@ def test_every_object_is_valid_at_the_kubernetes_version(name, version):
     render = chart.render(name, version, vs.api_versions)
     assert render.objects, "the render is empty"
     problems = [
-        f"{o['kind']}/{o.get('metadata', {}).get('name')}: {p}" for o in render.objects for p in kube_violations(o, version)
+        f"{o['kind']}/{o.get('metadata', {}).get('name')}: {p}"
+        for o in render.objects
+        for p in kube_violations(o, version)
     ]
     assert problems == []
 
@@ -64,11 +66,28 @@ def test_the_render_holds_the_kinds_the_set_promises(name):
     vs = chart.value_set(name)
     kinds = {o["kind"] for o in chart.render(name).objects}
     assert set(vs.words("expect-kinds")) <= kinds, f"missing {set(vs.words('expect-kinds')) - kinds}"
-    assert not set(vs.words("expect-no-kinds")) & kinds, f"unexpected {set(vs.words('expect-no-kinds')) & kinds}"
+    assert not set(vs.words("expect-no-kinds")) & kinds, (
+        f"unexpected {set(vs.words('expect-no-kinds')) & kinds}"
+    )
+
+
+# Objects that belong to one component carry its label (shared ones, e.g. the workloads' ServiceAccount,
+# need not).
+COMPONENT_KINDS = {
+    "Deployment",
+    "StatefulSet",
+    "Job",
+    "JobSet",
+    "Service",
+    "PodDisruptionBudget",
+    "PodMonitor",
+}
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_object_is_named_and_labelled_for_the_release(name):
+    """tether.labels on every object: `kubectl get all -l app.kubernetes.io/instance=<release>` finds the
+    whole release, and `tether.dev/run` finds a run's objects."""
     problems = []
     for o in chart.render(name).objects:
         meta = o.get("metadata") or {}
@@ -76,10 +95,18 @@ def test_every_object_is_named_and_labelled_for_the_release(name):
         where = f"{o['kind']}/{meta.get('name')}"
         if not str(meta.get("name", "")).startswith(chart.FULLNAME):
             problems.append(f"{where}: name does not start with {chart.FULLNAME}")
-        for k, v in (("app.kubernetes.io/name", "tether"), ("app.kubernetes.io/instance", chart.RELEASE)):
+        want = {
+            "app.kubernetes.io/name": "tether",
+            "app.kubernetes.io/instance": chart.RELEASE,
+            "app.kubernetes.io/part-of": "tether",
+            "app.kubernetes.io/managed-by": "Helm",
+            "helm.sh/chart": "tether-0.1.0",
+            "tether.dev/run": str(chart.effective_values(name)["run"]["id"]),
+        }
+        for k, v in want.items():
             if labels.get(k) != v:
-                problems.append(f"{where}: label {k}={labels.get(k)!r}")
-        if "app.kubernetes.io/component" not in labels:
+                problems.append(f"{where}: label {k}={labels.get(k)!r}, want {v!r}")
+        if o["kind"] in COMPONENT_KINDS and "app.kubernetes.io/component" not in labels:
             problems.append(f"{where}: no component label")
     assert problems == []
 
@@ -93,7 +120,9 @@ def test_golden_render(name):
         path.write_text(text)
     assert path.exists(), f"no golden render: TETHER_UPDATE_GOLDEN=1 writes {path.relative_to(chart.ROOT)}"
     # Compared exactly: a change to the chart shows up as a diff of these files in review.
-    assert text == path.read_text(), f"{path.name} differs: rerun with TETHER_UPDATE_GOLDEN=1 and review the diff"
+    assert text == path.read_text(), (
+        f"{path.name} differs: rerun with TETHER_UPDATE_GOLDEN=1 and review the diff"
+    )
 
 
 def test_no_golden_render_without_its_value_set():

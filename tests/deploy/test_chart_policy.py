@@ -78,7 +78,9 @@ def test_service_account_tokens_only_for_the_scheduler(name):
         if component(t) == "scheduler":
             want = values["scheduler"]["kubernetes"]["enabled"]
             if spec.get("automountServiceAccountToken") is not want:
-                problems.append(f"{where}: automountServiceAccountToken {spec.get('automountServiceAccountToken')!r}")
+                problems.append(
+                    f"{where}: automountServiceAccountToken {spec.get('automountServiceAccountToken')!r}"
+                )
             if spec.get("serviceAccountName") != f"{chart.FULLNAME}-scheduler":
                 problems.append(f"{where}: serviceAccountName {spec.get('serviceAccountName')!r}")
         else:
@@ -123,7 +125,9 @@ def test_every_long_running_container_is_probed(name):
         for c in obj["spec"]["template"]["spec"]["containers"]:
             for probe in ("readinessProbe", "livenessProbe"):
                 if probe not in c:
-                    problems.append(f"{obj['kind']}/{obj['metadata']['name']} containers[{c['name']}]: no {probe}")
+                    problems.append(
+                        f"{obj['kind']}/{obj['metadata']['name']} containers[{c['name']}]: no {probe}"
+                    )
     assert problems == []
 
 
@@ -160,7 +164,10 @@ def test_grace_period_covers_prestop_and_drain(name):
         for c in spec.get("containers") or []:
             if policy.prestop_seconds(c) == 0:
                 continue
-            problems += [f"{where}: {v}" for v in policy.grace_violations({**spec, "containers": [c]}, drain_seconds=drain)]
+            problems += [
+                f"{where}: {v}"
+                for v in policy.grace_violations({**spec, "containers": [c]}, drain_seconds=drain)
+            ]
     assert problems == []
 
 
@@ -168,7 +175,9 @@ def _selected(render: chart.Render, selector: dict[str, str]) -> list[tuple[str,
     return [
         (w, t)
         for w, t in render.pod_templates()
-        if policy.label_selector_matches({"matchLabels": selector}, (t.get("metadata") or {}).get("labels") or {})
+        if policy.label_selector_matches(
+            {"matchLabels": selector}, (t.get("metadata") or {}).get("labels") or {}
+        )
     ]
 
 
@@ -192,7 +201,9 @@ def test_service_target_ports_resolve(name):
                 declared = [p for c in t["spec"]["containers"] for p in c.get("ports") or []]
                 key = "name" if isinstance(target, str) else "containerPort"
                 if not any(p.get(key) == target for p in declared):
-                    problems.append(f"{where} port {port.get('name')}: targetPort {target!r} is no port of {pw}")
+                    problems.append(
+                        f"{where} port {port.get('name')}: targetPort {target!r} is no port of {pw}"
+                    )
     assert problems == []
 
 
@@ -249,7 +260,9 @@ def test_a_components_selector_is_the_same_for_every_object_of_it():
             selector = spec.get("selector") or {}
             selector = selector.get("matchLabels", selector) if obj["kind"] != "Service" else selector
             if selector:
-                by_component.setdefault(selector.get(COMPONENT, "?"), set()).add(tuple(sorted(selector.items())))
+                by_component.setdefault(selector.get(COMPONENT, "?"), set()).add(
+                    tuple(sorted(selector.items()))
+                )
     assert {c: s for c, s in by_component.items() if len(s) > 1} == {}
 
 
@@ -292,11 +305,17 @@ def test_agent_jobs_reach_only_the_gateway_dns_and_what_the_user_allows():
     extra = chart.effective_values("agents-as-jobs")["agents"]["jobs"]["extraEgress"]
     assert all(rule in spec["egress"] for rule in extra)
     peers = [peer for rule in spec["egress"] if rule not in extra for peer in rule.get("to") or []]
-    pod_peers = [p["podSelector"].get("matchLabels", {}) for p in peers if "podSelector" in p and "namespaceSelector" not in p]
+    pod_peers = [
+        p["podSelector"].get("matchLabels", {})
+        for p in peers
+        if "podSelector" in p and "namespaceSelector" not in p
+    ]
     assert all(p.get(COMPONENT) == "gateway" for p in pod_peers), pod_peers
 
 
-SECRET_KEY = re.compile(r"(^|[_.\-])(password|passwd|token|secret|api[_\-]?key|credentials?)($|[_.\-])", re.IGNORECASE)
+SECRET_KEY = re.compile(
+    r"(^|[_.\-])(password|passwd|token|secret|api[_\-]?key|credentials?)($|[_.\-])", re.IGNORECASE
+)
 SECRET_TEXT = re.compile(r"requirepass\s+\S+|://[^/\s:@]*:[^/\s@]+@", re.IGNORECASE)
 
 
@@ -316,7 +335,11 @@ def test_no_secret_data_in_config_maps(name):
 def test_no_secret_is_rendered_with_data(name):
     """The chart never writes a secret value into a manifest (it reads an existing Secret); only
     `secrets.generate` creates one, on the cluster."""
-    assert [s["metadata"]["name"] for s in chart.render(name).of_kind("Secret") if s.get("data") or s.get("stringData")] == []
+    assert [
+        s["metadata"]["name"]
+        for s in chart.render(name).of_kind("Secret")
+        if s.get("data") or s.get("stringData")
+    ] == []
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -325,7 +348,9 @@ def test_pod_disruption_budgets_never_block_a_drain(name):
     replicas (or maxUnavailable 0) would hold a node drain forever."""
     render = chart.render(name)
     replicas = {
-        tuple(sorted(((o["spec"]["template"]["metadata"].get("labels")) or {}).items())): o["spec"].get("replicas", 1)
+        tuple(sorted(((o["spec"]["template"]["metadata"].get("labels")) or {}).items())): o["spec"].get(
+            "replicas", 1
+        )
         for o in render.of_kind("Deployment", "StatefulSet")
     }
     problems = []
@@ -363,5 +388,15 @@ def test_the_scheduler_pod_gets_the_kubernetes_environment():
     )
     assert env["TETHER_AGENT_JOBS"]["value"] == "true"
     assert env["TETHER_AGENT_JOB_GATEWAY_URL"]["value"] == f"http://{chart.FULLNAME}-gateway:8000"
-    for key in ("QPS", "BURST", "MAX_CONCURRENT", "TTL_S", "DEADLINE_S", "IMAGE", "COMMAND", "ARGS", "RESOURCES"):
+    for key in (
+        "QPS",
+        "BURST",
+        "MAX_CONCURRENT",
+        "TTL_S",
+        "DEADLINE_S",
+        "IMAGE",
+        "COMMAND",
+        "ARGS",
+        "RESOURCES",
+    ):
         assert f"TETHER_AGENT_JOB_{key}" in env, key

@@ -35,16 +35,24 @@ def test_a_bad_set_is_refused_with_its_path(name):
     vs = chart.value_set(name)
     base = chart.value_set(vs.meta["based-on"])
     values, version = chart.bad_values(vs)
-    assert chart.refusal(base.values, base.kube_versions[0], base.api_versions) is None, "the base set is refused"
+    assert chart.refusal(base.values, base.kube_versions[0], base.api_versions) is None, (
+        "the base set is refused"
+    )
     message = chart.refusal(values, version, base.api_versions)
     assert message is not None, f"{name}: rendered, want a refusal at {vs.meta['refused-at']}"
-    assert names_path(message, vs.meta["refused-at"]), f"the refusal does not name {vs.meta['refused-at']}: {message}"
+    assert names_path(message, vs.meta["refused-at"]), (
+        f"the refusal does not name {vs.meta['refused-at']}: {message}"
+    )
 
 
 @pytest.mark.parametrize(
     "message,path,expected",
     [
-        ("at '/trainer/nccl': additional properties 'socketIfName' not allowed", "trainer.nccl.socketIfName", True),
+        (
+            "at '/trainer/nccl': additional properties 'socketIfName' not allowed",
+            "trainer.nccl.socketIfName",
+            True,
+        ),
         ("at '': additional properties 'inferense' not allowed", "inferense", True),
         ("at '/run/mode': value must be one of ...", "run.mode", True),
         ("tether: inference.gpus must be >= 1 on the gpu backend", "inference.gpus", True),

@@ -16,7 +16,11 @@ import yaml
 from deploy import chart
 
 CONFIG = chart.HERE / "checkov.yaml"
-CHECKOV = Path(os.environ.get("TETHER_CHECKOV_VENV", Path.home() / ".cache/tether/checkov-venv")) / "bin" / "checkov"
+CHECKOV = (
+    Path(os.environ.get("TETHER_CHECKOV_VENV", Path.home() / ".cache/tether/checkov-venv"))
+    / "bin"
+    / "checkov"
+)
 
 
 def test_every_skipped_check_says_why():
@@ -35,7 +39,17 @@ def test_checkov_finds_nothing_in_the_renders(tmp_path):
     for vs in chart.good_sets():
         (tmp_path / f"{vs.name}.yaml").write_text(chart.render(vs.name).text())
     proc = subprocess.run(
-        [str(CHECKOV), "-d", str(tmp_path), "--config-file", str(CONFIG), "--skip-download", "-o", "json", "--quiet"],
+        [
+            str(CHECKOV),
+            "-d",
+            str(tmp_path),
+            "--config-file",
+            str(CONFIG),
+            "--skip-download",
+            "-o",
+            "json",
+            "--quiet",
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -16,7 +16,11 @@ def good_pod() -> dict[str, Any]:
     return {
         "automountServiceAccountToken": False,
         "terminationGracePeriodSeconds": 60,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 2000, "seccompProfile": {"type": "RuntimeDefault"}},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 2000,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
         "volumes": [
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
             {"name": "model", "persistentVolumeClaim": {"claimName": "m", "readOnly": True}},
@@ -31,6 +35,7 @@ def good_pod() -> dict[str, Any]:
                     {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
                     {"name": "TETHER_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
                     {"name": "TETHER_REDIS_PASSWORD_FILE", "value": "/run/secrets/redis/password"},
+                    {"name": "TETHER_REDIS_URL", "value": "redis://:$(TETHER_ADMIN_TOKEN)@redis:6379/0"},
                 ],
                 "resources": {"requests": {"cpu": "4", "memory": "32Gi"}, "limits": {"nvidia.com/gpu": 2}},
                 "securityContext": {
@@ -113,14 +118,22 @@ BREAKS = {
         _set("c0.securityContext.capabilities", {"drop": ["ALL"], "add": ["SYS_ADMIN"]}),
         "SYS_ADMIN",
     ),
-    "runAsNonRoot missing": (policy.pod_spec_violations, _set("securityContext.runAsNonRoot", None), "runAsNonRoot"),
+    "runAsNonRoot missing": (
+        policy.pod_spec_violations,
+        _set("securityContext.runAsNonRoot", None),
+        "runAsNonRoot",
+    ),
     "runAsNonRoot overridden": (
         policy.pod_spec_violations,
         _set("c0.securityContext.runAsNonRoot", False),
         "runAsNonRoot",
     ),
     "root user": (policy.pod_spec_violations, _set("c0.securityContext.runAsUser", 0), "runAsUser: 0"),
-    "seccomp missing": (policy.pod_spec_violations, _set("securityContext.seccompProfile", None), "seccompProfile"),
+    "seccomp missing": (
+        policy.pod_spec_violations,
+        _set("securityContext.seccompProfile", None),
+        "seccompProfile",
+    ),
     "seccomp unconfined": (
         policy.pod_spec_violations,
         _set("c0.securityContext.seccompProfile", {"type": "Unconfined"}),
@@ -181,6 +194,16 @@ BREAKS = {
         lambda p: c0(p)["env"].append({"name": "TETHER_REDIS_URL", "value": "redis://:pw@redis:6379/0"}),
         "TETHER_REDIS_URL",
     ),
+    "URL password from a variable defined after it": (
+        policy.env_violations,
+        lambda p: c0(p)["env"].insert(0, {"name": "U", "value": "redis://:$(TETHER_ADMIN_TOKEN)@r:6379"}),
+        "$(TETHER_ADMIN_TOKEN) is not a Secret variable defined before it",
+    ),
+    "URL password from a literal variable": (
+        policy.env_violations,
+        lambda p: c0(p)["env"].append({"name": "U", "value": "redis://:$(TOKENIZERS_PARALLELISM)@r:6379"}),
+        "$(TOKENIZERS_PARALLELISM)",
+    ),
     "GPU without /dev/shm": (policy.shm_violations, _set("c0.volumeMounts", []), "/dev/shm"),
     "/dev/shm on disk": (
         policy.shm_violations,
@@ -239,7 +262,9 @@ def _deployment(strategy: dict[str, Any] | None, pod: dict[str, Any]) -> dict[st
 
 def test_gpu_deployments_never_surge():
     assert policy.surge_violations(_deployment(None, good_pod()))  # the default surges 25%
-    assert policy.surge_violations(_deployment({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1}}, good_pod()))
+    assert policy.surge_violations(
+        _deployment({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1}}, good_pod())
+    )
     assert policy.surge_violations(_deployment({"type": "Recreate"}, good_pod())) == []
     ok = {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
     assert policy.surge_violations(_deployment(ok, good_pod())) == []
@@ -254,7 +279,11 @@ def test_network_policy_coverage():
     ingress_only = {"spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/component": "gateway"}}}}
     other = {
         "spec": {
-            "podSelector": {"matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["redis"]}]},
+            "podSelector": {
+                "matchExpressions": [
+                    {"key": "app.kubernetes.io/component", "operator": "In", "values": ["redis"]}
+                ]
+            },
             "policyTypes": ["Ingress", "Egress"],
         }
     }

@@ -24,7 +24,9 @@ def _strict(schema: Any) -> Any:
         return [_strict(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _strict(v) if k not in ("enum", "default", "example", "required") else v for k, v in schema.items()}
+    out = {
+        k: _strict(v) if k not in ("enum", "default", "example", "required") else v for k, v in schema.items()
+    }
     if (
         "properties" in schema
         and "additionalProperties" not in schema
