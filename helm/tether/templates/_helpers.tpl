@@ -334,3 +334,70 @@ lifecycle:
     exec:
       command: ["sleep", {{ .Values.shutdown.preStopSeconds | quote }}]
 {{- end -}}
+
+{{/* gRPC-native probes on a service's health (grpc.health.v1). Called as (dict "port" 50054). */}}
+{{- define "tether.grpcProbes" -}}
+startupProbe:
+  grpc: {port: {{ .port }}}
+  periodSeconds: 2
+  timeoutSeconds: 5
+  failureThreshold: 90
+readinessProbe:
+  grpc: {port: {{ .port }}}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 3
+livenessProbe:
+  grpc: {port: {{ .port }}}
+  periodSeconds: 10
+  timeoutSeconds: 5
+  failureThreshold: 6
+{{- end -}}
+
+{{/* A NetworkPolicy peer: the release's pods of one component. (dict "root" $ "component" "x") */}}
+{{- define "tether.peer" -}}
+- podSelector:
+    matchLabels:
+      app.kubernetes.io/instance: {{ .root.Release.Name }}
+      app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Prometheus scraping the given ports. (dict "root" $ "ports" (list 9102)) */}}
+{{- define "tether.prometheusIngress" -}}
+{{- $p := .root.Values.networkPolicy.prometheus -}}
+- from:
+    - namespaceSelector:
+        {{- toYaml $p.namespaceSelector | nindent 8 }}
+      podSelector:
+        {{- toYaml $p.podSelector | nindent 8 }}
+  ports:
+    {{- range .ports }}
+    - {protocol: TCP, port: {{ . }}}
+    {{- end }}
+{{- end -}}
+
+{{/* The run's Redis: the in-chart StatefulSet, or the external one (networkPolicy.externalRedisEgress). */}}
+{{- define "tether.redisEgress" -}}
+{{- if eq .Values.redis.mode "internal" -}}
+- to:
+    {{- include "tether.peer" (dict "root" . "component" "redis") | nindent 4 }}
+  ports:
+    - {protocol: TCP, port: 6379}
+{{- else -}}
+{{- with .Values.networkPolicy.externalRedisEgress }}
+{{- toYaml . }}
+{{- else -}}
+- ports:
+    - {protocol: TCP, port: 6379}
+{{- end }}
+{{- end -}}
+{{- end -}}
+
+{{/* The model download's egress (model.source download: the init container fetches the model). */}}
+{{- define "tether.downloadEgress" -}}
+{{- if eq .Values.model.source "download" -}}
+{{- with .Values.networkPolicy.modelDownloadEgress }}
+{{- toYaml . }}
+{{- end }}
+{{- end -}}
+{{- end -}}
