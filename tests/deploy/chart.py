@@ -44,6 +44,8 @@ RELEASE = "rl"
 NAMESPACE = "tether-ci"
 FULLNAME = f"{RELEASE}-tether"
 DEFAULT_KUBE_VERSIONS = ("1.30.0", "1.34.0")
+# libyaml's parser where PyYAML has it (ten times the pure-Python one on a 60 KB render).
+LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 META_LINE = re.compile(r"^#\s*([a-z][a-z-]*):\s*(.*?)\s*$")
 
 
@@ -154,7 +156,7 @@ def _objects(manifests: dict[str, str]) -> list[dict[str, Any]]:
     for path in sorted(manifests):
         if not path.endswith((".yaml", ".yml")):
             continue
-        for doc in yaml.safe_load_all(manifests[path]):
+        for doc in yaml.load_all(manifests[path], Loader=LOADER):
             if doc:
                 assert isinstance(doc, dict) and "kind" in doc, f"{path}: not a Kubernetes object: {doc!r}"
                 objects.append(doc)
@@ -171,6 +173,12 @@ def render_values(
 ) -> Render:
     """Renders as `helm install` would (schema first, then the templates), offline. Raises
     helm_python.HelmError (HelmValuesError, HelmRenderError) when the chart refuses the values."""
+    manifests = _manifests(values, kube_version, api_versions)
+    return Render(manifests, _objects(manifests))
+
+
+def _manifests(values: dict[str, Any], kube_version: str, api_versions: tuple[str, ...]) -> dict[str, str]:
+    """The render through the SDK's native call: `Chart.render` takes no Kubernetes or API versions."""
     opts = {
         "name": RELEASE,
         "namespace": NAMESPACE,
@@ -180,7 +188,7 @@ def render_values(
     }
     raw = _native.call_string("helm_render", _chart()._raw(), json.dumps(values), json.dumps(opts))
     manifests: dict[str, str] = json.loads(raw)
-    return Render(manifests, _objects(manifests))
+    return manifests
 
 
 @functools.cache
@@ -201,7 +209,7 @@ def refusal(
     """Why the chart refuses these values (schema or template), or None when it renders them."""
     try:
         _chart().validate_schema(values)
-        render_values(values, kube_version, api_versions)
+        _manifests(values, kube_version, api_versions)
     except helm_python.HelmError as e:
         return str(e)
     return None

@@ -226,28 +226,31 @@ def test_service_names_and_ports_are_the_fixed_interface():
 
 
 def test_selector_labels_are_identical_across_all_value_sets():
-    """A workload's selector (and a Service's) is immutable after install: every value set gives each
-    object the same one, exactly the three selector labels, so an upgrade between them never fails."""
-    seen: dict[str, tuple[str, dict[str, str]]] = {}
+    """A workload's selector (and a StatefulSet's serviceName) is immutable after install: every value set
+    gives each workload the same one, exactly the three selector labels, so an upgrade from one set to
+    another never fails on it. A Service's selector may change (the inference Service follows the
+    colocated pod); it still uses exactly the selector labels."""
+    seen: dict[str, tuple[str, Any]] = {}
     problems = []
     for name in NAMES:
         for obj in chart.render(name).objects:
             kind, objname = obj["kind"], obj["metadata"]["name"]
             spec = obj.get("spec") or {}
+            key = f"{kind}/{objname}"
             if kind in ("Deployment", "StatefulSet", "DaemonSet"):
                 selector = spec["selector"].get("matchLabels") or {}
                 if spec["selector"].get("matchExpressions"):
-                    problems.append(f"{name} {kind}/{objname}: matchExpressions in a workload selector")
+                    problems.append(f"{name} {key}: matchExpressions in a workload selector")
+                immutable = (selector, spec.get("serviceName"))
+                if key in seen and seen[key][1] != immutable:
+                    problems.append(f"{key}: {seen[key][0]} has {seen[key][1]}, {name} has {immutable}")
+                seen.setdefault(key, (name, immutable))
             elif kind == "Service" and spec.get("selector"):
                 selector = spec["selector"]
             else:
                 continue
-            key = f"{kind}/{objname}"
             if set(selector) != SELECTOR_KEYS:
                 problems.append(f"{name} {key}: selector keys {sorted(selector)}")
-            if key in seen and seen[key][1] != selector:
-                problems.append(f"{key}: {seen[key][0]} selects {seen[key][1]}, {name} selects {selector}")
-            seen.setdefault(key, (name, selector))
     assert problems == []
 
 

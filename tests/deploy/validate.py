@@ -6,11 +6,14 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 import jsonschema
-import kubernetes_validate
+from kubernetes_validate import utils
+from packaging.version import Version
+from referencing import Registry, Resource
 
 CRDS = Path(__file__).parent / "crds"
 # The schemas do not carry their kind: the vendored files' plurals.
@@ -69,15 +72,30 @@ def crd_violations(obj: dict[str, Any]) -> list[str]:
     return out
 
 
+@functools.cache
+def _kube_validator(version: str, api_version: str, kind: str) -> jsonschema.Draft202012Validator | None:
+    """kubernetes-validate's strict schema of one kind at one version, compiled once (its `validate`
+    reloads the 1.5 MB definitions on every call); None when that version serves no such kind."""
+    wanted = utils.major_minor(version)
+    bundled = [v for v in utils.all_versions() if Version(utils.major_minor(v)) <= Version(wanted)][-1]
+    group = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    folder = f"kubernetes-json-schema/v{bundled}-local-strict"
+    try:
+        schema = utils.schema_contents(f"{folder}/{kind.lower()}-{group}.json", version)
+    except FileNotFoundError:
+        return None
+    definitions = Resource.from_contents(utils.schema_contents(f"{folder}/_definitions.json", version))
+    registry = definitions @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
 def kube_violations(obj: dict[str, Any], version: str) -> list[str]:
-    """kubernetes-validate --strict at one version; a kind it has no schema for is a violation too
-    (an API that version does not serve), unless it is one of the vendored custom resources."""
+    """kubernetes-validate --strict at one version (every error, not only the first); a kind it has no
+    schema for is a violation too (an API that version does not serve), unless it is one of the vendored
+    custom resources."""
     if is_custom(obj):
         return crd_violations(obj)
-    try:
-        kubernetes_validate.validate(obj, version, strict=True)
-    except kubernetes_validate.ValidationError as e:
-        return [f"{_where(e)}: {e.message}"]
-    except kubernetes_validate.SchemaNotFoundError as e:
-        return [e.message]
-    return []
+    validator = _kube_validator(version, obj["apiVersion"], obj["kind"])
+    if validator is None:
+        return [f"Kubernetes {version} serves no {obj['kind']} in {obj['apiVersion']}"]
+    return [f"{_where(e)}: {e.message}" for e in validator.iter_errors(obj)]
