@@ -18,6 +18,7 @@ as packaged by kubernetes-validate (Apache-2.0).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -32,9 +33,10 @@ DROPPED_KEYS = ("description",)
 
 def bundled_definitions(version: str) -> dict[str, Any]:
     """The `$defs` of kubernetes-validate's strict standalone schemas for `version`."""
-    import kubernetes_validate  # the package's data directory, not its API
-
-    base = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    spec = importlib.util.find_spec("kubernetes_validate")  # its data directory, not its API
+    if spec is None or spec.origin is None:
+        raise SystemExit("kubernetes-validate is not installed (pip install kubernetes-validate)")
+    base = Path(spec.origin).parent / "kubernetes-json-schema"
     path = base / f"v{version}-local-strict" / "_definitions.json"
     if not path.is_file():
         raise SystemExit(f"kubernetes-validate bundles no schemas for {version} ({path})")
@@ -106,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     written = dump(with_kubernetes_defs(json.loads(current), bundled_definitions(args.version)))
     if args.check:
         if written != current:
-            print(f"{SCHEMA_FILE.relative_to(ROOT)} is stale: run python scripts/k8s_schema.py", file=sys.stderr)
+            print(
+                f"{SCHEMA_FILE.relative_to(ROOT)} is stale: run python scripts/k8s_schema.py", file=sys.stderr
+            )
             return 1
         return 0
     SCHEMA_FILE.write_text(written)
