@@ -9,6 +9,8 @@ admission controller enforces it; the rest are Tether's own rules (docs in ISSUE
 
 from __future__ import annotations
 
+import dataclasses
+import ipaddress
 import re
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -412,3 +414,106 @@ def surge_violations(obj: dict[str, Any]) -> list[str]:
                 out.append(f"{kind}/{obj['metadata']['name']}: GPU DaemonSet surges (maxSurge {surge!r})")
         del where
     return out
+
+
+# --- NetworkPolicy semantics: is one connection allowed? ------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Endpoint:
+    """One end of a connection: a pod (labels, namespace, its named container ports) or an address
+    outside the cluster (ip, no labels)."""
+
+    labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    namespace: str = ""
+    namespace_labels: dict[str, str] = dataclasses.field(default_factory=dict)
+    ip: str | None = None
+    ports: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _peer_matches(peer: dict[str, Any], policy_namespace: str, other: Endpoint) -> bool:
+    if "ipBlock" in peer:
+        if other.ip is None:
+            return False
+        block = peer["ipBlock"]
+        ip = ipaddress.ip_address(other.ip)
+        return ip in ipaddress.ip_network(block["cidr"]) and not any(
+            ip in ipaddress.ip_network(e) for e in block.get("except") or []
+        )
+    if other.ip is not None and not other.labels:
+        return False  # an address outside the cluster matches ipBlocks only
+    ns_selector = peer.get("namespaceSelector")
+    in_namespace = (
+        other.namespace == policy_namespace
+        if ns_selector is None
+        else label_selector_matches(ns_selector, other.namespace_labels)
+    )
+    pod_selector = peer.get("podSelector")
+    return in_namespace and (pod_selector is None or label_selector_matches(pod_selector, other.labels))
+
+
+def _port_matches(
+    rule_ports: list[dict[str, Any]] | None, port: int, protocol: str, target: Endpoint
+) -> bool:
+    if not rule_ports:
+        return True
+    for p in rule_ports:
+        if p.get("protocol", "TCP") != protocol:
+            continue
+        want = p.get("port")
+        if want is None:
+            return True
+        if isinstance(want, str):
+            if target.ports.get(want) == port:
+                return True
+            continue
+        if int(want) <= port <= int(p.get("endPort", want)):
+            return True
+    return False
+
+
+def _direction_allows(
+    policies: Iterable[dict[str, Any]],
+    pod: Endpoint,
+    other: Endpoint,
+    port: int,
+    protocol: str,
+    direction: str,
+) -> bool:
+    """`direction` (Egress from pod to other, or Ingress to pod from other) is allowed: no policy of the
+    pod's namespace selects the pod for it, or one of those has a rule matching peer and port."""
+    rules_key, peers_key = ("egress", "to") if direction == "Egress" else ("ingress", "from")
+    target = other if direction == "Egress" else pod
+    selecting = []
+    for p in policies:
+        spec = p.get("spec") or {}
+        if (p.get("metadata") or {}).get("namespace", pod.namespace) != pod.namespace:
+            continue
+        if not label_selector_matches(spec.get("podSelector"), pod.labels):
+            continue
+        types = spec.get("policyTypes") or (["Ingress", "Egress"] if "egress" in spec else ["Ingress"])
+        if direction in types:
+            selecting.append(p)
+    if not selecting:
+        return True
+    for p in selecting:
+        ns = (p.get("metadata") or {}).get("namespace", pod.namespace)
+        for rule in p["spec"].get(rules_key) or []:
+            peers = rule.get(peers_key)
+            if peers and not any(_peer_matches(peer, ns, other) for peer in peers):
+                continue
+            if _port_matches(rule.get("ports"), port, protocol, target):
+                return True
+    return False
+
+
+def connection_allowed(
+    policies: list[dict[str, Any]], src: Endpoint, dst: Endpoint, port: int, protocol: str = "TCP"
+) -> bool:
+    """A connection from src to dst's port gets through: src's egress allows it and, when dst is a pod,
+    so does dst's ingress (the policies of both namespaces apply, each to its own pods)."""
+    if not _direction_allows(policies, src, dst, port, protocol, "Egress"):
+        return False
+    if dst.ip is not None and not dst.labels:
+        return True
+    return _direction_allows(policies, dst, src, port, protocol, "Ingress")

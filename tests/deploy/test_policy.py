@@ -292,3 +292,107 @@ def test_network_policy_coverage():
         f"no NetworkPolicy governs Egress of pods labelled {labels}"
     ]
     assert len(policy.network_policy_violations(labels, [other])) == 2
+
+
+NS = "tether-ci"
+
+
+def _pod(component: str, **ports: int) -> policy.Endpoint:
+    return policy.Endpoint(
+        labels={"app.kubernetes.io/instance": "rl", "app.kubernetes.io/component": component},
+        namespace=NS,
+        namespace_labels={"kubernetes.io/metadata.name": NS},
+        ports=ports,
+    )
+
+
+def _np(selector: dict[str, str], types: list[str], **rules: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"name": "p", "namespace": NS},
+        "spec": {"podSelector": {"matchLabels": selector}, "policyTypes": types, **rules},
+    }
+
+
+DENY = _np({"app.kubernetes.io/instance": "rl"}, ["Ingress", "Egress"])
+GATEWAY_TO_REDIS = _np(
+    {"app.kubernetes.io/component": "gateway"},
+    ["Egress"],
+    egress=[
+        {
+            "to": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "redis"}}}],
+            "ports": [{"port": 6379}],
+        }
+    ],
+)
+REDIS_FROM_GATEWAY = _np(
+    {"app.kubernetes.io/component": "redis"},
+    ["Ingress"],
+    ingress=[
+        {
+            "from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/component": "gateway"}}}],
+            "ports": [{"port": "redis"}],
+        }
+    ],
+)
+
+
+def test_connections_need_egress_and_ingress():
+    gateway, redis = _pod("gateway"), _pod("redis", redis=6379)
+    assert policy.connection_allowed([], gateway, redis, 6379)
+    assert not policy.connection_allowed([DENY], gateway, redis, 6379)
+    assert not policy.connection_allowed([DENY, GATEWAY_TO_REDIS], gateway, redis, 6379)
+    assert policy.connection_allowed([DENY, GATEWAY_TO_REDIS, REDIS_FROM_GATEWAY], gateway, redis, 6379)
+    assert not policy.connection_allowed([DENY, GATEWAY_TO_REDIS, REDIS_FROM_GATEWAY], gateway, redis, 6380)
+    assert not policy.connection_allowed([DENY, GATEWAY_TO_REDIS, REDIS_FROM_GATEWAY], redis, gateway, 6379)
+    # A named port resolves against the destination's container ports.
+    other = _pod("redis", redis=6380)
+    assert not policy.connection_allowed([DENY, GATEWAY_TO_REDIS, REDIS_FROM_GATEWAY], gateway, other, 6379)
+
+
+def test_peers_outside_the_namespace_and_outside_the_cluster():
+    prom = policy.Endpoint(
+        labels={"app.kubernetes.io/name": "prometheus"},
+        namespace="monitoring",
+        namespace_labels={"kubernetes.io/metadata.name": "monitoring"},
+    )
+    trainer = _pod("trainer", metrics=9103)
+    same_ns_only = _np(
+        {"app.kubernetes.io/component": "trainer"},
+        ["Ingress"],
+        ingress=[{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}}]}],
+    )
+    any_ns = _np(
+        {"app.kubernetes.io/component": "trainer"},
+        ["Ingress"],
+        ingress=[
+            {
+                "from": [
+                    {
+                        "namespaceSelector": {},
+                        "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}},
+                    }
+                ],
+                "ports": [{"port": 9100, "endPort": 9110}],
+            }
+        ],
+    )
+    assert not policy.connection_allowed([same_ns_only], prom, trainer, 9103)
+    assert policy.connection_allowed([any_ns], prom, trainer, 9103)
+    assert not policy.connection_allowed([any_ns], prom, trainer, 9200)
+    outside = policy.Endpoint(ip="203.0.113.7")
+    https = _np(
+        {"app.kubernetes.io/component": "trainer"},
+        ["Egress"],
+        egress=[
+            {
+                "to": [{"ipBlock": {"cidr": "203.0.113.0/24", "except": ["203.0.113.8/32"]}}],
+                "ports": [{"port": 443}],
+            }
+        ],
+    )
+    assert policy.connection_allowed([https], trainer, outside, 443)
+    assert not policy.connection_allowed([https], trainer, policy.Endpoint(ip="203.0.113.8"), 443)
+    assert not policy.connection_allowed([https], trainer, _pod("redis"), 443)
+    assert policy.connection_allowed(
+        [_np({}, ["Egress"], egress=[{"ports": [{"port": 443}]}])], trainer, outside, 443
+    )
