@@ -46,10 +46,12 @@ trainer onto its node. Called as (dict "root" $ "values" .Values.inference).
 {{- define "tether.affinity" -}}
 {{- $aff := deepCopy (default (dict) .values.affinity) -}}
 {{- $root := .root -}}
-{{- if and $root.Values.checkpoints.sameNode (not (has "ReadWriteMany" $root.Values.checkpoints.accessModes)) -}}
+{{- $modes := $root.Values.checkpoints.accessModes -}}
+{{- if and $root.Values.checkpoints.sameNode (not (or (has "ReadWriteMany" $modes) (has "ReadOnlyMany" $modes))) -}}
 {{- $pa := deepCopy (default (dict) $aff.podAffinity) -}}
 {{- $terms := default (list) $pa.requiredDuringSchedulingIgnoredDuringExecution -}}
-{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (dict "app.kubernetes.io/instance" $root.Release.Name "app.kubernetes.io/component" "trainer")) -}}
+{{- $trainer := ternary "colocated" "trainer" (eq (include "tether.colocatedPod" $root) "true") -}}
+{{- $term := dict "topologyKey" "kubernetes.io/hostname" "labelSelector" (dict "matchLabels" (dict "app.kubernetes.io/instance" $root.Release.Name "app.kubernetes.io/component" $trainer)) -}}
 {{- $_ := set $pa "requiredDuringSchedulingIgnoredDuringExecution" (append $terms $term) -}}
 {{- $_ := set $aff "podAffinity" $pa -}}
 {{- end -}}
@@ -59,9 +61,13 @@ affinity:
 {{- end }}
 {{- end -}}
 
-{{/* vLLM flags the chart adds to the user's: path-2 weight pushes need vLLM's NCCL transfer engine. */}}
+{{/*
+vLLM flags the chart adds to the user's: the drain the grace period was sized for (vLLM's default
+shutdown timeout, 0, aborts every in-flight request on SIGTERM), and path-2 weight pushes need vLLM's
+NCCL transfer engine.
+*/}}
 {{- define "tether.vllmExtraArgs" -}}
-{{- $args := list -}}
+{{- $args := list (printf "--shutdown-timeout %d" (int .Values.shutdown.drainSeconds)) -}}
 {{- with .Values.inference.extraArgs -}}{{- $args = append $args . -}}{{- end -}}
 {{- if eq .Values.run.weightPush "nccl" -}}
 {{- $args = append $args "--weight-transfer-config '{\"backend\": \"nccl\"}'" -}}
@@ -212,9 +218,11 @@ metadata.labels['batch.kubernetes.io/job-completion-index']
   image: {{ include "tether.trainerImage" $root }}
   imagePullPolicy: {{ $root.Values.pullPolicy }}
   {{- include "tether.trainerCommand" . | nindent 2 }}
+  {{- /* In the colocated pod the inference container holds the names grpc and metrics. */}}
+  {{- $p := ternary "trainer-" "" (default false .colocated) }}
   ports:
-    - {name: grpc, containerPort: 50053, protocol: TCP}
-    - {name: metrics, containerPort: 9103, protocol: TCP}
+    - {name: {{ $p }}grpc, containerPort: 50053, protocol: TCP}
+    - {name: {{ $p }}metrics, containerPort: 9103, protocol: TCP}
     - {name: rdzv, containerPort: {{ $t.rdzv.port }}, protocol: TCP}
   env:
     {{- include "tether.env" $root | nindent 4 }}

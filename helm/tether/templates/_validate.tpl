@@ -48,15 +48,14 @@ templates/validate.yaml.
 {{- /* The checkpoint volume is written by trainer rank 0 and read by inference and the scheduler. */ -}}
 {{- $modes := $v.checkpoints.accessModes -}}
 {{- $shared := or (has "ReadWriteMany" $modes) (has "ReadOnlyMany" $modes) -}}
-{{- $onePod := eq (include "tether.colocatedPod" .) "true" -}}
 {{- if not $shared -}}
 {{- if gt (int $v.trainer.nodes) 1 -}}
 {{- fail (printf "checkpoints.accessModes: %s cannot be shared by a multi-node trainer (trainer.nodes: %d); use ReadWriteMany" (join "," $modes) (int $v.trainer.nodes)) -}}
 {{- end -}}
-{{- if and (has "ReadWriteOncePod" $modes) (not $onePod) -}}
+{{- if has "ReadWriteOncePod" $modes -}}
 {{- fail "checkpoints.accessModes: ReadWriteOncePod cannot be shared by the trainer, inference and scheduler pods; use ReadWriteMany (or ReadWriteOnce with checkpoints.sameNode: true)" -}}
 {{- end -}}
-{{- if and (has "ReadWriteOnce" $modes) (not $onePod) (not $v.checkpoints.sameNode) -}}
+{{- if not $v.checkpoints.sameNode -}}
 {{- fail "checkpoints.accessModes: ReadWriteOnce cannot be shared by pods that may land on different nodes (trainer, inference, scheduler); use ReadWriteMany, or set checkpoints.sameNode: true to pin them to the trainer's node" -}}
 {{- end -}}
 {{- end -}}
@@ -85,7 +84,7 @@ templates/validate.yaml.
 {{- fail "redis.external.existingSecret required with redis.mode: external (a Secret whose redis.external.urlKey holds redis://:password@host:6379/0)" -}}
 {{- end -}}
 {{- if and (not $v.secrets.existingSecret) (not $v.secrets.generate) -}}
-{{- fail (printf "secrets.existingSecret required (or secrets.generate: true): kubectl -n %s create secret generic tether-secrets --from-literal=%s=$(openssl rand -hex 32) --from-literal=%s=$(openssl rand -hex 32), then --set secrets.existingSecret=tether-secrets" .Release.Namespace $v.secrets.adminTokenKey $v.secrets.redisPasswordKey) -}}
+{{- fail (printf "secrets.existingSecret required (or secrets.generate: true): kubectl -n %s create secret generic tether-secrets --from-literal=%s=$(openssl rand -hex 32) --from-literal=%s=$(openssl rand -hex 32), then --set secrets.existingSecret=tether-secrets" (default "NAMESPACE" .Release.Namespace) $v.secrets.adminTokenKey $v.secrets.redisPasswordKey) -}}
 {{- end -}}
 
 {{- /* The scheduler's Kubernetes features. */ -}}
