@@ -20,6 +20,7 @@ reads the same objects, and the chart is rendered once per combination.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -44,6 +45,8 @@ RELEASE = "rl"
 NAMESPACE = "tether-ci"
 FULLNAME = f"{RELEASE}-tether"
 DEFAULT_KUBE_VERSIONS = ("1.30.0", "1.34.0")
+# The one golden render that holds the dashboards in full (the others hold their digests).
+FULL_DASHBOARDS = "monitoring-crds-present"
 # libyaml's parser where PyYAML has it (ten times the pure-Python one on a 60 KB render).
 LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 META_LINE = re.compile(r"^#\s*([a-z][a-z-]*):\s*(.*?)\s*$")
@@ -141,14 +144,38 @@ class Render:
                 yield f"{obj['kind']}/{obj['metadata']['name']}{' ' + where if where else ''}", template
 
     def text(self) -> str:
-        """The render as `helm template` prints it: each manifest under its `# Source:` line, in
-        template order (the golden file)."""
+        """The render as `helm template` prints it: each YAML manifest under its `# Source:` line, in
+        template order (what checkov scans)."""
         parts = []
         for path in sorted(self.manifests):
             body = self.manifests[path].strip("\n")
-            if body.strip():
+            if body.strip() and path.endswith((".yaml", ".yml")):
                 parts.append(f"---\n# Source: {path}\n{body}\n")
         return "".join(parts)
+
+    def golden(self, *, full_dashboards: bool) -> str:
+        """The golden file: text() with NOTES.txt appended as comments, and each Grafana dashboard
+        ConfigMap (the same in every set, thousands of lines) cut to its digest unless full_dashboards."""
+        out = self.text()
+        if not full_dashboards:
+            out = DASHBOARD.sub(_dashboard_digest, out)
+        notes = next((v for k, v in self.manifests.items() if k.endswith("NOTES.txt")), "")
+        if notes.strip():
+            out += "---\n# Source: NOTES.txt (as comments)\n" + "".join(
+                f"#{' ' if line else ''}{line}\n" for line in notes.strip("\n").splitlines()
+            )
+        return out
+
+
+# One rendered document that is a ConfigMap labelled grafana_dashboard (up to the next document).
+DASHBOARD = re.compile(
+    r"(?ms)^(apiVersion: v1\nkind: ConfigMap\nmetadata:\n  name: (\S+)\n(?:(?!^---$).)*?grafana_dashboard(?:(?!^---$).)*?)(?=^---$|\Z)"
+)
+
+
+def _dashboard_digest(m: re.Match[str]) -> str:
+    digest = hashlib.sha256(m.group(1).encode()).hexdigest()[:16]
+    return f"# ConfigMap/{m.group(2)}: a Grafana dashboard, sha256 {digest} (in full: golden/{FULL_DASHBOARDS}.yaml)\n"
 
 
 def _objects(manifests: dict[str, str]) -> list[dict[str, Any]]:

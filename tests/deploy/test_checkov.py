@@ -33,6 +33,16 @@ def test_every_skipped_check_says_why():
         assert len(why.strip()) >= 20, f"no reason given: {line}"
 
 
+def _documented_exception(check: dict) -> bool:
+    """CKV_K8S_22 (writable root) on the inference Deployment of a set that turns on the schema-gated
+    exception for GPU hooks."""
+    name = Path(check["file_path"]).stem
+    if check["check_id"] != "CKV_K8S_22" or not check["resource"].endswith(f"{chart.FULLNAME}-inference"):
+        return False
+    gate = chart.effective_values(name)["inference"]["securityContext"]["allowWritableRootForGpuHooks"]
+    return bool(gate)
+
+
 @pytest.mark.slow
 def test_checkov_finds_nothing_in_the_renders(tmp_path):
     assert CHECKOV.exists(), f"{CHECKOV} missing: run scripts/setup.sh --test"
@@ -62,6 +72,7 @@ def test_checkov_finds_nothing_in_the_renders(tmp_path):
         f"{c['check_id']} {c['check_name']}: {Path(c['file_path']).stem} {c['resource']}"
         for r in reports
         for c in r.get("results", {}).get("failed_checks", [])
+        if not _documented_exception(c)
     ]
     assert sum(r.get("summary", {}).get("passed", 0) for r in reports) > 0, "checkov checked nothing"
     assert sorted(set(failed)) == []
