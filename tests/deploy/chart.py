@@ -196,18 +196,23 @@ def _chart() -> helm_python.Chart:
 
 
 def render_values(
-    values: dict[str, Any], kube_version: str = DEFAULT_KUBE_VERSIONS[0], api_versions: tuple[str, ...] = ()
+    values: dict[str, Any],
+    kube_version: str = DEFAULT_KUBE_VERSIONS[0],
+    api_versions: tuple[str, ...] = (),
+    release: str = RELEASE,
 ) -> Render:
     """Renders as `helm install` would (schema first, then the templates), offline. Raises
     helm_python.HelmError (HelmValuesError, HelmRenderError) when the chart refuses the values."""
-    manifests = _manifests(values, kube_version, api_versions)
+    manifests = _manifests(values, kube_version, api_versions, release)
     return Render(manifests, _objects(manifests))
 
 
-def _manifests(values: dict[str, Any], kube_version: str, api_versions: tuple[str, ...]) -> dict[str, str]:
+def _manifests(
+    values: dict[str, Any], kube_version: str, api_versions: tuple[str, ...], release: str = RELEASE
+) -> dict[str, str]:
     """The render through the SDK's native call: `Chart.render` takes no Kubernetes or API versions."""
     opts = {
-        "name": RELEASE,
+        "name": release,
         "namespace": NAMESPACE,
         "is_install": True,
         "kube_version": f"v{kube_version}",

@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import re
 
+import helm_python
 import pytest
 
 from deploy import chart
-from deploy.validate import kube_violations
+from deploy.validate import api_server_violations, kube_violations
 
 GOOD = chart.good_sets()
 NAMES = [s.name for s in GOOD]
@@ -146,3 +147,35 @@ def test_monitoring_auto_follows_the_cluster_and_true_renders_without_it():
     assert not {"PodMonitor", "PrometheusRule"} & kinds, "auto rendered without the CRDs"
     kinds = {o["kind"] for o in chart.render("gitops-no-capabilities", None, ()).objects}
     assert {"PodMonitor", "PrometheusRule"} <= kinds
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_api_server_would_accept_every_object(name):
+    """What the API server validates beyond the OpenAPI schemas (validate.api_server_violations)."""
+    problems = [p for o in chart.render(name).objects for p in api_server_violations(o)]
+    assert problems == []
+
+
+# Helm's longest release name (53 characters) and a long but ordinary one, with "tether" in them so the
+# fullname is the release name.
+LONGEST_RELEASE = "tether-" + "x" * 46
+LONG_RELEASE = "tether-" + "x" * 30
+
+
+@pytest.mark.parametrize(
+    "name", ["gpu-disaggregated-multi-node", "trainer-jobset", "trainer-indexed-job", "agents-as-jobs"]
+)
+def test_long_release_names_make_valid_names_or_a_clear_refusal(name):
+    """Names derived from the release stay within what Kubernetes and its controllers accept (a
+    StatefulSet over 52 characters cannot label its revisions, a pod hostname is a DNS label). A
+    37-character release renders; Helm's longest (53) renders too, or is refused by a message that
+    says the release name is too long (not by a pod that never starts)."""
+    vs = chart.value_set(name)
+    render = chart.render_values(vs.values, vs.kube_versions[0], vs.api_versions, release=LONG_RELEASE)
+    assert [p for o in render.objects for p in api_server_violations(o)] == []
+    try:
+        render = chart.render_values(vs.values, vs.kube_versions[0], vs.api_versions, release=LONGEST_RELEASE)
+    except helm_python.HelmError as e:
+        assert re.search(r"release|fullname", str(e), re.IGNORECASE), str(e)
+        return
+    assert [p for o in render.objects for p in api_server_violations(o)] == []
