@@ -3,7 +3,7 @@
 A value set is a values file under tests/deploy/values/ (bad/ holds the ones the chart must refuse).
 Its leading comment lines may carry test metadata, invisible to Helm:
 
-    # kube-versions: 1.30.0 1.34.0          the Kubernetes versions it renders and validates at
+    # kube-versions: 1.29.0 1.34.0          the Kubernetes versions it renders and validates at
     # api-versions: monitoring.coreos.com/v1 the API groups present besides the built-in ones
     # expect-kinds: PodMonitor PrometheusRule   kinds the render must contain
     # expect-no-kinds: PodMonitor               kinds it must not
@@ -44,7 +44,8 @@ CRDS = HERE / "crds"
 RELEASE = "rl"
 NAMESPACE = "tether-ci"
 FULLNAME = f"{RELEASE}-tether"
-DEFAULT_KUBE_VERSIONS = ("1.30.0", "1.34.0")
+# The chart's floor (Chart.yaml kubeVersion) and a current release.
+DEFAULT_KUBE_VERSIONS = ("1.29.0", "1.34.0")
 # The one golden render that holds the dashboards in full (the others hold their digests).
 FULL_DASHBOARDS = "monitoring-crds-present"
 # libyaml's parser where PyYAML has it (ten times the pure-Python one on a 60 KB render).

@@ -330,6 +330,77 @@ def grace_violations(pod_spec: dict[str, Any], *, drain_seconds: int = 0) -> lis
     return out
 
 
+# Paths a process writes at run time: on a read-only root each must lie on a writable mount (users of
+# vLLM on Kubernetes hit `/.cache` permission errors constantly).
+WRITABLE_ENV = (
+    "HOME",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "VLLM_CACHE_ROOT",
+    "TRITON_CACHE_DIR",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "PROMETHEUS_MULTIPROC_DIR",
+    "TMPDIR",
+)
+
+
+def _on_writable_mount(path: str, mounts: list[dict[str, Any]]) -> bool:
+    best = max(
+        (m for m in mounts if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")),
+        key=lambda m: len(m["mountPath"]),
+        default=None,
+    )
+    return best is not None and not best.get("readOnly", False)
+
+
+def writable_path_violations(pod_spec: dict[str, Any]) -> list[str]:
+    """A container on a read-only root has /tmp and every cache its environment names on a writable
+    mount."""
+    out = []
+    for where, c in containers(pod_spec):
+        if (c.get("securityContext") or {}).get("readOnlyRootFilesystem") is not True:
+            continue
+        mounts = c.get("volumeMounts") or []
+        env = {e["name"]: e.get("value") for e in c.get("env") or []}
+        wanted = {"/tmp": "/tmp"} | {k: env[k] for k in WRITABLE_ENV if env.get(k)}
+        for name, path in wanted.items():
+            if not str(path).startswith("/"):
+                out.append(f"{where}: {name}={path} is not an absolute path")
+            elif not _on_writable_mount(str(path), mounts):
+                out.append(f"{where}: {name}={path} is on the read-only root")
+    return out
+
+
+def env_reference_violations(pod_spec: dict[str, Any]) -> list[str]:
+    """Every `$(VAR)` the kubelet is to expand names a variable it can: for an env value one defined
+    earlier in the list, for command and args one defined at all. Otherwise the text stays as it is
+    (`$(TETHER_NODE_INDEX)` reaches the program literally) and nothing fails until it runs. `$$(X)` is an
+    escape. A container with envFrom is checked for env order only."""
+    out = []
+    for where, c in containers(pod_spec):
+        seen: set[str] = set()
+        env = c.get("env") or []
+        all_names = {e["name"] for e in env}
+        for e in env:
+            for ref in VAR_REF.findall(_unescaped(str(e.get("value", "")))):
+                if ref not in seen:
+                    out.append(f"{where}.env[{e['name']}]: $({ref}) is not defined before it")
+            seen.add(e["name"])
+        if c.get("envFrom"):
+            continue
+        for field in ("command", "args"):
+            for arg in c.get(field) or []:
+                for ref in VAR_REF.findall(_unescaped(str(arg))):
+                    # Lower case: a shell's command substitution the kubelet leaves alone ($(hostname)).
+                    if ref not in all_names and ref.isupper():
+                        out.append(f"{where}.{field}: $({ref}) is no variable of the container")
+    return out
+
+
+def _unescaped(text: str) -> str:
+    return text.replace("$$", "")
+
+
 # --- object-level checks -------------------------------------------------------------------------------
 
 POD_TEMPLATE_KINDS = frozenset({"Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job"})

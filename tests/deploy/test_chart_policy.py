@@ -403,3 +403,66 @@ def test_the_scheduler_pod_gets_the_kubernetes_environment():
         "RESOURCES",
     ):
         assert f"TETHER_AGENT_JOB_{key}" in env, key
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_caches_and_tmp_are_on_writable_mounts(name):
+    assert collect(name, lambda spec, _t: policy.writable_path_violations(spec)) == []
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_variable_reference_resolves(name):
+    assert collect(name, lambda spec, _t: policy.env_reference_violations(spec)) == []
+
+
+def test_every_service_account_a_pod_uses_is_rendered():
+    """A pod naming a ServiceAccount that does not exist is never created (the ReplicaSet reports it
+    only in its events). The scheduler's, `<fullname>-scheduler`, comes with scheduler-rbac.yaml."""
+    problems = []
+    for name in NAMES:
+        render = chart.render(name)
+        accounts = {o["metadata"]["name"] for o in render.of_kind("ServiceAccount")}
+        for where, t in render.pod_templates():
+            sa = t["spec"].get("serviceAccountName", "default")
+            if sa not in accounts:
+                problems.append(f"{name} {where}: ServiceAccount {sa} is not rendered")
+    assert problems == []
+
+
+def test_a_digest_wins_over_the_tag():
+    digest = "sha256:" + "ab" * 32
+    vs = chart.value_set("cpu-demo")
+    render = chart.render_values(
+        chart.merge(vs.values, {"images": {"tether": {"tag": "9.9.9", "digest": digest}}})
+    )
+    images = {c["image"] for _w, t in render.pod_templates() for _cw, c in policy.containers(t["spec"])}
+    tether = {i for i in images if i.split("@")[0].split(":")[0].endswith("tether/tether")}
+    assert tether == {f"tether/tether@{digest}"}
+
+
+def test_redis_is_durable_and_keeps_its_data():
+    """The in-chart Redis: the pinned official image, AOF on, noeviction (the AOF is the trace store:
+    evicting a key loses a trace), the password from a file, and its volume kept when the release goes."""
+    render = chart.render("cpu-demo")
+    sts = render.get("StatefulSet", f"{chart.FULLNAME}-redis")
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "redis:7.4.5"
+    conf = "\n".join(
+        v for cm in render.of_kind("ConfigMap") for v in (cm.get("data") or {}).values() if "appendonly" in v
+    ) + " ".join(c.get("command", []) + c.get("args", []))
+    assert "appendonly yes" in conf and "maxmemory-policy noeviction" in conf, conf
+    retention = sts["spec"].get("persistentVolumeClaimRetentionPolicy", {})
+    assert retention.get("whenDeleted", "Retain") == "Retain"
+    assert [t["metadata"]["name"] for t in sts["spec"]["volumeClaimTemplates"]]
+    env = {e["name"] for e in c.get("env") or []}
+    assert not {"REDIS_PASSWORD", "REDISCLI_AUTH"} & env
+
+
+def test_a_scheduler_without_kubernetes_gets_no_kubernetes_settings():
+    render = chart.render("scheduler-without-kubernetes")
+    (sched,) = [t for _, t in render.pod_templates() if component(t) == "scheduler"]
+    assert sched["spec"]["automountServiceAccountToken"] is False
+    env = {e["name"]: e.get("value") for c in sched["spec"]["containers"] for e in c.get("env") or []}
+    assert env["TETHER_KUBE_ENABLED"] == "false"
+    assert env.get("TETHER_AGENT_JOBS", "false") == "false"
+    assert not render.of_kind("Role", "RoleBinding")

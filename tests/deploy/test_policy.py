@@ -24,6 +24,8 @@ def good_pod() -> dict[str, Any]:
         "volumes": [
             {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}},
             {"name": "model", "persistentVolumeClaim": {"claimName": "m", "readOnly": True}},
+            {"name": "tmp", "emptyDir": {}},
+            {"name": "cache", "emptyDir": {}},
         ],
         "containers": [
             {
@@ -33,6 +35,9 @@ def good_pod() -> dict[str, Any]:
                 "ports": [{"name": "http", "containerPort": 8001}, {"name": "grpc", "containerPort": 50052}],
                 "env": [
                     {"name": "TOKENIZERS_PARALLELISM", "value": "false"},
+                    {"name": "PORT", "value": "8001"},
+                    {"name": "HOME", "value": "/cache"},
+                    {"name": "HF_HOME", "value": "/cache/huggingface"},
                     {"name": "TETHER_ADMIN_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}},
                     {"name": "TETHER_REDIS_PASSWORD_FILE", "value": "/run/secrets/redis/password"},
                     {"name": "TETHER_REDIS_URL", "value": "redis://:$(TETHER_ADMIN_TOKEN)@redis:6379/0"},
@@ -47,7 +52,13 @@ def good_pod() -> dict[str, Any]:
                 "readinessProbe": {"httpGet": {"path": "/v1/models", "port": "http"}},
                 "livenessProbe": {"grpc": {"port": 50052}},
                 "lifecycle": {"preStop": {"sleep": {"seconds": 10}}},
-                "volumeMounts": [{"name": "shm", "mountPath": "/dev/shm"}],
+                "volumeMounts": [
+                    {"name": "shm", "mountPath": "/dev/shm"},
+                    {"name": "tmp", "mountPath": "/tmp"},
+                    {"name": "cache", "mountPath": "/cache"},
+                    {"name": "model", "mountPath": "/models", "readOnly": True},
+                ],
+                "command": ["/bin/sh", "-c", "exec vllm --port $(PORT) --host $(hostname -i)"],
             }
         ],
     }
@@ -68,6 +79,8 @@ CHECKS: list[Callable[[dict[str, Any]], list[str]]] = [
     policy.env_violations,
     policy.shm_violations,
     policy.grace_violations,
+    policy.writable_path_violations,
+    policy.env_reference_violations,
 ]
 
 
@@ -204,7 +217,36 @@ BREAKS = {
         lambda p: c0(p)["env"].append({"name": "U", "value": "redis://:$(TOKENIZERS_PARALLELISM)@r:6379"}),
         "$(TOKENIZERS_PARALLELISM)",
     ),
-    "GPU without /dev/shm": (policy.shm_violations, _set("c0.volumeMounts", []), "/dev/shm"),
+    "cache on the read-only root": (
+        policy.writable_path_violations,
+        lambda p: c0(p)["env"].append({"name": "VLLM_CACHE_ROOT", "value": "/root/.cache/vllm"}),
+        "VLLM_CACHE_ROOT=/root/.cache/vllm",
+    ),
+    "cache on a read-only mount": (
+        policy.writable_path_violations,
+        lambda p: c0(p)["env"].append({"name": "TRITON_CACHE_DIR", "value": "/models/triton"}),
+        "TRITON_CACHE_DIR=/models/triton",
+    ),
+    "no /tmp": (
+        policy.writable_path_violations,
+        lambda p: c0(p)["volumeMounts"].pop(1),
+        "/tmp=/tmp",
+    ),
+    "env reference before its definition": (
+        policy.env_reference_violations,
+        lambda p: c0(p)["env"].insert(0, {"name": "URL", "value": "http://x:$(PORT)"}),
+        "$(PORT) is not defined before it",
+    ),
+    "command reference to nothing": (
+        policy.env_reference_violations,
+        lambda p: c0(p)["command"].append("--rank=$(NODE_INDEX)"),
+        "$(NODE_INDEX)",
+    ),
+    "GPU without /dev/shm": (
+        policy.shm_violations,
+        lambda p: c0(p)["volumeMounts"].pop(0),
+        "/dev/shm",
+    ),
     "/dev/shm on disk": (
         policy.shm_violations,
         lambda p: p["volumes"].__setitem__(0, {"name": "shm", "emptyDir": {}}),
