@@ -3,6 +3,7 @@ holds the checks; the scheduler's tests apply the same ones to the agent Job bod
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -466,3 +467,38 @@ def test_a_scheduler_without_kubernetes_gets_no_kubernetes_settings():
     assert env["TETHER_KUBE_ENABLED"] == "false"
     assert env.get("TETHER_AGENT_JOBS", "false") == "false"
     assert not render.of_kind("Role", "RoleBinding")
+
+
+def _scheduler_env(render: chart.Render) -> dict[str, str]:
+    (sched,) = [t for _, t in render.pod_templates() if component(t) == "scheduler"]
+    return {e["name"]: e.get("value", "") for c in sched["spec"]["containers"] for e in c.get("env") or []}
+
+
+def test_discovery_and_gang_restart_switch_their_settings_off():
+    """Empty TETHER_KUBE_INFERENCE_SERVICE / TETHER_KUBE_TRAINER_SELECTOR turn the features off (BRIEF)."""
+    vs = chart.value_set("cpu-demo")
+    off = {"scheduler": {"kubernetes": {"enabled": True, "discovery": False, "gangRestart": False}}}
+    env = _scheduler_env(chart.render_values(chart.merge(vs.values, off)))
+    assert env["TETHER_KUBE_ENABLED"] == "true"
+    assert env["TETHER_KUBE_INFERENCE_SERVICE"] == "" and env["TETHER_KUBE_TRAINER_SELECTOR"] == ""
+
+
+def test_the_agent_job_settings_are_the_values():
+    """The JSON settings parse and carry agents.jobs; the default image is the pinned tether image."""
+    name = "agents-as-jobs"
+    jobs = chart.effective_values(name)["agents"]["jobs"]
+    env = _scheduler_env(chart.render(name))
+    assert json.loads(env["TETHER_AGENT_JOB_COMMAND"]) == jobs["command"]
+    assert json.loads(env["TETHER_AGENT_JOB_ARGS"]) == jobs["args"]
+    assert json.loads(env["TETHER_AGENT_JOB_RESOURCES"]) == jobs["resources"]
+    for key, value in (
+        ("QPS", jobs["qps"]),
+        ("BURST", jobs["burst"]),
+        ("MAX_CONCURRENT", jobs["maxConcurrent"]),
+        ("TTL_S", jobs["ttlSecondsAfterFinished"]),
+        ("DEADLINE_S", jobs["activeDeadlineSeconds"]),
+    ):
+        assert float(env[f"TETHER_AGENT_JOB_{key}"]) == float(value), key
+    image = env["TETHER_AGENT_JOB_IMAGE"]
+    pod = {"containers": [{"name": "agent", "image": image, "imagePullPolicy": "IfNotPresent"}]}
+    assert policy.image_violations(pod) == [] and image == "tether/tether:0.1.0"

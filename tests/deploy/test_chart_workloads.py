@@ -256,3 +256,81 @@ def test_runtime_class_only_when_asked(name):
     asked = {values["inference"]["runtimeClassName"], values["trainer"]["runtimeClassName"]} - {""}
     used = {t["spec"].get("runtimeClassName") for _w, t in chart.render(name).pod_templates()} - {None}
     assert used <= asked
+
+
+GRPC_SERVICES = {"merger": 50054, "scheduler": 50055, "agent": 50056}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_probes_understand_rl_states(name):
+    """vLLM: startup and readiness wait for /v1/models, liveness asks /health (200 while vLLM sleeps
+    or takes a weight push); no probe on the adapter's gRPC health, which says NOT_SERVING during a
+    weight load. The gateway probes /health (200 while admission is paused). The gRPC services use
+    gRPC-native probes on their own port."""
+    problems = []
+    for where, t in chart.render(name).pod_templates():
+        for c in t["spec"]["containers"]:
+            probes = {k: c.get(k) or {} for k in ("startupProbe", "readinessProbe", "livenessProbe")}
+            got = {
+                k: (p.get("httpGet") or {}).get("path") or ("grpc" if "grpc" in p else None)
+                for k, p in probes.items()
+            }
+            if c["name"] == "inference":
+                want = {
+                    "startupProbe": "/v1/models",
+                    "readinessProbe": "/v1/models",
+                    "livenessProbe": "/health",
+                }
+            elif c["name"] == "gateway":
+                want = {k: "/health" for k in probes}
+            elif c["name"] in GRPC_SERVICES:
+                want = {k: "grpc" for k in probes}
+                ports = {p["grpc"]["port"] for p in probes.values() if "grpc" in p}
+                if ports != {GRPC_SERVICES[c["name"]]}:
+                    problems.append(f"{where} {c['name']}: gRPC probes on {ports}")
+            else:
+                continue
+            if got != want:
+                problems.append(f"{where} {c['name']}: probes {got}, want {want}")
+    assert problems == []
+
+
+def _claim_of(t: dict[str, Any], claim: str) -> bool:
+    return any(
+        (v.get("persistentVolumeClaim") or {}).get("claimName") == claim
+        for v in t["spec"].get("volumes") or []
+    )
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if chart.effective_values(n)["checkpoints"]["sameNode"]])
+def test_a_read_write_once_checkpoint_volume_pins_its_readers_to_the_trainer(name):
+    """checkpoints.sameNode: every pod besides the trainer that mounts the RWO checkpoint claim must
+    be scheduled onto the trainer's node (required podAffinity on kubernetes.io/hostname), or it stays
+    in ContainerCreating with a Multi-Attach error."""
+    render = chart.render(name)
+    claim = f"{chart.FULLNAME}-checkpoints"
+    writers = ("trainer", "colocated")
+    trainer_labels = [
+        (t.get("metadata") or {}).get("labels") or {}
+        for _w, t in render.pod_templates()
+        if ((t.get("metadata") or {}).get("labels") or {}).get("app.kubernetes.io/component") in writers
+    ]
+    assert trainer_labels
+    problems = []
+    for where, t in render.pod_templates():
+        labels = (t.get("metadata") or {}).get("labels") or {}
+        if labels.get("app.kubernetes.io/component") in writers or not _claim_of(t, claim):
+            continue
+        terms = (
+            ((t["spec"].get("affinity") or {}).get("podAffinity") or {}).get(
+                "requiredDuringSchedulingIgnoredDuringExecution"
+            )
+        ) or []
+        pinned = any(
+            term.get("topologyKey") == "kubernetes.io/hostname"
+            and all(policy.label_selector_matches(term.get("labelSelector"), tl) for tl in trainer_labels)
+            for term in terms
+        )
+        if not pinned:
+            problems.append(f"{where}: mounts {claim} (RWO) without required podAffinity to the trainer")
+    assert problems == []
