@@ -6,6 +6,7 @@ equal to dashboards/*.json."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -135,3 +136,67 @@ def test_no_rendered_file_is_forgotten():
     rendered = {k for cm in render.of_kind("ConfigMap") for k in (cm.get("data") or {})}
     assert {p.name for p in (chart.CHART / "dashboards").glob("*.json")} <= rendered
     assert Path(chart.CHART / "alerts" / "tether-alerts.yaml").exists()
+
+
+def relabel(labels: dict[str, str], rules: list[dict[str, Any]]) -> dict[str, str] | None:
+    """Prometheus' relabelling (replace, keep, drop) of one target's labels; None when dropped."""
+    out = dict(labels)
+    for r in rules:
+        action = r.get("action", "replace")
+        value = r.get("separator", ";").join(out.get(s, "") for s in r.get("sourceLabels") or [])
+        m = re.fullmatch(r.get("regex", "(.*)"), value)
+        if action == "keep" and not m:
+            return None
+        if action == "drop" and m:
+            return None
+        if action == "replace" and m:
+            out[r["targetLabel"]] = m.expand(r.get("replacement", "$1").replace("$", "\\"))
+    return out
+
+
+def _meta_labels(pod_labels: dict[str, str]) -> dict[str, str]:
+    return {
+        "__meta_kubernetes_pod_label_" + re.sub(r"[^a-zA-Z0-9_]", "_", k): v for k, v in pod_labels.items()
+    }
+
+
+INDEX_LABEL = {
+    "StatefulSet": "apps.kubernetes.io/pod-index",
+    "Job": "batch.kubernetes.io/job-completion-index",
+    "JobSet": "batch.kubernetes.io/job-completion-index",
+}
+
+
+@pytest.mark.parametrize("name", ["gpu-disaggregated-multi-node", "trainer-indexed-job", "trainer-jobset"])
+def test_the_trainer_is_scraped_on_rank_zero_only_with_component_and_run(name):
+    """Only pod 0 serves the trainer's metrics: the PodMonitor keeps it and drops the other ranks
+    (which would be down targets and fire TetherTargetDown), whatever labels the workload kind gives
+    its pods; the series keep component and run."""
+    render = with_monitoring(name)
+    (pm,) = [p for p in render.of_kind("PodMonitor") if p["metadata"]["name"] == f"{chart.FULLNAME}-trainer"]
+    (obj,) = [
+        o
+        for o in render.of_kind("StatefulSet", "Job", "JobSet")
+        if (o["metadata"].get("labels") or {}).get("app.kubernetes.io/component") == "trainer"
+    ]
+    (_w, template), *_ = policy.pod_templates(obj)
+    run = chart.effective_values(name)["run"]["id"]
+    for index in range(2):
+        pod = {**template["metadata"]["labels"], INDEX_LABEL[obj["kind"]]: str(index)}
+        for endpoint in pm["spec"]["podMetricsEndpoints"]:
+            got = relabel(_meta_labels(pod), endpoint.get("relabelings") or [])
+            if index == 0:
+                assert got is not None and got["component"] == "trainer" and got["run"] == run, got
+            else:
+                assert got is None, f"rank {index} is scraped"
+
+
+def test_relabel_follows_prometheus():
+    rules = [
+        {"action": "keep", "sourceLabels": ["a", "b"], "regex": "0;|;0"},
+        {"sourceLabels": ["a"], "targetLabel": "x", "regex": "(.*)", "replacement": "r$1"},
+    ]
+    assert relabel({"a": "0"}, rules) == {"a": "0", "x": "r0"}
+    assert relabel({"b": "0"}, rules) is not None
+    assert relabel({"a": "1"}, rules) is None
+    assert relabel({"a": "10"}, rules) is None

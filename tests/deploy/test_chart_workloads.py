@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
 from typing import Any
 
 import pytest
@@ -334,3 +335,71 @@ def test_a_read_write_once_checkpoint_volume_pins_its_readers_to_the_trainer(nam
         if not pinned:
             problems.append(f"{where}: mounts {claim} (RWO) without required podAffinity to the trainer")
     assert problems == []
+
+
+def _hostname(obj: dict[str, Any], index: int) -> str:
+    """Pod `index`'s hostname as Kubernetes sets it for the workload kind."""
+    name = obj["metadata"]["name"]
+    if obj["kind"] == "JobSet":
+        return f"{name}-{obj['spec']['replicatedJobs'][0]['name']}-0-{index}"
+    return f"{name}-{index}"
+
+
+def _expand(text: str, env: dict[str, str]) -> str:
+    """The kubelet's $(VAR) expansion (unknown names stay as written)."""
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", lambda m: env.get(m.group(1), m.group(0)), text)
+
+
+def _pod_env(c: dict[str, Any], obj: dict[str, Any], index: int) -> dict[str, str]:
+    """The container's env in pod `index`: literal values expanded in order, the downward API fields
+    the trainer uses resolved as the kubelet would."""
+    pod_name = (
+        _hostname(obj, index) if obj["kind"] == "StatefulSet" else f"{obj['metadata']['name']}-{index}-x7k2p"
+    )
+    fields = {
+        "metadata.name": pod_name,
+        "metadata.labels['apps.kubernetes.io/pod-index']": str(index) if obj["kind"] == "StatefulSet" else "",
+        "metadata.labels['batch.kubernetes.io/job-completion-index']": str(index)
+        if obj["kind"] != "StatefulSet"
+        else "",
+        "status.podIP": f"10.0.0.{index + 10}",
+    }
+    env: dict[str, str] = {}
+    for e in c.get("env") or []:
+        if "value" in e:
+            env[e["name"]] = _expand(str(e["value"]), env)
+        elif "fieldRef" in (e.get("valueFrom") or {}):
+            env[e["name"]] = fields.get(e["valueFrom"]["fieldRef"]["fieldPath"], "?")
+    return env
+
+
+@pytest.mark.parametrize("name", ["gpu-disaggregated-multi-node", "trainer-indexed-job", "trainer-jobset"])
+def test_each_rank_advertises_its_own_dns_name_and_only_rank_zero_hosts(name):
+    """In pod i, after the kubelet's expansion, --local-addr is pod i's own stable DNS name and the
+    rendezvous is hosted (is_host=1) by pod 0 alone."""
+    render = chart.render(name)
+    (obj,) = _trainer_workloads(render)
+    _host0, subdomain, pods = _rank_zero_host(obj)
+    (_w, template), *_ = policy.pod_templates(obj)
+    (c,) = [c for c in template["spec"]["containers"] if c["name"] == "trainer"]
+    command = [*(c.get("command") or []), *(c.get("args") or [])]
+    assert command[:2] == ["/bin/sh", "-c"], command
+    for index in range(pods):
+        env = _pod_env(c, obj, index)
+        script = _expand(command[2], env)
+        # Run the container's own shell script with torchrun swapped for echo: what it would start.
+        shown = subprocess.run(
+            ["/bin/sh", "-c", script.replace("exec torchrun", "exec echo torchrun"), *command[3:]],
+            env={"PATH": "/usr/bin:/bin", **env},
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert shown.returncode == 0, shown.stderr
+        args = _torchrun({"command": [shown.stdout]}) or {}
+        assert args.get("local-addr") == f"{_hostname(obj, index)}.{subdomain}", (
+            index,
+            args.get("local-addr"),
+        )
+        conf = dict(kv.split("=", 1) for kv in args.get("rdzv-conf", "").split(","))
+        assert conf.get("is_host") == ("1" if index == 0 else "0"), (index, conf)
