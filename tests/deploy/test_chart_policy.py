@@ -502,3 +502,16 @@ def test_the_agent_job_settings_are_the_values():
     image = env["TETHER_AGENT_JOB_IMAGE"]
     pod = {"containers": [{"name": "agent", "image": image, "imagePullPolicy": "IfNotPresent"}]}
     assert policy.image_violations(pod) == [] and image == "tether/tether:0.1.0"
+
+
+def test_image_pull_secrets_reach_every_pod():
+    """A private registry's pull secret is set once and reaches every pod (a pod without it stays in
+    ImagePullBackOff); the agent Jobs get it through the scheduler's settings or not at all."""
+    vs = chart.value_set("gpu-disaggregated-multi-node")
+    render = chart.render_values(chart.merge(vs.values, {"imagePullSecrets": [{"name": "regcred"}]}))
+    missing = [
+        w
+        for w, t in render.pod_templates()
+        if {"name": "regcred"} not in (t["spec"].get("imagePullSecrets") or [])
+    ]
+    assert missing == []
