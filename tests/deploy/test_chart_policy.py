@@ -505,8 +505,8 @@ def test_the_agent_job_settings_are_the_values():
 
 
 def test_image_pull_secrets_reach_every_pod():
-    """A private registry's pull secret is set once and reaches every pod (a pod without it stays in
-    ImagePullBackOff); the agent Jobs get it through the scheduler's settings or not at all."""
+    """A private registry's pull secret is set once and reaches every pod the chart renders (a pod
+    without it stays in ImagePullBackOff)."""
     vs = chart.value_set("gpu-disaggregated-multi-node")
     render = chart.render_values(chart.merge(vs.values, {"imagePullSecrets": [{"name": "regcred"}]}))
     missing = [
