@@ -179,3 +179,15 @@ def test_long_release_names_make_valid_names_or_a_clear_refusal(name):
         assert re.search(r"release|fullname", str(e), re.IGNORECASE), str(e)
         return
     assert [p for o in render.objects for p in api_server_violations(o)] == []
+
+
+@pytest.mark.parametrize("name", ["cpu-demo", "gpu-disaggregated-multi-node", "agents-as-jobs"])
+def test_notes_say_how_to_point_an_agent_at_the_gateway(name):
+    """NOTES.txt (what `helm install` prints) names the gateway's URL, the model to ask for, and where
+    the key comes from."""
+    render = chart.render(name)
+    notes = next(v for k, v in render.manifests.items() if k.endswith("NOTES.txt"))
+    values = chart.effective_values(name)
+    assert f"http://{chart.FULLNAME}-gateway.{chart.NAMESPACE}:8000" in notes
+    assert values["run"]["servedModel"] in notes
+    assert "key" in notes.lower()
