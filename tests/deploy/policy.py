@@ -469,7 +469,7 @@ def surge_violations(obj: dict[str, Any]) -> list[str]:
     """A GPU workload never surges: a surge pod stays Pending on a full GPU pool and the rollout stalls."""
     kind = obj.get("kind")
     out = []
-    for where, template in pod_templates(obj):
+    for _where, template in pod_templates(obj):
         if not uses_gpu(template.get("spec") or {}):
             continue
         if kind == "Deployment":
@@ -483,7 +483,6 @@ def surge_violations(obj: dict[str, Any]) -> list[str]:
             surge = ((obj["spec"].get("updateStrategy") or {}).get("rollingUpdate") or {}).get("maxSurge", 0)
             if str(surge) not in ("0", "0%"):
                 out.append(f"{kind}/{obj['metadata']['name']}: GPU DaemonSet surges (maxSurge {surge!r})")
-        del where
     return out
 
 
