@@ -69,7 +69,8 @@ fi
 # in its own virtualenv, never in .venv.
 CHECKOV_VENV=${TETHER_CHECKOV_VENV:-$HOME/.cache/tether/checkov-venv}
 CHECKOV_VERSION=3.3.30
-if [ "$WITH_TESTS" = 1 ] && [ "$("$CHECKOV_VENV/bin/checkov" --version 2>/dev/null)" != "$CHECKOV_VERSION" ]; then
+checkov_have=$("$CHECKOV_VENV/bin/python" -c "import importlib.metadata as m; print(m.version('checkov'))" 2>/dev/null || true)
+if [ "$WITH_TESTS" = 1 ] && [ "$checkov_have" != "$CHECKOV_VERSION" ]; then
   echo "setup: installing checkov==$CHECKOV_VERSION into $CHECKOV_VENV"
   rm -rf "$CHECKOV_VENV"
   mkdir -p "$(dirname "$CHECKOV_VENV")"
