@@ -122,7 +122,7 @@ def _problems(render: chart.Render, version: str, values: dict[str, Any]) -> lis
 
 
 @settings(
-    max_examples=int(os.environ.get("TETHER_COMBINATIONS", "120")),
+    max_examples=int(os.environ.get("TETHER_COMBINATIONS", "80")),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
