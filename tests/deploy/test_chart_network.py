@@ -78,6 +78,8 @@ def dialled(render: chart.Render) -> list[tuple[str, policy.Endpoint, str, int]]
     for where, t, ep in pods(render):
         for c in [*(t["spec"].get("initContainers") or []), *t["spec"]["containers"]]:
             for e in c.get("env") or []:
+                if e["name"].startswith("TETHER_AGENT_JOB_"):
+                    continue  # dialled by the agent Jobs, not by the scheduler that passes it on
                 for host, port in ADDRESS.findall(str(e.get("value", ""))):
                     parts = host.split(".")
                     service = next((p for p in reversed(parts) if p in services), None)
