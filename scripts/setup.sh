@@ -65,4 +65,17 @@ fi
 if [ "$WITH_TESTS" = 1 ]; then
   bash scripts/harnesses.sh
 fi
+# checkov scans the chart's renders (tests/deploy/test_checkov.py); it pins many packages, so it lives
+# in its own virtualenv, never in .venv.
+CHECKOV_VENV=${TETHER_CHECKOV_VENV:-$HOME/.cache/tether/checkov-venv}
+CHECKOV_VERSION=3.3.30
+checkov_have=$("$CHECKOV_VENV/bin/python" -c "import importlib.metadata as m; print(m.version('checkov'))" 2>/dev/null || true)
+if [ "$WITH_TESTS" = 1 ] && [ "$checkov_have" != "$CHECKOV_VERSION" ]; then
+  echo "setup: installing checkov==$CHECKOV_VERSION into $CHECKOV_VENV"
+  rm -rf "$CHECKOV_VENV"
+  mkdir -p "$(dirname "$CHECKOV_VENV")"
+  "$PYTHON" -m venv "$CHECKOV_VENV"
+  "$CHECKOV_VENV/bin/pip" install -q --upgrade pip
+  "$CHECKOV_VENV/bin/pip" install -q "checkov==$CHECKOV_VERSION"
+fi
 echo "setup: ready (services: $VENV, vLLM: $VLLM_VENV)"

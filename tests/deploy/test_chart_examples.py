@@ -1,0 +1,45 @@
+"""The value files the chart ships for users to start from (helm/tether/ci/*.yaml, the README's
+install commands) render and pass the same core checks as tests/deploy's own sets: a broken example
+is the first thing a new user meets."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy import chart, policy
+from deploy.validate import api_server_violations, kube_violations
+
+EXAMPLES = sorted((chart.CHART / "ci").glob("*.yaml"))
+
+
+def test_the_chart_ships_examples():
+    assert len(EXAMPLES) >= 2
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+@pytest.mark.parametrize("version", chart.DEFAULT_KUBE_VERSIONS)
+def test_an_example_renders_valid_and_restricted(path, version):
+    values = chart.load_set(path).values
+    chart.validate_schema(values)
+    render = chart.render_values(values, version)
+    problems = [
+        f"{o['kind']}/{o['metadata']['name']}: {p}"
+        for o in render.objects
+        for p in kube_violations(o, version)
+    ]
+    problems += [p for o in render.objects for p in api_server_violations(o)]
+    for where, t in render.pod_templates():
+        spec = t["spec"]
+        for check in (
+            policy.pod_spec_violations,
+            policy.request_violations,
+            policy.image_violations,
+            policy.probe_violations,
+            policy.env_violations,
+            policy.shm_violations,
+            policy.writable_path_violations,
+            policy.env_reference_violations,
+        ):
+            problems += [f"{where}: {v}" for v in check(spec)]
+    problems += [v for o in render.objects for v in policy.surge_violations(o)]
+    assert problems == []
