@@ -9,6 +9,13 @@ templates/validate.yaml.
 {{- $colocatedMode := hasPrefix "colocated-" $v.run.mode -}}
 {{- $sharing := $v.gpuSharing.mode -}}
 
+{{- /* Names derived from the release: a StatefulSet's name must leave room for its revision label
+(<= 52), a JobSet's pod hostname (<jobset>-trainer-<job>-<pod>) is one DNS label (<= 63). */ -}}
+{{- $full := include "tether.fullname" . -}}
+{{- if gt (len $full) 40 -}}
+{{- fail (printf "release name %q: the chart's full name %q is %d characters, over 40 (StatefulSet and JobSet pod names built from it would exceed Kubernetes' limits); install under a shorter release name" .Release.Name $full (len $full)) -}}
+{{- end -}}
+
 {{- /* GPUs given once per replica: the request and vLLM's tensor-parallel size. */ -}}
 {{- if and $gpu (lt (int $v.inference.gpus) 1) -}}
 {{- fail (printf "inference.gpus: %d GPUs on a GPU backend (inference.backend: gpu); set inference.gpus >= 1 or inference.backend: cpu" (int $v.inference.gpus)) -}}

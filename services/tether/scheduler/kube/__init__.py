@@ -23,7 +23,7 @@ from tether.scheduler.kube.client import KubeApi
 from tether.scheduler.kube.discovery import OnReplicas, discover, publisher
 from tether.scheduler.kube.settings import KubeSettings
 
-__all__ = ["KubeSettings", "start"]
+__all__ = ["KubeSettings", "job_template", "start"]
 
 
 def start(
@@ -49,18 +49,7 @@ def start(
             discover(api, s.kube_namespace, s.kube_inference_service, on_replicas or publisher(r, keys))
         )
     if s.agent_jobs:
-        template = jobs.JobTemplate(
-            instance=s.kube_instance,
-            run_id=run_id,
-            image=s.agent_job_image,
-            gateway_url=s.agent_job_gateway_url,
-            command=s.agent_job_command,
-            args=s.agent_job_args,
-            resources=s.agent_job_resources,
-            ttl_s=s.agent_job_ttl_s,
-            deadline_s=s.agent_job_deadline_s,
-            agent_fn=s.agent_fn,
-        )
+        template = job_template(s, run_id)
         dispatcher = jobs.JobDispatcher(
             r,
             keys,
@@ -75,3 +64,22 @@ def start(
     if s.kube_trainer_selector:
         out.append(gang.GangRestart(api, s.kube_namespace, s.kube_trainer_selector).run())
     return out
+
+
+def job_template(s: KubeSettings, run_id: str) -> Any:
+    """What every agent Job of this deployment shares, from the scheduler's settings (a
+    tether.scheduler.kube.jobs.JobTemplate)."""
+    from tether.scheduler.kube import jobs
+
+    return jobs.JobTemplate(
+        instance=s.kube_instance,
+        run_id=run_id,
+        image=s.agent_job_image,
+        gateway_url=s.agent_job_gateway_url,
+        command=s.agent_job_command,
+        args=s.agent_job_args,
+        resources=s.agent_job_resources,
+        ttl_s=s.agent_job_ttl_s,
+        deadline_s=s.agent_job_deadline_s,
+        agent_fn=s.agent_fn,
+    )

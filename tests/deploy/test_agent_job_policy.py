@@ -1,0 +1,81 @@
+"""The agent Job the scheduler builds (tether.scheduler.kube.jobs), from the settings the chart gives
+the scheduler, held to the same policies as every pod the chart renders, and fenced by the chart's
+agent-job NetworkPolicy: the gateway and DNS, nothing else of the release."""
+
+from __future__ import annotations
+
+import pytest
+
+from deploy import chart, policy
+from deploy.test_chart_network import DNS, NS_LABELS, pods
+from tether.scheduler import kube
+from tether.scheduler.kube import jobs
+
+SET = "agents-as-jobs"
+
+
+def scheduler_env(render: chart.Render) -> dict[str, str]:
+    """The scheduler container's literal environment in the render."""
+    deploy = render.get("Deployment", f"{chart.FULLNAME}-scheduler")
+    (container,) = [c for c in deploy["spec"]["template"]["spec"]["containers"] if c["name"] == "scheduler"]
+    return {e["name"]: e["value"] for e in container["env"] if "value" in e}
+
+
+@pytest.fixture(scope="module")
+def job() -> dict:
+    render = chart.render(SET)
+    env = scheduler_env(render)
+    mp = pytest.MonkeyPatch()
+    try:
+        for name, value in env.items():
+            mp.setenv(name, value)
+        # The two the pod gets from the downward API and the Secret.
+        mp.setenv("TETHER_KUBE_NAMESPACE", chart.NAMESPACE)
+        mp.setenv("TETHER_ADMIN_TOKEN", "from-the-secret")
+        settings = kube.KubeSettings()  # the scheduler's own settings class parses what the chart set
+    finally:
+        mp.undo()
+    assert settings.agent_jobs and settings.kube_instance == chart.RELEASE
+    rollout = {
+        "rollout_id": "0123456789abcdef0123456789abcdef",
+        "api_key": "tr-never-in-the-body",
+        "base_url": f"http://{chart.FULLNAME}-gateway:8000/v1",
+        "model": "tether-policy",
+    }
+    body = jobs.job_body(kube.job_template(settings, env["TETHER_RUN_ID"]), rollout, {"q": "2+2"}, "1-0", 0)
+    assert "tr-never-in-the-body" not in str(body)
+    return body
+
+
+CHECKS = {
+    "restricted": policy.pod_spec_violations,
+    "read-only root": policy.read_only_root_violations,
+    "requests": policy.request_violations,
+    "no API token": policy.service_account_token_violations,
+    "pinned images": policy.image_violations,
+    "no secret literals": policy.env_violations,
+    "writable paths mounted": policy.writable_path_violations,
+}
+
+
+@pytest.mark.parametrize("check", sorted(CHECKS))
+def test_the_job_pod_passes_the_charts_pod_policies(job, check):
+    assert CHECKS[check](job["spec"]["template"]["spec"]) == []
+
+
+def test_the_job_pod_is_fenced_by_the_charts_network_policy(job):
+    render = chart.render(SET)
+    policies = render.of_kind("NetworkPolicy")
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert policy.network_policy_violations(labels, policies) == []
+    me = policy.Endpoint(labels, chart.NAMESPACE, NS_LABELS)
+    reached = {
+        where
+        for where, _t, ep in pods(render)
+        for port in ep.ports.values()
+        if policy.connection_allowed(policies, me, ep, port)
+    }
+    assert reached and all("gateway" in where for where in reached), reached
+    assert policy.connection_allowed(policies, me, DNS, 53, "UDP")
+    # Nothing of the release reaches it.
+    assert not any(policy.connection_allowed(policies, ep, me, 8080) for _w, _t, ep in pods(render))
