@@ -21,20 +21,24 @@ def scheduler_env(render: chart.Render) -> dict[str, str]:
     return {e["name"]: e["value"] for e in container["env"] if "value" in e}
 
 
-@pytest.fixture(scope="module")
-def job() -> dict:
-    render = chart.render(SET)
-    env = scheduler_env(render)
+def scheduler_settings(env: dict[str, str]) -> kube.KubeSettings:
+    """The scheduler's own settings class over what the chart set (and the two values the pod gets
+    from the downward API and the Secret)."""
     mp = pytest.MonkeyPatch()
     try:
         for name, value in env.items():
             mp.setenv(name, value)
-        # The two the pod gets from the downward API and the Secret.
         mp.setenv("TETHER_KUBE_NAMESPACE", chart.NAMESPACE)
         mp.setenv("TETHER_ADMIN_TOKEN", "from-the-secret")
-        settings = kube.KubeSettings()  # the scheduler's own settings class parses what the chart set
+        return kube.KubeSettings()
     finally:
         mp.undo()
+
+
+@pytest.fixture(scope="module")
+def job() -> dict:
+    env = scheduler_env(chart.render(SET))
+    settings = scheduler_settings(env)
     assert settings.agent_jobs and settings.kube_instance == chart.RELEASE
     rollout = {
         "rollout_id": "0123456789abcdef0123456789abcdef",
@@ -79,3 +83,17 @@ def test_the_job_pod_is_fenced_by_the_charts_network_policy(job):
     assert policy.connection_allowed(policies, me, DNS, 53, "UDP")
     # Nothing of the release reaches it.
     assert not any(policy.connection_allowed(policies, ep, me, 8080) for _w, _t, ep in pods(render))
+
+
+def test_the_jobs_pull_with_the_charts_pull_secrets():
+    # A private registry: the agent Jobs' pods get the same imagePullSecrets as the chart's own pods.
+    values = {**chart.value_set(SET).values, "imagePullSecrets": [{"name": "regcred"}, {"name": "other"}]}
+    render = chart.render_values(values, chart.value_set(SET).kube_versions[0])
+    env = scheduler_env(render)
+    settings = scheduler_settings(env)
+    rollout = {"rollout_id": "ab" * 16, "api_key": "k", "base_url": "", "model": "m"}
+    body = jobs.job_body(kube.job_template(settings, env["TETHER_RUN_ID"]), rollout, {}, "1-0", 0)
+    pulls = body["spec"]["template"]["spec"]["imagePullSecrets"]
+    assert pulls == [{"name": "regcred"}, {"name": "other"}]
+    chart_pod = render.get("Deployment", f"{chart.FULLNAME}-scheduler")["spec"]["template"]["spec"]
+    assert chart_pod["imagePullSecrets"] == pulls

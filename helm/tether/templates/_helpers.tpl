@@ -407,3 +407,12 @@ livenessProbe:
 {{- end }}
 {{- end -}}
 {{- end -}}
+
+{{/* The names in imagePullSecrets, as a JSON list (the scheduler gives its agent Jobs the same ones). */}}
+{{- define "tether.pullSecretNames" -}}
+{{- $names := list -}}
+{{- range .Values.imagePullSecrets -}}
+{{- $names = append $names .name -}}
+{{- end -}}
+{{- toJson $names -}}
+{{- end -}}

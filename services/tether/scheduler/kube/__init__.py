@@ -82,4 +82,5 @@ def job_template(s: KubeSettings, run_id: str) -> Any:
         ttl_s=s.agent_job_ttl_s,
         deadline_s=s.agent_job_deadline_s,
         agent_fn=s.agent_fn,
+        image_pull_secrets=s.agent_job_image_pull_secrets,
     )

@@ -90,6 +90,7 @@ class JobTemplate:
     ttl_s: int = 600
     deadline_s: int = 1800
     agent_fn: str = ""
+    image_pull_secrets: list[str] = field(default_factory=list)
 
 
 def dns_label(text: str) -> str:
@@ -169,6 +170,23 @@ def job_body(
     if args:
         container["args"] = list(args)
     meta_labels = labels(t, rid)
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": USER_ID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [
+            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+            {"name": "home", "emptyDir": {"sizeLimit": "1Gi"}},
+        ],
+    }
+    if t.image_pull_secrets:  # a private registry: the same pull secrets as the chart's own pods
+        pod["imagePullSecrets"] = [{"name": n} for n in t.image_pull_secrets]
     return {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -183,24 +201,7 @@ def job_body(
             "backoffLimit": 0,  # one pod per attempt: the dispatcher's max_attempts is the retry rule
             "ttlSecondsAfterFinished": t.ttl_s,
             "activeDeadlineSeconds": t.deadline_s,
-            "template": {
-                "metadata": {"labels": meta_labels},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": USER_ID,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                    "containers": [container],
-                    "volumes": [
-                        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
-                        {"name": "home", "emptyDir": {"sizeLimit": "1Gi"}},
-                    ],
-                },
-            },
+            "template": {"metadata": {"labels": meta_labels}, "spec": pod},
         },
     }
 

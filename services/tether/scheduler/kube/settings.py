@@ -34,6 +34,8 @@ class KubeSettings(CommonSettings):
     agent_job_deadline_s: int = Field(1800, ge=1)
     agent_job_resources: dict[str, Any] = Field(default_factory=dict)  # JSON ResourceRequirements
     agent_job_gateway_url: str = ""  # http://<fullname>-gateway:8000: rollouts are created there
+    # Names of the Secrets the Jobs' pods pull their image with (JSON list; the chart's imagePullSecrets).
+    agent_job_image_pull_secrets: list[str] = Field(default_factory=list)
     # The harness the Job's `tether agent-job` runs (MODULE:FN); empty: the image's own TETHER_AGENT_FN.
     agent_fn: str = ""
     admin_token: str = ""  # the gateway's admin token: creating, reading and failing rollouts
