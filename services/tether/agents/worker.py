@@ -41,6 +41,8 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 GATEWAY_RETRIES = 6
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 5.0
+# Times a dispatched rollout is run again because the gateway could not be reached at all (~2 min).
+GATEWAY_OUTAGES = 12
 
 
 def backoff_s(resp: httpx.Response | None, attempt: int) -> float:
@@ -187,9 +189,24 @@ class Worker:
         """Attempts until one completes or `max_attempts` failed (the merger then excludes the slot
         from its group, counted); then acknowledge the dispatch entry."""
         try:
-            for attempt in range(job.max_attempts):
-                if await self.attempt(job, attempt):
-                    break
+            attempt = outages = 0
+            while attempt < job.max_attempts:
+                try:
+                    if await self.attempt(job, attempt):
+                        break
+                except httpx.TransportError as exc:
+                    # The gateway is unreachable (restarting): not the harness's failure, so no attempt
+                    # is used up; the slot runs again once it answers (a rollout it created is left open).
+                    outages += 1
+                    if outages > GATEWAY_OUTAGES:
+                        raise
+                    wait = retry.backoff(outages, 1.0, 10.0)
+                    log.warning(
+                        "gateway unreachable (%r); running dispatch %s again in %.1fs", exc, entry_id, wait
+                    )
+                    await asyncio.sleep(wait)
+                    continue
+                attempt += 1
             await self.r.xack(self.keys.dispatch, "agents", entry_id)
         except httpx.HTTPError as exc:
             # Leave the entry pending: another worker (or this one) reclaims it later.
@@ -207,23 +224,43 @@ class Worker:
     async def run(self) -> None:
         await broker.ensure_group(self.r, self.keys.dispatch, "agents")
         tasks: set[asyncio.Task] = set()
+        # A worker started again under its name (its supervisor's restart) first takes up the rollouts
+        # its previous life was running when it died; the gateway's rollouts of those attempts are left
+        # open (never completed, never in a group) and each slot runs again here.
+        own_after: str | None = "0"
         try:
             while True:
                 free = self.concurrency - len(tasks)
                 if free <= 0:
                     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                # A rollout may run for minutes: only reclaim entries idle for far longer than that.
                 try:
-                    entries = await broker.read_group(
-                        self.r,
-                        self.keys.dispatch,
-                        "agents",
-                        self.name,
-                        count=free,
-                        block_ms=1000,
-                        claim_idle_ms=900_000,
-                    )
+                    if own_after is not None:
+                        entries, own_after = await broker.read_own_pending(
+                            self.r,
+                            self.keys,
+                            self.keys.dispatch,
+                            "agents",
+                            self.name,
+                            own_after,
+                            1,
+                            "DispatchJob",
+                        )
+                        if entries:
+                            log.info("taking up dispatch %s left pending by %s", entries[0][0], self.name)
+                    else:
+                        # A rollout may run for minutes: only reclaim others' entries idle for far longer.
+                        entries = await broker.read_group(
+                            self.r,
+                            self.keys.dispatch,
+                            "agents",
+                            self.name,
+                            count=free,
+                            block_ms=1000,
+                            claim_idle_ms=900_000,
+                            keys=self.keys,
+                            record_type="DispatchJob",
+                        )
                 except broker.TRANSIENT as exc:
                     log.warning("Redis read failed (%s); retrying", exc)
                     await asyncio.sleep(1.0)

@@ -347,6 +347,7 @@ class MergedSequence(_Record):
     spans: list[list[int]] | None = None
     returns: list[float] | None = None
     return_: float | None = None
+    call_ids: list[str] = field(default_factory=list)  # the calls whose responses it trains, in order
 
 
 @dataclass
@@ -488,6 +489,10 @@ class SampleRecord(_Record):
     # Sampled tokens of this sequence kept out of the loss (loss_mask 0) because a grammar constrained
     # them (Trace.constrained_spans): counted by the trainer per step.
     constrained_tokens: int = 0
+    # The recorded calls (Trace.call_id) whose responses are its trainable runs, in order: on the
+    # samples stream, so every call can be traced to the one sample that trained it; not sent to the
+    # trainer (tether.v1.Sample has no such field).
+    call_ids: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.weight_spans:

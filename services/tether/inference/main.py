@@ -22,6 +22,7 @@ from tether.common.usage import exit_if_help
 from tether.common.vllm_client import VLLMControl, VLLMError
 from tether.inference.launch import model_context_length, start_vllm, vllm_command, vllm_env
 from tether.inference.servicer import WEIGHT_VERSION, InferenceServicer
+from tether.inference.weights import LoadFailed, newest_checkpoint
 from tether.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("tether.inference")
@@ -46,6 +47,9 @@ class InferenceSettings(CommonSettings):
     # More vLLM flags, one shell-quoted string (`tether up --vllm-arg ...` joins its values here).
     vllm_extra_args: str = ""
     vllm_log: str = "vllm.log"
+    # The trainer's checkpoint folder: a (re)started vLLM loads its newest version before serving, so
+    # an inference service restarted mid-run serves the run's current weights, not the base model.
+    checkpoint_dir: str = ""
 
     @field_validator("vllm_extra_args")
     @classmethod
@@ -81,12 +85,36 @@ async def refresh_weight_version(servicer: InferenceServicer) -> None:
         log.debug("weight version not read: %r", exc)
 
 
-async def watch_health(vllm: VLLMControl, health: Health, proc, servicer: InferenceServicer) -> None:
+async def restore_newest(servicer: InferenceServicer, checkpoint_dir: str) -> bool:
+    """Load the newest complete checkpoint of `checkpoint_dir` (if any, and if vLLM serves an older
+    version); False while that load fails (health stays NOT_SERVING, tried again)."""
+    newest = newest_checkpoint(Path(checkpoint_dir)) if checkpoint_dir else None
+    if newest is None:
+        return True
+    path, version = newest
+    try:
+        if await servicer.loader.served_version() >= version:
+            return True
+        log.info("restoring the newest checkpoint %s as version %d before serving", path, version)
+        await servicer.loader.load(str(path), version)
+    except (LoadFailed, VLLMError, httpx.HTTPError, OSError) as exc:
+        log.warning("restoring %s failed (%r); trying again", path, exc)
+        return False
+    return True
+
+
+async def watch_health(
+    vllm: VLLMControl, health: Health, proc, servicer: InferenceServicer, checkpoint_dir: str = ""
+) -> None:
     serving = None
+    restored = False
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {proc.returncode}")
         answering = await vllm.healthy()
+        if answering and not restored:
+            restored = await restore_newest(servicer, checkpoint_dir)
+            answering = restored
         if answering:
             await refresh_weight_version(servicer)
         ok = answering and not servicer.loader.unsafe
@@ -137,7 +165,7 @@ async def amain(s: InferenceSettings) -> None:
     WEIGHT_VERSION.set(0)
     try:
         await run_until_signal(
-            server, health, [watch_health(vllm, health, proc, servicer)], on_stop=stop_vllm
+            server, health, [watch_health(vllm, health, proc, servicer, s.checkpoint_dir)], on_stop=stop_vllm
         )
     finally:
         if proc is not None and proc.poll() is None:

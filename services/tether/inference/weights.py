@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+from pathlib import Path
 
 from prometheus_client import Gauge, Histogram
 
@@ -22,6 +24,28 @@ PUSH_SECONDS = Histogram(
     "Time to load a checkpoint into vLLM",
     buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
+
+
+# The trainer's checkpoint folders (tether.trainer.weights): `v<version>` is complete once it holds
+# trainer_state.pt (it appears by one rename of a fully written folder).
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+COMPLETE_MARKER = "trainer_state.pt"
+
+
+def newest_checkpoint(root: Path) -> tuple[Path, int] | None:
+    """The newest complete checkpoint under `root` and its version; None if there is none."""
+    try:
+        found = [
+            (int(m.group(1)), p)
+            for p in root.iterdir()
+            if (m := _VERSION_DIR.match(p.name)) and (p / COMPLETE_MARKER).exists()
+        ]
+    except OSError:
+        return None
+    if not found:
+        return None
+    version, path = max(found)
+    return path, version
 
 
 class LoadFailed(RuntimeError):

@@ -348,6 +348,7 @@ def build_samples(
             rollout_sequences=len(seqs),
             weight_spans=[list(w) for w in s.get("weight_spans", ())],
             constrained_tokens=int(s.get("constrained_tokens", 0)),
+            call_ids=list(s.get("call_ids", ())),
         )
         for i, (s, a, u) in enumerate(zip(seqs, advs, rets, strict=True))
     ]
@@ -487,6 +488,7 @@ class Merger:
                     "weight_spans": spans,
                     "truncated": s.truncated,
                     "constrained_tokens": s.constrained_tokens,
+                    "call_ids": list(s.call_ids),
                 }
             )
         merged: dict[str, Any] = {
@@ -936,6 +938,10 @@ class Merger:
         ticker = asyncio.create_task(self._deadline_loop()) if self.cfg.group_timeout_s > 0 else None
         if self.cfg.session_training:
             await broker.ensure_group(self.r, self.keys.session_rewards, "merger", start="$")
+        # Started again under its name (a restart), it first takes up what its previous life read and
+        # never acknowledged, one entry at a time (an entry deferred again comes back through
+        # read_group's claim).
+        own_after: str | None = "0"
         try:
             while True:
                 try:
@@ -943,13 +949,22 @@ class Merger:
                         # One loop reads both streams in turn: a second task blocked in its own
                         # XREADGROUP would hold up cancelling the merger (redis-py).
                         await self.poll_sessions(consumer)
-                    entries = await broker.read_group(
-                        self.r,
-                        stream,
-                        "merger",
-                        consumer,
-                        block_ms=250 if self.cfg.session_training else 1000,
-                    )
+                    if own_after is not None:
+                        entries, own_after = await broker.read_own_pending(
+                            self.r, self.keys, stream, "merger", consumer, own_after, 1, "RolloutEvent"
+                        )
+                        if entries:
+                            log.info("taking up rollout event %s left pending by %s", entries[0][0], consumer)
+                    else:
+                        entries = await broker.read_group(
+                            self.r,
+                            stream,
+                            "merger",
+                            consumer,
+                            block_ms=250 if self.cfg.session_training else 1000,
+                            keys=self.keys,
+                            record_type="RolloutEvent",
+                        )
                 except broker.TRANSIENT as exc:
                     log.warning("Redis read failed (%s); retrying", exc)
                     await asyncio.sleep(1.0)
@@ -1013,7 +1028,9 @@ class Merger:
         when session training is first turned on; a restart goes on where it stopped), each entry
         acknowledged once handled: scoring is idempotent, so a redelivery is recognised (``seen``)."""
         stream = self.keys.session_rewards
-        entries = await broker.read_group(self.r, stream, "merger", consumer, block_ms=None)
+        entries = await broker.read_group(
+            self.r, stream, "merger", consumer, block_ms=None, keys=self.keys, record_type="SessionReward"
+        )
         for entry_id, record in entries:
             try:
                 outcome = await self._retrying(
