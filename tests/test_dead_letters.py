@@ -6,6 +6,7 @@ handled, and a consumer started again under its name takes up its own pending en
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -14,7 +15,10 @@ from prometheus_client import REGISTRY
 from stack_helpers import TETHER, wait_for
 
 from tether.common import broker
-from tether.launcher import Stack
+from tether.launcher import Proc, Stack
+
+# The crash test's limit: each life past the first waits out the launcher's restart backoff.
+MAX = 2
 
 # A consumer as the services write one (read_own_pending first, then read_group with poison
 # checks): it dies on the poison record, as a consumer crashing on a record would, before acking.
@@ -22,6 +26,8 @@ CONSUMER = textwrap.dedent(
     """
     import asyncio, os, sys
     from tether.common import broker
+
+    MAX = int(os.environ["MAX_DELIVERIES"])
 
     async def main(url, ns):
         r = broker.connect(url)
@@ -31,11 +37,12 @@ CONSUMER = textwrap.dedent(
         while True:
             if after is not None:
                 entries, after = await broker.read_own_pending(
-                    r, keys, keys.dispatch, "g", "c0", after, record_type="Job"
+                    r, keys, keys.dispatch, "g", "c0", after, record_type="Job", max_deliveries=MAX
                 )
             else:
                 entries = await broker.read_group(
-                    r, keys.dispatch, "g", "c0", block_ms=200, keys=keys, record_type="Job"
+                    r, keys.dispatch, "g", "c0", block_ms=200, keys=keys, record_type="Job",
+                    max_deliveries=MAX,
                 )
             for eid, rec in entries:
                 if rec.get("poison"):
@@ -84,7 +91,7 @@ async def test_an_entry_never_acknowledged_is_dead_lettered_after_max_deliveries
 
 def test_a_consumer_crashing_on_a_poison_entry_under_the_launcher(tmp_path, monkeypatch, redis_url):
     """The launcher restarts a consumer that dies on a record each time it takes it; after
-    MAX_DELIVERIES lives the record is dead-lettered, the consumer lives on, and every good record is
+    `max_deliveries` lives (here MAX) the record is dead-lettered, the consumer lives on, and every good record is
     handled exactly once. `tether dead-letters` lists it (text and --json, with the counts)."""
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "consumer.py"
@@ -107,10 +114,11 @@ def test_a_consumer_crashing_on_a_poison_entry_under_the_launcher(tmp_path, monk
     def spawn():
         with open(log, "ab") as out:
             return subprocess.Popen(
-                [sys.executable, str(script), redis_url, ns], stdout=out, stderr=subprocess.STDOUT
+                [sys.executable, str(script), redis_url, ns],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "MAX_DELIVERIES": str(MAX)},
             )
-
-    from tether.launcher import Proc
 
     proc = Proc("consumer", spawn, log)
     stack.procs.append(proc)
@@ -122,11 +130,11 @@ def test_a_consumer_crashing_on_a_poison_entry_under_the_launcher(tmp_path, monk
 
         wait_for(settled, 60, "the poison entry dead-lettered and the rest handled", every_s=0.1)
         # Each life took the poison entry once (its own pending, first thing) and died on it.
-        assert proc.restarts == broker.MAX_DELIVERIES
+        assert proc.restarts == MAX
         assert proc.popen.poll() is None
         assert sorted(map(int, r.lrange(f"{ns}:handled", 0, -1))) == list(range(6))
         assert r.xpending(keys.dispatch, "g")["pending"] == 0
-        assert log.read_text().count("--- launcher: exited with code 3; restart") == broker.MAX_DELIVERIES
+        assert log.read_text().count("--- launcher: exited with code 3; restart") == MAX
     finally:
         stack.stop(grace_s=5)
 
@@ -144,7 +152,7 @@ def test_a_consumer_crashing_on_a_poison_entry_under_the_launcher(tmp_path, monk
     assert rows[-1] == {"counts": {"dispatch": 1}}
     (entry,) = rows[:-1]
     assert entry["stream"] == "dispatch" and entry["record_type"] == "Job"
-    assert entry["record"] == {"i": 99, "poison": True} and entry["deliveries"] == broker.MAX_DELIVERIES + 1
+    assert entry["record"] == {"i": 99, "poison": True} and entry["deliveries"] == MAX + 1
     assert "delivered" in entry["reason"] and entry["at"] > 0
     text = cli()
     assert "dispatch  Job" in text and "1 dead-lettered (dispatch: 1)" in text

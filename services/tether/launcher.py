@@ -36,6 +36,7 @@ from tether.common.redis_server import start_embedded_redis
 STATE_DIR = Path(".tether")
 STATE_FILE = STATE_DIR / "stack.json"
 MAX_RESTARTS = 5
+MAX_BACKOFF_S = 8.0
 SETTINGS_REFUSED = 2  # a service that refused its settings at start-up: starting it again cannot help
 # The user's TETHER_* settings reach every service, except these, which only one process may hold.
 PER_PROCESS_SETTINGS = frozenset({"TETHER_METRICS_PORT"})
@@ -68,12 +69,18 @@ class Proc:
     restart: bool = True  # started again when it exits non-zero
     restarts: int = 0
     popen: subprocess.Popen = field(init=False)
+    due: float | None = None  # when a process that exited is started again (restart backoff)
 
     def __post_init__(self) -> None:
         self.popen = self.spawn()
 
     def restartable(self, code: int) -> bool:
         return self.restart and code not in (0, SETTINGS_REFUSED) and self.restarts < MAX_RESTARTS
+
+    def backoff_s(self) -> float:
+        """The wait before the next restart: none for the first, then doubling (as Kubernetes'
+        CrashLoopBackOff does), so a process that fails at once does not spend its budget in seconds."""
+        return 0.0 if self.restarts == 0 else min(2.0 ** (self.restarts - 1), MAX_BACKOFF_S)
 
     def respawn(self, code: int) -> None:
         """Start it again after it exited with `code`; counted, and logged on stderr and in its log."""
@@ -159,7 +166,16 @@ class Stack:
                 continue
             if self.stopped or not p.restartable(code):
                 raise StackError(f"{p.name} exited with code {code}; last log lines:\n{tail(p.log)}")
-            p.respawn(code)
+            now = time.monotonic()
+            if p.due is None:
+                p.due = now + p.backoff_s()
+            if now < p.due:
+                continue
+            p.due = None
+            try:
+                p.respawn(code)
+            except (OSError, RuntimeError) as exc:  # e.g. Redis refusing its AOF
+                raise StackError(f"{p.name} could not be started again: {exc}") from exc
             self.write_state()
 
     def wait_grpc(self, name: str, address: str, timeout_s: float) -> None:

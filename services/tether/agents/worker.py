@@ -207,13 +207,25 @@ class Worker:
                     await asyncio.sleep(wait)
                     continue
                 attempt += 1
-            await self.r.xack(self.keys.dispatch, "agents", entry_id)
+            await self.ack(entry_id)
         except httpx.HTTPError as exc:
             # Leave the entry pending: another worker (or this one) reclaims it later.
             log.error("gateway error for dispatch %s: %s", entry_id, exc)
         finally:
             self.in_flight.discard(entry_id)
             IN_FLIGHT.set(len(self.in_flight))
+
+    async def ack(self, entry_id: str) -> None:
+        """Acknowledge a finished dispatch entry, waiting out a Redis restart: left pending, a finished
+        slot would be run again once reclaimed (a late rollout of a group already scored)."""
+        for attempt in range(60):
+            try:
+                await self.r.xack(self.keys.dispatch, "agents", entry_id)
+                return
+            except broker.TRANSIENT as exc:
+                log.warning("acknowledging dispatch %s failed (%s); retrying", entry_id, exc)
+                await asyncio.sleep(retry.backoff(attempt, 0.2, 2.0))
+        await self.r.xack(self.keys.dispatch, "agents", entry_id)
 
     async def dead_letter(self, entry_id: str, record: object, exc: RecordError) -> None:
         """A dispatch entry that is no DispatchJob: dead-lettered (counted) and acknowledged."""

@@ -52,6 +52,7 @@ from tether.algorithms.advantages import (
 )
 from tether.algorithms.names import AdvantageEstimator, AdvantageLevel
 from tether.common import broker, retry
+from tether.common.grpc_server import run_to_end
 from tether.common.records import (
     GroupResult,
     MergedRollout,
@@ -348,7 +349,7 @@ def build_samples(
             rollout_sequences=len(seqs),
             weight_spans=[list(w) for w in s.get("weight_spans", ())],
             constrained_tokens=int(s.get("constrained_tokens", 0)),
-            call_ids=list(s.get("call_ids", ())),
+            call_ids=list(s.get("call_ids") or ()),
         )
         for i, (s, a, u) in enumerate(zip(seqs, advs, rets, strict=True))
     ]
@@ -970,24 +971,10 @@ class Merger:
                     await asyncio.sleep(1.0)
                     continue
                 for entry_id, record in entries:
-                    try:
-                        event = RolloutEvent.from_dict(record)
-                        if event.status not in ("completed", "failed") or event.group_size < 1:
-                            raise ValueError(f"unexpected rollout event {record}")
-                    except ValueError as exc:  # RecordError among them
-                        await broker.dead_letter(
-                            self.r, self.keys, stream, entry_id, repr(exc), record, "RolloutEvent"
-                        )
-                        await self.r.xack(stream, "merger", entry_id)
-                        continue
-                    try:
-                        await self.handle_with_retry(event)
-                    except grpc.aio.AioRpcError as exc:
-                        # Retryable, and it outlasted the retries: leave the entry pending (read_group
-                        # claims it again once idle) and go on; a refusal never gets here (hand_over).
-                        self.defer(entry_id, exc)
-                        continue
-                    await self.r.xack(stream, "merger", entry_id)
+                    # Run to its end even when the merger is stopped (SIGTERM) meanwhile: the group in
+                    # hand is scored and handed over, and its event acknowledged, before the process
+                    # exits (run_until_signal waits for it).
+                    await run_to_end(self.consume(stream, entry_id, record))
         finally:
             # Cancelled until it is done: under load a cancel that lands inside a deadline check can
             # be lost (the loop then slept on and the merger never stopped; 1 run in ~8 of
@@ -995,6 +982,25 @@ class Merger:
             while ticker is not None and not ticker.done():
                 ticker.cancel()
                 await asyncio.wait({ticker}, timeout=1.0)
+
+    async def consume(self, stream: str, entry_id: str, record: Any) -> None:
+        """One rollout event: handled and acknowledged, dead-lettered, or left pending (deferred)."""
+        try:
+            event = RolloutEvent.from_dict(record)
+            if event.status not in ("completed", "failed") or event.group_size < 1:
+                raise ValueError(f"unexpected rollout event {record}")
+        except ValueError as exc:  # RecordError among them
+            await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record, "RolloutEvent")
+            await self.r.xack(stream, "merger", entry_id)
+            return
+        try:
+            await self.handle_with_retry(event)
+        except grpc.aio.AioRpcError as exc:
+            # Retryable, and it outlasted the retries: leave the entry pending (read_group claims it
+            # again once idle) and go on; a refusal never gets here (hand_over).
+            self.defer(entry_id, exc)
+            return
+        await self.r.xack(stream, "merger", entry_id)
 
     # ------------------------------------------------------------------ record-only sessions
 

@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+from grpc_health.v1 import health_pb2_grpc
 from pydantic import Field, ValidationError
 
 from tether.common import broker
@@ -72,12 +73,12 @@ async def amain(s: SchedulerSettings) -> None:
     # Calls retry the retryable codes with backoff, a few times; then, or on any other code, the run
     # fails and the process exits (see main). Not retried: a weight load or a path-2 push, whose
     # failures the run handles itself (fallback to path 1; reconcile after a restart).
+    inference = channel(s.inference_address)
     stubs = Stubs(
         gateway=Retrying(gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address))),
-        inference=Retrying(
-            inference_pb2_grpc.InferenceStub(channel(s.inference_address)), exempt={"LoadWeights"}
-        ),
+        inference=Retrying(inference_pb2_grpc.InferenceStub(inference), exempt={"LoadWeights"}),
         trainer=Retrying(trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)), exempt={"PushWeights"}),
+        inference_health=health_pb2_grpc.HealthStub(inference),
     )
     cfg = RunConfig(
         run_id=s.run_id,
