@@ -57,6 +57,17 @@ def backoff_s(resp: httpx.Response | None, attempt: int) -> float:
     return retry.backoff(attempt, FIRST_BACKOFF_S, MAX_BACKOFF_S)
 
 
+def _already_finished(resp: httpx.Response) -> bool:
+    """The gateway's 409 `rollout_finished`: the rollout was finished by an earlier try of the same
+    request (Worker.post tries again after a 5xx whose request may have gone through)."""
+    if resp.status_code != 409:
+        return False
+    try:
+        return resp.json().get("error", {}).get("code") == "rollout_finished"
+    except ValueError:
+        return False
+
+
 def load_function(spec: str) -> HarnessFn:
     """'package.module:fn' or 'path/to/file.py:fn'."""
     target, _, name = spec.rpartition(":")
@@ -180,7 +191,8 @@ class Worker:
             headers=auth,
             json={"reward": reward},
         )
-        done.raise_for_status()
+        if not _already_finished(done):  # a retry whose first try (its answer lost) completed it
+            done.raise_for_status()
         self.done += 1
         ATTEMPTS.labels("completed").inc()
         return True
