@@ -6,6 +6,7 @@ service knows the newest checkpoint to serve."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -128,3 +129,121 @@ def test_the_newest_complete_checkpoint(tmp_path):
     (tmp_path / "v000004").mkdir()  # being written: no trainer_state.pt yet
     (tmp_path / ".tmp-v000005").mkdir()
     assert newest_checkpoint(tmp_path) == (tmp_path / "v000003", 3)
+
+
+async def test_a_stopped_merger_finishes_the_group_in_hand(redis_url):
+    """SIGTERM cancels the merger's loop (run_until_signal) while it hands a group to a trainer that
+    is slow to answer: the group is still handed over, its samples published and its events
+    acknowledged before the process goes on to exit (finish_running)."""
+    from test_merger_service import _record
+
+    from tether.common import broker
+    from tether.common.grpc_server import finish_running
+    from tether.merger.consumer import Merger, MergerConfig
+
+    r = broker.connect(redis_url)
+    keys = broker.Keys("drain")
+    handing_over, release, submitted = asyncio.Event(), asyncio.Event(), []
+
+    async def submit(group_id, samples, rollouts):
+        handing_over.set()
+        await release.wait()
+        submitted.append(group_id)
+
+    await _record(r, keys, "a", [([1, 2], [3], True)], "g", 1.0)
+    await _record(r, keys, "b", [([1, 2], [4], True)], "g", 0.0)
+    merger = Merger(r, keys, MergerConfig(), submit)
+    task = asyncio.create_task(merger.run())
+    try:
+        await asyncio.wait_for(handing_over.wait(), 20)
+        task.cancel()  # what SIGTERM does to the merger's loop
+        await asyncio.gather(task, return_exceptions=True)
+        asyncio.get_running_loop().call_later(0.3, release.set)
+        await finish_running(20)
+        assert submitted == ["g"]
+        assert await r.get(keys.group_done("g")) == "trained"
+        assert len(await broker.read_all(r, keys.samples)) == 2
+        assert (await r.xpending(keys.rollout_events, "merger"))["pending"] == 0
+    finally:
+        task.cancel()
+        await r.aclose()
+
+
+def test_sigterm_lets_the_gateway_finish_a_stream_and_record_it(redis_port, vllm, tmp_path):
+    """A stream in flight when the gateway gets SIGTERM is answered to its end ([DONE]) and recorded
+    (its trace with every token) before the process exits 0."""
+    import subprocess
+    import sys
+    import threading
+
+    import httpx
+    from fakes.vllm_openai import TOKEN_IDS
+    from gateway_helpers import ADMIN
+
+    from tether.common.broker import Keys
+    from tether.common.net import free_port
+
+    http_port = free_port()
+    env = {
+        **os.environ,
+        "TETHER_REDIS_URL": f"redis://127.0.0.1:{redis_port}",
+        "TETHER_NAMESPACE": "drain-stream",
+        "TETHER_VLLM_URL": f"http://127.0.0.1:{vllm.server_port}",
+        "TETHER_GATEWAY_PORT": str(http_port),
+        "TETHER_GATEWAY_GRPC_PORT": str(free_port()),
+        "TETHER_ADMIN_TOKEN": ADMIN,
+    }
+    log = open(tmp_path / "gateway.log", "w+")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tether.gateway"], env=env, stdout=subprocess.PIPE, stderr=log, text=True
+    )
+    try:
+        assert "tether-gateway ready" in proc.stdout.readline(), (tmp_path / "gateway.log").read_text()
+        url = f"http://127.0.0.1:{http_port}"
+        rollout = httpx.post(
+            f"{url}/v1/rollouts", json={"task_id": "t", "group_id": "g"}, headers=bearer(ADMIN)
+        ).json()
+        body = {
+            "model": rollout["model"],
+            "messages": [{"role": "user", "content": "slow-stream"}],
+            "stream": True,
+        }
+        lines: list[str] = []
+        first = threading.Event()
+
+        def stream():
+            with httpx.stream(
+                "POST",
+                f"{rollout['base_url']}/chat/completions",
+                json=body,
+                headers=bearer(rollout["api_key"]),
+                timeout=30,
+            ) as resp:
+                if resp.status_code != 200:
+                    lines.append(f"{resp.status_code} {resp.read()!r}")
+                    first.set()
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        lines.append(line)
+                        first.set()
+
+        reader = threading.Thread(target=stream)
+        reader.start()
+        assert first.wait(10), "no first chunk"
+        assert lines[0].startswith("data: {"), lines
+        proc.send_signal(signal.SIGTERM)
+        reader.join(30)
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert proc.wait(30) == 0, (tmp_path / "gateway.log").read_text()
+        r = redis.Redis(port=redis_port, decode_responses=True)
+        keys = Keys("drain-stream")
+        (entry,) = r.lrange(keys.rollout_calls(rollout["rollout_id"]), 0, -1)
+        ((_, fields),) = r.xrange(keys.traces, min=entry, max=entry)
+        trace = json.loads(fields["data"])
+        assert trace["status"] == "ok" and trace["response_token_ids"] == TOKEN_IDS
+        r.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+        log.close()

@@ -221,6 +221,8 @@ def test_every_fault_in_one_run(tmp_path):
     sample_keys = [(s["rollout_id"], s["sequence_index"]) for s in samples]
     assert len(sample_keys) == len(set(sample_keys))
     assert {s["group_id"] for s in samples} == trained_groups
+    # ... and the steps trained exactly the samples published: none twice, none lost.
+    assert sum(m["samples"] for m in steps) == len(samples)
 
     # Exactly once, by (rollout_id, call_id): every call of every rollout that trained in one sample.
     in_samples = Counter((s["rollout_id"], c) for s in samples for c in s["call_ids"])
@@ -252,7 +254,8 @@ def test_every_fault_in_one_run(tmp_path):
     ]
     orphans = {t["rollout_id"] for t in traces} - set(terminal)
     errored_calls = sum(t["status"] != "ok" for t in traces)
-    rewards = [m["reward_mean"] for m in steps]
+    # A step whose rollouts the inference fault all cut has no reward (NaN): left out.
+    rewards = [m["reward_mean"] for m in steps if m["reward_mean"] == m["reward_mean"]]
     first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
     figures = {
         "seconds": round(seconds),
