@@ -43,6 +43,8 @@ FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 5.0
 # Times a dispatched rollout is run again because the gateway could not be reached at all (~2 min).
 GATEWAY_OUTAGES = 12
+# Longest wait for a healthy inference replica before another attempt of a failed rollout.
+UPSTREAM_WAIT_S = 300.0
 
 
 def backoff_s(resp: httpx.Response | None, attempt: int) -> float:
@@ -204,6 +206,8 @@ class Worker:
             attempt = outages = 0
             while attempt < job.max_attempts:
                 try:
+                    if attempt:
+                        await self.wait_upstream()
                     if await self.attempt(job, attempt):
                         break
                 except httpx.TransportError as exc:
@@ -226,6 +230,28 @@ class Worker:
         finally:
             self.in_flight.discard(entry_id)
             IN_FLIGHT.set(len(self.in_flight))
+
+    async def wait_upstream(self) -> None:
+        """Before another attempt of a failed rollout: wait (at most UPSTREAM_WAIT_S) while the gateway
+        says no inference replica is healthy (a vLLM restarting): an attempt then could only fail too,
+        and the slot would run out of attempts in seconds. A gateway that does not answer is not waited
+        for here (`post` and the outage retry handle it)."""
+        deadline = asyncio.get_running_loop().time() + UPSTREAM_WAIT_S
+        waited = False
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                resp = await self.http.get(f"{self.gateway_url}/health", timeout=5.0)
+                replicas = (resp.json().get("replicas") or []) if resp.status_code == 200 else []
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return
+            if not replicas or any(r.get("healthy") for r in replicas):
+                if waited:
+                    log.info("inference serving again; running the next attempt")
+                return
+            if not waited:
+                log.warning("no inference replica healthy; waiting before the next attempt")
+                waited = True
+            await asyncio.sleep(1.0)
 
     async def ack(self, entry_id: str) -> None:
         """Acknowledge a finished dispatch entry, waiting out a Redis restart: left pending, a finished

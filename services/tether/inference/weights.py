@@ -148,6 +148,14 @@ class WeightLoader:
             log.info("loaded %s as version %d in %.2fs", checkpoint_dir, version, time.perf_counter() - start)
             return version
 
+    async def adopt(self, checkpoint_dir: str, version: int) -> None:
+        """vLLM was started from `checkpoint_dir`: tell it its version and vouch for it."""
+        async with self.lock:
+            await self.vllm.set_weight_version(version)
+            self.checkpoint_dir, self.version = checkpoint_dir, version
+            WEIGHT_VERSION.set(version)
+            log.info("serving %s as version %d (started from it)", checkpoint_dir, version)
+
     async def resume(self) -> None:
         """Resume generation; after a failed load, only once vLLM serves another version."""
         if self.unsafe:
