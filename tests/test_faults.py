@@ -6,7 +6,8 @@ the run's trace store:
 
 - every call of every trained rollout is in exactly one sample (by (rollout_id, call_id)), and no
   other call is; no sample is published twice, no group trained twice;
-- every step is reported and trained once, in order, weight versions without gaps or repeats;
+- every step is reported and trained once, in order, weight versions without gaps or repeats, and
+  the trainer reproduces the logprobs of every call (a restarted vLLM serves the run's weights);
 - rollouts the faults cut were retried (a failed attempt replaced) or excluded (the slot failed its
   last attempt), or left open by a killed worker and run again: counted and reported;
 - the reward still rises.
@@ -191,6 +192,10 @@ def test_every_fault_in_one_run(tmp_path):
     for m in steps:
         version += m["samples"] > 0
         assert m["weight_version"] == version, steps
+        # The trainer reproduces vLLM's logprobs before each update: every call, those served by the
+        # restarted vLLM included, was sampled by the weights the run was at (not the base model's).
+        if m["samples"]:
+            assert m["logprob_abs_diff"] <= 1e-3, m
     assert version >= STEPS - 2, "too few steps trained"
 
     # The trainer trained each step once (a step retried after its restart is answered from its record).
