@@ -91,6 +91,9 @@ async def test_an_entry_never_acknowledged_is_dead_lettered_after_max_deliveries
 
 def test_a_consumer_crashing_on_a_poison_entry_under_the_launcher(tmp_path, monkeypatch, redis_url):
     """The launcher restarts a consumer that dies on a record each time it takes it; after
+    `max_deliveries` lives (here MAX) the record is dead-lettered, the consumer lives on, and every
+    good record is handled exactly once. `tether dead-letters` lists it (text and --json, with the
+    counts)."""The launcher restarts a consumer that dies on a record each time it takes it; after
     `max_deliveries` lives (here MAX) the record is dead-lettered, the consumer lives on, and every good record is
     handled exactly once. `tether dead-letters` lists it (text and --json, with the counts)."""
     monkeypatch.chdir(tmp_path)
