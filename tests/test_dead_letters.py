@@ -93,9 +93,7 @@ def test_a_consumer_crashing_on_a_poison_entry_under_the_launcher(tmp_path, monk
     """The launcher restarts a consumer that dies on a record each time it takes it; after
     `max_deliveries` lives (here MAX) the record is dead-lettered, the consumer lives on, and every
     good record is handled exactly once. `tether dead-letters` lists it (text and --json, with the
-    counts)."""The launcher restarts a consumer that dies on a record each time it takes it; after
-    `max_deliveries` lives (here MAX) the record is dead-lettered, the consumer lives on, and every good record is
-    handled exactly once. `tether dead-letters` lists it (text and --json, with the counts)."""
+    counts)."""
     monkeypatch.chdir(tmp_path)
     script = tmp_path / "consumer.py"
     script.write_text(CONSUMER)
