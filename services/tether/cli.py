@@ -1,5 +1,5 @@
-"""`tether` commands: demo, up, down, agent, agent-job, gateway, traces, samples, metrics, prepare-demo,
-health.
+"""`tether` commands: demo, up, down, agent, agent-job, gateway, traces, samples, metrics, dead-letters,
+prepare-demo, health.
 
 The cli sits above every service: it starts them as processes (see launcher.py) and reads the
 stack's Redis; nothing imports it.
@@ -169,6 +169,12 @@ def _run_status(redis_url: str, namespace: str):
         r.close()
 
 
+def _redis_down() -> tuple[type[Exception], ...]:
+    import redis
+
+    return (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError)
+
+
 def cmd_demo(args) -> int:
     from tqdm import tqdm
 
@@ -208,9 +214,15 @@ def cmd_demo(args) -> int:
         )
         bar = tqdm(total=args.steps, unit="step", disable=args.quiet, dynamic_ncols=True)
         seen = 0
+        state = None
         while True:
             stack.check_alive()
-            state = _run_status(stack.redis_url, stack.namespace)
+            try:
+                state = _run_status(stack.redis_url, stack.namespace)
+            except _redis_down():
+                # Redis died: check_alive starts it again on its AOF; the run's state is there.
+                time.sleep(0.5)
+                continue
             metrics = read_metrics(run_dir / "metrics.jsonl")
             steps = [m for m in metrics if "step" in m]
             for m in steps[seen:]:
@@ -492,6 +504,45 @@ def cmd_metrics(args) -> int:
     return 0
 
 
+async def _dead_letters(redis_url: str, namespace: str, as_json: bool) -> int:
+    """The dead-letter stream: one line per entry (stream, reason, record type, time), then the count
+    per stream it came from; with `as_json`, JSON lines (each entry, then one {"counts": ...})."""
+    from collections import Counter
+
+    from tether.common import broker
+
+    keys = broker.Keys(namespace)
+    r = broker.connect(redis_url)
+    try:
+        rows = await broker.read_all(r, keys.dead_letter)
+    finally:
+        await r.aclose()
+    counts: Counter = Counter()
+    for entry_id, rec in rows:
+        if not isinstance(rec, dict):
+            rec = {"record": rec}
+        source = keys.short(str(rec.get("stream", "")))
+        counts[source] += 1
+        at = float(rec.get("dead_lettered_at") or int(entry_id.split("-")[0]) / 1000)
+        if as_json:
+            sys.stdout.write(json.dumps({"id": entry_id, **rec, "stream": source, "at": at}) + "\n")
+        else:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at))
+            what = rec.get("record_type") or "unknown"
+            sys.stdout.write(f"{when}Z  {source}  {what}  {entry_id}  {rec.get('reason', '')}\n")
+    if as_json:
+        sys.stdout.write(json.dumps({"counts": dict(counts)}) + "\n")
+    else:
+        total = ", ".join(f"{name}: {n}" for name, n in sorted(counts.items())) or "none"
+        sys.stdout.write(f"{len(rows)} dead-lettered ({total})\n")
+    return len(rows)
+
+
+def cmd_dead_letters(args) -> int:
+    _with_redis(args, lambda url, ns: asyncio.run(_dead_letters(url, ns, args.json)))
+    return 0
+
+
 def cmd_gateway(args) -> int:
     """The gateway alone in front of any vLLM-compatible server, recording to REDIS_URL or to an
     embedded Redis kept in .tether/gateway-redis."""
@@ -665,6 +716,14 @@ def build_parser() -> argparse.ArgumentParser:
         c.add_argument("--redis-url")
         c.add_argument("--namespace")
         c.set_defaults(fn=fn)
+
+    dead = sub.add_parser(
+        "dead-letters", help="list the records consumers gave up on (stream, reason, record type, time)"
+    )
+    dead.add_argument("--json", action="store_true", help="JSON lines, then the counts per stream")
+    dead.add_argument("--redis-url")
+    dead.add_argument("--namespace")
+    dead.set_defaults(fn=cmd_dead_letters)
 
     from tether.common import health
 

@@ -2,10 +2,14 @@
 behind the inference adapter, trainer, merger, gateway, scheduler, agent workers), waits for their
 health, supervises them, and stops them all — on success, on failure and on Ctrl-C.
 
-Supervision: a process that exits ends the stack with an error, except the scheduler, which is started
-again (up to MAX_RESTARTS times) when it exits non-zero -- on a fatal error, or killed -- as
-`restart: on-failure` would in Compose or Kubernetes: it keeps the run's state in Redis and continues
-from the last completed step. Exit status 2 (settings refused at start-up) is not restarted.
+Supervision, as `restart: on-failure` in Compose or a Deployment in Kubernetes: every process (the
+embedded Redis, inference with its vLLM, trainer, merger, gateway, scheduler, agent workers) that exits
+non-zero -- on a fatal error, or killed -- is started again by the same command, on the same ports
+(so the others find it again) and, for Redis, on the same data directory (it reloads its AOF), up to
+MAX_RESTARTS times per process, each restart counted and logged. Every service keeps what it must not
+lose in Redis or on disk and picks up from there. Not restarted: exit 0 (a service that ended on its
+own: the stack cannot go on without it), exit status 2 (settings refused at start-up: the same command
+cannot do better) and anything once the stack is stopping (`tether down`, Ctrl-C).
 
 Only the cli uses this module; no service imports it.
 """
@@ -18,6 +22,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +36,7 @@ from tether.common.redis_server import start_embedded_redis
 STATE_DIR = Path(".tether")
 STATE_FILE = STATE_DIR / "stack.json"
 MAX_RESTARTS = 5
+MAX_BACKOFF_S = 8.0
 SETTINGS_REFUSED = 2  # a service that refused its settings at start-up: starting it again cannot help
 # The user's TETHER_* settings reach every service, except these, which only one process may hold.
 PER_PROCESS_SETTINGS = frozenset({"TETHER_METRICS_PORT"})
@@ -55,13 +61,36 @@ def default_vllm_python() -> str:
 
 @dataclass
 class Proc:
+    """One supervised process: `spawn` starts it (again, after a failure) exactly as the first time."""
+
     name: str
-    popen: subprocess.Popen
+    spawn: Callable[[], subprocess.Popen]
     log: Path
-    module: str = ""
-    env: dict[str, str] = field(default_factory=dict)
-    restart: bool = False  # started again when it exits
+    restart: bool = True  # started again when it exits non-zero
     restarts: int = 0
+    popen: subprocess.Popen = field(init=False)
+    due: float | None = None  # when a process that exited is started again (restart backoff)
+
+    def __post_init__(self) -> None:
+        self.popen = self.spawn()
+
+    def restartable(self, code: int) -> bool:
+        return self.restart and code not in (0, SETTINGS_REFUSED) and self.restarts < MAX_RESTARTS
+
+    def backoff_s(self) -> float:
+        """The wait before the next restart: none for the first, then doubling (as Kubernetes'
+        CrashLoopBackOff does), so a process that fails at once does not spend its budget in seconds."""
+        return 0.0 if self.restarts == 0 else min(2.0 ** (self.restarts - 1), MAX_BACKOFF_S)
+
+    def respawn(self, code: int) -> None:
+        """Start it again after it exited with `code`; counted, and logged on stderr and in its log."""
+        _signal_group(self.popen.pid, signal.SIGKILL)  # whatever it left behind in its group (vLLM)
+        self.restarts += 1
+        note = f"{self.name} exited with code {code}; restarting it ({self.restarts}/{MAX_RESTARTS})"
+        print(note, file=sys.stderr, flush=True)
+        with open(self.log, "a") as f:
+            f.write(f"--- launcher: exited with code {code}; restart {self.restarts}/{MAX_RESTARTS}\n")
+        self.popen = self.spawn()
 
 
 @dataclass
@@ -105,8 +134,10 @@ class Stack:
         port = free_port()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         data = self.run_dir / "redis"
-        proc = start_embedded_redis(data, port, self.log_dir / "redis.log")
-        self.procs.append(Proc("redis", proc, self.log_dir / "redis.log"))
+        log = self.log_dir / "redis.log"
+        # Started again on the same port and data directory: it reloads its AOF (fsync always, so
+        # nothing it acknowledged is lost) and every client reconnects to the same URL.
+        self.procs.append(Proc("redis", lambda: start_embedded_redis(data, port, log), log))
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         self.redis_data = str(data)
 
@@ -121,30 +152,30 @@ class Stack:
                 start_new_session=True,
             )
 
-    def start(self, name: str, module: str, env: dict[str, str], restart: bool = False) -> Proc:
+    def start(self, name: str, module: str, env: dict[str, str], restart: bool = True) -> Proc:
         log = self.log_dir / f"{name}.log"
-        proc = Proc(name, self._popen(module, env, log), log, module, env, restart)
+        proc = Proc(name, lambda: self._popen(module, env, log), log, restart)
         self.procs.append(proc)
         return proc
 
     def check_alive(self) -> None:
-        """Raise StackError if a process has exited; restart it instead if it may be restarted."""
+        """Raise StackError if a process has exited and may not be restarted; restart it otherwise."""
         for p in self.procs:
             code = p.popen.poll()
             if code is None:
                 continue
-            if not p.restart or code in (0, SETTINGS_REFUSED) or p.restarts >= MAX_RESTARTS or self.stopped:
+            if self.stopped or not p.restartable(code):
                 raise StackError(f"{p.name} exited with code {code}; last log lines:\n{tail(p.log)}")
-            _signal_group(p.popen.pid, signal.SIGKILL)  # whatever it left behind in its group
-            p.restarts += 1
-            print(
-                f"{p.name} exited with code {code}; restarting it ({p.restarts}/{MAX_RESTARTS})",
-                file=sys.stderr,
-                flush=True,
-            )
-            with open(p.log, "a") as f:
-                f.write(f"--- launcher: exited with code {code}; restart {p.restarts}/{MAX_RESTARTS}\n")
-            p.popen = self._popen(p.module, p.env, p.log)
+            now = time.monotonic()
+            if p.due is None:
+                p.due = now + p.backoff_s()
+            if now < p.due:
+                continue
+            p.due = None
+            try:
+                p.respawn(code)
+            except (OSError, RuntimeError) as exc:  # e.g. Redis refusing its AOF
+                raise StackError(f"{p.name} could not be started again: {exc}") from exc
             self.write_state()
 
     def wait_grpc(self, name: str, address: str, timeout_s: float) -> None:
@@ -187,6 +218,7 @@ class Stack:
                     "namespace": self.namespace,
                     "addresses": self.addresses,
                     "pids": {p.name: p.popen.pid for p in self.procs},
+                    "restarts": {p.name: p.restarts for p in self.procs},
                 },
                 indent=2,
             )
@@ -314,7 +346,6 @@ def start_stack(
             "TETHER_SEED": str(seed),
             **scheduler_env,
         },
-        restart=True,
     )
     stack.wait_grpc("scheduler", a["scheduler"], 60)
     stack.write_state()
@@ -328,6 +359,8 @@ def inference_wiring(stack: Stack, model_dir: Path, grpc_port: int, vllm_port: i
         "TETHER_VLLM_PYTHON": default_vllm_python(),
         "TETHER_MODEL_DIR": str(model_dir),
         "TETHER_VLLM_LOG": str(stack.log_dir / "vllm.log"),
+        # Restarted, it serves the newest checkpoint of the run (inference.main.restore_newest).
+        "TETHER_CHECKPOINT_DIR": str(stack.run_dir / "checkpoints"),
     }
 
 

@@ -41,6 +41,10 @@ RETRYABLE_STATUS = frozenset({502, 503, 504})
 GATEWAY_RETRIES = 6
 FIRST_BACKOFF_S = 0.5
 MAX_BACKOFF_S = 5.0
+# Times a dispatched rollout is run again because the gateway could not be reached at all (~2 min).
+GATEWAY_OUTAGES = 12
+# Longest wait for a healthy inference replica before another attempt of a failed rollout.
+UPSTREAM_WAIT_S = 300.0
 
 
 def backoff_s(resp: httpx.Response | None, attempt: int) -> float:
@@ -53,6 +57,17 @@ def backoff_s(resp: httpx.Response | None, attempt: int) -> float:
         except ValueError:
             pass
     return retry.backoff(attempt, FIRST_BACKOFF_S, MAX_BACKOFF_S)
+
+
+def _already_finished(resp: httpx.Response) -> bool:
+    """The gateway's 409 `rollout_finished`: the rollout was finished by an earlier try of the same
+    request (Worker.post tries again after a 5xx whose request may have gone through)."""
+    if resp.status_code != 409:
+        return False
+    try:
+        return resp.json().get("error", {}).get("code") == "rollout_finished"
+    except ValueError:
+        return False
 
 
 def load_function(spec: str) -> HarnessFn:
@@ -178,7 +193,8 @@ class Worker:
             headers=auth,
             json={"reward": reward},
         )
-        done.raise_for_status()
+        if not _already_finished(done):  # a retry whose first try (its answer lost) completed it
+            done.raise_for_status()
         self.done += 1
         ATTEMPTS.labels("completed").inc()
         return True
@@ -187,16 +203,67 @@ class Worker:
         """Attempts until one completes or `max_attempts` failed (the merger then excludes the slot
         from its group, counted); then acknowledge the dispatch entry."""
         try:
-            for attempt in range(job.max_attempts):
-                if await self.attempt(job, attempt):
-                    break
-            await self.r.xack(self.keys.dispatch, "agents", entry_id)
+            attempt = outages = 0
+            while attempt < job.max_attempts:
+                try:
+                    if attempt:
+                        await self.wait_upstream()
+                    if await self.attempt(job, attempt):
+                        break
+                except httpx.TransportError as exc:
+                    # The gateway is unreachable (restarting): not the harness's failure, so no attempt
+                    # is used up; the slot runs again once it answers (a rollout it created is left open).
+                    outages += 1
+                    if outages > GATEWAY_OUTAGES:
+                        raise
+                    wait = retry.backoff(outages, 1.0, 10.0)
+                    log.warning(
+                        "gateway unreachable (%r); running dispatch %s again in %.1fs", exc, entry_id, wait
+                    )
+                    await asyncio.sleep(wait)
+                    continue
+                attempt += 1
+            await self.ack(entry_id)
         except httpx.HTTPError as exc:
             # Leave the entry pending: another worker (or this one) reclaims it later.
             log.error("gateway error for dispatch %s: %s", entry_id, exc)
         finally:
             self.in_flight.discard(entry_id)
             IN_FLIGHT.set(len(self.in_flight))
+
+    async def wait_upstream(self) -> None:
+        """Before another attempt of a failed rollout: wait (at most UPSTREAM_WAIT_S) while the gateway
+        says no inference replica is healthy (a vLLM restarting): an attempt then could only fail too,
+        and the slot would run out of attempts in seconds. A gateway that does not answer is not waited
+        for here (`post` and the outage retry handle it)."""
+        deadline = asyncio.get_running_loop().time() + UPSTREAM_WAIT_S
+        waited = False
+        while asyncio.get_running_loop().time() < deadline:
+            try:
+                resp = await self.http.get(f"{self.gateway_url}/health", timeout=5.0)
+                replicas = (resp.json().get("replicas") or []) if resp.status_code == 200 else []
+            except (httpx.HTTPError, ValueError, AttributeError):
+                return
+            if not replicas or any(r.get("healthy") for r in replicas):
+                if waited:
+                    log.info("inference serving again; running the next attempt")
+                return
+            if not waited:
+                log.warning("no inference replica healthy; waiting before the next attempt")
+                waited = True
+            await asyncio.sleep(1.0)
+
+    async def ack(self, entry_id: str) -> None:
+        """Acknowledge a finished dispatch entry, waiting out a Redis restart: left pending, a finished
+        slot would be run again once reclaimed (a late rollout of a group already scored)."""
+        for attempt in range(60):
+            try:
+                await self.r.xack(self.keys.dispatch, "agents", entry_id)
+                return
+            except broker.TRANSIENT as exc:
+                log.warning("acknowledging dispatch %s failed (%s); retrying", entry_id, exc)
+                await asyncio.sleep(retry.backoff(attempt, 0.2, 2.0))
+        await self.r.xack(self.keys.dispatch, "agents", entry_id)
 
     async def dead_letter(self, entry_id: str, record: object, exc: RecordError) -> None:
         """A dispatch entry that is no DispatchJob: dead-lettered (counted) and acknowledged."""
@@ -207,23 +274,43 @@ class Worker:
     async def run(self) -> None:
         await broker.ensure_group(self.r, self.keys.dispatch, "agents")
         tasks: set[asyncio.Task] = set()
+        # A worker started again under its name (its supervisor's restart) first takes up the rollouts
+        # its previous life was running when it died; the gateway's rollouts of those attempts are left
+        # open (never completed, never in a group) and each slot runs again here.
+        own_after: str | None = "0"
         try:
             while True:
                 free = self.concurrency - len(tasks)
                 if free <= 0:
                     await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
                     continue
-                # A rollout may run for minutes: only reclaim entries idle for far longer than that.
                 try:
-                    entries = await broker.read_group(
-                        self.r,
-                        self.keys.dispatch,
-                        "agents",
-                        self.name,
-                        count=free,
-                        block_ms=1000,
-                        claim_idle_ms=900_000,
-                    )
+                    if own_after is not None:
+                        entries, own_after = await broker.read_own_pending(
+                            self.r,
+                            self.keys,
+                            self.keys.dispatch,
+                            "agents",
+                            self.name,
+                            own_after,
+                            1,
+                            "DispatchJob",
+                        )
+                        if entries:
+                            log.info("taking up dispatch %s left pending by %s", entries[0][0], self.name)
+                    else:
+                        # A rollout may run for minutes: only reclaim others' entries idle for far longer.
+                        entries = await broker.read_group(
+                            self.r,
+                            self.keys.dispatch,
+                            "agents",
+                            self.name,
+                            count=free,
+                            block_ms=1000,
+                            claim_idle_ms=900_000,
+                            keys=self.keys,
+                            record_type="DispatchJob",
+                        )
                 except broker.TRANSIENT as exc:
                     log.warning("Redis read failed (%s); retrying", exc)
                     await asyncio.sleep(1.0)

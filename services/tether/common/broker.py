@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -209,6 +210,11 @@ def decode(fields: dict[str, str]) -> Any:
         return raw
 
 
+# A record delivered this many times without being acknowledged is poison (it crashed or stalled every
+# consumer that took it): the next read moves it to the dead-letter stream instead of handing it out.
+MAX_DELIVERIES = 5
+
+
 async def read_group(
     r: aioredis.Redis,
     stream: str,
@@ -217,15 +223,21 @@ async def read_group(
     count: int = 64,
     block_ms: int | None = 1000,
     claim_idle_ms: int = 60_000,
+    keys: Keys | None = None,
+    record_type: str = "",
+    max_deliveries: int = MAX_DELIVERIES,
 ) -> list[tuple[str, dict[str, Any]]]:
     """New entries for this consumer, decoded. Entries left pending (by a dead consumer) for over
     `claim_idle_ms` are claimed first (XAUTOCLAIM answers 2 fields on Redis 6.2, 3 on 7.x). `block_ms`
-    None: answer at once."""
+    None: answer at once. With `keys`, a claimed entry delivered more than `max_deliveries` times is
+    dead-lettered (as `record_type`) and acknowledged instead of returned."""
     claimed = await r.xautoclaim(
         stream, group, consumer, min_idle_time=claim_idle_ms, start_id="0-0", count=count
     )
     entries = claimed[1] if isinstance(claimed, list | tuple) and len(claimed) >= 2 else []
     out = [(eid, decode(f)) for eid, f in entries if f]
+    if out and keys is not None:
+        out = await drop_poison(r, keys, stream, group, out, record_type, max_deliveries)
     if out:
         return out
     # redis-py types replies for either decode_responses mode; connect() decodes, so these are str.
@@ -233,6 +245,64 @@ async def read_group(
     for _, items in resp or []:
         out.extend((eid, decode(f)) for eid, f in items)
     return out
+
+
+async def read_own_pending(
+    r: aioredis.Redis,
+    keys: Keys,
+    stream: str,
+    group: str,
+    consumer: str,
+    after: str = "0",
+    count: int = 1,
+    record_type: str = "",
+    max_deliveries: int = MAX_DELIVERIES,
+) -> tuple[list[tuple[str, dict[str, Any]]], str | None]:
+    """What this consumer name took and never acknowledged, after entry id `after` (XREADGROUP from an
+    id): a restarted consumer (the same name) takes up its previous life's entries at once, rather than
+    after `claim_idle_ms`. Returns the entries and the id to read on after (None: none left). Read one
+    at a time (the default), a poison entry that kills the consumer is the only one whose delivery
+    count its deaths raise. Entries trimmed from the stream meanwhile are acknowledged; poison is
+    dead-lettered (drop_poison)."""
+    resp: Any = await r.xreadgroup(group, consumer, {stream: after}, count=count)
+    items = [item for _, batch in resp or [] for item in batch]
+    if not items:
+        return [], None
+    gone = [eid for eid, f in items if not f]
+    if gone:
+        await r.xack(stream, group, *gone)
+    out = [(eid, decode(f)) for eid, f in items if f]
+    if out:
+        out = await drop_poison(r, keys, stream, group, out, record_type, max_deliveries)
+    return out, items[-1][0]
+
+
+async def drop_poison(
+    r: aioredis.Redis,
+    keys: Keys,
+    stream: str,
+    group: str,
+    entries: list[tuple[str, Any]],
+    record_type: str,
+    max_deliveries: int,
+) -> list[tuple[str, Any]]:
+    """`entries` less those delivered more than `max_deliveries` times (XPENDING's delivery counts),
+    which are dead-lettered and acknowledged."""
+    async with r.pipeline(transaction=False) as pipe:
+        for eid, _ in entries:
+            pipe.xpending_range(stream, group, min=eid, max=eid, count=1)
+        replies: Any = await pipe.execute()
+    times = {str(p["message_id"]): int(p["times_delivered"]) for reply in replies for p in reply}
+    keep = []
+    for eid, record in entries:
+        n = times.get(eid, 0)
+        if n <= max_deliveries:
+            keep.append((eid, record))
+            continue
+        reason = f"delivered {n} times (more than {max_deliveries}) without being acknowledged"
+        await dead_letter(r, keys, stream, eid, reason, record, record_type, deliveries=n)
+        await r.xack(stream, group, eid)
+    return keep
 
 
 DEAD_LETTERS = Counter(
@@ -250,22 +320,24 @@ async def dead_letter(
     reason: str,
     record: Any,
     record_type: str = "",
+    deliveries: int = 0,
 ) -> None:
     """Move a record a consumer cannot process to the dead-letter stream and count it (by the stream
-    it came from, without the namespace, and its record type); the caller acknowledges it."""
+    it came from, without the namespace, and its record type); the caller acknowledges it.
+    `deliveries`: how often it was handed out, for poison (read_group)."""
     log.warning("dead-letter %s %s: %s", stream, entry_id, reason)
     DEAD_LETTERS.labels(keys.short(stream), record_type or "unknown").inc()
-    await publish(
-        r,
-        keys.dead_letter,
-        {
-            "stream": stream,
-            "entry_id": entry_id,
-            "reason": reason,
-            "record": record,
-            "record_type": record_type,
-        },
-    )
+    entry = {
+        "stream": stream,
+        "entry_id": entry_id,
+        "reason": reason,
+        "record": record,
+        "record_type": record_type,
+        "dead_lettered_at": time.time(),
+    }
+    if deliveries:
+        entry["deliveries"] = deliveries
+    await publish(r, keys.dead_letter, entry)
 
 
 async def read_all(r: aioredis.Redis, stream: str, batch: int = 1000) -> list[tuple[str, dict[str, Any]]]:

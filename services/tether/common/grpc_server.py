@@ -257,14 +257,26 @@ async def start_server(
     return server, health_handle, bound
 
 
+async def finish_running(timeout_s: float) -> None:
+    """Wait (up to `timeout_s`) for the work started with `run_to_end` -- a training step, a weight
+    load, the merger's group in hand -- so that a SIGTERM never cuts it short; a supervisor's own
+    grace period (the launcher's, Kubernetes') bounds it as well."""
+    running = set(_RUNNING_TO_END)
+    if running:
+        log.info("stopping: finishing %d operation(s) in hand first", len(running))
+        await asyncio.wait(running, timeout=timeout_s)
+
+
 async def run_until_signal(
     server: grpc.aio.Server,
     health_handle: Health,
     background: Iterable[Awaitable[Any]] = (),
     on_stop: Callable[[], Awaitable[None]] | None = None,
     grace: float = 5.0,
+    drain_s: float = 60.0,
 ) -> None:
-    """Serve until SIGTERM/SIGINT or until a background task ends; then drain and stop. A background
+    """Serve until SIGTERM/SIGINT or until a background task ends; then finish the operations in hand
+    (`finish_running`, at most `drain_s`), drain and stop. A background
     task that failed is raised again once the server stopped, so the process exits non-zero and its
     supervisor (the launcher, Compose, Kubernetes) sees it."""
     stop = asyncio.Event()
@@ -283,6 +295,7 @@ async def run_until_signal(
     for task in tasks:
         task.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
+    await finish_running(drain_s)
     if on_stop is not None:
         await on_stop()
     await server.stop(grace)

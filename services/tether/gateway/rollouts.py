@@ -43,10 +43,14 @@ RUNNING, COMPLETED, FAILED = "running", "completed", "failed"
 _FINISH = """
 local st = redis.call('HGET', KEYS[1], 'status')
 if not st then return {0, ''} end
-if st ~= 'running' then return {-1, st} end
-redis.call('HSET', KEYS[1], unpack(ARGV))
-local f = redis.call('HMGET', KEYS[1], 'task_id', 'group_id', 'group_size', 'metadata')
-return {1, st, f[1], f[2], f[3], f[4]}
+local code = -1
+if st == 'running' then
+  redis.call('HSET', KEYS[1], unpack(ARGV))
+  code = 1
+end
+local f = redis.call('HMGET', KEYS[1], 'task_id', 'group_id', 'group_size', 'metadata', 'status', 'reward',
+  'finished_at')
+return {code, st, f[1], f[2], f[3], f[4], f[5], f[6], f[7]}
 """
 
 # Set one call's reward while the rollout runs, in one step with the status check, so that a reward
@@ -359,8 +363,6 @@ class RolloutRegistry:
         res = await self._finish(keys=[self.keys.rollout(rollout_id)], args=fields)
         if int(res[0]) == 0:
             raise rollout_not_found(rollout_id)
-        if int(res[0]) < 0:
-            raise rollout_finished(rollout_id, res[1])
         meta = orjson.loads(res[5]) if res[5] else {}
         attempt, max_attempts = attempts_of(meta)
         event = RolloutEvent(
@@ -368,13 +370,18 @@ class RolloutRegistry:
             task_id=res[2],
             group_id=res[3],
             group_size=int(res[4] or 1),
-            status=status,
-            reward=reward,
-            finished_at=finished_at,
+            status=res[6],
+            reward=float(res[7]) if res[7] else None,
+            finished_at=float(res[8] or finished_at),
             attempt=attempt,
             max_attempts=max_attempts,
             eval=bool(meta.get("eval")),
         )
+        if int(res[0]) < 0:
+            # Finished before. Its event is published now if the first finish could not do it (Redis
+            # went away in between, the caller got a 5xx and tries again): publishing is idempotent.
+            await asyncio.shield(self._publish_final(event))
+            raise rollout_finished(rollout_id, res[1])
         # The status is final now: shield the rest so that a cancelled request still publishes the event.
         await asyncio.shield(self._publish_final(event))
         out = await self.get(rollout_id)

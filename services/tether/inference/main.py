@@ -22,6 +22,7 @@ from tether.common.usage import exit_if_help
 from tether.common.vllm_client import VLLMControl, VLLMError
 from tether.inference.launch import model_context_length, start_vllm, vllm_command, vllm_env
 from tether.inference.servicer import WEIGHT_VERSION, InferenceServicer
+from tether.inference.weights import LoadFailed, newest_checkpoint
 from tether.v1 import inference_pb2, inference_pb2_grpc
 
 log = logging.getLogger("tether.inference")
@@ -46,6 +47,9 @@ class InferenceSettings(CommonSettings):
     # More vLLM flags, one shell-quoted string (`tether up --vllm-arg ...` joins its values here).
     vllm_extra_args: str = ""
     vllm_log: str = "vllm.log"
+    # The trainer's checkpoint folder: a (re)started vLLM loads its newest version before serving, so
+    # an inference service restarted mid-run serves the run's current weights, not the base model.
+    checkpoint_dir: str = ""
 
     @field_validator("vllm_extra_args")
     @classmethod
@@ -54,12 +58,13 @@ class InferenceSettings(CommonSettings):
         return v
 
 
-def command(s: InferenceSettings) -> list[str]:
-    """The vLLM command these settings ask for."""
-    max_model_len = s.max_model_len if s.max_model_len is not None else model_context_length(s.model_dir)
+def command(s: InferenceSettings, model_dir: str | None = None) -> list[str]:
+    """The vLLM command these settings ask for (serving `model_dir`, by default TETHER_MODEL_DIR)."""
+    model_dir = model_dir or s.model_dir
+    max_model_len = s.max_model_len if s.max_model_len is not None else model_context_length(model_dir)
     return vllm_command(
         s.vllm_python,
-        s.model_dir,
+        model_dir,
         s.served_model,
         s.vllm_host,
         s.vllm_port,
@@ -81,12 +86,51 @@ async def refresh_weight_version(servicer: InferenceServicer) -> None:
         log.debug("weight version not read: %r", exc)
 
 
-async def watch_health(vllm: VLLMControl, health: Health, proc, servicer: InferenceServicer) -> None:
+async def restore_newest(
+    servicer: InferenceServicer, checkpoint_dir: str, launched: tuple[Path, int] | None = None
+) -> bool:
+    """Before serving: vLLM started from checkpoint `launched` is told its version; then the newest
+    complete checkpoint of `checkpoint_dir` is loaded if vLLM serves an older version (one written
+    while vLLM was starting, or an attached vLLM). False while that fails (health stays NOT_SERVING,
+    tried again)."""
+    try:
+        if launched is not None and await servicer.loader.served_version() != launched[1]:
+            await servicer.loader.adopt(str(launched[0]), launched[1])
+    except (VLLMError, httpx.HTTPError, OSError) as exc:
+        log.warning("setting the version of %s failed (%r); trying again", launched, exc)
+        return False
+    newest = newest_checkpoint(Path(checkpoint_dir)) if checkpoint_dir else None
+    if newest is None:
+        return True
+    path, version = newest
+    try:
+        if await servicer.loader.served_version() >= version:
+            return True
+        log.info("restoring the newest checkpoint %s as version %d before serving", path, version)
+        await servicer.loader.load(str(path), version)
+    except (LoadFailed, VLLMError, httpx.HTTPError, OSError) as exc:
+        log.warning("restoring %s failed (%r); trying again", path, exc)
+        return False
+    return True
+
+
+async def watch_health(
+    vllm: VLLMControl,
+    health: Health,
+    proc,
+    servicer: InferenceServicer,
+    checkpoint_dir: str = "",
+    launched: tuple[Path, int] | None = None,
+) -> None:
     serving = None
+    restored = False
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"vLLM exited with code {proc.returncode}")
         answering = await vllm.healthy()
+        if answering and not restored:
+            restored = await restore_newest(servicer, checkpoint_dir, launched)
+            answering = restored
         if answering:
             await refresh_weight_version(servicer)
         ok = answering and not servicer.loader.unsafe
@@ -106,14 +150,22 @@ async def watch_health(vllm: VLLMControl, health: Health, proc, servicer: Infere
 
 async def amain(s: InferenceSettings) -> None:
     proc = None
+    # Started again mid-run (after a crash), vLLM serves the run's newest checkpoint from its first
+    # request: loading it only once vLLM answers would let calls reach the base model's weights.
+    launched = newest_checkpoint(Path(s.checkpoint_dir)) if s.vllm_launch and s.checkpoint_dir else None
+    model_dir = str(launched[0]) if launched else s.model_dir
     if s.vllm_launch:
         if not s.model_dir:
             raise SystemExit("TETHER_MODEL_DIR is required when TETHER_VLLM_LAUNCH is true")
-        cmd = command(s)
-        log.info("starting vLLM: %s", shlex.join(cmd))
+        cmd = command(s, model_dir)
+        log.info(
+            "starting vLLM%s: %s",
+            f" on checkpoint version {launched[1]}" if launched else "",
+            shlex.join(cmd),
+        )
         proc = start_vllm(cmd, vllm_env(), Path(s.vllm_log))
     vllm = VLLMControl(f"http://{s.vllm_host}:{s.vllm_port}")
-    servicer = InferenceServicer(vllm, s.model_dir)
+    servicer = InferenceServicer(vllm, model_dir)
 
     def register(server):
         inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
@@ -137,7 +189,10 @@ async def amain(s: InferenceSettings) -> None:
     WEIGHT_VERSION.set(0)
     try:
         await run_until_signal(
-            server, health, [watch_health(vllm, health, proc, servicer)], on_stop=stop_vllm
+            server,
+            health,
+            [watch_health(vllm, health, proc, servicer, s.checkpoint_dir, launched)],
+            on_stop=stop_vllm,
         )
     finally:
         if proc is not None and proc.poll() is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import grpc
+import httpx
 
 from tether.common.grpc_server import run_to_end
 from tether.common.vllm_client import VLLMControl, VLLMError
@@ -25,7 +26,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def GetWeightVersion(self, request, context):
         try:
             version = await self.loader.served_version()
-        except (VLLMError, OSError) as exc:
+        except (VLLMError, httpx.HTTPError, OSError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"vLLM not reachable: {exc}")
         WEIGHT_VERSION.set(version)  # path-2 pushes set it without this adapter loading anything
         known = self.loader.vouches(version)
@@ -40,7 +41,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         # with half its weights replaced.
         try:
             version = await run_to_end(self.loader.load(request.checkpoint_dir, request.version))
-        except (LoadFailed, VLLMError, OSError) as exc:
+        except (LoadFailed, VLLMError, httpx.HTTPError, OSError) as exc:
             log.error("weight load failed: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"weight load failed: {exc}")
         return inference_pb2.WeightVersion(version=version, checkpoint_dir=self.loader.checkpoint_dir)
@@ -48,7 +49,7 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
     async def _simple(self, context, coro) -> types_pb2.Empty:
         try:
             await coro
-        except (VLLMError, OSError) as exc:
+        except (VLLMError, httpx.HTTPError, OSError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return types_pb2.Empty()
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
+from pathlib import Path
 
 from prometheus_client import Gauge, Histogram
 
@@ -22,6 +24,28 @@ PUSH_SECONDS = Histogram(
     "Time to load a checkpoint into vLLM",
     buckets=(0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120),
 )
+
+
+# The trainer's checkpoint folders (tether.trainer.weights): `v<version>` is complete once it holds
+# trainer_state.pt (it appears by one rename of a fully written folder).
+_VERSION_DIR = re.compile(r"^v(\d{6,})$")
+COMPLETE_MARKER = "trainer_state.pt"
+
+
+def newest_checkpoint(root: Path) -> tuple[Path, int] | None:
+    """The newest complete checkpoint under `root` and its version; None if there is none."""
+    try:
+        found = [
+            (int(m.group(1)), p)
+            for p in root.iterdir()
+            if (m := _VERSION_DIR.match(p.name)) and (p / COMPLETE_MARKER).exists()
+        ]
+    except OSError:
+        return None
+    if not found:
+        return None
+    version, path = max(found)
+    return path, version
 
 
 class LoadFailed(RuntimeError):
@@ -123,6 +147,14 @@ class WeightLoader:
             WEIGHT_VERSION.set(version)
             log.info("loaded %s as version %d in %.2fs", checkpoint_dir, version, time.perf_counter() - start)
             return version
+
+    async def adopt(self, checkpoint_dir: str, version: int) -> None:
+        """vLLM was started from `checkpoint_dir`: tell it its version and vouch for it."""
+        async with self.lock:
+            await self.vllm.set_weight_version(version)
+            self.checkpoint_dir, self.version = checkpoint_dir, version
+            WEIGHT_VERSION.set(version)
+            log.info("serving %s as version %d (started from it)", checkpoint_dir, version)
 
     async def resume(self) -> None:
         """Resume generation; after a failed load, only once vLLM serves another version."""

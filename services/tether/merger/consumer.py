@@ -52,6 +52,7 @@ from tether.algorithms.advantages import (
 )
 from tether.algorithms.names import AdvantageEstimator, AdvantageLevel
 from tether.common import broker, retry
+from tether.common.grpc_server import run_to_end
 from tether.common.records import (
     GroupResult,
     MergedRollout,
@@ -348,6 +349,7 @@ def build_samples(
             rollout_sequences=len(seqs),
             weight_spans=[list(w) for w in s.get("weight_spans", ())],
             constrained_tokens=int(s.get("constrained_tokens", 0)),
+            call_ids=list(s.get("call_ids") or ()),
         )
         for i, (s, a, u) in enumerate(zip(seqs, advs, rets, strict=True))
     ]
@@ -487,6 +489,7 @@ class Merger:
                     "weight_spans": spans,
                     "truncated": s.truncated,
                     "constrained_tokens": s.constrained_tokens,
+                    "call_ids": list(s.call_ids),
                 }
             )
         merged: dict[str, Any] = {
@@ -936,6 +939,10 @@ class Merger:
         ticker = asyncio.create_task(self._deadline_loop()) if self.cfg.group_timeout_s > 0 else None
         if self.cfg.session_training:
             await broker.ensure_group(self.r, self.keys.session_rewards, "merger", start="$")
+        # Started again under its name (a restart), it first takes up what its previous life read and
+        # never acknowledged, one entry at a time (an entry deferred again comes back through
+        # read_group's claim).
+        own_after: str | None = "0"
         try:
             while True:
                 try:
@@ -943,36 +950,31 @@ class Merger:
                         # One loop reads both streams in turn: a second task blocked in its own
                         # XREADGROUP would hold up cancelling the merger (redis-py).
                         await self.poll_sessions(consumer)
-                    entries = await broker.read_group(
-                        self.r,
-                        stream,
-                        "merger",
-                        consumer,
-                        block_ms=250 if self.cfg.session_training else 1000,
-                    )
+                    if own_after is not None:
+                        entries, own_after = await broker.read_own_pending(
+                            self.r, self.keys, stream, "merger", consumer, own_after, 1, "RolloutEvent"
+                        )
+                        if entries:
+                            log.info("taking up rollout event %s left pending by %s", entries[0][0], consumer)
+                    else:
+                        entries = await broker.read_group(
+                            self.r,
+                            stream,
+                            "merger",
+                            consumer,
+                            block_ms=250 if self.cfg.session_training else 1000,
+                            keys=self.keys,
+                            record_type="RolloutEvent",
+                        )
                 except broker.TRANSIENT as exc:
                     log.warning("Redis read failed (%s); retrying", exc)
                     await asyncio.sleep(1.0)
                     continue
                 for entry_id, record in entries:
-                    try:
-                        event = RolloutEvent.from_dict(record)
-                        if event.status not in ("completed", "failed") or event.group_size < 1:
-                            raise ValueError(f"unexpected rollout event {record}")
-                    except ValueError as exc:  # RecordError among them
-                        await broker.dead_letter(
-                            self.r, self.keys, stream, entry_id, repr(exc), record, "RolloutEvent"
-                        )
-                        await self.r.xack(stream, "merger", entry_id)
-                        continue
-                    try:
-                        await self.handle_with_retry(event)
-                    except grpc.aio.AioRpcError as exc:
-                        # Retryable, and it outlasted the retries: leave the entry pending (read_group
-                        # claims it again once idle) and go on; a refusal never gets here (hand_over).
-                        self.defer(entry_id, exc)
-                        continue
-                    await self.r.xack(stream, "merger", entry_id)
+                    # Run to its end even when the merger is stopped (SIGTERM) meanwhile: the group in
+                    # hand is scored and handed over, and its event acknowledged, before the process
+                    # exits (run_until_signal waits for it).
+                    await run_to_end(self.consume(stream, entry_id, record))
         finally:
             # Cancelled until it is done: under load a cancel that lands inside a deadline check can
             # be lost (the loop then slept on and the merger never stopped; 1 run in ~8 of
@@ -980,6 +982,25 @@ class Merger:
             while ticker is not None and not ticker.done():
                 ticker.cancel()
                 await asyncio.wait({ticker}, timeout=1.0)
+
+    async def consume(self, stream: str, entry_id: str, record: Any) -> None:
+        """One rollout event: handled and acknowledged, dead-lettered, or left pending (deferred)."""
+        try:
+            event = RolloutEvent.from_dict(record)
+            if event.status not in ("completed", "failed") or event.group_size < 1:
+                raise ValueError(f"unexpected rollout event {record}")
+        except ValueError as exc:  # RecordError among them
+            await broker.dead_letter(self.r, self.keys, stream, entry_id, repr(exc), record, "RolloutEvent")
+            await self.r.xack(stream, "merger", entry_id)
+            return
+        try:
+            await self.handle_with_retry(event)
+        except grpc.aio.AioRpcError as exc:
+            # Retryable, and it outlasted the retries: leave the entry pending (read_group claims it
+            # again once idle) and go on; a refusal never gets here (hand_over).
+            self.defer(entry_id, exc)
+            return
+        await self.r.xack(stream, "merger", entry_id)
 
     # ------------------------------------------------------------------ record-only sessions
 
@@ -1013,7 +1034,9 @@ class Merger:
         when session training is first turned on; a restart goes on where it stopped), each entry
         acknowledged once handled: scoring is idempotent, so a redelivery is recognised (``seen``)."""
         stream = self.keys.session_rewards
-        entries = await broker.read_group(self.r, stream, "merger", consumer, block_ms=None)
+        entries = await broker.read_group(
+            self.r, stream, "merger", consumer, block_ms=None, keys=self.keys, record_type="SessionReward"
+        )
         for entry_id, record in entries:
             try:
                 outcome = await self._retrying(

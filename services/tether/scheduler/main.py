@@ -14,6 +14,7 @@ import logging
 import sys
 from pathlib import Path
 
+from grpc_health.v1 import health_pb2_grpc
 from pydantic import Field, ValidationError
 
 from tether.common import broker
@@ -75,10 +76,11 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
     # fails and the process exits (see main). Not retried: a weight load or a path-2 push, whose
     # failures the run handles itself (fallback to path 1; reconcile after a restart).
     trainer = Retrying(trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)), exempt={"PushWeights"})
+    inference = channel(s.inference_address)
     # The one adapter at inference_address, until Kubernetes discovery hands the fleet the replicas
     # (fleet.update); from then on every replica's adapter (tether.scheduler.fleet).
     fleet = InferenceFleet(
-        Retrying(inference_pb2_grpc.InferenceStub(channel(s.inference_address)), exempt={"LoadWeights"}),
+        Retrying(inference_pb2_grpc.InferenceStub(inference), exempt={"LoadWeights"}),
         r,
         broker.Keys(s.namespace),
         trainer=trainer,
@@ -87,6 +89,7 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
         gateway=Retrying(gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address))),
         inference=fleet,
         trainer=trainer,
+        inference_health=health_pb2_grpc.HealthStub(inference),
     )
     cfg = RunConfig(
         run_id=s.run_id,

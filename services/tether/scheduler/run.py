@@ -33,6 +33,7 @@ last completed step with the same version chain (docs/trainer.md, "Restarts"):
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import grpc
+from grpc_health.v1 import health_pb2
 from prometheus_client import Counter, Gauge, Histogram
 
 from tether.common import broker
@@ -118,6 +120,7 @@ class Stubs:
     gateway: Any
     inference: Any
     trainer: Any
+    inference_health: Any = None  # grpc.health.v1 Health of the inference service (None: not checked)
 
 
 def load_tasks(path: Path) -> list[dict]:
@@ -406,6 +409,30 @@ class Run:
             await self.save_state(slept=False)
         return await self.publisher.reconcile()
 
+    async def wait_inference(self) -> None:
+        """Wait until inference says SERVING (vLLM answers, the newest checkpoint restored): a step
+        dispatched while it restarts would only burn its rollouts' attempts. Raises after
+        `rollout_timeout_s` (the process exits; its supervisor starts it again)."""
+        if self.stubs.inference_health is None:
+            return
+        deadline = time.monotonic() + self.cfg.rollout_timeout_s
+        waited = False
+        while True:
+            try:
+                resp = await self.stubs.inference_health.Check(health_pb2.HealthCheckRequest(), timeout=5.0)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    if waited:
+                        log.info("inference serving again")
+                    return
+            except grpc.aio.AioRpcError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"inference not serving after {self.cfg.rollout_timeout_s:.0f}s")
+            if not waited:
+                log.warning("inference not serving; waiting before the next step")
+                waited = True
+            await asyncio.sleep(1.0)
+
     async def start_run(self) -> int:
         """Start the run, or pick it up where a previous scheduler left it (same run id). Returns the
         first step to run."""
@@ -426,6 +453,7 @@ class Run:
             start = 0
             await self.r.delete(self.keys.run, self.inflight_key)
             self.state_written = False
+        await self.wait_inference()
         version = await self.reconcile_weights()
         VERSION.set(version)
         await self.save_state(
@@ -546,6 +574,7 @@ class Run:
             STEP.set(step)
             if await self.resume_pending(step, colocated=True):
                 continue
+            await self.wait_inference()
             t0 = time.perf_counter()
             cursor = await self.step_cursor(step)
             await self.save_state(status="rolling_out")
