@@ -45,7 +45,7 @@ def publish(rdb, gw: InProcessGateway, version: int, *replicas: InferenceReplica
     rdb.set(gw.keys.replicas, orjson.dumps(replica_set.to_dict()))
 
 
-def wait_until(cond, timeout_s: float = 10.0) -> bool:
+def wait_until(cond, timeout_s: float = 30.0) -> bool:  # generous: a loaded CI host
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if cond():
