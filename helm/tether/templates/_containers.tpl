@@ -106,6 +106,9 @@ NCCL transfer engine.
       value: /dev/stdout
     - name: TETHER_METRICS_PORT
       value: "9102"
+    # A restarted pod starts vLLM on the run's newest complete checkpoint, not the base model.
+    - name: TETHER_CHECKPOINT_DIR
+      value: /checkpoints
     - name: TETHER_DTYPE
       value: {{ $c.dtype | quote }}
     {{- if $gpu }}
