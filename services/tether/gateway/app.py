@@ -39,7 +39,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tether.gateway import gemini
+from tether.gateway import gemini, openapi
 from tether.gateway import metrics as m
 from tether.gateway.admission import Admission
 from tether.gateway.apis import Api, ChatApi, CompletionsApi, GeminiApi, GeminiCall, MessagesApi, ResponsesApi
@@ -829,6 +829,12 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    spec = orjson.dumps(openapi.document(served_model))  # FastAPI's own would describe no body
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        return Response(spec, media_type="application/json")
 
     gemini_api = GeminiApi(served_model, upstream_model)
     _gemini_routes(app, proxy, rollouts, gemini_api, served_model, max_body_bytes, key_of)

@@ -33,6 +33,11 @@ _VLLM_NULL_CHOICE_FIELDS = ("prompt_logprobs", "routed_experts")
 # the choice of a whole response, and in one extra stream chunk of this `object` just before [DONE].
 WEIGHT_VERSIONS_FLAG = "return_weight_versions"
 WEIGHT_VERSIONS_CHUNK = "tether.weight_versions"
+# Bounds the gateway holds every API's requests to itself, so that no such request reaches vLLM or
+# the trace: an output limit above any served context (one that only exceeds this model's context is
+# lowered to it, limits.py), and choices per call (OpenAI's own bound on `n`; each choice is recorded).
+MAX_OUTPUT_TOKENS = 1 << 24
+MAX_CHOICES = 128
 
 
 class ApiError(Exception):
@@ -90,6 +95,21 @@ def number_field(body: dict[str, Any], name: str, integer: bool = False) -> Any:
     if isinstance(value, bool) or not isinstance(value, kinds):
         raise invalid(name, "must be an integer" if integer else "must be a number")
     return value
+
+
+def bounded(value: Any, where: str, high: int) -> Any:
+    """An integer field already type-checked (None: absent) held to 1..`high` (400 naming it)."""
+    if value is not None and not 1 <= value <= high:
+        raise invalid(where, f"must be an integer from 1 to {high}")
+    return value
+
+
+def check_counts(body: dict[str, Any], limits: tuple[str, ...], choices: tuple[str, ...]) -> None:
+    """Output limits and choice counts of a chat or completions body, which otherwise go to vLLM as
+    sent: integers within the gateway's bounds, or null."""
+    for names, high in ((limits, MAX_OUTPUT_TOKENS), (choices, MAX_CHOICES)):
+        for name in names:
+            bounded(number_field(body, name, integer=True), name, high)
 
 
 def reject_unknown_fields(
@@ -167,6 +187,7 @@ def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
     stream = check_stream(body)
     if body.get("use_beam_search"):
         raise unsupported(["use_beam_search"], "beam search does not report sampler logprobs")
+    check_counts(body, ("max_tokens", "max_completion_tokens"), ("n",))
     return ChatRequest(
         body=body,
         stream=stream,
@@ -233,6 +254,7 @@ def parse_completion_request(raw: bytes, served_model: str) -> ChatRequest:
     logprobs = body.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
         raise invalid("logprobs", "must be null or an integer >= 0 (the number of top logprobs)")
+    check_counts(body, ("max_tokens",), ("n", "best_of"))
     return ChatRequest(
         body=body,
         stream=stream,

@@ -30,10 +30,13 @@ from typing import Any
 import orjson
 
 from tether.gateway.capture import (
+    MAX_CHOICES,
+    MAX_OUTPUT_TOKENS,
     ApiError,
     Captured,
     StreamCapture,
     as_dict,
+    bounded,
     invalid,
     load_json_object,
     reject_unknown_fields,
@@ -553,15 +556,11 @@ def _generation_config(config: Any, chat: dict[str, Any], t: _Translation) -> bo
     if (
         value := _number(config, "maxOutputTokens", "generationConfig.maxOutputTokens", integer=True)
     ) is not None:
-        if value < 1:
-            raise invalid("generationConfig.maxOutputTokens", "must be >= 1")
-        chat["max_tokens"] = value
+        chat["max_tokens"] = bounded(value, "generationConfig.maxOutputTokens", MAX_OUTPUT_TOKENS)
     if (
         value := _number(config, "candidateCount", "generationConfig.candidateCount", integer=True)
     ) is not None:
-        if value < 1:
-            raise invalid("generationConfig.candidateCount", "must be >= 1")
-        if value > 1:
+        if bounded(value, "generationConfig.candidateCount", MAX_CHOICES) > 1:
             chat["n"] = value
     stops = config.get("stopSequences")
     if stops is not None:

@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 
 from tether.gateway.capture import (
+    MAX_OUTPUT_TOKENS,
     ApiError,
     Captured,
     StreamCapture,
@@ -406,8 +407,8 @@ def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
     )
     stream = check_stream(body)
     max_tokens = number_field(body, "max_tokens", integer=True)
-    if max_tokens is None or max_tokens < 1:
-        raise invalid("max_tokens", "is required and must be an integer >= 1")
+    if max_tokens is None or not 1 <= max_tokens <= MAX_OUTPUT_TOKENS:
+        raise invalid("max_tokens", f"is required and must be an integer from 1 to {MAX_OUTPUT_TOKENS}")
     ignored = {k for k in body if k in _IGNORED}
     if _uses_cache_control(body):
         ignored.add("cache_control")
