@@ -73,12 +73,29 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return Response(orjson.dumps(data), status_code=status, headers=headers, media_type="application/json")
 
 
+def _api_path(path: str) -> str:
+    """The path without its /rollouts/{rollout_id} prefix, nor a doubled /v1 (`_doubled_v1`)."""
+    if path.startswith("/rollouts/"):
+        _, _, rest = path[10:].partition("/")
+        path = "/" + rest
+    return path[3:] if path.startswith(("/v1/v1/", "/v1/v1beta/")) else path
+
+
 def _is_messages(path: str) -> bool:
-    return path.endswith("/v1/messages") or "/v1/messages/" in path
+    rest = _api_path(path)
+    return rest == "/v1/messages" or rest.startswith("/v1/messages/")
+
+
+_GEMINI_METHODS = (*gemini.METHODS, gemini.COUNT_TOKENS)
 
 
 def _is_gemini(path: str) -> bool:
-    return "/v1beta/" in path or (":" in path and "/models/" in path)
+    """Google's routes: /v1beta/..., and /v1/models/{model}:{method} (not OpenAI's /v1/models/{id},
+    whose ids may hold a colon: "llama3:8b")."""
+    rest = _api_path(path)
+    return rest.startswith("/v1beta/") or (
+        rest.startswith("/v1/models/") and rest.rpartition(":")[2] in _GEMINI_METHODS
+    )
 
 
 def error_payload(

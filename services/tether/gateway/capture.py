@@ -38,6 +38,9 @@ WEIGHT_VERSIONS_CHUNK = "tether.weight_versions"
 # lowered to it, limits.py), and choices per call (OpenAI's own bound on `n`; each choice is recorded).
 MAX_OUTPUT_TOKENS = 1 << 24
 MAX_CHOICES = 128
+# Nesting a request body may have (objects and arrays), well inside the 254 levels orjson writes.
+MAX_DEPTH = 128
+_ORJSON_DEPTH = 254
 
 
 class ApiError(Exception):
@@ -141,7 +144,36 @@ def load_json_object(raw: bytes, allow_nan: bool = False) -> dict[str, Any]:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_body")
+    if not allow_nan and _too_deep(raw, data):
+        raise ApiError(400, f"request body is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
     return data
+
+
+def recordable_object(raw: bytes) -> dict[str, Any] | None:
+    """`raw` as a JSON object a trace can hold (parsed, within MAX_DEPTH), else None: what a call
+    refused before it parsed records as its request."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) and not _too_deep(raw, data) else None
+
+
+def _too_deep(raw: bytes, data: dict[str, Any]) -> bool:
+    """Whether `data` nests deeper than MAX_DEPTH. orjson reads 1024 levels but writes only 254, and
+    the trace and the body sent upstream both hold the client's body inside their own: a body it
+    cannot write back would fail the call after the parse (500). Counted only when there are enough
+    brackets to matter; then orjson itself counts, `data` wrapped in the levels beyond MAX_DEPTH."""
+    if raw.count(b"{") + raw.count(b"[") <= MAX_DEPTH:
+        return False
+    wrapped: Any = data
+    for _ in range(_ORJSON_DEPTH - MAX_DEPTH):
+        wrapped = [wrapped]
+    try:
+        orjson.dumps(wrapped)
+    except orjson.JSONEncodeError:
+        return True
+    return False
 
 
 @dataclass

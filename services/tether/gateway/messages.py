@@ -362,7 +362,7 @@ def _uses_cache_control(body: dict[str, Any]) -> bool:
     for key in ("system", "tools"):
         if isinstance(body.get(key), list):
             blocks += body[key]
-    for m in body.get("messages") or ():
+    for m in body["messages"] if isinstance(body.get("messages"), list) else ():
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             blocks += content
