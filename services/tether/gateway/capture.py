@@ -135,7 +135,7 @@ def load_json_object(raw: bytes, allow_nan: bool = False) -> dict[str, Any]:
     """Parse a request body that must be a JSON object (400 otherwise). `allow_nan` accepts the
     NaN/Infinity literals Python clients emit, so that the caller can reject them as a bad *value*."""
     try:
-        data = json.loads(raw) if allow_nan else orjson.loads(raw)
+        data = _load_allowing_nan(raw) if allow_nan else orjson.loads(raw)
     except (
         ValueError,
         UnicodeDecodeError,
@@ -146,6 +146,17 @@ def load_json_object(raw: bytes, allow_nan: bool = False) -> dict[str, Any]:
         raise ApiError(400, "request body must be a JSON object", code="invalid_body")
     if not allow_nan and _too_deep(raw, data):
         raise ApiError(400, f"request body is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
+    return data
+
+
+def _load_allowing_nan(raw: bytes) -> Any:
+    """json.loads, as strict about text as orjson: UTF-8 only, and no unpaired surrogate (json reads
+    "\\ud800", and raw surrogate bytes from bytes, into a str that Redis then cannot encode)."""
+    data = json.loads(raw.decode("utf-8"))
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("unpaired surrogate in a string") from None
     return data
 
 

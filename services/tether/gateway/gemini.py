@@ -316,11 +316,11 @@ def _user_messages(parts: list[Any], where: str, t: _Translation) -> list[dict[s
         part = _object(part, at)
         kind = _payload(part, at, t)
         if kind == "text":
+            if not isinstance(part["text"], str):
+                raise invalid(f"{at}.text", "must be a string")
             if part.get("thought") is True:
                 t.ignored.add("thought")
                 continue
-            if not isinstance(part["text"], str):
-                raise invalid(f"{at}.text", "must be a string")
             pending.append({"type": "text", "text": part["text"]})
         elif kind in ("inlineData", "fileData"):
             pending.append(_image(part, kind, at))

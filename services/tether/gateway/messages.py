@@ -350,7 +350,8 @@ def _thinking(thinking: Any, ignored: set[str]) -> bool | None:
         raise invalid("thinking", "must be an object with a 'type'")
     if thinking.get("budget_tokens") is not None:
         ignored.add("thinking.budget_tokens")  # a template switch has no budget
-    enable = _THINKING_ON.get(thinking.get("type"))
+    kind = thinking.get("type")
+    enable = _THINKING_ON.get(kind) if isinstance(kind, str) else None
     if enable is None:
         ignored.add("thinking")
     return enable

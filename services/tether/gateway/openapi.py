@@ -68,6 +68,9 @@ _STREAM = {"type": ["boolean", "null"]}
 _STRINGS = {"type": "array", "items": {"type": "string"}}
 _OBJECT = {"type": "object"}
 _NON_EMPTY = {"type": "string", "minLength": 1}
+_ANY = {"description": "any value: read only when it has the expected type"}
+# The values a parser's `value or default` (and `if value:`) takes for absent.
+_FALSY: list[Any] = [None, False, 0, "", [], {}]
 
 
 # --- request bodies ------------------------------------------------------------------------------
@@ -92,7 +95,7 @@ def _chat_request(model: Schema) -> Schema:
             "logprobs": _FORWARDED,
             "return_token_ids": _FORWARDED,
             "use_beam_search": {
-                "enum": [False, None, 0, ""],
+                "enum": _FALSY,
                 "description": "beam search reports no sampler logprobs: true is refused",
             },
             "temperature": _FORWARDED,
@@ -125,8 +128,8 @@ def _completion_request(model: Schema) -> Schema:
             "best_of": _CHOICES,
             "logprobs": _nullable(_int(0, description="the number of top logprobs")),
             "return_token_ids": _FORWARDED,
-            "echo": {"enum": [False, None, 0, ""], "description": "echoed prompt tokens are refused"},
-            "use_beam_search": {"enum": [False, None, 0, ""]},
+            "echo": {"enum": _FALSY, "description": "echoed prompt tokens are refused"},
+            "use_beam_search": {"enum": _FALSY},
             "prompt_embeds": {"type": "null", "description": "a prompt as embeddings has no token ids"},
             "temperature": _FORWARDED,
         },
@@ -177,14 +180,18 @@ def _messages_request(model: Schema, count_tokens: bool = False) -> Schema:
             "type": {"const": "tool_result"},
             "tool_use_id": _NON_EMPTY,
             "content": {
-                "anyOf": [{"type": "string"}, {"type": "array", "items": {"anyOf": [_text_block(), image]}}]
+                "anyOf": [
+                    {"type": "string"},
+                    {"type": "array", "items": {"anyOf": [_text_block(), image]}},
+                    {"type": "null"},
+                ]
             },
-            "is_error": {"type": "boolean"},
+            "is_error": _ANY,
         },
     }
     tool_use = {
         "type": "object",
-        "required": ["type", "id", "name", "input"],
+        "required": ["type", "id", "name"],
         "properties": {"type": {"const": "tool_use"}, "id": _NON_EMPTY, "name": _NON_EMPTY, "input": _OBJECT},
     }
     thinking = {
@@ -221,24 +228,24 @@ def _messages_request(model: Schema, count_tokens: bool = False) -> Schema:
     system_text = {"anyOf": [{"type": "string"}, {"type": "array", "items": _text_block()}]}
     system = {
         "type": "object",
-        "required": ["role", "content"],
-        "properties": {"role": {"const": "system"}, "content": system_text},
+        "required": ["role"],
+        "properties": {"role": {"const": "system"}, "content": _nullable(system_text)},
     }
     custom_tool = {
         "type": "object",
         "required": ["name"],
         "properties": {
-            "type": {"const": "custom"},
+            "type": {"enum": ["custom", *_FALSY]},
             "name": _NON_EMPTY,
-            "description": {"type": "string"},
+            "description": _ANY,
             "input_schema": _OBJECT,
-            "strict": {"type": "boolean"},
+            "strict": _ANY,
         },
     }
     server_tool = {
         "type": "object",
         "required": ["type"],
-        "properties": {"type": {"type": "string", "minLength": 1, "not": {"const": "custom"}}},
+        "properties": {"type": {"not": {"enum": ["custom", *_FALSY]}}},
         "description": "a tool Anthropic's service runs (web_search_*, bash_*, ...): dropped, and recorded",
     }
     tool_choice = {
@@ -248,7 +255,7 @@ def _messages_request(model: Schema, count_tokens: bool = False) -> Schema:
                 "required": ["type"],
                 "properties": {
                     "type": {"enum": ["auto", "any", "none"]},
-                    "disable_parallel_tool_use": {"type": "boolean"},
+                    "disable_parallel_tool_use": _ANY,
                 },
             },
             {
@@ -257,7 +264,7 @@ def _messages_request(model: Schema, count_tokens: bool = False) -> Schema:
                 "properties": {
                     "type": {"const": "tool"},
                     "name": _NON_EMPTY,
-                    "disable_parallel_tool_use": {"type": "boolean"},
+                    "disable_parallel_tool_use": _ANY,
                 },
             },
         ]
@@ -277,7 +284,8 @@ def _messages_request(model: Schema, count_tokens: bool = False) -> Schema:
         "thinking": _nullable(
             {
                 "type": "object",
-                "properties": {"type": {"type": "string"}, "budget_tokens": {"type": ["integer", "null"]}},
+                "properties": {"type": _ANY, "budget_tokens": _ANY},
+                "description": "a type other than enabled, adaptive, disabled is recorded as ignored",
             }
         ),
         "output_config": _nullable(
@@ -300,6 +308,8 @@ def _messages_request(model: Schema, count_tokens: bool = False) -> Schema:
     for name in sorted(messages._IGNORED):
         properties.setdefault(name, {"description": "accepted, with no effect here (recorded as ignored)"})
     assert set(properties) == messages._KNOWN  # the parser's own list
+    if count_tokens:  # not a call: a stream flag is dropped, whatever it holds
+        properties["stream"] = _ANY
     return {
         "type": "object",
         "required": ["messages"] if count_tokens else ["messages", "max_tokens"],
@@ -356,7 +366,7 @@ def _responses_request(model: Schema) -> Schema:
                     "call_id": _NON_EMPTY,
                     "name": _NON_EMPTY,
                     "arguments": {"type": "string"},
-                    "namespace": {"type": "string"},
+                    "namespace": _ANY,
                 },
             },
             {
@@ -394,8 +404,8 @@ def _responses_request(model: Schema) -> Schema:
                 "properties": {
                     "type": {"enum": ["function", "custom"]},
                     "name": _NON_EMPTY,
-                    "parameters": _nullable(_OBJECT),
-                    "description": {"type": "string"},
+                    "parameters": _FORWARDED,
+                    "description": _ANY,
                 },
             },
             {
@@ -409,10 +419,7 @@ def _responses_request(model: Schema) -> Schema:
             },
             {
                 "type": "object",
-                "required": ["type"],
-                "properties": {
-                    "type": {"type": "string", "not": {"enum": ["function", "custom", "namespace"]}}
-                },
+                "properties": {"type": {"not": {"enum": ["function", "custom", "namespace"]}}},
             },
         ]
     }
@@ -436,7 +443,7 @@ def _responses_request(model: Schema) -> Schema:
     }
     properties: Schema = {
         "model": model,
-        "input": {"anyOf": [_NON_EMPTY, {"type": "array", "minItems": 1, "items": item}]},
+        "input": {"anyOf": [{"type": "string"}, {"type": "array", "minItems": 1, "items": item}]},
         "instructions": _nullable({"type": "string"}),
         "max_output_tokens": _OUTPUT_LIMIT,
         "temperature": _nullable(_NUMBER),
@@ -461,7 +468,7 @@ def _responses_request(model: Schema) -> Schema:
         "reasoning": _nullable({"type": "object"}),
         "previous_response_id": {"type": "null", "description": "nothing is stored: refused unless null"},
         "conversation": {"type": "null", "description": "nothing is stored: refused unless null"},
-        "background": {"enum": [False, None]},
+        "background": {"enum": _FALSY},
     }
     for name in sorted(responses._IGNORED):
         properties.setdefault(name, {"description": "accepted, with no effect here (recorded as ignored)"})
@@ -482,7 +489,7 @@ def _gemini_request() -> Schema:
             {
                 "type": "object",
                 "required": ["text"],
-                "properties": {"text": {"type": "string"}, "thought": {"type": "boolean"}},
+                "properties": {"text": {"type": "string"}, "thought": _ANY},
             },
             {
                 "type": "object",
@@ -491,7 +498,10 @@ def _gemini_request() -> Schema:
                     "inlineData": {
                         "type": "object",
                         "required": ["mimeType", "data"],
-                        "properties": {"mimeType": {"type": "string"}, "data": _NON_EMPTY},
+                        "properties": {
+                            "mimeType": {"type": "string", "pattern": "^image/"},
+                            "data": _NON_EMPTY,
+                        },
                     }
                 },
             },
@@ -502,7 +512,11 @@ def _gemini_request() -> Schema:
                     "functionCall": {
                         "type": "object",
                         "required": ["name"],
-                        "properties": {"name": _NON_EMPTY, "args": _OBJECT, "id": _NON_EMPTY},
+                        "properties": {
+                            "name": _NON_EMPTY,
+                            "args": _nullable(_OBJECT),
+                            "id": _nullable(_NON_EMPTY),
+                        },
                     }
                 },
             },
@@ -512,8 +526,8 @@ def _gemini_request() -> Schema:
                 "properties": {
                     "functionResponse": {
                         "type": "object",
-                        "required": ["name", "response"],
-                        "properties": {"name": _NON_EMPTY, "response": _OBJECT, "id": _NON_EMPTY},
+                        "required": ["name"],
+                        "properties": {"name": _NON_EMPTY, "response": _OBJECT, "id": _nullable(_NON_EMPTY)},
                     }
                 },
             },
@@ -523,7 +537,7 @@ def _gemini_request() -> Schema:
         "type": "object",
         "required": ["parts"],
         "properties": {
-            "role": {"enum": ["user", "model", "function"]},
+            "role": {"enum": ["user", "model", "function", *_FALSY]},
             "parts": {"type": "array", "items": part},
         },
     }
@@ -764,8 +778,8 @@ def _op(
     body_required: bool = True,
 ) -> Schema:
     content = _json_content(ok)
-    if stream is not None:
-        content[stream] = {"schema": {"type": "string"}}
+    if stream is not None:  # the schema of one event
+        content[stream] = {"schema": {"type": "object", "properties": {"data": {"type": "string"}}}}
     op: Schema = {
         "operationId": op_id,
         "summary": summary,
@@ -778,8 +792,12 @@ def _op(
     return op
 
 
-def _param(name: str, description: str = "") -> Schema:
-    out: Schema = {"name": name, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+def _param(name: str, description: str = "", slashes: bool = False) -> Schema:
+    """A path parameter: one path segment, or (`slashes`) several, for model names ("org/name")."""
+    schema: Schema = {"type": "string", "minLength": 1}
+    if not slashes:
+        schema["pattern"] = "^[^/]+$"
+    out: Schema = {"name": name, "in": "path", "required": True, "schema": schema}
     if description:
         out["description"] = description
     return out
@@ -933,9 +951,9 @@ def document(served_model: str, version: str = "1") -> Schema:
             _ref("Model"),
             (401, 403, 404, 503),
         ),
-        [_param("model_id")],
+        [_param("model_id", slashes=True)],
     )
-    gemini_model = _param("model", "the served model, optionally as models/<name>")
+    gemini_model = _param("model", "the served model, optionally as models/<name>", slashes=True)
     for prefix in ("/v1beta", "/v1"):
         suffix = "" if prefix == "/v1beta" else "_v1"
         for method, what in (
@@ -954,16 +972,30 @@ def document(served_model: str, version: str = "1") -> Schema:
             )
             params = [
                 gemini_model,
-                {"name": "alt", "in": "query", "required": False, "schema": {"enum": ["sse", "json"]}},
+                {
+                    "name": "alt",
+                    "in": "query",
+                    "required": False,
+                    "schema": {"type": "string"},
+                    "description": "sse: a stream as SSE; anything else: one JSON array",
+                },
             ]
             _both(paths, f"{prefix}/models/{{model}}:{method}", "post", op, params)
+        request = _gemini_request()
         count_body = {
-            "type": "object",
-            "properties": {
-                "contents": _gemini_request()["properties"]["contents"],
-                "generateContentRequest": _gemini_request(),
-            },
-            "additionalProperties": {"type": "null"},
+            "anyOf": [
+                {
+                    **request,
+                    "required": ["contents"],
+                    "properties": {"contents": request["properties"]["contents"]},
+                },
+                {
+                    "type": "object",
+                    "required": ["generateContentRequest"],
+                    "properties": {"generateContentRequest": request, "contents": {"type": "null"}},
+                },
+            ],
+            "description": "contents, or a whole generateContentRequest",
         }
         op = _op(
             f"gemini_countTokens{suffix}",
