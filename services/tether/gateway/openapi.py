@@ -964,7 +964,7 @@ def document(served_model: str, version: str = "1") -> Schema:
                 f"gemini_{method}{suffix}",
                 f"{what} (recorded)",
                 GOOGLE,
-                generated,
+                {"type": "array", "items": generated} if method == gemini.STREAM_GENERATE else generated,
                 _CALL_ERRORS,
                 _gemini_request(),
                 _GOOGLE_SECURITY,
