@@ -11,8 +11,9 @@ import time
 
 import pytest
 from fakes.vllm_openai import MODEL, PROMPT_IDS, FakeVLLM
-from gateway_helpers import InProcessGateway, bearer, gateway_settings, wait_traces
+from gateway_helpers import InProcessGateway, assert_openai_error, bearer, gateway_settings, wait_traces
 
+from tether.gateway.capture import MAX_OUTPUT_TOKENS
 from tether.gateway.limits import (
     CLAMPED,
     DEFAULT,
@@ -270,10 +271,15 @@ def test_a_prompt_that_fills_the_context_gets_vllms_400_once(redis_port, rdb, fa
         assert _limit(trace) == {"requested": 32000, "applied": P, "reason": "clamped_to_context"}
 
 
-def test_a_malformed_limit_is_vllms_to_reject(redis_port, rdb, fake):
-    fake.max_model_len = None  # the look-alike does not validate types; the body is what matters
+def test_a_malformed_limit_is_refused_before_vllm(redis_port, rdb, fake):
+    """Out of 1..MAX_OUTPUT_TOKENS (or not an integer): the gateway's own 400, nothing sent upstream;
+    the rollout's trace says why (an error trace, never a sample)."""
+    fake.max_model_len = None
     with _gateway(redis_port, fake) as g:
-        rollout, resp = _call(g, "/v1/chat/completions", {**CHAT, "max_tokens": 0})
-        assert fake.requests[-1]["max_tokens"] == 0  # untouched, for vLLM to name in its 400
-        [trace] = wait_traces(rdb, g.keys, rollout["rollout_id"])
-        assert _limit(trace) is None
+        for bad in (0, -1, "7", 7.5, True, MAX_OUTPUT_TOKENS + 1):
+            for name in ("max_tokens", "max_completion_tokens"):
+                rollout, resp = _call(g, "/v1/chat/completions", {**CHAT, name: bad})
+                assert assert_openai_error(resp, 400, "invalid_value")["param"] == name
+                [trace] = wait_traces(rdb, g.keys, rollout["rollout_id"])
+                assert trace["status"] == "error" and trace["http_status"] == 400
+        assert fake.requests == []

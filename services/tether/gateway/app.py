@@ -39,7 +39,7 @@ from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tether.gateway import gemini
+from tether.gateway import gemini, openapi
 from tether.gateway import metrics as m
 from tether.gateway.admission import Admission
 from tether.gateway.apis import Api, ChatApi, CompletionsApi, GeminiApi, GeminiCall, MessagesApi, ResponsesApi
@@ -73,12 +73,29 @@ def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -
     return Response(orjson.dumps(data), status_code=status, headers=headers, media_type="application/json")
 
 
+def _api_path(path: str) -> str:
+    """The path without its /rollouts/{rollout_id} prefix, nor a doubled /v1 (`_doubled_v1`)."""
+    if path.startswith("/rollouts/"):
+        _, _, rest = path[10:].partition("/")
+        path = "/" + rest
+    return path[3:] if path.startswith(("/v1/v1/", "/v1/v1beta/")) else path
+
+
 def _is_messages(path: str) -> bool:
-    return path.endswith("/v1/messages") or "/v1/messages/" in path
+    rest = _api_path(path)
+    return rest == "/v1/messages" or rest.startswith("/v1/messages/")
+
+
+_GEMINI_METHODS = (*gemini.METHODS, gemini.COUNT_TOKENS)
 
 
 def _is_gemini(path: str) -> bool:
-    return "/v1beta/" in path or (":" in path and "/models/" in path)
+    """Google's routes: /v1beta/..., and /v1/models/{model}:{method} (not OpenAI's /v1/models/{id},
+    whose ids may hold a colon: "llama3:8b")."""
+    rest = _api_path(path)
+    return rest.startswith("/v1beta/") or (
+        rest.startswith("/v1/models/") and rest.rpartition(":")[2] in _GEMINI_METHODS
+    )
 
 
 def error_payload(
@@ -827,6 +844,12 @@ def create_app(
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    spec = orjson.dumps(openapi.document(served_model))  # FastAPI's own would describe no body
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        return Response(spec, media_type="application/json")
 
     gemini_api = GeminiApi(served_model, upstream_model)
     _gemini_routes(app, proxy, rollouts, gemini_api, served_model, max_body_bytes, key_of)

@@ -33,6 +33,14 @@ _VLLM_NULL_CHOICE_FIELDS = ("prompt_logprobs", "routed_experts")
 # the choice of a whole response, and in one extra stream chunk of this `object` just before [DONE].
 WEIGHT_VERSIONS_FLAG = "return_weight_versions"
 WEIGHT_VERSIONS_CHUNK = "tether.weight_versions"
+# Bounds the gateway holds every API's requests to itself, so that no such request reaches vLLM or
+# the trace: an output limit above any served context (one that only exceeds this model's context is
+# lowered to it, limits.py), and choices per call (OpenAI's own bound on `n`; each choice is recorded).
+MAX_OUTPUT_TOKENS = 1 << 24
+MAX_CHOICES = 128
+# Nesting a request body may have (objects and arrays), well inside the 254 levels orjson writes.
+MAX_DEPTH = 128
+_ORJSON_DEPTH = 254
 
 
 class ApiError(Exception):
@@ -92,6 +100,21 @@ def number_field(body: dict[str, Any], name: str, integer: bool = False) -> Any:
     return value
 
 
+def bounded(value: Any, where: str, high: int) -> Any:
+    """An integer field already type-checked (None: absent) held to 1..`high` (400 naming it)."""
+    if value is not None and not 1 <= value <= high:
+        raise invalid(where, f"must be an integer from 1 to {high}")
+    return value
+
+
+def check_counts(body: dict[str, Any], limits: tuple[str, ...], choices: tuple[str, ...]) -> None:
+    """Output limits and choice counts of a chat or completions body, which otherwise go to vLLM as
+    sent: integers within the gateway's bounds, or null."""
+    for names, high in ((limits, MAX_OUTPUT_TOKENS), (choices, MAX_CHOICES)):
+        for name in names:
+            bounded(number_field(body, name, integer=True), name, high)
+
+
 def reject_unknown_fields(
     body: dict[str, Any], known: set[str], hints: dict[str, str], why: str, null_is_absent: bool = False
 ) -> None:
@@ -112,7 +135,7 @@ def load_json_object(raw: bytes, allow_nan: bool = False) -> dict[str, Any]:
     """Parse a request body that must be a JSON object (400 otherwise). `allow_nan` accepts the
     NaN/Infinity literals Python clients emit, so that the caller can reject them as a bad *value*."""
     try:
-        data = json.loads(raw) if allow_nan else orjson.loads(raw)
+        data = _load_allowing_nan(raw) if allow_nan else orjson.loads(raw)
     except (
         ValueError,
         UnicodeDecodeError,
@@ -121,7 +144,47 @@ def load_json_object(raw: bytes, allow_nan: bool = False) -> dict[str, Any]:
         raise ApiError(400, f"request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object", code="invalid_body")
+    if not allow_nan and _too_deep(raw, data):
+        raise ApiError(400, f"request body is nested more than {MAX_DEPTH} levels deep", code="invalid_json")
     return data
+
+
+def _load_allowing_nan(raw: bytes) -> Any:
+    """json.loads, as strict about text as orjson: UTF-8 only, and no unpaired surrogate (json reads
+    "\\ud800", and raw surrogate bytes from bytes, into a str that Redis then cannot encode)."""
+    data = json.loads(raw.decode("utf-8"))
+    try:
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("unpaired surrogate in a string") from None
+    return data
+
+
+def recordable_object(raw: bytes) -> dict[str, Any] | None:
+    """`raw` as a JSON object a trace can hold (parsed, within MAX_DEPTH), else None: what a call
+    refused before it parsed records as its request."""
+    try:
+        data = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return None
+    return data if isinstance(data, dict) and not _too_deep(raw, data) else None
+
+
+def _too_deep(raw: bytes, data: dict[str, Any]) -> bool:
+    """Whether `data` nests deeper than MAX_DEPTH. orjson reads 1024 levels but writes only 254, and
+    the trace and the body sent upstream both hold the client's body inside their own: a body it
+    cannot write back would fail the call after the parse (500). Counted only when there are enough
+    brackets to matter; then orjson itself counts, `data` wrapped in the levels beyond MAX_DEPTH."""
+    if raw.count(b"{") + raw.count(b"[") <= MAX_DEPTH:
+        return False
+    wrapped: Any = data
+    for _ in range(_ORJSON_DEPTH - MAX_DEPTH):
+        wrapped = [wrapped]
+    try:
+        orjson.dumps(wrapped)
+    except orjson.JSONEncodeError:
+        return True
+    return False
 
 
 @dataclass
@@ -167,6 +230,7 @@ def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
     stream = check_stream(body)
     if body.get("use_beam_search"):
         raise unsupported(["use_beam_search"], "beam search does not report sampler logprobs")
+    check_counts(body, ("max_tokens", "max_completion_tokens"), ("n",))
     return ChatRequest(
         body=body,
         stream=stream,
@@ -233,6 +297,7 @@ def parse_completion_request(raw: bytes, served_model: str) -> ChatRequest:
     logprobs = body.get("logprobs")
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
         raise invalid("logprobs", "must be null or an integer >= 0 (the number of top logprobs)")
+    check_counts(body, ("max_tokens",), ("n", "best_of"))
     return ChatRequest(
         body=body,
         stream=stream,

@@ -30,10 +30,13 @@ from typing import Any
 import orjson
 
 from tether.gateway.capture import (
+    MAX_CHOICES,
+    MAX_OUTPUT_TOKENS,
     ApiError,
     Captured,
     StreamCapture,
     as_dict,
+    bounded,
     invalid,
     load_json_object,
     reject_unknown_fields,
@@ -313,11 +316,11 @@ def _user_messages(parts: list[Any], where: str, t: _Translation) -> list[dict[s
         part = _object(part, at)
         kind = _payload(part, at, t)
         if kind == "text":
+            if not isinstance(part["text"], str):
+                raise invalid(f"{at}.text", "must be a string")
             if part.get("thought") is True:
                 t.ignored.add("thought")
                 continue
-            if not isinstance(part["text"], str):
-                raise invalid(f"{at}.text", "must be a string")
             pending.append({"type": "text", "text": part["text"]})
         elif kind in ("inlineData", "fileData"):
             pending.append(_image(part, kind, at))
@@ -553,15 +556,11 @@ def _generation_config(config: Any, chat: dict[str, Any], t: _Translation) -> bo
     if (
         value := _number(config, "maxOutputTokens", "generationConfig.maxOutputTokens", integer=True)
     ) is not None:
-        if value < 1:
-            raise invalid("generationConfig.maxOutputTokens", "must be >= 1")
-        chat["max_tokens"] = value
+        chat["max_tokens"] = bounded(value, "generationConfig.maxOutputTokens", MAX_OUTPUT_TOKENS)
     if (
         value := _number(config, "candidateCount", "generationConfig.candidateCount", integer=True)
     ) is not None:
-        if value < 1:
-            raise invalid("generationConfig.candidateCount", "must be >= 1")
-        if value > 1:
+        if bounded(value, "generationConfig.candidateCount", MAX_CHOICES) > 1:
             chat["n"] = value
     stops = config.get("stopSequences")
     if stops is not None:

@@ -37,6 +37,7 @@ from typing import Any
 import orjson
 
 from tether.gateway.capture import (
+    MAX_OUTPUT_TOKENS,
     ApiError,
     Captured,
     StreamCapture,
@@ -349,7 +350,8 @@ def _thinking(thinking: Any, ignored: set[str]) -> bool | None:
         raise invalid("thinking", "must be an object with a 'type'")
     if thinking.get("budget_tokens") is not None:
         ignored.add("thinking.budget_tokens")  # a template switch has no budget
-    enable = _THINKING_ON.get(thinking.get("type"))
+    kind = thinking.get("type")
+    enable = _THINKING_ON.get(kind) if isinstance(kind, str) else None
     if enable is None:
         ignored.add("thinking")
     return enable
@@ -361,7 +363,7 @@ def _uses_cache_control(body: dict[str, Any]) -> bool:
     for key in ("system", "tools"):
         if isinstance(body.get(key), list):
             blocks += body[key]
-    for m in body.get("messages") or ():
+    for m in body["messages"] if isinstance(body.get("messages"), list) else ():
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):
             blocks += content
@@ -406,8 +408,8 @@ def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
     )
     stream = check_stream(body)
     max_tokens = number_field(body, "max_tokens", integer=True)
-    if max_tokens is None or max_tokens < 1:
-        raise invalid("max_tokens", "is required and must be an integer >= 1")
+    if max_tokens is None or not 1 <= max_tokens <= MAX_OUTPUT_TOKENS:
+        raise invalid("max_tokens", f"is required and must be an integer from 1 to {MAX_OUTPUT_TOKENS}")
     ignored = {k for k in body if k in _IGNORED}
     if _uses_cache_control(body):
         ignored.add("cache_control")

@@ -41,7 +41,14 @@ from tether.common.records import Trace
 from tether.gateway import metrics as m
 from tether.gateway.admission import Admission, AdmissionTimeout
 from tether.gateway.apis import Api, MessagesApi, Relay
-from tether.gateway.capture import WEIGHT_VERSIONS_CHUNK, ApiError, Captured, build_trace, upstream_error
+from tether.gateway.capture import (
+    WEIGHT_VERSIONS_CHUNK,
+    ApiError,
+    Captured,
+    build_trace,
+    recordable_object,
+    upstream_error,
+)
 from tether.gateway.guided import GuidedCheck, annotate, guidance
 from tether.gateway.limits import MaxTokens, applied_max_tokens, budget_error, client_limit, decide_max_tokens
 from tether.gateway.recorder import Recorder
@@ -97,13 +104,8 @@ class Refused:
     def __init__(self, raw: bytes | None, exc: ApiError) -> None:
         self.stream = False
         self.adjustments: dict[str, Any] = {}
-        body: Any = None
-        if raw is not None:
-            try:
-                body = orjson.loads(raw)
-            except orjson.JSONDecodeError:
-                pass
-        if isinstance(body, dict):
+        body = None if raw is None else recordable_object(raw)
+        if body is not None:
             self.body = body
         elif raw is None:
             self.body = {"unparsed": f"body not read ({exc.message})"}

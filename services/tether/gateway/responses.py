@@ -44,10 +44,12 @@ from typing import Any
 import orjson
 
 from tether.gateway.capture import (
+    MAX_OUTPUT_TOKENS,
     ApiError,
     Captured,
     StreamCapture,
     as_dict,
+    bounded,
     check_model,
     check_stream,
     invalid,
@@ -434,9 +436,7 @@ def parse_responses_request(raw: bytes, served_model: str) -> ResponsesRequest:
         messages.insert(0, {"role": "system", "content": instructions})
     chat: dict[str, Any] = {"messages": messages, "stream": stream}
     max_tokens = number_field(body, "max_output_tokens", integer=True)
-    if max_tokens is not None:
-        if max_tokens < 1:
-            raise invalid("max_output_tokens", "must be an integer >= 1")
+    if bounded(max_tokens, "max_output_tokens", MAX_OUTPUT_TOKENS) is not None:
         chat["max_tokens"] = max_tokens
     for name in ("temperature", "top_p"):
         if (value := number_field(body, name)) is not None:
