@@ -59,6 +59,8 @@ LOCKED = [
     "/cache:uid=2000,gid=0,mode=0775,exec",
 ]
 
+ADMIN_TOKEN = "images-test-admin-token"
+
 
 def tag(target: str) -> str:
     return host_env()[TAG_VARS[target]]
@@ -227,6 +229,8 @@ def test_services_become_healthy_locked_down_and_stop_on_sigterm(images, tmp_pat
                     "TETHER_GATEWAY_PORT": str(ports["http"]),
                     "TETHER_GATEWAY_GRPC_PORT": str(ports["gw_grpc"]),
                     "TETHER_HEALTH": f"http://127.0.0.1:{ports['http']}/health",
+                    # The image listens on 0.0.0.0: the gateway refuses to start there without one.
+                    "TETHER_ADMIN_TOKEN": ADMIN_TOKEN,
                 },
             ),
             "agent": c.run(
@@ -238,6 +242,7 @@ def test_services_become_healthy_locked_down_and_stop_on_sigterm(images, tmp_pat
                 env={
                     "TETHER_REDIS_URL": redis_url,
                     "TETHER_AGENT_FN": "/harness/h.py:run",
+                    "TETHER_ADMIN_TOKEN": ADMIN_TOKEN,
                     "TETHER_GATEWAY_URL": f"http://127.0.0.1:{ports['http']}",
                     "TETHER_AGENT_GRPC_PORT": str(ports["agent"]),
                     "TETHER_METRICS_PORT": str(ports["agent_metrics"]),
