@@ -17,8 +17,9 @@ sample: every ok trace recorded during an operation's run answers one 200 of a r
 The look-alike answers a body it cannot read with vLLM's 400 (`_StrictHandler`), as vLLM's own request
 validation does, so that a 502 here is the gateway's and not the look-alike's.
 
-The fast suite runs a few dozen requests per operation; `slow` runs 1,000 per operation. Hand-made
-cases of ISSUE 14 ("Bad input") follow at the end.
+The fast suite runs a few dozen requests per operation; `slow` runs 1,000 per endpoint (each handler's
+first path) and 200 on its other paths (the /rollouts/{rollout_id}/ and Gemini /v1/ aliases of the same
+handler). Hand-made cases of issue 14 ("Bad input") follow at the end.
 """
 
 from __future__ import annotations
@@ -456,11 +457,40 @@ def test_fuzz_each_operation(harness, op):
     _fuzz(harness, *op, total=24, generated_with_body=6)
 
 
+def _alias_of(op: tuple[str, str]) -> tuple[str, str] | None:
+    """The operation whose handler `op` shares, when `op` is only another path to it: the
+    /rollouts/{rollout_id}/ form of a root route, or Gemini's /v1/ form of a /v1beta/ one."""
+    method, path = op
+    for prefix, root in (("/rollouts/{rollout_id}", ""), ("/v1/models/", "/v1beta/models/")):
+        if path.startswith(prefix):
+            other = (
+                (method, root + path[len(prefix) :])
+                if root == ""
+                else (method, path.replace(prefix, root, 1))
+            )
+            if other in OPS and other != op:
+                return other
+    return None
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("op", OPS, ids=_op_id)
 def test_fuzz_each_operation_1000(harness, op):
-    _fuzz(harness, *op, total=1000, generated_with_body=24)
+    # 1,000 per endpoint (handler); its second path (a rollout-scoped or /v1 alias, the same handler
+    # behind another prefix) gets 200 more, which is what tells the two paths apart.
+    _fuzz(harness, *op, total=200 if _alias_of(op) else 1000, generated_with_body=24)
+
+
+def test_aliases_are_paths_to_the_same_handler():
+    aliases = {op: _alias_of(op) for op in OPS if _alias_of(op)}
+    assert aliases, "no alias found: the slow fuzz would skip none"
+    for op in aliases:  # each alias leads, in a step or two, to a path that gets the full 1,000
+        seen = [op]
+        while (nxt := _alias_of(seen[-1])) is not None:
+            assert nxt not in seen, seen
+            seen.append(nxt)
+        assert len(seen) > 1 and _alias_of(seen[-1]) is None
 
 
 # --- hand-made cases -------------------------------------------------------------------------------
