@@ -615,6 +615,7 @@ WRONG_TYPES = [
     ("/v1/messages", {**MESSAGES, "temperature": "hot"}, "numbers"),
     ("/v1/messages", {**MESSAGES, "stop_sequences": "END"}, "stops"),
     ("/v1/responses", {"input": 5}, "input"),
+    ("/v1/responses", {"input": [{"type": ["message"], "role": "user", "content": "hi"}]}, "item-type"),
     ("/v1/responses", {"input": "hi", "tools": [5]}, "tools"),
     ("/v1/responses", {"input": "hi", "parallel_tool_calls": "no"}, "flags"),
     ("/v1/responses", {"input": "hi", "text": {"format": "json"}}, "format"),

@@ -218,6 +218,8 @@ def _input_messages(
         if not isinstance(item, dict):
             raise invalid(where, "must be an object")
         kind = item.get("type", "message")
+        if not isinstance(kind, str):
+            raise invalid(f"{where}.type", "must be a string")
         call: dict[str, Any] | None = None
         if kind in _DROPPED_ITEMS:
             dropped[kind] = dropped.get(kind, 0) + 1
