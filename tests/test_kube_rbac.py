@@ -47,8 +47,8 @@ def settings(**kw) -> kube.KubeSettings:
     return kube.KubeSettings(**{**base, **kw})
 
 
-async def run_feature(s: kube.KubeSettings, fake: FakeKube, r, keys, drive) -> Calls:
-    (coro,) = kube.start(s, r, keys, "run-1", api=fake.api())
+async def run_feature(s: kube.KubeSettings, fake: FakeKube, r, keys, drive, on_replicas=None) -> Calls:
+    (coro,) = kube.start(s, r, keys, "run-1", on_replicas=on_replicas, api=fake.api())
     task = asyncio.create_task(coro)
     try:
         await drive()
@@ -70,14 +70,7 @@ async def discovery_calls(r, keys) -> Calls:
     async def drive():
         await until(lambda: ("discovery.k8s.io", "endpointslices", "watch") in fake.calls and got)
 
-    (coro,) = kube.start(s, r, keys, "run-1", on_replicas=on_replicas, api=fake.api())
-    task = asyncio.create_task(coro)
-    try:
-        await drive()
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-    return frozenset(fake.calls)
+    return await run_feature(s, fake, r, keys, drive, on_replicas)
 
 
 async def jobs_calls(gw, r) -> Calls:

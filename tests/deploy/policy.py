@@ -587,3 +587,16 @@ def connection_allowed(
     if dst.ip is not None and not dst.labels:
         return True
     return _direction_allows(policies, dst, src, port, protocol, "Ingress")
+
+
+# The checks every rendered pod template must pass with no finding (each takes a pod spec).
+POD_CHECKS = (
+    pod_spec_violations,
+    request_violations,
+    image_violations,
+    probe_violations,
+    env_violations,
+    shm_violations,
+    writable_path_violations,
+    env_reference_violations,
+)

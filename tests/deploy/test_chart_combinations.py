@@ -105,16 +105,7 @@ def _problems(render: chart.Render, version: str, values: dict[str, Any]) -> lis
     policies = render.of_kind("NetworkPolicy")
     for where, t in render.pod_templates():
         spec = t["spec"]
-        for check in (
-            policy.pod_spec_violations,
-            policy.request_violations,
-            policy.image_violations,
-            policy.probe_violations,
-            policy.env_violations,
-            policy.shm_violations,
-            policy.writable_path_violations,
-            policy.env_reference_violations,
-        ):
+        for check in policy.POD_CHECKS:
             out += [f"{where}: {v}" for v in check(spec)]
         labels = (t.get("metadata") or {}).get("labels") or {}
         out += [f"{where}: {v}" for v in policy.network_policy_violations(labels, policies)]

@@ -30,16 +30,7 @@ def test_an_example_renders_valid_and_restricted(path, version):
     problems += [p for o in render.objects for p in api_server_violations(o)]
     for where, t in render.pod_templates():
         spec = t["spec"]
-        for check in (
-            policy.pod_spec_violations,
-            policy.request_violations,
-            policy.image_violations,
-            policy.probe_violations,
-            policy.env_violations,
-            policy.shm_violations,
-            policy.writable_path_violations,
-            policy.env_reference_violations,
-        ):
+        for check in policy.POD_CHECKS:
             problems += [f"{where}: {v}" for v in check(spec)]
     problems += [v for o in render.objects for v in policy.surge_violations(o)]
     assert problems == []
