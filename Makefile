@@ -11,7 +11,7 @@ test:
 	bash scripts/setup.sh --test
 	.venv/bin/python scripts/gen_protos.py --check
 	@# pytest exits 5 when it collected no tests: that is a failure here, never a pass.
-	.venv/bin/pytest -ra; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	.venv/bin/pytest -ra --durations=40; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 test-fast:
 	bash scripts/setup.sh --test

@@ -3,6 +3,8 @@ vLLM look-alike the gateway's unit tests run against (the end-to-end tests use t
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import redis
 
@@ -53,3 +55,12 @@ def gw(redis_port, vllm):
 
     with InProcessGateway(gateway_settings(redis_port, vllm.url)) as g:
         yield g
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """No TETHER_* variable of the caller's environment (settings tests set their own)."""
+    for k in list(os.environ):
+        if k.startswith("TETHER_"):
+            monkeypatch.delenv(k)
+    return monkeypatch

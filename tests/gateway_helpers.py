@@ -15,7 +15,7 @@ import httpx
 import openai
 import redis
 
-from tether.common.broker import Keys
+from tether.common.broker import Keys, merge_entries
 from tether.gateway.main import GatewayServer, GatewaySettings
 from tether.v1 import gateway_pb2, gateway_pb2_grpc
 
@@ -55,7 +55,7 @@ class InProcessGateway:
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.server.grpc_port}")
         self.control = gateway_pb2_grpc.GatewayControlStub(self.channel)
         self.http = httpx.Client(base_url=self.url, timeout=30)
-        self.keys = Keys(self.settings.namespace)
+        self.keys = self.settings.keys()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -78,11 +78,34 @@ class InProcessGateway:
         return self.control.ResumeAdmission(gateway_pb2.ResumeAdmissionRequest(weight_version=version))
 
 
+def trace_marks(rdb: redis.Redis, keys: Keys) -> dict[str, str]:
+    """The last entry id of every trace partition ("0-0" for an empty one): where `traces_since` starts."""
+    out = {}
+    for stream in keys.trace_streams:
+        last = rdb.xrevrange(stream, count=1)
+        out[stream] = last[0][0] if last else "0-0"
+    return out
+
+
+def traces_since(rdb: redis.Redis, keys: Keys, marks: dict[str, str] | None = None) -> list[dict]:
+    """The traces of every partition recorded after `marks` (all of them without), oldest first."""
+    parts = [
+        rdb.xrange(stream, min=f"({(marks or {}).get(stream, '0-0')}", max="+")
+        for stream in keys.trace_streams
+    ]
+    return [json.loads(f["data"]) for _, f in merge_entries(parts)]
+
+
+def trace_count(rdb: redis.Redis, keys: Keys) -> int:
+    """Entries on every trace partition together."""
+    return sum(rdb.xlen(stream) for stream in keys.trace_streams)
+
+
 def traces(rdb: redis.Redis, keys: Keys, rollout_id: str) -> list[tuple[str, dict]]:
     """The rollout's recorded calls, in order, as (stream entry id, trace)."""
     out = []
     for eid in rdb.lrange(keys.rollout_calls(rollout_id), 0, -1):
-        for entry_id, fields in rdb.xrange(keys.traces, min=eid, max=eid):
+        for entry_id, fields in rdb.xrange(keys.traces(rollout_id), min=eid, max=eid):
             out.append((entry_id, json.loads(fields["data"])))
     return out
 

@@ -12,6 +12,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
+
 TETHER = [sys.executable, "-m", "tether.cli"]
 
 
@@ -98,3 +100,128 @@ def tether_up(cwd: Path, *args: str, env: dict[str, str] | None = None) -> Itera
     assert proc.returncode == 0, log_path.read_text()[-3000:]
     state = json.loads(state_file.read_text())
     assert not [name for name, pid in state["pids"].items() if alive(pid)]
+
+
+TRACE_KEYS = (
+    "call_id",
+    "rollout_id",
+    "request",
+    "prompt_token_ids",
+    "response_token_ids",
+    "response_logprobs",
+    "finish_reason",
+    "weight_version",
+    "status",
+    "latency_s",
+)
+
+
+def _ok_calls_by_rollout(traces: list[dict]) -> dict[str, list[dict]]:
+    by_rollout: dict[str, list[dict]] = {}
+    for t in traces:
+        if t["status"] == "ok":
+            by_rollout.setdefault(t["rollout_id"], []).append(t)
+    return by_rollout
+
+
+def _trainable_spans(mask: list[int]) -> list[tuple[int, int]]:
+    spans, i, n = [], 0, len(mask)
+    while i < n:
+        if not mask[i]:
+            i += 1
+            continue
+        j = i
+        while j < n and mask[j]:
+            j += 1
+        spans.append((i, j))
+        i = j
+    return spans
+
+
+def assert_samples_are_vllm_tokens(traces: list[dict], samples: list[dict]) -> None:
+    """`tether samples` against `tether traces` of the same run: every trainable run of a sample's tokens is
+    one response vLLM returned in that rollout, with vLLM's own logprobs, and the rollout's advantage is
+    broadcast to all its trainable tokens."""
+    assert traces and samples
+    for key in TRACE_KEYS:
+        assert key in traces[0], key
+    by_rollout = _ok_calls_by_rollout(traces)
+    for s in samples:
+        for key in (
+            "rollout_id",
+            "group_id",
+            "task_id",
+            "token_ids",
+            "loss_mask",
+            "rollout_logprobs",
+            "advantages",
+            "reward",
+            "weight_version",
+        ):
+            assert key in s, key
+        n = len(s["token_ids"])
+        assert len(s["loss_mask"]) == len(s["rollout_logprobs"]) == len(s["advantages"]) == n
+        responses = [(t["response_token_ids"], t["response_logprobs"]) for t in by_rollout[s["rollout_id"]]]
+        for i, j in _trainable_spans(s["loss_mask"]):
+            span = (s["token_ids"][i:j], s["rollout_logprobs"][i:j])
+            assert any(
+                span[0] == ids and all(abs(a - b) < 1e-6 for a, b in zip(span[1], lps, strict=True))
+                for ids, lps in responses
+            ), "a trainable span is not a vLLM response"
+        advs = {a for a, m in zip(s["advantages"], s["loss_mask"], strict=True) if m}
+        assert len(advs) == 1
+
+
+def assert_sequences_are_vllm_calls(traces: list[dict], samples: list[dict]) -> None:
+    """Stricter, for harnesses whose turns merge on an exact prefix: before every trainable span, a
+    sample's tokens are exactly the prompt ids vLLM reported for the call that answered with that span, and
+    the whole sample is that rollout's last merged call, prompt then response, token for token."""
+    by_rollout = _ok_calls_by_rollout(traces)
+    for s in samples:
+        ids = s["token_ids"]
+        calls = by_rollout[s["rollout_id"]]
+        spans = _trainable_spans(s["loss_mask"])
+        assert spans, "a sample with nothing to train"
+        for i, j in spans:
+            assert any(
+                t["prompt_token_ids"] == ids[:i] and t["response_token_ids"] == ids[i:j] for t in calls
+            ), "a response's tokens do not follow its own prompt's ids"
+        assert any(t["prompt_token_ids"] + t["response_token_ids"] == ids for t in calls)
+
+
+def tether_demo(cwd: Path, *flags: str) -> tuple[Path, str]:
+    """`tether demo FLAGS` run from `cwd` into `cwd/run`: (the run directory, what it printed). A demo
+    that fails fails the test with its services' logs."""
+    run_dir = cwd / "run"
+    proc = subprocess.run(
+        [*TETHER, "demo", *flags, "--run-dir", str(run_dir), "--quiet"],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+    )
+    if proc.returncode != 0:
+        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in (run_dir / "logs").glob("*.log"))
+        pytest.fail(f"demo failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}")
+    return run_dir, proc.stdout
+
+
+def small_demo(cwd: Path, example: str, tasks_per_step: int = 2) -> Path:
+    """An example's demo from `cwd`: 2 steps of `tasks_per_step` groups of 4, no evaluation."""
+    flags = [
+        "--steps",
+        "2",
+        "--tasks-per-step",
+        str(tasks_per_step),
+        "--group-size",
+        "4",
+        "--eval-repeats",
+        "0",
+    ]
+    return tether_demo(cwd, "--example", example, *flags)[0]
+
+
+def tether_jsonl(cwd: Path, *args: str) -> list[dict]:
+    """`tether ARGS` run in `cwd` (the stack's directory), its JSON-lines output parsed."""
+    out = subprocess.run([*TETHER, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=True)
+    return jsonl(out.stdout)

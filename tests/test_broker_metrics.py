@@ -19,6 +19,8 @@ from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
 from tether.scheduler import metrics as m
 
+P0 = "traces:{p0}"  # the first trace partition, as the gauges label it
+
 SYSTEM_REDIS = shutil.which("redis-server")
 
 
@@ -49,20 +51,20 @@ def _sample(name: str, **labels: str) -> float | None:
 
 
 async def _fill(r, keys: broker.Keys) -> None:
-    """traces: 6 entries; group `merger` read 4 (consumer c1) and acked 1; group `late` created at
+    """traces (partition 0): 6 entries; group `merger` read 4 (consumer c1) and acked 1; group `late` created at
     the end. dispatch: 3 entries, group `agents` read none. dead-letter: 2 records."""
     for i in range(6):
-        await broker.publish(r, keys.traces, {"i": i})
-    await broker.ensure_group(r, keys.traces, "merger")
-    got = await broker.read_group(r, keys.traces, "merger", "c1", count=4, block_ms=None)
+        await broker.publish(r, keys.trace_stream(0), {"i": i})
+    await broker.ensure_group(r, keys.trace_stream(0), "merger")
+    got = await broker.read_group(r, keys.trace_stream(0), "merger", "c1", count=4, block_ms=None)
     assert len(got) == 4
-    await r.xack(keys.traces, "merger", got[0][0])
-    await broker.ensure_group(r, keys.traces, "late", start="$")
+    await r.xack(keys.trace_stream(0), "merger", got[0][0])
+    await broker.ensure_group(r, keys.trace_stream(0), "late", start="$")
     for i in range(3):
         await broker.publish(r, keys.dispatch, {"i": i})
     await broker.ensure_group(r, keys.dispatch, "agents")
     for i in range(2):
-        await broker.dead_letter(r, keys, keys.traces, f"0-{i}", "test", {"i": i}, "Trace")
+        await broker.dead_letter(r, keys, keys.trace_stream(0), f"0-{i}", "test", {"i": i}, "Trace")
 
 
 async def test_stream_lengths_lag_and_pending_on_real_consumer_groups(server):
@@ -73,7 +75,7 @@ async def test_stream_lengths_lag_and_pending_on_real_consumer_groups(server):
         await _fill(r, keys)
         stats = {s.name: s for s in await broker.stream_stats(r, keys)}
         assert set(stats) == {
-            "traces",
+            *(f"traces:{{p{k}}}" for k in range(broker.DEFAULT_TRACE_PARTITIONS)),
             "rollout-events",
             "samples",
             "dispatch",
@@ -83,27 +85,27 @@ async def test_stream_lengths_lag_and_pending_on_real_consumer_groups(server):
             "session-rewards",
             "mismatches",
         }
-        assert stats["traces"].length == 6 and stats["dispatch"].length == 3
+        assert stats[P0].length == 6 and stats["dispatch"].length == 3
         assert stats["dead-letter"].length == 2 and stats["samples"].length == 0
         assert stats["samples"].groups == []  # a stream that does not exist yet
-        groups = {g.name: g for g in stats["traces"].groups}
+        groups = {g.name: g for g in stats[P0].groups}
         assert (groups["merger"].lag, groups["merger"].pending) == (2, 3)
         assert (groups["late"].lag, groups["late"].pending) == (0, 0)
         assert [(g.name, g.lag, g.pending) for g in stats["dispatch"].groups] == [("agents", 3, 0)]
 
         # Redis 7 reports the lag itself; 6.2 does not and the counting script gives the same figure.
-        info = {g["name"]: g for g in await r.xinfo_groups(keys.traces)}
+        info = {g["name"]: g for g in await r.xinfo_groups(keys.trace_stream(0))}
         assert (broker.reported_lag(info["merger"]) is None) == (major < 7)
 
         # An undelivered entry deleted: Redis 7 can no longer tell the lag (nil) and it is counted.
-        ids = [eid for eid, _ in await r.xrange(keys.traces)]
-        await r.xdel(keys.traces, ids[-1])
-        info = {g["name"]: g for g in await r.xinfo_groups(keys.traces)}
+        ids = [eid for eid, _ in await r.xrange(keys.trace_stream(0))]
+        await r.xdel(keys.trace_stream(0), ids[-1])
+        info = {g["name"]: g for g in await r.xinfo_groups(keys.trace_stream(0))}
         assert broker.reported_lag(info["merger"]) is None
         stats = {s.name: s for s in await broker.stream_stats(r, keys)}
-        assert {g.name: g.lag for g in stats["traces"].groups}["merger"] == 1
+        assert {g.name: g.lag for g in stats[P0].groups}["merger"] == 1
         # The count saturates at its cap.
-        assert await broker.count_after(r, keys.traces, "0-0", cap=3) == 3
+        assert await broker.count_after(r, keys.trace_stream(0), "0-0", cap=3) == 3
     finally:
         await r.aclose()
 
@@ -116,23 +118,23 @@ async def test_gauges_follow_the_streams_and_drop_a_deleted_group(server):
     try:
         await _fill(r, keys)
         export.apply(await broker.stream_stats(r, keys))
-        assert _sample("tether_broker_stream_length", stream="traces") == 6
+        assert _sample("tether_broker_stream_length", stream=P0) == 6
         assert _sample("tether_broker_stream_length", stream="samples") == 0
-        assert _sample("tether_broker_group_lag", stream="traces", group="merger") == 2
-        assert _sample("tether_broker_group_pending", stream="traces", group="merger") == 3
+        assert _sample("tether_broker_group_lag", stream=P0, group="merger") == 2
+        assert _sample("tether_broker_group_pending", stream=P0, group="merger") == 3
         assert _sample("tether_broker_group_lag", stream="dispatch", group="agents") == 3
         assert _sample("tether_broker_dead_letter_entries") == 2
 
-        await broker.dead_letter(r, keys, keys.traces, "0-9", "test", {}, "Trace")
-        await r.xgroup_destroy(keys.traces, "late")
+        await broker.dead_letter(r, keys, keys.trace_stream(0), "0-9", "test", {}, "Trace")
+        await r.xgroup_destroy(keys.trace_stream(0), "late")
         got = await broker.read_group(r, keys.dispatch, "agents", "w", count=10, block_ms=None)
         await r.xack(keys.dispatch, "agents", *(eid for eid, _ in got))
         export.apply(await broker.stream_stats(r, keys))
         assert _sample("tether_broker_dead_letter_entries") == 3
         assert _sample("tether_broker_group_lag", stream="dispatch", group="agents") == 0
         assert _sample("tether_broker_group_pending", stream="dispatch", group="agents") == 0
-        assert _sample("tether_broker_group_lag", stream="traces", group="late") is None
-        assert _sample("tether_broker_group_pending", stream="traces", group="late") is None
+        assert _sample("tether_broker_group_lag", stream=P0, group="late") is None
+        assert _sample("tether_broker_group_pending", stream=P0, group="late") is None
     finally:
         export.apply([])  # leave no series of this test's groups behind
         await r.aclose()

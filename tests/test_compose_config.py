@@ -316,3 +316,29 @@ def test_host_override_covers_every_service():
     text = HOST_OVERRIDE.read_text()
     missing = [name for name in sorted(base) if f"\n  {name}:" not in text]
     assert missing == []
+
+
+def test_mtls_is_off_by_default_and_reaches_every_grpc_service_when_set(tmp_path):
+    """TETHER_TLS_* from .env reach every Tether container with a gRPC server or client, with the
+    directory TETHER_TLS_DIR mounted read-only at /etc/tether/tls; unset, the variables are empty (TLS
+    off) and an empty named volume is mounted."""
+    grpc_services = {"inference-cpu", "trainer", "merger", "gateway", "scheduler", "agent"}
+    off = config(("cpu",))["services"]
+    on = config(
+        ("cpu",),
+        TETHER_TLS_DIR=str(tmp_path),
+        TETHER_TLS_CERT_FILE="/etc/tether/tls/tls.crt",
+        TETHER_TLS_KEY_FILE="/etc/tether/tls/tls.key",
+        TETHER_TLS_CA_FILE="/etc/tether/tls/ca.crt",
+        TETHER_TLS_SERVER_NAME="tether",
+    )["services"]
+    for name in grpc_services:
+        assert off[name]["environment"]["TETHER_TLS_CERT_FILE"] == "", name
+        assert mounts(off[name])["/etc/tether/tls"]["type"] == "volume", name
+        env = on[name]["environment"]
+        assert (
+            env["TETHER_TLS_CA_FILE"] == "/etc/tether/tls/ca.crt"
+            and env["TETHER_TLS_SERVER_NAME"] == "tether"
+        )
+        mount = mounts(on[name])["/etc/tether/tls"]
+        assert (mount["type"], mount["source"], mount.get("read_only")) == ("bind", str(tmp_path), True), name

@@ -5,6 +5,7 @@ handled, and a consumer started again under its name takes up its own pending en
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -64,27 +65,64 @@ async def test_an_entry_never_acknowledged_is_dead_lettered_after_max_deliveries
     r = broker.connect(redis_url)
     keys = broker.Keys("poison")
     try:
-        await broker.ensure_group(r, keys.traces, "merger")
-        await broker.publish(r, keys.traces, {"bad": True})
-        before = _dead_letters_total("traces", "Trace")
+        await broker.ensure_group(r, keys.trace_stream(0), "merger")
+        await broker.publish(r, keys.trace_stream(0), {"bad": True})
+        before = _dead_letters_total("traces:{p0}", "Trace")
         deliveries = 0
         for _ in range(broker.MAX_DELIVERIES + 3):
             got = await broker.read_group(
-                r, keys.traces, "merger", "c1", block_ms=None, claim_idle_ms=0, keys=keys, record_type="Trace"
+                r,
+                keys.trace_stream(0),
+                "merger",
+                "c1",
+                block_ms=None,
+                claim_idle_ms=0,
+                keys=keys,
+                record_type="Trace",
             )
             deliveries += len(got)  # handed out, never acknowledged (the consumer "crashed")
         assert deliveries == broker.MAX_DELIVERIES
-        assert _dead_letters_total("traces", "Trace") == before + 1
+        assert _dead_letters_total("traces:{p0}", "Trace") == before + 1
         (_, dead), *rest = await broker.read_all(r, keys.dead_letter)
         assert not rest
-        assert dead["stream"] == keys.traces and dead["record_type"] == "Trace"
+        assert dead["stream"] == keys.trace_stream(0) and dead["record_type"] == "Trace"
         assert dead["record"] == {"bad": True} and dead["deliveries"] == broker.MAX_DELIVERIES + 1
-        assert await r.xpending(keys.traces, "merger") == {
+        assert await r.xpending(keys.trace_stream(0), "merger") == {
             "pending": 0,
             "min": None,
             "max": None,
             "consumers": [],
         }
+    finally:
+        await r.aclose()
+
+
+async def test_a_dead_consumers_entries_go_to_another_consumer_once_idle(redis_url):
+    """A consumer that took entries and died (another name: a replaced pod) leaves them pending; a live
+    consumer's read claims them (XAUTOCLAIM) once they were idle `claim_idle_ms`, not before, each once,
+    ahead of new entries."""
+    r = broker.connect(redis_url)
+    keys = broker.Keys("reclaim")
+    stream = keys.dispatch
+    try:
+        await broker.ensure_group(r, stream, "g")
+        for i in range(3):
+            await broker.publish(r, stream, {"i": i})
+        taken = await broker.read_group(r, stream, "g", "dead", block_ms=None)
+        assert [rec["i"] for _, rec in taken] == [0, 1, 2]  # and never acknowledged: it died
+        await broker.publish(r, stream, {"i": 3})
+        # Not idle long enough: the live consumer gets only the new entry.
+        fresh = await broker.read_group(r, stream, "g", "live", block_ms=None, claim_idle_ms=10_000)
+        assert [rec["i"] for _, rec in fresh] == [3]
+        await r.xack(stream, "g", *(eid for eid, _ in fresh))
+        await asyncio.sleep(0.3)
+        claimed = await broker.read_group(r, stream, "g", "live", block_ms=None, claim_idle_ms=200)
+        assert [(eid, rec["i"]) for eid, rec in claimed] == [(eid, rec["i"]) for eid, rec in taken]
+        pending = await r.xpending(stream, "g")
+        assert pending["pending"] == 3 and [c["name"] for c in pending["consumers"]] == ["live"]
+        await r.xack(stream, "g", *(eid for eid, _ in claimed))
+        # Claimed once: nothing is left to claim or read.
+        assert await broker.read_group(r, stream, "g", "live", block_ms=None, claim_idle_ms=0) == []
     finally:
         await r.aclose()
 

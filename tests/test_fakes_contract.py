@@ -110,12 +110,14 @@ def split_stream(events: list[Any]) -> dict[str, list[dict]]:
 
 def assert_same_events(fake: list[dict], real: list[dict], what: str) -> None:
     """Stream events in vLLM's shape: the first and the last as vLLM's first and last (the last one
-    finishes), the ones between as vLLM's second."""
-    assert len(real) >= 3 or len(fake) <= 2, f"{what}: vLLM streamed too few events to compare: {real}"
+    finishes), the ones between as vLLM's second. A loaded vLLM may put several tokens in one event
+    (its API server sends what piled up): with only two, the ones between compare with its first."""
+    assert len(real) >= 2 or len(fake) <= 2, f"{what}: vLLM streamed too few events to compare: {real}"
     assert_within(fake[0], real[0], f"{what}[first]")
     assert_within(fake[-1], real[-1], f"{what}[last]")
+    between = real[1] if len(real) >= 3 else real[0]
     for i, event in enumerate(fake[1:-1]):
-        assert_within(event, real[1], f"{what}[{i + 1}]")
+        assert_within(event, between, f"{what}[{i + 1}]")
 
 
 @pytest.fixture(scope="module")

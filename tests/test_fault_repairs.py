@@ -17,7 +17,7 @@ from gateway_helpers import bearer
 from stack_helpers import wait_for
 
 from tether.inference.weights import newest_checkpoint
-from tether.launcher import Stack, StackError
+from tether.launcher import HEALTHY_RESET_S, MAX_RESTARTS, Stack, StackError, restarts_after_run
 
 
 def _supervise(stack: Stack, until, timeout: float, what: str):
@@ -88,11 +88,35 @@ def test_restarts_back_off_and_are_budgeted(tmp_path, monkeypatch):
         assert crash.backoff_s() == 0.0
         with pytest.raises(StackError, match="crash exited with code 1"):
             _supervise(stack, lambda: False, 120, "the budget to run out")
-        from tether.launcher import MAX_RESTARTS
-
         assert crash.restarts == MAX_RESTARTS
         assert crash.log.read_text().count("--- launcher: exited with code 1; restart") == MAX_RESTARTS
         assert crash.backoff_s() > 0
+    finally:
+        stack.stop(grace_s=2)
+
+
+def test_the_restart_budget_comes_back_after_a_healthy_run():
+    assert restarts_after_run(4, HEALTHY_RESET_S - 1) == 4  # a crash loop keeps spending
+    assert restarts_after_run(MAX_RESTARTS, HEALTHY_RESET_S) == 0  # healthy long enough: all back
+    assert restarts_after_run(0, 0.0) == 0
+    assert restarts_after_run(3, 5.0, healthy_reset_s=5.0) == 0
+
+
+def test_a_process_that_ran_healthy_is_restarted_even_with_its_budget_spent(tmp_path, monkeypatch):
+    """A crash a day must not exhaust the budget in five days: the launcher charges restarts only to a
+    process that did not run HEALTHY_RESET_S since its last start."""
+    monkeypatch.chdir(tmp_path)
+    stack = Stack(run_dir=tmp_path / "run", namespace="reset")
+    stack.redis_url = "redis://127.0.0.1:1/0"
+    try:
+        crash = stack.start("crash", "tether.not_a_module", {})
+        crash.restarts = MAX_RESTARTS  # spent: a crash right after its start ends the stack
+        with pytest.raises(StackError, match="crash exited with code 1"):
+            _supervise(stack, lambda: False, 30, "the spent budget")
+        crash.restarts = MAX_RESTARTS
+        crash.started -= HEALTHY_RESET_S  # as if it had run ten minutes before it crashed
+        _supervise(stack, lambda: crash.restarts == 1, 30, "a restart on a fresh budget")
+        assert "restart 1/" in crash.log.read_text()
     finally:
         stack.stop(grace_s=2)
 
@@ -238,7 +262,7 @@ def test_sigterm_lets_the_gateway_finish_a_stream_and_record_it(redis_port, vllm
         r = redis.Redis(port=redis_port, decode_responses=True)
         keys = Keys("drain-stream")
         (entry,) = r.lrange(keys.rollout_calls(rollout["rollout_id"]), 0, -1)
-        ((_, fields),) = r.xrange(keys.traces, min=entry, max=entry)
+        ((_, fields),) = r.xrange(keys.traces(rollout["rollout_id"]), min=entry, max=entry)
         trace = json.loads(fields["data"])
         assert trace["status"] == "ok" and trace["response_token_ids"] == TOKEN_IDS
         r.close()

@@ -29,9 +29,10 @@ from pathlib import Path
 import pytest
 import redis
 import torch
+from gateway_helpers import trace_marks
 from stack_helpers import TETHER, alive
 
-from tether.common.broker import Keys
+from tether.common.broker import Keys, entry_order
 from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
 
@@ -79,8 +80,8 @@ def _busy(r: redis.Redis, keys: Keys, run_dir: Path, name: str, state: dict, sin
     try:
         if name == "trainer":
             return f"training step {state.get('step')} " in (run_dir / "logs" / "trainer.log").read_text()
-        last = r.xrevrange(keys.traces, count=1)
-        return bool(last) and int(last[0][0].split("-")[0]) / 1000 >= since
+        last = max(trace_marks(r, keys).values(), key=entry_order)
+        return entry_order(last)[0] / 1000 >= since
     except (redis.RedisError, OSError):
         return False
 
@@ -94,7 +95,11 @@ def _read_store(redis_data: Path, namespace: str) -> dict[str, list[dict]]:
         keys = Keys(namespace)
         out = {}
         for name in ("traces", "samples", "rollout_events", "group_results", "dead_letter"):
-            out[name] = [json.loads(f["data"]) for _, f in r.xrange(getattr(keys, name))]
+            # The traces are partitioned (Keys.trace_streams): every partition, in entry-id order.
+            streams = keys.trace_streams if name == "traces" else [getattr(keys, name)]
+            entries = [e for stream in streams for e in r.xrange(stream)]
+            entries.sort(key=lambda e: tuple(int(x) for x in e[0].split("-")))
+            out[name] = [json.loads(f["data"]) for _, f in entries]
         r.close()
         return out
     finally:

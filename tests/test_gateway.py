@@ -11,6 +11,7 @@ import json
 import math
 import os
 import signal
+import string
 import subprocess
 import sys
 import threading
@@ -130,6 +131,54 @@ def test_redis_holds_no_usable_rollout_key(gw, rdb):
         resp = gw.http.get(f"/v1/rollouts/{rollout['rollout_id']}", headers=bearer(digest))
         assert resp.status_code == 401, resp.text
     assert gw.http.get(f"/v1/rollouts/{rollout['rollout_id']}", headers=bearer(key)).status_code == 200
+
+
+def test_rollout_keys_are_unguessable(gw):
+    """Each key is 192 random bits (24 bytes from `secrets`, URL-safe base64) behind a fixed prefix:
+    nothing in it derives from the rollout, its id or another key."""
+    rollouts = [gw.new_rollout(task_id="same", group_id="same") for _ in range(64)]
+    keys = [r["api_key"] for r in rollouts]
+    assert len(set(keys)) == len(keys)
+    alphabet = set(string.ascii_letters + string.digits + "-_")
+    for r in rollouts:
+        body = r["api_key"].removeprefix("tr-")
+        assert len(body) == 32 and set(body) <= alphabet  # 32 characters of 6 bits
+        assert r["rollout_id"] not in r["api_key"]
+    # The bits are spread evenly: over 64 keys every character position takes many values (a counter,
+    # a timestamp or a hash of the id would leave most positions fixed).
+    for i in range(32):
+        assert len({k.removeprefix("tr-")[i] for k in keys}) >= 16, i
+
+
+def test_the_key_cache_holds_only_recent_keys(redis_port, vllm):
+    """Each key looked up is cached for KEY_CACHE_S; lapsed entries leave as new keys come, so a gateway
+    that has served many rollouts holds only the last KEY_CACHE_S of keys (its memory stays flat)."""
+    from tether.gateway.rollouts import KEY_CACHE_S
+
+    with InProcessGateway(gateway_settings(redis_port, vllm.url)) as g:
+        registry = g.server.rollouts
+        offset = [0.0]
+        registry._clock = lambda: time.monotonic() + offset[0]
+        first = [g.new_rollout() for _ in range(5)]
+        for r in first:
+            assert (
+                g.http.get(f"/v1/rollouts/{r['rollout_id']}", headers=bearer(r["api_key"])).status_code == 200
+            )
+        assert set(registry._key_cache) >= {r["api_key"] for r in first}
+        offset[0] = KEY_CACHE_S + 1  # the five have lapsed: the next lookup drops them
+        later = g.new_rollout()
+        assert (
+            g.http.get(f"/v1/rollouts/{later['rollout_id']}", headers=bearer(later["api_key"])).status_code
+            == 200
+        )
+        assert list(registry._key_cache) == [later["api_key"]]
+        # A lapsed key is looked up again (and still authenticates while its record lives).
+        again = first[0]
+        assert (
+            g.http.get(f"/v1/rollouts/{again['rollout_id']}", headers=bearer(again["api_key"])).status_code
+            == 200
+        )
+        assert list(registry._key_cache) == [later["api_key"], again["api_key"]]
 
 
 def test_fields_kept_when_the_client_asks(gw):
@@ -351,7 +400,7 @@ def test_complete_publishes_event_once_then_409(gw, rdb):
     [(_, event)] = events(rdb, gw.keys, rid)
     assert event["status"] == "completed" and event["task_id"] == "task-9" and event["group_size"] == 4
     assert isinstance(event["reward"], float) and event["reward"] == 0.95  # fp32/bf16 would not be exact
-    assert rdb.exists(gw.keys.published(f"rollout-final:{rid}"))
+    assert rdb.exists(gw.keys.published(f"rollout-final:{rid}", gw.keys.rollout_events))
 
     assert_openai_error(
         gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1}, headers=bearer(key)),
@@ -363,11 +412,11 @@ def test_complete_publishes_event_once_then_409(gw, rdb):
         409,
         "rollout_finished",
     )
-    # The key of a finished rollout no longer makes calls.
+    # The key of a finished rollout no longer makes calls: it expired with the rollout.
     assert_openai_error(
-        gw.http.post("/v1/chat/completions", json=chat_body(), headers=bearer(key)), 409, "rollout_finished"
+        gw.http.post("/v1/chat/completions", json=chat_body(), headers=bearer(key)), 401, "invalid_api_key"
     )
-    with pytest.raises(openai.ConflictError):
+    with pytest.raises(openai.AuthenticationError):
         gw.client(rollout).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     assert len(events(rdb, gw.keys, rid)) == 1
 

@@ -12,7 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from tether.common.net import is_loopback
-from tether.gateway.main import SETTINGS_REFUSED, GatewaySettings
+from tether.common.settings import SETTINGS_REFUSED
+from tether.gateway.main import GatewaySettings
 
 BASE = {"redis_url": "redis://127.0.0.1:1/0", "vllm_url": "http://127.0.0.1:1"}
 

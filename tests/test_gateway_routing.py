@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 from fakes.vllm_openai import MODEL, PROMPT_IDS, TOKEN_IDS, FakeVLLM
-from gateway_helpers import ADMIN, InProcessGateway, bearer, gateway_settings, wait_traces
+from gateway_helpers import ADMIN, InProcessGateway, bearer, gateway_settings, traces_since, wait_traces
 from pydantic import ValidationError
 from redis.exceptions import NoScriptError, ResponseError
 
@@ -332,8 +332,7 @@ def test_deployment_key_records_into_its_session_and_rewards(gw, rdb):
     )
 
     def session_traces(name: str) -> list[dict]:
-        out = [json.loads(f["data"]) for _, f in rdb.xrange(gw.keys.traces)]
-        return [t for t in out if t.get("session") == name]
+        return [t for t in traces_since(rdb, gw.keys) if t.get("session") == name]
 
     assert wait_until(lambda: len(session_traces("canary")) == 1)
     [prod] = session_traces("prod")
@@ -445,11 +444,7 @@ def test_record_only_conversations_stick_to_a_replica(gw, rdb, two):
         call_id = resp.headers["x-tether-call-id"]
 
         def recorded() -> list[dict]:
-            return [
-                t
-                for t in (json.loads(f["data"]) for _, f in rdb.xrange(gw.keys.traces))
-                if t["call_id"] == call_id
-            ]
+            return [t for t in traces_since(rdb, gw.keys) if t["call_id"] == call_id]
 
         assert wait_until(lambda: len(recorded()) == 1)
         return recorded()[0]["replica"]

@@ -1,9 +1,9 @@
-"""Fuzzing the gRPC services (issue 14, "Bad input"): real servers — the trainer on the tiny model,
-the inference adapter in front of a vLLM that speaks vLLM's control routes (tests/fakes), the
-gateway's control service — get arbitrary bytes for every method and out-of-range messages built by
-hypothesis. Every answer is a status the caller can act on: OK or a client-error code, never
-INTERNAL / UNKNOWN (a crash), the server keeps serving, and the trainer buffers none of the bad
-groups, so it never trains on them.
+"""Fuzzing the gRPC services (issue 14, "Bad input"): real servers — the trainer on the tiny model, the
+inference adapter in front of a vLLM that speaks vLLM's control routes (tests/fakes), the gateway's
+control service, the merger's and the scheduler's status services — get arbitrary bytes for every
+method and out-of-range messages built by hypothesis. Every answer is a status the caller can act on:
+OK or a client-error code, never INTERNAL / UNKNOWN (a crash), the server keeps serving, and the
+trainer buffers none of the bad groups, so it never trains on them.
 """
 
 from __future__ import annotations
@@ -22,11 +22,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_trainer_resume import tiny_model_dir
 
+from tether.common.broker import Keys
 from tether.common.grpc_server import start_server
 from tether.common.vllm_client import VLLMControl
 from tether.gateway.admission import Admission
 from tether.gateway.servicer import GatewayControlServicer
 from tether.inference.servicer import InferenceServicer
+from tether.merger.consumer import Merger, MergerConfig
+from tether.merger.servicer import MergerStatusServicer
+from tether.scheduler.run import Run, RunConfig, Stubs
+from tether.scheduler.servicer import SchedulerServicer
 from tether.trainer.distributed import Dist
 from tether.trainer.main import TrainerSettings, build
 from tether.trainer.servicer import TrainerServicer
@@ -36,6 +41,10 @@ from tether.v1 import (
     gateway_pb2_grpc,
     inference_pb2,
     inference_pb2_grpc,
+    merger_pb2,
+    merger_pb2_grpc,
+    scheduler_pb2,
+    scheduler_pb2_grpc,
     trainer_pb2,
     trainer_pb2_grpc,
     types_pb2,
@@ -123,6 +132,19 @@ def stack(tmp_path_factory) -> Iterator[dict[str, grpc.Channel]]:
                 [gateway_pb2.DESCRIPTOR.services_by_name["GatewayControl"].full_name],
             ),
         }
+        # The merger's and scheduler's services only read their object's counters and state (Stop sets
+        # a flag): built over a Merger and a Run that hold no Redis connection.
+        ports["merger"] = servers.add(
+            merger_pb2_grpc.add_MergerServicer_to_server,
+            lambda: MergerStatusServicer(Merger(None, Keys("fuzz"), MergerConfig(), submit=None)),
+            [merger_pb2.DESCRIPTOR.services_by_name["Merger"].full_name],
+        )
+        run_cfg = RunConfig(run_id="fuzz", steps=3, tasks_per_step=1, group_size=2, seed=0, run_dir=tmp)
+        ports["scheduler"] = servers.add(
+            scheduler_pb2_grpc.add_SchedulerServicer_to_server,
+            lambda: SchedulerServicer(Run(None, Keys("fuzz"), run_cfg, Stubs(None, None, None), tasks=[])),
+            [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name],
+        )
         channels = {name: grpc.insecure_channel(f"127.0.0.1:{port}") for name, port in ports.items()}
         try:
             yield channels
@@ -146,6 +168,8 @@ SERVICES = {
     "trainer": methods(trainer_pb2.DESCRIPTOR, "Trainer"),
     "inference": methods(inference_pb2.DESCRIPTOR, "Inference"),
     "gateway": methods(gateway_pb2.DESCRIPTOR, "GatewayControl"),
+    "merger": methods(merger_pb2.DESCRIPTOR, "Merger"),
+    "scheduler": methods(scheduler_pb2.DESCRIPTOR, "Scheduler"),
 }
 ALL_METHODS = [(name, path, cls) for name, ms in SERVICES.items() for path, cls in ms]
 

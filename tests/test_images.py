@@ -28,7 +28,8 @@ from test_dockerfile import PORTS
 from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
 
-pytestmark = pytest.mark.slow
+# The image builds (tests/test_compose.py's fixtures) take as long here as there when this file runs alone.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
 # tests/test_compose.py's engine (scripts/docker_engine.sh) and builds, shared; `images` is its env.
 engine = compose_test.engine

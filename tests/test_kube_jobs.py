@@ -90,7 +90,8 @@ async def rollouts_of(gw, group: str) -> list[dict]:
     async with httpx.AsyncClient(base_url=gw.url, headers={"Authorization": f"Bearer {ADMIN}"}) as http:
         r = aioredis.Redis(port=int(gw.settings.redis_url.rsplit(":", 1)[1]), decode_responses=True)
         try:
-            async for key in r.scan_iter(match=gw.keys.rollout("*")):
+            # A rollout's hash is `ns:rollout:{pK}:<id>` (K its trace partition): match every partition.
+            async for key in r.scan_iter(match=f"{gw.keys.ns}:rollout:*", _type="hash"):
                 rid = key.rsplit(":", 1)[-1]
                 if await r.hget(key, "group_id") == group:
                     out.append((await http.get(f"/v1/rollouts/{rid}")).json())

@@ -32,7 +32,12 @@ async def _record(r, keys, rollout_id, calls, group_id, reward, status="complete
             weight_spans=spans[0] if spans else [],
         )
         await broker.publish_once(
-            r, keys, keys.traces, t.call_id, t.to_dict(), index_list=keys.rollout_calls(rollout_id)
+            r,
+            keys,
+            keys.traces(rollout_id),
+            t.call_id,
+            t.to_dict(),
+            index_list=keys.rollout_calls(rollout_id),
         )
     meta = meta or {}
     ev = RolloutEvent(
@@ -190,7 +195,7 @@ async def _publish_traces(r, keys, rollout_id, traces, group_id, reward, group_s
         if "response_logprobs" not in t:
             rec["response_logprobs"] = [-0.5] * len(rec.get("response_token_ids", []))
         await broker.publish_once(
-            r, keys, keys.traces, rec["call_id"], rec, index_list=keys.rollout_calls(rollout_id)
+            r, keys, keys.traces(rollout_id), rec["call_id"], rec, index_list=keys.rollout_calls(rollout_id)
         )
     ev = RolloutEvent(
         rollout_id=rollout_id,

@@ -29,6 +29,7 @@ from promtool import check_metrics
 from stack_helpers import wait_for
 from test_metrics_docs import documented
 
+from tether.common.broker import Keys
 from tether.common.net import free_port
 
 
@@ -97,10 +98,13 @@ LINT_KEPT: set[str] = set()
 def test_scheduler_serves_broker_and_run_gauges(redis_port, tmp_path):
     r = redis.Redis(port=redis_port, decode_responses=True)
     ns = "mp-sched"
+    keys = Keys(ns)
+    traces = keys.trace_streams[0]  # one partition of the trace stream; its gauges are labelled by it
+    label = keys.short(traces)
     for i in range(5):
-        r.xadd(f"{ns}:traces", {"data": json.dumps({"i": i})})
-    r.xgroup_create(f"{ns}:traces", "merger", id="0")
-    r.xreadgroup("merger", "c", {f"{ns}:traces": ">"}, count=2)
+        r.xadd(traces, {"data": json.dumps({"i": i})})
+    r.xgroup_create(traces, "merger", id="0")
+    r.xreadgroup("merger", "c", {traces: ">"}, count=2)
     r.xadd(f"{ns}:dead-letter", {"data": "{}"})
     port = free_port()
     nowhere = [f"127.0.0.1:{free_port()}" for _ in range(3)]  # nothing answers: the run waits
@@ -123,20 +127,20 @@ def test_scheduler_serves_broker_and_run_gauges(redis_port, tmp_path):
 
         def refreshed() -> str | None:
             text = scrape(url, proc, log)
-            return text if value(text, "tether_broker_stream_length", stream="traces") == 5 else None
+            return text if value(text, "tether_broker_stream_length", stream=label) == 5 else None
 
         text = wait_for(refreshed, 60, "the broker gauges")
-        assert value(text, "tether_broker_group_lag", stream="traces", group="merger") == 3
-        assert value(text, "tether_broker_group_pending", stream="traces", group="merger") == 2
+        assert value(text, "tether_broker_group_lag", stream=label, group="merger") == 3
+        assert value(text, "tether_broker_group_pending", stream=label, group="merger") == 2
         assert value(text, "tether_broker_dead_letter_entries") == 1
         assert value(text, "tether_run_max_staleness") == 3
         assert value(text, "tether_run_phase", phase="starting") == 1
         assert value(text, "tether_run_phase", phase="training") == 0
         assert_exports_its_documented_metrics("scheduler", text)
-        r.xadd(f"{ns}:traces", {"data": "{}"})
+        r.xadd(traces, {"data": "{}"})
         wait_for(
             lambda: (
-                value(scrape(url, proc, log), "tether_broker_group_lag", stream="traces", group="merger") == 4
+                value(scrape(url, proc, log), "tether_broker_group_lag", stream=label, group="merger") == 4
             ),
             30,
             "the next refresh",

@@ -376,7 +376,7 @@ def test_every_redis_key_is_built_by_keys():
     assert (keys.mismatches, keys.merger_pending_groups, keys.run_inflight) == (
         "n:mismatches",
         "n:merger:pending-groups",
-        "n:run:inflight",
+        "n:run:inflight:{n:run}",  # in the run hash's slot (tests/test_redis_cluster.py)
     )
 
 
@@ -441,12 +441,12 @@ async def test_merger_dead_letters_a_bad_trace_and_merges_the_rest(redis_url):
 
     r = broker.connect(redis_url)
     keys = broker.Keys("t")
-    before = _dead("traces", "Trace")
+    before = _dead(keys.short(keys.traces("a")), "Trace")
     good = Trace("c0", "a", "chat.completions", {}, "ok", [1, 2], [3], [-0.5], weight_version=1)
     bad = {**good.to_dict(), "call_id": "c1", "prompt_tokens": [1]}  # a field no Trace has
     for rec in (good.to_dict(), bad):
         await broker.publish_once(
-            r, keys, keys.traces, rec["call_id"], rec, index_list=keys.rollout_calls("a")
+            r, keys, keys.traces("a"), rec["call_id"], rec, index_list=keys.rollout_calls("a")
         )
     submitted = []
 
@@ -464,8 +464,8 @@ async def test_merger_dead_letters_a_bad_trace_and_merges_the_rest(redis_url):
         await _stop(task)
     assert submitted == [[[1, 2, 3]]]  # the good call trained; the bad one left out
     ((_, letter),) = await broker.read_all(r, keys.dead_letter)
-    assert letter["stream"] == keys.traces and letter["record"]["call_id"] == "c1"
-    assert _dead("traces", "Trace") == before + 1
+    assert letter["stream"] == keys.traces("a") and letter["record"]["call_id"] == "c1"
+    assert _dead(keys.short(keys.traces("a")), "Trace") == before + 1
     ((_, result),) = await broker.read_all(r, keys.group_results)
     assert GroupResult.from_dict(result).outcome == "trained"  # what the merger publishes decodes
     await r.aclose()

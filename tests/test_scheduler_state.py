@@ -11,7 +11,6 @@ import math
 
 import grpc
 import pytest
-import redis
 from fake_control import FakeGateway, FakeInference, FakeTrainer, rpc_error
 
 from tether.cli import _run_status
@@ -189,12 +188,12 @@ async def test_a_new_run_id_starts_afresh_and_every_reader_sees_the_state(redis_
     keys = broker.Keys("t")
     try:
         await r.hset(keys.run, mapping={**OLD_HASH, "run_id": json.dumps("an-earlier-run")})
-        await r.hset(f"{keys.run}:inflight", "g", "{}")
+        await r.hset(keys.run_inflight, "g", "{}")
         inference = FakeInference()
         run = _run(r, tmp_path, inference, FakeTrainer(inference), FakeGateway())
         assert await run.start_run() == 0
         assert inference.log == ["version", "resume"]  # nothing to wake, nothing trained to load
-        assert not await r.exists(f"{keys.run}:inflight")
+        assert not await r.exists(keys.run_inflight)
         raw = await r.hgetall(keys.run)
         # The first write of a run holds every field, so the state always decodes.
         assert set(raw) == set(run.state.to_redis())
@@ -214,7 +213,7 @@ async def test_a_new_run_id_starts_afresh_and_every_reader_sees_the_state(redis_
             4,
             0.0,
         )
-        plain = redis.Redis.from_url(redis_url)
+        plain = broker.connect_sync(redis_url)
         assert not plain.hexists(keys.run, "stauts")
         plain.close()
     finally:

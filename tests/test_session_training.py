@@ -1,23 +1,44 @@
 """A deployment learns from its own traffic: `tether up` with a deployment key and session training on,
 record-only calls through the official openai SDK (no rollout), rewards posted per call, and the
 rewarded calls -- only those, each once -- trained in serve mode with running-baseline advantages.
-And a run with tasks (train mode) is not held up by session groups scored meanwhile."""
+And a run with tasks (train mode) is not held up by session groups scored meanwhile.
+
+The same stack (an admin token and a service token set) then checks that no secret shows (issue 14):
+after calls with rollout keys, the deployment key, wrong keys and another rollout's key, refusals on
+every API and gRPC service, no key or token is in any file the stack wrote (logs, state, Redis's
+data), in a scrape of /metrics, in the output of `tether traces|samples|metrics|dead-letters`, or in
+the bodies of the error answers."""
 
 from __future__ import annotations
 
 import os
+import secrets
+import subprocess
 import time
+from pathlib import Path
 
+import grpc
 import httpx
 import openai
 import pytest
-from stack_helpers import tether_up, wait_for
+from stack_helpers import TETHER, UpStack, tether_up, wait_for
 
 from tether.common import broker
 from tether.common.records import GroupResult
 from tether.scheduler.run import Run, RunConfig, Stubs
+from tether.v1 import (
+    gateway_pb2_grpc,
+    inference_pb2_grpc,
+    merger_pb2_grpc,
+    scheduler_pb2_grpc,
+    trainer_pb2_grpc,
+    types_pb2,
+)
 
-KEY = "dk-prod-test"
+# Secrets look random (as real ones do) so that finding one anywhere cannot be a coincidence.
+KEY = f"dk-prod-{secrets.token_hex(12)}"
+ADMIN = f"admin-{secrets.token_hex(12)}"
+SERVICE = f"svc-{secrets.token_hex(12)}"
 ALPHA = 0.5  # TETHER_BASELINE_ALPHA: large, so that each reward moves the baseline visibly
 REWARDS = (1.0, 0.0, 0.25)
 
@@ -90,6 +111,8 @@ def test_record_only_traffic_is_trained_in_serve_mode(tmp_path):
         "TETHER_DEPLOYMENT_KEYS": f"{KEY}=prod",
         "TETHER_SESSION_TRAINING": "true",
         "TETHER_BASELINE_ALPHA": str(ALPHA),
+        "TETHER_ADMIN_TOKEN": ADMIN,
+        "TETHER_SERVICE_TOKEN": SERVICE,
     }
     with tether_up(tmp_path, env=env) as stack:
         gw = stack.gateway
@@ -146,3 +169,89 @@ def test_record_only_traffic_is_trained_in_serve_mode(tmp_path):
         time.sleep(3)  # a margin for a late group result; the assertions hold whatever the timing
         assert len(stack.cli("samples")) == len(REWARDS)
         assert stack.steps() == trained
+
+        no_secret_shows(stack)
+
+
+def no_secret_shows(stack: UpStack) -> None:
+    gw = stack.gateway
+    admin = {"Authorization": f"Bearer {ADMIN}"}
+    a, b = (
+        httpx.post(f"{gw}/v1/rollouts", json={"task_id": "t", "group_id": f"g{i}"}, headers=admin).json()
+        for i in range(2)
+    )
+    wrong = f"tr-{secrets.token_urlsafe(24)}"
+    used = {"admin token": ADMIN, "service token": SERVICE, "deployment key": KEY, "wrong key": wrong}
+    used |= {"rollout key a": a["api_key"], "rollout key b": b["api_key"]}
+    bodies: list[str] = []
+
+    def answer(method: str, path: str, status: int, bearer: str | None = None, **kw) -> None:
+        headers = kw.pop("headers", {}) | ({"Authorization": f"Bearer {bearer}"} if bearer else {})
+        resp = httpx.request(method, f"{gw}{path}", timeout=60, headers=headers, **kw)
+        assert resp.status_code == status, (path, resp.text)
+        bodies.append(resp.text)
+
+    chat = {"model": "tether-policy", "messages": [{"role": "user", "content": "3 + 4 ?"}], "max_tokens": 4}
+    msgs = {"model": "tether-policy", "max_tokens": 4, "messages": [{"role": "user", "content": "3 + 4 ?"}]}
+    gem = {"contents": [{"role": "user", "parts": [{"text": "3 + 4 ?"}]}]}
+    gen = "/v1beta/models/tether-policy:generateContent"
+    key_a, key_b = a["api_key"], b["api_key"]
+    new_rollout = {"task_id": "t", "group_id": "g"}
+    answer("POST", "/v1/chat/completions", 200, key_a, json=chat)
+    answer("POST", "/v1/messages", 200, json=msgs, headers={"x-api-key": key_b})
+    answer("POST", gen, 200, json=gem, headers={"x-goog-api-key": key_a})
+    answer("POST", "/v1/chat/completions", 200, KEY, json=chat)
+    # Refusals: unknown keys on every API (the Gemini one in the URL), another rollout's key, a rollout
+    # key where the admin token is needed, a wrong admin token, another key for a session's rewards, a
+    # finished rollout's key.
+    for key in (wrong, ADMIN, SERVICE):
+        answer("POST", "/v1/chat/completions", 401, key, json=chat)
+        answer("POST", "/v1/messages", 401, json=msgs, headers={"x-api-key": key})
+        answer("POST", f"{gen}?key={key}", 401, json=gem)
+    answer("POST", f"/rollouts/{b['rollout_id']}/v1/chat/completions", 403, key_a, json=chat)
+    answer("GET", f"/v1/rollouts/{b['rollout_id']}", 403, key_a)
+    answer("POST", "/v1/rollouts", 403, key_a, json=new_rollout)
+    answer("POST", "/v1/rollouts", 403, wrong, json=new_rollout)
+    answer("POST", "/v1/sessions/prod/rewards", 403, key_a, json={"call_id": "c", "reward": 1})
+    answer("POST", f"/v1/rollouts/{a['rollout_id']}/complete", 200, key_a, json={"reward": 1.0})
+    answer("POST", "/v1/chat/completions", 401, key_a, json=chat)
+    answer("POST", f"/v1/rollouts/{b['rollout_id']}/fail", 200, ADMIN, json={"reason": "probe"})
+    # gRPC: every service refuses a wrong service token (UNAUTHENTICATED), naming no token.
+    addresses = stack_addresses(stack)
+    stubs = (
+        (gateway_pb2_grpc.GatewayControlStub, "GetAdmission", addresses["gateway_grpc"]),
+        (merger_pb2_grpc.MergerStub, "GetStatus", addresses["merger"]),
+        (scheduler_pb2_grpc.SchedulerStub, "GetRun", addresses["scheduler"]),
+        (trainer_pb2_grpc.TrainerStub, "GetStatus", addresses["trainer"]),
+        (inference_pb2_grpc.InferenceStub, "GetWeightVersion", addresses["inference"]),
+    )
+    for stub, method, address in stubs:
+        with grpc.insecure_channel(address) as ch:
+            with pytest.raises(grpc.RpcError) as err:
+                getattr(stub(ch), method)(
+                    types_pb2.Empty(), metadata=[("authorization", f"Bearer {wrong}")], timeout=30
+                )
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            bodies.append(str(err.value.details()))
+
+    # Where they could show: every file the stack wrote, the scrapes, the CLI's views, the answers.
+    shown = {"error answers": "\n".join(bodies)}
+    shown["gateway /metrics"] = httpx.get(f"{gw}/metrics").text
+    shown["vLLM /metrics"] = httpx.get(f"{addresses['vllm_url']}/metrics").text
+    for args in (("traces",), ("samples",), ("metrics",), ("dead-letters",), ("dead-letters", "--json")):
+        out = subprocess.run([*TETHER, *args], cwd=stack.cwd, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        shown[f"tether {' '.join(args)}"] = out.stdout + out.stderr
+    assert any(a["rollout_id"] in text for text in shown.values())  # the views did show the calls
+    leaks = [(name, what) for what, text in shown.items() for name, secret in used.items() if secret in text]
+    for path in sorted(Path(stack.cwd).rglob("*")):
+        if path.is_file():
+            data = path.read_bytes()
+            leaks += [(name, str(path)) for name, secret in used.items() if secret.encode() in data]
+    assert not leaks, leaks
+
+
+def stack_addresses(stack: UpStack) -> dict[str, str]:
+    import json
+
+    return json.loads((stack.cwd / ".tether" / "stack.json").read_text())["addresses"]

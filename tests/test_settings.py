@@ -201,14 +201,6 @@ def test_the_names_are_literal_types():
     assert want <= have, sorted(want - have)
 
 
-@pytest.fixture
-def clean_env(monkeypatch):
-    for k in list(os.environ):
-        if k.startswith("TETHER_"):
-            monkeypatch.delenv(k)
-    return monkeypatch
-
-
 @pytest.mark.parametrize("cls", SERVICES, ids=lambda c: c.__name__)
 def test_minimal_environment_starts(cls, clean_env):
     for k, v in MINIMAL_ENV[cls].items():

@@ -333,3 +333,45 @@ def test_settings_fail_fast():
     ):
         with pytest.raises(ValidationError):
             TrainerSettings(**base, **bad)
+
+
+@pytest.mark.slow  # two trainer processes and an 8 s step (~30 s on an idle 2-core box)
+def test_sigterm_in_the_middle_of_a_slow_step_finishes_checkpoints_and_reports_it(tmp_path):
+    """SIGTERM while a step runs (made to last 8 s, past the gRPC server's 5 s stop grace): the step
+    still trains, its checkpoint is written and the scheduler's TrainStep gets its answer before the
+    process exits (0); started again, the trainer answers the same step with its record (`replayed`)
+    instead of training it twice, and is ready for the next."""
+    import concurrent.futures
+
+    from stack_helpers import wait_for
+
+    model_dir = tiny_model_dir(tmp_path / "model")
+    groups = group_requests(2)
+    ckpt = tmp_path / "ckpt"
+    slow = TrainerProcess(model_dir, ckpt, tmp_path / "slow.log", env={"TETHER_TEST_STEP_DELAY_S": "8"})
+    slow.start()
+    restarted = None
+    try:
+        slow.wait_ready()
+        for g in groups:
+            slow.stub.SubmitGroup(g)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(slow.stub.TrainStep, step(1), timeout=120)
+            wait_for(lambda: "training step 1" in slow.log_tail(), 60, "step 1 to start", every_s=0.1)
+            assert not (ckpt / "v000001").exists()  # in the middle of the step
+            slow.proc.send_signal(signal.SIGTERM)
+            reply = answer.result(timeout=120)
+        assert (reply.step, reply.weight_version, reply.replayed) == (1, 1, False)
+        assert slow.proc.wait(60) == 0
+        assert (ckpt / "v000001" / "trainer_state.pt").exists()
+        assert "finishing 1 operation(s) in hand" in slow.log_tail()
+
+        restarted = TrainerProcess(model_dir, ckpt, tmp_path / "restarted.log").start().wait_ready()
+        assert restarted.stub.GetStatus(types_pb2.Empty()).steps_done == 1
+        again = restarted.stub.TrainStep(step(1))  # a scheduler that did not record the answer
+        assert again.replayed and again.weight_version == 1 and dict(again.metrics) == dict(reply.metrics)
+        assert restarted.stub.TrainStep(step(2)).weight_version == 2
+    finally:
+        slow.cleanup()
+        if restarted is not None:
+            restarted.cleanup()

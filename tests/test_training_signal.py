@@ -47,7 +47,7 @@ async def rollout(
         }
         rec.setdefault("response_logprobs", [-0.5] * len(rec["response_token_ids"]))
         await broker.publish_once(
-            r, keys, keys.traces, rec["call_id"], rec, index_list=keys.rollout_calls(rollout_id)
+            r, keys, keys.traces(rollout_id), rec["call_id"], rec, index_list=keys.rollout_calls(rollout_id)
         )
     ev = RolloutEvent(
         rollout_id=rollout_id,

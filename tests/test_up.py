@@ -1,18 +1,22 @@
 """`tether up` serves agents the user runs: rollouts created over HTTP, calls through the official
-openai SDK, rewards reported, the group trained on and pushed, then `tether down` stops it all."""
+openai SDK, rewards reported, the group trained on and pushed, then `tether down` stops it all. The
+gateway runs as two replicas on one port (`--gateway-replicas 2`): the push pauses and resumes both."""
 
 from __future__ import annotations
+
+import json
 
 import httpx
 import openai
 import pytest
 from stack_helpers import tether_up, wait_for
+from test_metrics_ports import value
 
 pytestmark = pytest.mark.slow
 
 
 def test_up_trains_on_groups_users_complete(tmp_path):
-    with tether_up(tmp_path, "--group-size", "2") as stack:
+    with tether_up(tmp_path, "--group-size", "2", "--gateway-replicas", "2") as stack:
         gw = stack.gateway
         for reward in (1.0, 0.0):
             ro = httpx.post(f"{gw}/v1/rollouts", json={"task_id": "3+4", "group_id": "g1"}).json()
@@ -38,3 +42,8 @@ def test_up_trains_on_groups_users_complete(tmp_path):
         steps = wait_for(stack.steps, 120, "a training step")
         assert steps[0]["weight_version"] == 1 and steps[0]["samples"] == 2
         assert len(stack.cli("traces")) == 2
+        # Both gateway replicas were resumed at the pushed version (each one's own metrics port).
+        state = json.loads((tmp_path / ".tether" / "stack.json").read_text())
+        assert {"gateway", "gateway-1"} <= set(state["pids"])
+        scrapes = [httpx.get(u, timeout=10).text for u in state["addresses"]["gateway_metrics"].split(",")]
+        assert [value(t, "tether_gateway_weight_version") for t in scrapes] == [1.0, 1.0]

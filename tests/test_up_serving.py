@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
+from gateway_helpers import traces_since
 
 from tether.cli import build_parser, prepare_calculator_model, serving_env
 from tether.common.broker import Keys
@@ -90,13 +91,12 @@ def test_up_serves_the_models_context_and_clamps_claude_codes_max_tokens(tmp_pat
         r = redis.Redis.from_url(stack.redis_url, decode_responses=True)
         try:
             deadline = time.monotonic() + 30
-            while not (rows := r.xrange(Keys(stack.namespace).traces)):
+            while not (rows := traces_since(r, Keys(stack.namespace))):
                 assert time.monotonic() < deadline, "no trace recorded"
                 time.sleep(0.2)
         finally:
             r.close()
-        [(_, fields)] = rows
-        trace = json.loads(fields["data"])
+        [trace] = rows
         assert trace["status"] == "ok", trace["error"]
         prompt = len(trace["prompt_token_ids"])
         assert trace["request"]["max_tokens"] == 32000

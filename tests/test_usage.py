@@ -41,6 +41,7 @@ def test_help_prints_every_setting_with_type_and_default(capsys) -> None:
     assert rows == {
         "TETHER_REDIS_URL": ["str", "(required)"],
         "TETHER_NAMESPACE": ["str", "tether"],
+        "TETHER_TRACE_PARTITIONS": ["int", "(ge=1)", "4"],
         "TETHER_LOG_LEVEL": ["str", "INFO"],
         "TETHER_METRICS_PORT": ["int", "0"],
         "TETHER_NEEDED": ["str", "(required)"],

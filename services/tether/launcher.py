@@ -6,7 +6,8 @@ Supervision, as `restart: on-failure` in Compose or a Deployment in Kubernetes: 
 embedded Redis, inference with its vLLM, trainer, merger, gateway, scheduler, agent workers) that exits
 non-zero -- on a fatal error, or killed -- is started again by the same command, on the same ports
 (so the others find it again) and, for Redis, on the same data directory (it reloads its AOF), up to
-MAX_RESTARTS times per process, each restart counted and logged. Every service keeps what it must not
+MAX_RESTARTS times in a row per process, each restart counted and logged; a process that then ran
+for HEALTHY_RESET_S gets its whole budget back (`restarts_after_run`). Every service keeps what it must not
 lose in Redis or on disk and picks up from there. Not restarted: exit 0 (a service that ended on its
 own: the stack cannot go on without it), exit status 2 (settings refused at start-up: the same command
 cannot do better) and anything once the stack is stopping (`tether down`, Ctrl-C).
@@ -32,14 +33,38 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
+from tether.common.settings import SETTINGS_REFUSED
+from tether.common.tls import HEALTH_PORT_ENV, sync_channel, tls_from_env
 
 STATE_DIR = Path(".tether")
 STATE_FILE = STATE_DIR / "stack.json"
 MAX_RESTARTS = 5
 MAX_BACKOFF_S = 8.0
-SETTINGS_REFUSED = 2  # a service that refused its settings at start-up: starting it again cannot help
+# A process that ran this long before it exited gets its restart budget back (Kubernetes resets a
+# container's CrashLoopBackOff after 10 minutes of running): a crash a day is not a crash loop.
+HEALTHY_RESET_S = 600.0
 # The user's TETHER_* settings reach every service, except these, which only one process may hold.
-PER_PROCESS_SETTINGS = frozenset({"TETHER_METRICS_PORT"})
+PER_PROCESS_SETTINGS = frozenset({"TETHER_METRICS_PORT", HEALTH_PORT_ENV})
+# The launcher's own choices of run settings (its flags' defaults, an example's DEMO preset): a run
+# config that sets one of them wins over the launcher, a flag the user gave wins over the config. The
+# rest of what the launcher sets is wiring (ports, addresses, paths), always the launcher's.
+LAUNCHER_DEFAULTS = frozenset(
+    {
+        "TETHER_LR",
+        "TETHER_SEED",
+        "TETHER_GROUP_SIZE",
+        "TETHER_DEFAULT_GROUP_SIZE",
+        "TETHER_GROUPS_PER_STEP",
+        "TETHER_STEPS",
+        "TETHER_TASKS_PER_STEP",
+        "TETHER_EVAL_REPEATS",
+        "TETHER_MODE",
+        "TETHER_MAX_STALENESS",
+        "TETHER_SLEEP_LEVEL",
+        "TETHER_AGENT_CONCURRENCY",
+        "TETHER_AGENT_FN",
+    }
+)
 
 
 class StackError(RuntimeError):
@@ -70,9 +95,11 @@ class Proc:
     restarts: int = 0
     popen: subprocess.Popen = field(init=False)
     due: float | None = None  # when a process that exited is started again (restart backoff)
+    started: float = field(init=False)  # time.monotonic() of its last (re)start
 
     def __post_init__(self) -> None:
         self.popen = self.spawn()
+        self.started = time.monotonic()
 
     def restartable(self, code: int) -> bool:
         return self.restart and code not in (0, SETTINGS_REFUSED) and self.restarts < MAX_RESTARTS
@@ -91,6 +118,14 @@ class Proc:
         with open(self.log, "a") as f:
             f.write(f"--- launcher: exited with code {code}; restart {self.restarts}/{MAX_RESTARTS}\n")
         self.popen = self.spawn()
+        self.started = time.monotonic()
+
+
+def restarts_after_run(restarts: int, ran_s: float, healthy_reset_s: float = HEALTHY_RESET_S) -> int:
+    """The restarts to charge a process that exited after running `ran_s` seconds since its last
+    (re)start: none once it ran at least `healthy_reset_s` (it was healthy: the budget and the backoff
+    start over), else the count so far (a crash loop spends its budget)."""
+    return 0 if ran_s >= healthy_reset_s else restarts
 
 
 @dataclass
@@ -105,6 +140,12 @@ class Stack:
     model_dir: str = ""
     addresses: dict[str, str] = field(default_factory=dict)
     stopped: bool = False
+    # Where `tether down` and the cli find the stack; None: nowhere (a bench's or a test's own stack).
+    state_file: Path | None = STATE_FILE
+    # The run config's sections (TETHER_CONFIG, handed to every process with the user's environment)
+    # and the TETHER_* names of the flags the user gave (they win over the config).
+    config: dict[str, dict] = field(default_factory=dict)
+    explicit: frozenset[str] = frozenset()
 
     @property
     def log_dir(self) -> Path:
@@ -141,12 +182,23 @@ class Stack:
         self.redis_url = f"redis://127.0.0.1:{port}/0"
         self.redis_data = str(data)
 
+    def launcher_env(self, section: str, env: dict[str, str]) -> dict[str, str]:
+        """`env` without the launcher's defaults that the run config's `section` sets itself (unless
+        the user gave that flag)."""
+        sets = {f"TETHER_{k}".upper() for k in self.config.get(section) or {}}
+        return {
+            k: v
+            for k, v in env.items()
+            if not (k in LAUNCHER_DEFAULTS and k in sets and k not in self.explicit)
+        }
+
     def _popen(self, module: str, env: dict[str, str], log: Path) -> subprocess.Popen:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        section = "agent" if module == "tether.agents" else module.removeprefix("tether.")
         with open(log, "ab") as out:
             return subprocess.Popen(
                 [sys.executable, "-m", module],
-                env={**self.base_env(), **env},
+                env={**self.base_env(), **self.launcher_env(section, env)},
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
@@ -164,9 +216,11 @@ class Stack:
             code = p.popen.poll()
             if code is None:
                 continue
+            now = time.monotonic()
+            if p.due is None:  # just exited: a run long enough was healthy, whatever came before
+                p.restarts = restarts_after_run(p.restarts, now - p.started)
             if self.stopped or not p.restartable(code):
                 raise StackError(f"{p.name} exited with code {code}; last log lines:\n{tail(p.log)}")
-            now = time.monotonic()
             if p.due is None:
                 p.due = now + p.backoff_s()
             if now < p.due:
@@ -180,7 +234,7 @@ class Stack:
 
     def wait_grpc(self, name: str, address: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
-        with grpc.insecure_channel(address) as ch:
+        with sync_channel(address, tls_from_env()) as ch:  # the services' TLS, if the user set one
             stub = health_pb2_grpc.HealthStub(ch)
             while time.monotonic() < deadline:
                 self.check_alive()
@@ -206,8 +260,10 @@ class Stack:
         raise StackError(f"{name} at {url} not healthy after {timeout_s:.0f}s")
 
     def write_state(self) -> None:
-        STATE_DIR.mkdir(exist_ok=True)
-        STATE_FILE.write_text(
+        if self.state_file is None:
+            return
+        self.state_file.parent.mkdir(exist_ok=True)
+        self.state_file.write_text(
             json.dumps(
                 {
                     "launcher_pid": os.getpid(),
@@ -224,8 +280,9 @@ class Stack:
             )
         )
 
-    def stop(self, grace_s: float = 15.0) -> None:
-        """SIGTERM every process group (newest first), then SIGKILL what is left. Idempotent."""
+    def stop(self, grace_s: float = 60.0) -> None:
+        """SIGTERM every process group (newest first), then SIGKILL what is left. Idempotent. The grace
+        covers the trainer's drain of the step in hand (TETHER_DRAIN_S, 45 s by default)."""
         if self.stopped:
             return
         self.stopped = True
@@ -243,11 +300,13 @@ class Stack:
                 p.popen.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        if self.state_file is None:
+            return
         try:
-            state = json.loads(STATE_FILE.read_text())
+            state = json.loads(self.state_file.read_text())
             if state.get("launcher_pid") == os.getpid():
                 state["stopped"] = True
-                STATE_FILE.write_text(json.dumps(state, indent=2))
+                self.state_file.write_text(json.dumps(state, indent=2))
         except (OSError, ValueError):
             pass
 
@@ -276,8 +335,10 @@ def start_stack(
     group_size: int,
     vllm_timeout_s: float = 900.0,
     serving_env: dict[str, str] | None = None,
+    gateway_replicas: int = 1,
 ) -> None:
-    """Start Redis, inference (vLLM), trainer, merger, gateway and scheduler; wait for health.
+    """Start Redis, inference (vLLM), trainer, merger, gateway (`gateway_replicas` processes on one
+    port) and scheduler; wait for health.
     `serving_env`: the inference service's TETHER_* serving settings (context length, dtype, ...)."""
     stack.model_dir = str(model_dir)
     stack.start_redis()
@@ -317,28 +378,23 @@ def start_stack(
             "TETHER_MODEL_DIR": str(model_dir),
         },
     )
-    stack.start(
-        "gateway",
-        "tether.gateway",
-        {
-            "TETHER_GATEWAY_PORT": str(ports["gateway"]),
-            "TETHER_GATEWAY_GRPC_PORT": str(ports["gateway_grpc"]),
-            "TETHER_VLLM_URL": f"http://{a['vllm']}",
-            "TETHER_DEFAULT_GROUP_SIZE": str(group_size),
-        },
+    controls = start_gateways(
+        stack,
+        gateway_replicas,
+        ports["gateway"],
+        {"TETHER_VLLM_URL": f"http://{a['vllm']}", "TETHER_DEFAULT_GROUP_SIZE": str(group_size)},
+        first_grpc_port=ports["gateway_grpc"],
     )
-    stack.write_state()
     stack.wait_grpc("trainer", a["trainer"], 300)
     stack.wait_grpc("merger", a["merger"], 120)
-    stack.wait_http("gateway", f"{stack.addresses['gateway_url']}/health", 120)
-    stack.wait_grpc("gateway control", a["gateway_grpc"], 60)
+    wait_gateways(stack, controls, 120)
     stack.wait_grpc("inference", a["inference"], vllm_timeout_s)
     stack.start(
         "scheduler",
         "tether.scheduler",
         {
             "TETHER_SCHEDULER_GRPC_PORT": str(ports["scheduler"]),
-            "TETHER_GATEWAY_CONTROL_ADDRESS": a["gateway_grpc"],
+            "TETHER_GATEWAY_CONTROL_ADDRESS": ",".join(controls),
             "TETHER_INFERENCE_ADDRESS": a["inference"],
             "TETHER_TRAINER_ADDRESS": a["trainer"],
             "TETHER_RUN_DIR": str(stack.run_dir),
@@ -349,6 +405,44 @@ def start_stack(
     )
     stack.wait_grpc("scheduler", a["scheduler"], 60)
     stack.write_state()
+
+
+def start_gateways(
+    stack: Stack, n: int, port: int, env: dict[str, str], first_grpc_port: int | None = None
+) -> list[str]:
+    """`n` gateway processes serving HTTP on one `port`. Several share it through SO_REUSEPORT (the
+    kernel spreads connections over them; everything a call needs across them is in Redis), each
+    with its own GatewayControl port (the scheduler pauses every one) and metrics port (a scrape of
+    the shared port's /metrics would reach any one of them). The first is named "gateway", the others
+    "gateway-1" ...; each is supervised and restarted like every process. Returns the control
+    addresses; `stack.addresses` gains them (gateway_grpc: the first; gateway_controls and
+    gateway_metrics: every replica's, comma-separated, with several)."""
+    if n < 1:
+        raise StackError("--gateway-replicas must be at least 1")
+    controls, metrics = [], []
+    for i in range(n):
+        grpc_port = first_grpc_port if i == 0 and first_grpc_port else free_port()
+        own = {"TETHER_GATEWAY_PORT": str(port), "TETHER_GATEWAY_GRPC_PORT": str(grpc_port)}
+        if n > 1:
+            metrics_port = free_port()
+            own |= {"TETHER_GATEWAY_REUSE_PORT": "true", "TETHER_METRICS_PORT": str(metrics_port)}
+            metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
+        stack.start("gateway" if i == 0 else f"gateway-{i}", "tether.gateway", {**env, **own})
+        controls.append(f"127.0.0.1:{grpc_port}")
+    stack.addresses["gateway_url"] = f"http://127.0.0.1:{port}"
+    stack.addresses["gateway_grpc"] = controls[0]
+    if n > 1:
+        stack.addresses["gateway_controls"] = ",".join(controls)
+        stack.addresses["gateway_metrics"] = ",".join(metrics)
+    stack.write_state()
+    return controls
+
+
+def wait_gateways(stack: Stack, controls: list[str], timeout_s: float) -> None:
+    """Every replica's control gRPC (SERVING once its HTTP server listens), then the shared port."""
+    for i, address in enumerate(controls):
+        stack.wait_grpc("gateway control" if i == 0 else f"gateway-{i} control", address, timeout_s)
+    stack.wait_http("gateway", f"{stack.addresses['gateway_url']}/health", timeout_s)
 
 
 def inference_wiring(stack: Stack, model_dir: Path, grpc_port: int, vllm_port: int) -> dict[str, str]:

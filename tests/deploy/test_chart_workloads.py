@@ -235,7 +235,8 @@ def test_the_startup_probe_waits_for_max_load_seconds(max_load):
 def test_every_service_is_told_its_drain(name):
     """The drain the grace period was sized for (shutdown.drainSeconds) reaches the processes that
     drain: the gateway's TETHER_SHUTDOWN_GRACE_S and vLLM's --shutdown-timeout (its default, 0, aborts
-    every in-flight request on SIGTERM)."""
+    every in-flight request on SIGTERM); the trainer's TETHER_DRAIN_S (the step in hand) is the rest of
+    its own grace."""
     drain = str(chart.effective_values(name)["shutdown"]["drainSeconds"])
     problems = []
     for where, c, _spec in containers_named(name, "gateway"):
@@ -247,6 +248,18 @@ def test_every_service_is_told_its_drain(name):
         given += [w.split("=", 1)[1] for w in extra if w.startswith("--shutdown-timeout=")]
         if given != [drain]:
             problems.append(f"{where}: vLLM --shutdown-timeout {given}, want [{drain}]")
+    # The trainer's step in hand may use all of its own grace but preStop and the margin.
+    v = chart.effective_values(name)
+    trainer_drain = v["trainer"]["terminationGracePeriodSeconds"] - sum(
+        v["shutdown"][k] for k in ("preStopSeconds", "marginSeconds")
+    )
+    trainers = containers_named(name, "trainer")
+    assert trainers
+    for where, c, _spec in trainers:
+        if env_of(c).get("TETHER_DRAIN_S") != str(trainer_drain) or trainer_drain < int(drain):
+            problems.append(
+                f"{where}: TETHER_DRAIN_S {env_of(c).get('TETHER_DRAIN_S')!r}, want {trainer_drain}"
+            )
     assert problems == []
 
 
@@ -267,8 +280,10 @@ def test_probes_understand_rl_states(name):
     """vLLM: startup and readiness wait for /v1/models, liveness asks /health (200 while vLLM sleeps
     or takes a weight push); no probe on the adapter's gRPC health, which says NOT_SERVING during a
     weight load. The gateway probes /health (200 while admission is paused). The gRPC services use
-    gRPC-native probes on their own port."""
+    gRPC-native probes on their own port (with mTLS, on its health-only port: port + 100,
+    tests/deploy/test_chart_tls.py)."""
     problems = []
+    shift = 100 if chart.effective_values(name)["tls"]["existingSecret"] else 0
     for where, t in chart.render(name).pod_templates():
         for c in t["spec"]["containers"]:
             probes = {k: c.get(k) or {} for k in ("startupProbe", "readinessProbe", "livenessProbe")}
@@ -287,7 +302,7 @@ def test_probes_understand_rl_states(name):
             elif c["name"] in GRPC_SERVICES:
                 want = {k: "grpc" for k in probes}
                 ports = {p["grpc"]["port"] for p in probes.values() if "grpc" in p}
-                if ports != {GRPC_SERVICES[c["name"]]}:
+                if ports != {GRPC_SERVICES[c["name"]] + shift}:
                     problems.append(f"{where} {c['name']}: gRPC probes on {ports}")
             else:
                 continue

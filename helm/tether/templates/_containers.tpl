@@ -109,13 +109,11 @@ NCCL transfer engine.
     # A restarted pod starts vLLM on the run's newest complete checkpoint, not the base model.
     - name: TETHER_CHECKPOINT_DIR
       value: /checkpoints
-    - name: TETHER_DTYPE
-      value: {{ $c.dtype | quote }}
+    {{- include "tether.runEnv" (dict "root" . "section" "inference" "key" "dtype" "value" ($c.dtype)) | nindent 4 }}
     {{- if $gpu }}
     - name: TETHER_TENSOR_PARALLEL_SIZE
       value: {{ $c.gpus | quote }}
-    - name: TETHER_GPU_MEMORY_UTILIZATION
-      value: {{ $c.gpuMemoryUtilization | quote }}
+    {{- include "tether.runEnv" (dict "root" . "section" "inference" "key" "gpu_memory_utilization" "value" ($c.gpuMemoryUtilization)) | nindent 4 }}
     {{- else }}
     - name: VLLM_CPU_KVCACHE_SPACE
       value: {{ $c.cpuKvCacheSpaceGiB | quote }}
@@ -225,11 +223,20 @@ metadata.labels['batch.kubernetes.io/job-completion-index']
   {{- $p := ternary "trainer-" "" (default false .colocated) }}
   ports:
     - {name: {{ $p }}grpc, containerPort: 50053, protocol: TCP}
+    {{- if $root.Values.tls.existingSecret }}
+    {{- include "tether.healthContainerPort" (dict "root" $root "port" 50053 "prefix" $p) | nindent 4 }}
+    {{- end }}
     - {name: {{ $p }}metrics, containerPort: 9103, protocol: TCP}
     - {name: rdzv, containerPort: {{ $t.rdzv.port }}, protocol: TCP}
   env:
     {{- include "tether.env" $root | nindent 4 }}
     {{- include "tether.cacheEnv" $root | nindent 4 }}
+    {{- if $root.Values.tls.existingSecret }}
+    {{- include "tether.healthPortEnv" (dict "root" $root "port" 50053) | nindent 4 }}
+    {{- end }}
+    {{- /* SIGTERM: the step in hand may run to its end for the trainer's grace less preStop and margin. */}}
+    - name: TETHER_DRAIN_S
+      value: {{ sub (int $t.terminationGracePeriodSeconds) (add (int $root.Values.shutdown.preStopSeconds) (int $root.Values.shutdown.marginSeconds)) | quote }}
     - name: POD_IP
       valueFrom: {fieldRef: {fieldPath: status.podIP}}
     - name: TETHER_NODE_INDEX
@@ -252,28 +259,20 @@ metadata.labels['batch.kubernetes.io/job-completion-index']
       value: {{ $root.Values.model.dir | quote }}
     - name: TETHER_CHECKPOINT_DIR
       value: /checkpoints
-    - name: TETHER_CHECKPOINT_KEEP
-      value: {{ $t.checkpointKeep | quote }}
-    - name: TETHER_LR
-      value: {{ $t.lr | toString | quote }}
-    - name: TETHER_SEED
-      value: {{ $root.Values.run.seed | quote }}
+    {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "checkpoint_keep" "value" ($t.checkpointKeep)) | nindent 4 }}
+    {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "lr" "value" ($t.lr | toString)) | nindent 4 }}
+    {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "seed" "value" ($root.Values.run.seed)) | nindent 4 }}
     - name: TETHER_METRICS_PORT
       value: "9103"
     - name: TETHER_DEVICE
       value: {{ ternary "cuda" "cpu" $gpu }}
-    - name: TETHER_MICRO_BATCH_TOKENS
-      value: {{ $t.microBatchTokens | quote }}
+    {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "micro_batch_tokens" "value" ($t.microBatchTokens)) | nindent 4 }}
     - name: TETHER_FSDP
       value: {{ $t.fsdp | quote }}
-    - name: TETHER_BF16
-      value: {{ $t.bf16 | quote }}
-    - name: TETHER_GRADIENT_CHECKPOINTING
-      value: {{ $t.gradientCheckpointing | quote }}
-    - name: TETHER_LORA_RANK
-      value: {{ $t.loraRank | quote }}
-    - name: TETHER_KL_COEF
-      value: {{ $t.klCoef | toString | quote }}
+    {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "bf16" "value" ($t.bf16)) | nindent 4 }}
+    {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "gradient_checkpointing" "value" ($t.gradientCheckpointing)) | nindent 4 }}
+    {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "lora_rank" "value" ($t.loraRank)) | nindent 4 }}
+    {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "kl_coef" "value" ($t.klCoef | toString)) | nindent 4 }}
     - name: TETHER_WEIGHT_PUSH
       value: {{ $root.Values.run.weightPush | quote }}
     {{- if eq $root.Values.run.weightPush "nccl" }}
@@ -309,7 +308,7 @@ metadata.labels['batch.kubernetes.io/job-completion-index']
   # gRPC health: NOT_SERVING only when the trainer can no longer train. With several nodes only pod 0
   # (rank 0) serves gRPC; the other pods' probes pass while torchrun runs (it ends the container when
   # a rank fails, and the scheduler's gang restart restarts every rank).
-  {{- $probe := dict "grpc" (dict "port" 50053) }}
+  {{- $probe := dict "grpc" (dict "port" (int (include "tether.probePort" (dict "root" $root "port" 50053)))) }}
   {{- if gt (int $t.nodes) 1 }}
   {{- $probe = dict "exec" (dict "command" (list "/bin/sh" "-c" "[ \"$TETHER_NODE_INDEX\" != 0 ] || exec tether health --grpc 127.0.0.1:50053")) }}
   {{- end }}

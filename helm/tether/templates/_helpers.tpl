@@ -153,6 +153,10 @@ runtimeClassName: {{ . }}
 {{/* Pod annotations: the chart's, the component's. Called as (dict "root" $ "values" .Values.gateway). */}}
 {{- define "tether.podAnnotations" -}}
 {{- $ann := merge (deepCopy (default (dict) .values.podAnnotations)) (deepCopy .root.Values.podAnnotations) -}}
+{{- if .root.Values.runConfig -}}
+{{- /* A changed run config rolls the pods (a mounted ConfigMap changes under a running process). */ -}}
+{{- $_ := set $ann "checksum/run-config" (toYaml .root.Values.runConfig | sha256sum) -}}
+{{- end -}}
 {{- with $ann }}
 annotations:
   {{- toYaml . | nindent 2 }}
@@ -180,12 +184,41 @@ annotations:
   value: "false"
 - name: HF_HUB_OFFLINE
   value: "1"
+{{- if .Values.runConfig }}
+{{- /* The run config (runConfig, a ConfigMap mounted at /config): each service reads its section. */}}
+- name: TETHER_CONFIG
+  value: /config/run.yaml
+{{- end }}
 {{- /* Every gRPC call between the services carries it (tether.common.grpc_server); health is exempt. */}}
 - name: TETHER_SERVICE_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ include "tether.secretName" . }}
       key: {{ .Values.secrets.serviceTokenKey }}
+{{- if .Values.tls.existingSecret }}
+{{- /* Mutual TLS between the services (tether.common.tls): the Secret mounted by tether.cacheMounts. */}}
+- name: TETHER_TLS_CERT_FILE
+  value: /etc/tether/tls/tls.crt
+- name: TETHER_TLS_KEY_FILE
+  value: /etc/tether/tls/tls.key
+- name: TETHER_TLS_CA_FILE
+  value: /etc/tether/tls/ca.crt
+- name: TETHER_TLS_SERVER_NAME
+  value: {{ .Values.tls.serverName | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* With mTLS, the plaintext health-only port of a gRPC service on .port (its port + 100), which
+kubelet's gRPC probes read (they cannot present a client certificate). (dict "root" $ "port" 50054) */}}
+{{- define "tether.probePort" -}}
+{{- if .root.Values.tls.existingSecret -}}{{ add (int .port) 100 }}{{- else -}}{{ .port }}{{- end -}}
+{{- end -}}
+{{- define "tether.healthContainerPort" -}}
+- {name: {{ .prefix | default "" }}health, containerPort: {{ include "tether.probePort" . }}, protocol: TCP}
+{{- end -}}
+{{- define "tether.healthPortEnv" -}}
+- name: TETHER_GRPC_HEALTH_PORT
+  value: {{ include "tether.probePort" . | quote }}
 {{- end -}}
 
 {{/* The run's Redis (compose's x-redis-env): the URL from a Secret, never a literal. */}}
@@ -225,12 +258,50 @@ annotations:
 - name: cache
   emptyDir:
     sizeLimit: {{ .Values.cacheSizeLimit }}
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.existingSecret }}
+    defaultMode: 0440
+    items:
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+      - {key: ca.crt, path: ca.crt}
+{{- end }}
+{{- if .Values.runConfig }}
+- name: run-config
+  configMap:
+    name: {{ include "tether.fullname" . }}-run-config
+{{- end }}
 {{- end -}}
 {{- define "tether.cacheMounts" -}}
 - name: tmp
   mountPath: /tmp
 - name: cache
   mountPath: /cache
+{{- if .Values.tls.existingSecret }}
+- name: tls
+  mountPath: /etc/tether/tls
+  readOnly: true
+{{- end }}
+{{- if .Values.runConfig }}
+- name: run-config
+  mountPath: /config
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/*
+A run setting the chart sets from its values, unless the run config's section sets that key itself: the
+run config wins over the chart's values, as over compose's defaults (docs/recipes.md, "Precedence").
+Called as (dict "root" $ "section" "trainer" "key" "lr" "value" $t.lr).
+*/}}
+{{- define "tether.runEnv" -}}
+{{- $section := index (default (dict) .root.Values.runConfig) .section | default (dict) -}}
+{{- if not (hasKey $section .key) -}}
+- name: {{ printf "TETHER_%s" (upper .key) }}
+  value: {{ .value | toString | quote }}
+{{- end -}}
 {{- end -}}
 {{/* The cache variables, set explicitly so an image without them still writes under /cache. */}}
 {{- define "tether.cacheEnv" -}}
@@ -341,20 +412,22 @@ lifecycle:
       command: ["sleep", {{ .Values.shutdown.preStopSeconds | quote }}]
 {{- end -}}
 
-{{/* gRPC-native probes on a service's health (grpc.health.v1). Called as (dict "port" 50054). */}}
+{{/* gRPC-native probes on a service's health (grpc.health.v1); with mTLS on its health-only port.
+Called as (dict "root" $ "port" 50054). */}}
 {{- define "tether.grpcProbes" -}}
+{{- $port := include "tether.probePort" . -}}
 startupProbe:
-  grpc: {port: {{ .port }}}
+  grpc: {port: {{ $port }}}
   periodSeconds: 2
   timeoutSeconds: 5
   failureThreshold: 90
 readinessProbe:
-  grpc: {port: {{ .port }}}
+  grpc: {port: {{ $port }}}
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 3
 livenessProbe:
-  grpc: {port: {{ .port }}}
+  grpc: {port: {{ $port }}}
   periodSeconds: 10
   timeoutSeconds: 5
   failureThreshold: 6

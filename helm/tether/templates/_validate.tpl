@@ -105,6 +105,27 @@ templates/validate.yaml.
 {{- fail "agents.jobs.command required with agents.jobs.enabled (the harness each rollout's Job runs, e.g. [\"tether\", \"agent-job\"])" -}}
 {{- end -}}
 
+{{- /* The run config may not contradict a value that shapes the pods (which pods exist, their GPUs,
+the NCCL wiring): set those in the values, and the run config either leaves them out or agrees. */ -}}
+{{- $rc := default (dict) $v.runConfig -}}
+{{- $shaping := list
+  (list "scheduler" "mode" "run.mode" $v.run.mode)
+  (list "scheduler" "weight_push" "run.weightPush" $v.run.weightPush)
+  (list "trainer" "weight_push" "run.weightPush" $v.run.weightPush)
+  (list "trainer" "fsdp" "trainer.fsdp" $v.trainer.fsdp)
+  (list "inference" "tensor_parallel_size" "inference.gpus" $v.inference.gpus)
+  (list "inference" "served_model" "run.servedModel" $v.run.servedModel)
+  (list "gateway" "served_model" "run.servedModel" $v.run.servedModel) -}}
+{{- range $shaping -}}
+{{- $section := index $rc (index . 0) | default (dict) -}}
+{{- if hasKey $section (index . 1) -}}
+{{- $given := index $section (index . 1) -}}
+{{- if ne (toString $given) (toString (index . 3)) -}}
+{{- fail (printf "runConfig.%s.%s: %v differs from %s: %v, which shapes the deployment; set %s to it (or leave the key out of the run config)" (index . 0) (index . 1) $given (index . 2) (index . 3) (index . 2)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
 {{- /* Graceful shutdown: the grace period covers preStop, the drain and a margin, on every component. */ -}}
 {{- $need := add (int $v.shutdown.preStopSeconds) (int $v.shutdown.drainSeconds) (int $v.shutdown.marginSeconds) -}}
 {{- range $name := list "gateway" "inference" "trainer" "merger" "scheduler" "redis" -}}

@@ -8,12 +8,13 @@ Prometheus /metrics on TETHER_METRICS_PORT when set.
 from __future__ import annotations
 
 import asyncio
+from typing import ClassVar
 
 from tether.agents.worker import Worker, load_function
 from tether.common import broker
 from tether.common.grpc_server import follow_health, run_until_signal, start_server
 from tether.common.logs import setup_logging
-from tether.common.settings import RedisSettings
+from tether.common.settings import RedisSettings, refused_settings_exit
 from tether.common.usage import exit_if_help
 
 # The agent worker's port in the containers' fixed interface (docker/, helm/).
@@ -21,6 +22,8 @@ DEFAULT_GRPC_PORT = 50056
 
 
 class AgentSettings(RedisSettings):
+    config_section: ClassVar[str | None] = "agent"
+
     agent_fn: str
     gateway_url: str
     agent_concurrency: int = 16
@@ -41,7 +44,7 @@ async def amain(s: AgentSettings) -> None:
     r = broker.connect(s.redis_url)
     worker = Worker(
         r,
-        broker.Keys(s.namespace),
+        s.keys(),
         s.gateway_url,
         fn,
         s.agent_concurrency,
@@ -66,7 +69,8 @@ async def amain(s: AgentSettings) -> None:
 
 def main() -> None:
     exit_if_help(AgentSettings, __doc__)
-    s = AgentSettings()
+    with refused_settings_exit("agents"):
+        s = AgentSettings()
     setup_logging("agent", s.log_level)
     asyncio.run(amain(s))
 

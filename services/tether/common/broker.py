@@ -12,28 +12,70 @@ import hashlib
 import logging
 import time
 import weakref
+import zlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import orjson
+import redis
 import redis.asyncio as aioredis
 from prometheus_client import Counter
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster as SyncRedisCluster
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from tether.common.settings import DEFAULT_TRACE_PARTITIONS, PartitionMismatch
+
 log = logging.getLogger(__name__)
+
+
+def slot_tag(key: str) -> str:
+    """What Redis Cluster hashes of `key` to find its slot: the content of its first `{...}` when that is
+    non-empty (a hash tag), else the whole key. Keys whose slot tags are equal live in one slot."""
+    start = key.find("{")
+    if start >= 0:
+        end = key.find("}", start + 1)
+        if end > start + 1:
+            return key[start + 1 : end]
+    return key
+
+
+def trace_partition(rollout_id: str, partitions: int) -> int:
+    """The trace partition of a rollout: a stable hash (CRC-32, the same in every process) of its id."""
+    return zlib.crc32(rollout_id.encode()) % partitions
 
 
 @dataclass(frozen=True)
 class Keys:
-    """Every Redis key Tether uses, in one place."""
+    """Every Redis key Tether uses, in one place.
+
+    Every key that a Lua script or a transaction touches together with another lives in the same Redis
+    Cluster hash slot, by a `{...}` hash tag (docs/architecture.md, "Redis keys"): a rollout's keys
+    and its trace partition share the tag `{pK}` (K = trace_partition(rollout id)); an idempotency
+    marker carries the slot tag of the stream it guards; the scheduler's in-flight hash and the
+    merger's baseline markers carry the tag of the key they are written with."""
 
     ns: str = "tether"
+    trace_partitions: int = DEFAULT_TRACE_PARTITIONS
+
+    def __post_init__(self) -> None:
+        if self.trace_partitions < 1:
+            raise ValueError(f"trace_partitions must be >= 1, not {self.trace_partitions}")
+
+    def _rollout_tag(self, rollout_id: str) -> str:
+        return f"{{p{trace_partition(rollout_id, self.trace_partitions)}}}"
+
+    def trace_stream(self, partition: int) -> str:  # stream: the recorded LLM calls of one partition
+        return f"{self.ns}:traces:{{p{partition}}}"
 
     @property
-    def traces(self) -> str:  # stream: every recorded LLM call
-        return f"{self.ns}:traces"
+    def trace_streams(self) -> tuple[str, ...]:  # every trace partition, in partition order
+        return tuple(self.trace_stream(k) for k in range(self.trace_partitions))
+
+    def traces(self, rollout_id: str) -> str:  # stream: the partition of a rollout (or session call)
+        return self.trace_stream(trace_partition(rollout_id, self.trace_partitions))
 
     @property
     def rollout_events(self) -> str:  # stream: rollout created / completed
@@ -60,22 +102,42 @@ class Keys:
         return f"{self.ns}:run"
 
     @property
+    def partitions(self) -> str:  # string: the run's trace partition count, set by its first service
+        return f"{self.ns}:trace-partitions"
+
+    @property
+    def admission(self) -> str:  # string: "paused" while the scheduler holds every gateway paused
+        return f"{self.ns}:admission"
+
+    @property
     def metrics(self) -> str:  # stream: one record per training step
         return f"{self.ns}:step-metrics"
 
     def rollout(self, rollout_id: str) -> str:  # hash: one rollout
-        return f"{self.ns}:rollout:{rollout_id}"
+        return f"{self.ns}:rollout:{self._rollout_tag(rollout_id)}:{rollout_id}"
 
     def rollout_calls(self, rollout_id: str) -> str:  # list: stream ids of its traces, in order
-        return f"{self.ns}:rollout:{rollout_id}:calls"
+        return f"{self.rollout(rollout_id)}:calls"
 
     def call_rewards(self, rollout_id: str) -> str:  # hash: call id -> per-call reward (gateway -> merger)
-        return f"{self.ns}:rollout:{rollout_id}:call-rewards"
+        return f"{self.rollout(rollout_id)}:call-rewards"
 
     def api_key(self, key: str) -> str:  # string: SHA-256 of an api key -> rollout id
         # Stored by digest, never in clear: a Redis dump (or KEYS/SCAN) yields no key that authenticates.
         # Keys are 192 random bits, so an unsalted hash cannot be brute-forced back.
-        return f"{self.ns}:key:{hashlib.sha256(key.encode()).hexdigest()}"
+        return self.api_key_digest(key_digest(key))
+
+    def api_key_digest(self, digest: str) -> str:  # the same, by the digest (the rollout hash holds it)
+        return f"{self.ns}:key:{digest}"
+
+    # Per-key limits (gateway/quotas.py), `kind` rollout|deployment, `ident` the rollout id or a
+    # deployment key's digest. One key's limit keys share a hash tag: its admission script reads them
+    # together, which Redis Cluster allows only within one slot.
+    def quota_slots(self, kind: str, ident: str) -> str:  # sorted set: calls in flight -> lapse time
+        return f"{self.ns}:quota:{{{kind}:{ident}}}:slots"
+
+    def quota_tokens(self, kind: str, ident: str, minute: int) -> str:  # string: tokens in that minute
+        return f"{self.ns}:quota:{{{kind}:{ident}}}:tokens:{minute}"
 
     def group(self, group_id: str) -> str:  # hash: rollout id -> merged rollout (merger)
         return f"{self.ns}:group:{group_id}"
@@ -83,15 +145,16 @@ class Keys:
     def group_done(self, group_id: str) -> str:  # string: set once a group was emitted
         return f"{self.ns}:group-done:{group_id}"
 
-    def published(self, record_id: str) -> str:  # string: idempotency marker
-        return f"{self.ns}:published:{record_id}"
+    def published(self, record_id: str, stream: str) -> str:  # string: idempotency marker of `stream`
+        # In the stream's slot: the publish script sets it and adds to the stream in one step.
+        return f"{self.ns}:published:{{{slot_tag(stream)}}}:{record_id}"
 
     @property
     def session_rewards(self) -> str:  # stream: rewards of record-only session calls (gateway -> merger)
         return f"{self.ns}:session-rewards"
 
     def rollout_training(self, rollout_id: str) -> str:  # string: TrainingOutcome JSON (merger -> gateway)
-        return f"{self.ns}:rollout:{rollout_id}:training"
+        return f"{self.rollout(rollout_id)}:training"
 
     @property
     def merger_estimator(self) -> str:  # string: the running merger's advantage estimator (merger -> gateway)
@@ -102,7 +165,8 @@ class Keys:
         return f"{self.ns}:baselines"
 
     def baseline_applied(self, group_id: str) -> str:  # string: advantages a group got from the baselines
-        return f"{self.ns}:baseline-applied:{group_id}"
+        # In the baselines' slot: both are written in one transaction (WATCH/MULTI).
+        return f"{self.ns}:baseline-applied:{{{slot_tag(self.baselines)}}}:{group_id}"
 
     @property
     def mismatches(self) -> str:  # stream: prefix-mismatch examples (merger; `tether samples --mismatches`)
@@ -114,16 +178,18 @@ class Keys:
 
     @property
     def run_inflight(self) -> str:  # hash: async modes' dispatched groups (scheduler): id -> JSON
-        return f"{self.ns}:run:inflight"
+        # In the run hash's slot: the scheduler writes both in one transaction.
+        return f"{self.ns}:run:inflight:{{{slot_tag(self.run)}}}"
 
     @property
     def replicas(self) -> str:  # string: ReplicaSet JSON, the inference replicas discovered (scheduler)
         return f"{self.ns}:inference:replicas"
 
     def streams(self) -> dict[str, str]:
-        """Every stream, by its name without the namespace (the `stream` label of the broker gauges)."""
+        """Every stream, by its name without the namespace (the `stream` label of the broker gauges;
+        one per trace partition, `traces:{p0}` ...)."""
         keys = (
-            self.traces,
+            *self.trace_streams,
             self.rollout_events,
             self.samples,
             self.dispatch,
@@ -140,28 +206,109 @@ class Keys:
         return key.removeprefix(f"{self.ns}:")
 
 
+async def agree_trace_partitions(r: aioredis.Redis, keys: Keys) -> None:
+    """Record the run's trace partition count (the first service to start sets it) or check this
+    process's against it. Services that disagreed would lose traces: the gateway writes a rollout's
+    calls to the partition its count names, and the merger reads only the partitions its count has.
+    Raises PartitionMismatch; Redis errors propagate."""
+    await r.set(keys.partitions, keys.trace_partitions, nx=True)
+    recorded = await recorded_trace_partitions(r, keys)
+    if recorded is not None and recorded != keys.trace_partitions:
+        raise PartitionMismatch(
+            f"TETHER_TRACE_PARTITIONS is {keys.trace_partitions} here but the run in Redis "
+            f"(namespace {keys.ns!r}) uses {recorded}: every service of a run must use the same "
+            f"(set it everywhere, or start a new namespace)"
+        )
+
+
+async def recorded_trace_partitions(r: aioredis.Redis, keys: Keys) -> int | None:
+    """The run's trace partition count as its services recorded it; None before any did."""
+    recorded = await r.get(keys.partitions)
+    return int(recorded) if recorded is not None else None
+
+
+def key_digest(key: str) -> str:
+    """SHA-256 (hex) of an API key: how Redis names it, and how it may be shown (never the key)."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
 # redis-py 8 gives every socket read a 5 s timeout: on a loaded 2-core host a blocking stream read
 # (XREADGROUP BLOCK) can overrun it and kill a consumer. Reads get a minute; a stall past that is real.
 SOCKET_TIMEOUT_S = 60.0
 TRANSIENT = (RedisConnectionError, RedisTimeoutError)
 
 
-def connect(url: str) -> aioredis.Redis:
-    return aioredis.from_url(
-        url, decode_responses=True, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=10.0
+# A Redis Cluster is named by its URL's scheme: redis+cluster://host:port (rediss+cluster:// with TLS),
+# any one node of it; the client discovers the others. Everything else is one Redis (redis://, rediss://,
+# unix://).
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
+
+
+def cluster_url(url: str) -> str | None:
+    """The plain redis:// (rediss://) URL of a node when `url` names a Redis Cluster, else None."""
+    scheme, sep, rest = url.partition("://")
+    plain = CLUSTER_SCHEMES.get(scheme.lower()) if sep else None
+    return f"{plain}://{rest}" if plain else None
+
+
+def is_cluster(url: str) -> bool:
+    return cluster_url(url) is not None
+
+
+def connect(
+    url: str, max_connections: int | None = None, pool_timeout_s: float | None = None
+) -> aioredis.Redis:
+    """The one way a service opens its Redis: a redis.asyncio client, or a redis.asyncio RedisCluster
+    when `url` names a cluster (it answers the same commands; every multi-key command Tether sends stays
+    within one hash slot, see Keys). Replies decoded to str. `max_connections`: the pool's size (per
+    node on a cluster); with `pool_timeout_s` too, one Redis waits that long for a free connection past
+    it rather than failing."""
+    options: dict[str, Any] = dict(
+        decode_responses=True, socket_timeout=SOCKET_TIMEOUT_S, socket_connect_timeout=10.0
     )
+    node = cluster_url(url)
+    if node is not None:
+        if max_connections is not None:
+            options["max_connections"] = max_connections
+        # Typed as the one-Redis client its callers take: both speak the commands Tether uses.
+        return cast(aioredis.Redis, AsyncRedisCluster.from_url(node, **options))
+    if max_connections is not None and pool_timeout_s is not None:
+        pool = aioredis.BlockingConnectionPool.from_url(
+            url, max_connections=max_connections, timeout=pool_timeout_s, **options
+        )
+        return aioredis.Redis(connection_pool=pool)
+    if max_connections is not None:
+        options["max_connections"] = max_connections
+    return aioredis.from_url(url, **options)
 
 
-# SET NX marker + XADD (+ optional RPUSH of the new entry id to an index list), atomically:
-# publishing the same record id twice adds it once and returns the first entry id.
+def connect_sync(url: str) -> redis.Redis:
+    """`connect` for synchronous callers (the `tether` commands): redis.Redis or redis.cluster.RedisCluster."""
+    node = cluster_url(url)
+    if node is not None:
+        return cast(redis.Redis, SyncRedisCluster.from_url(node, decode_responses=True))
+    return redis.Redis.from_url(url, decode_responses=True)
+
+
+# SET NX marker + XADD (+ optional RPUSH of the new entry id to an index list, when a third key is
+# given), atomically: publishing the same record id twice adds it once and returns the first entry id.
+# All keys in one slot (Keys.published carries the stream's tag; an index list shares it too).
 _PUBLISH_ONCE = """
 local existing = redis.call('GET', KEYS[1])
 if existing then return {existing, 0} end
 local id = redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'data', ARGV[1])
 redis.call('SET', KEYS[1], id, 'EX', ARGV[2])
-if KEYS[3] ~= '' then redis.call('RPUSH', KEYS[3], id) end
+if KEYS[3] then redis.call('RPUSH', KEYS[3], id) end
 return {id, 1}
 """
+
+
+def publish_keys(keys: Keys, stream: str, record_id: str, index_list: str = "") -> list[str]:
+    """The KEYS of the publish script: the marker, the stream, and the index list when there is one."""
+    out = [keys.published(record_id, stream), stream]
+    if index_list:
+        out.append(index_list)
+    return out
 
 
 _scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -183,7 +330,7 @@ async def publish_once(
     if script is None:  # EVALSHA, falling back to EVAL once per server; one Script per client
         script = _scripts[r] = r.register_script(_PUBLISH_ONCE)
     entry, added = await script(
-        keys=[keys.published(record_id), stream, index_list], args=[orjson.dumps(record), ttl_s, maxlen]
+        keys=publish_keys(keys, stream, record_id, index_list), args=[orjson.dumps(record), ttl_s, maxlen]
     )
     return str(entry), bool(int(added))
 
@@ -354,6 +501,24 @@ async def read_all(r: aioredis.Redis, stream: str, batch: int = 1000) -> list[tu
         last = items[-1][0]
         ms, seq = last.split("-")
         start = f"{ms}-{int(seq) + 1}"
+
+
+def entry_order(entry_id: str) -> tuple[int, int]:
+    """A stream entry id ("ms-seq") as a sortable pair: entries of different streams (the trace
+    partitions) in the order Redis stamped them (the same clock on one Redis; node clocks on a cluster)."""
+    ms, _, seq = entry_id.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def merge_entries(parts: list[list[tuple[str, Any]]]) -> list[tuple[str, Any]]:
+    """The entries of several streams as one list, oldest first (by entry id)."""
+    return sorted((item for part in parts for item in part), key=lambda item: entry_order(item[0]))
+
+
+async def read_traces(r: aioredis.Redis, keys: Keys, batch: int = 1000) -> list[tuple[str, dict[str, Any]]]:
+    """Every recorded call of every trace partition, oldest first (one rollout's calls stay in their
+    order: they are all on one partition)."""
+    return merge_entries([await read_all(r, stream, batch) for stream in keys.trace_streams])
 
 
 # --- stream statistics (the scheduler exports them as the tether_broker_* gauges) -----------------

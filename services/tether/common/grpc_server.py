@@ -6,6 +6,11 @@ every server refuses a call whose metadata lacks `authorization: Bearer <token>`
 and every client channel made by `channel()` sends it. Health checks are exempt: kubelet's gRPC
 probes and container HEALTHCHECKs cannot send metadata, and health reveals nothing. Unset, calls are
 not checked (the local stack on loopback); Compose and the Helm chart always set it.
+
+TLS (optional; tether.common.tls reads the TETHER_TLS_* files): every server serves TLS, requiring a
+client certificate from the CA when one is given (mutual TLS), and every channel made by `channel()`
+presents the service's certificate; the token is checked on top. Health stays reachable for probes
+that cannot do TLS on a plaintext port of its own that serves nothing else (TETHER_GRPC_HEALTH_PORT).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from tether.common import retry
+from tether.common.tls import Tls, health_port_from_env, tls_from_env
 
 log = logging.getLogger(__name__)
 
@@ -193,15 +199,35 @@ async def run_to_end(coro: Awaitable[Any]) -> Any:
 
 
 class Health:
-    """Health the service sets from its real state (all names at once)."""
+    """Health the service sets from its real state (all names at once). `probe_server`: the
+    plaintext health-only server (TETHER_GRPC_HEALTH_PORT), sharing this servicer, if there is one."""
 
     def __init__(self, names: Iterable[str]) -> None:
         self.servicer = health.aio.HealthServicer()
         self.names = ["", *names]
+        self.probe_server: grpc.aio.Server | None = None
+        self.probe_port = 0
 
     async def set(self, serving: bool) -> None:
         for name in self.names:
             await self.servicer.set(name, SERVING if serving else NOT_SERVING)
+
+    async def close(self, grace: float | None = None) -> None:
+        """Stop the health-only server (after the service's own: probes see NOT_SERVING until then)."""
+        if self.probe_server is not None:
+            await self.probe_server.stop(grace)
+            self.probe_server = None
+
+
+class _FromEnv:
+    """Default of `tls` arguments: read TETHER_TLS_* (None is "no TLS")."""
+
+
+FROM_ENV = _FromEnv()
+_SIZE_OPTIONS = [
+    ("grpc.max_receive_message_length", 256 * 1024 * 1024),
+    ("grpc.max_send_message_length", 256 * 1024 * 1024),
+]
 
 
 async def follow_health(
@@ -230,27 +256,42 @@ async def start_server(
     host: str = "127.0.0.1",
     metrics_port: int = 0,
     token: str | None = None,
+    tls: Tls | None | _FromEnv = FROM_ENV,
+    health_port: int | None = None,
 ) -> tuple[grpc.aio.Server, Health, int]:
     """Start a grpc.aio server on host:port (0 = any free port). `register` adds servicers and
     returns their full service names. Returns the server, its health handle and the bound port.
-    `token`: the service token calls must carry (None: `service_token()`; "": none)."""
+    `token`: the service token calls must carry (None: `service_token()`; "": none). `tls`: the
+    server's TLS (default: `tls_from_env()`; None: plaintext). `health_port`: a plaintext port that
+    serves health only (None: TETHER_GRPC_HEALTH_PORT; 0: none); its server is `Health.probe_server`."""
     token = service_token() if token is None else token
+    tls = tls_from_env() if isinstance(tls, _FromEnv) else tls
+    health_port = health_port_from_env() if health_port is None else health_port
     # so_reuseport off: a second process on the same fixed port must fail loudly, not share it.
     server = grpc.aio.server(
         interceptors=[*([TokenCheck(token)] if token else []), StrictDecode()],
-        options=[
-            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-            ("grpc.max_send_message_length", 256 * 1024 * 1024),
-            ("grpc.so_reuseport", 0),
-        ],
+        options=[*_SIZE_OPTIONS, ("grpc.so_reuseport", 0)],
     )
     names = list(register(server))
     health_handle = Health(names)
     health_pb2_grpc.add_HealthServicer_to_server(health_handle.servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    address = f"{host}:{port}"
+    bound = (
+        server.add_secure_port(address, tls.server_credentials())
+        if tls is not None
+        else server.add_insecure_port(address)
+    )
     if bound == 0:
-        raise RuntimeError(f"cannot bind gRPC port {host}:{port}")
+        raise RuntimeError(f"cannot bind gRPC port {address}")
+    if health_port:
+        # Health only, on its own server: nothing but grpc.health.v1 can be reached without TLS.
+        probe = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        health_pb2_grpc.add_HealthServicer_to_server(health_handle.servicer, probe)
+        if probe.add_insecure_port(f"{host}:{health_port}") == 0:
+            raise RuntimeError(f"cannot bind the gRPC health port {host}:{health_port}")
+        await probe.start()
+        health_handle.probe_server, health_handle.probe_port = probe, health_port
     await server.start()
     if metrics_port:
         start_http_server(metrics_port, addr=host)
@@ -299,27 +340,42 @@ async def run_until_signal(
     if on_stop is not None:
         await on_stop()
     await server.stop(grace)
+    await health_handle.close(0)
     if failure is not None:
         raise failure
 
 
-def channel(address: str, wait_for_ready: bool = True, token: str | None = None) -> grpc.aio.Channel:
+def channel(
+    address: str,
+    wait_for_ready: bool = True,
+    token: str | None = None,
+    tls: Tls | None | _FromEnv = FROM_ENV,
+    server_name: str = "",
+) -> grpc.aio.Channel:
     """A client channel to another service. With `wait_for_ready`, calls wait for a callee that is
     (re)starting instead of failing at once (a restart of the trainer, inference or the gateway is part
     of a run); a call's deadline still bounds the wait. Reconnect attempts back off to at most 5 s
     (gRPC's default grows to 2 min), so a restarted callee is found again soon. Retrying a failed call
     is the caller's (`tether.common.retry`). `token`: the service token every call carries (None:
-    `service_token()`; "": none)."""
+    `service_token()`; "": none). `tls`: the client's TLS (default: `tls_from_env()`; None:
+    plaintext): it presents its certificate and checks the server's against the CA. `server_name`: the
+    name the server's certificate must carry when `address` is an IP a DNS name resolved to (unless
+    TETHER_TLS_SERVER_NAME names one for every service)."""
     token = service_token() if token is None else token
-    return grpc.aio.insecure_channel(
-        address,
-        interceptors=_token_senders(token) if token else None,
-        options=[
-            ("grpc.max_receive_message_length", 256 * 1024 * 1024),
-            ("grpc.max_send_message_length", 256 * 1024 * 1024),
-            ("grpc.service_config", retry.service_config(wait_for_ready)),
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.min_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 5000),
-        ],
+    tls = tls_from_env() if isinstance(tls, _FromEnv) else tls
+    interceptors = _token_senders(token) if token else None
+    options: list[tuple[str, Any]] = [
+        *_SIZE_OPTIONS,
+        ("grpc.service_config", retry.service_config(wait_for_ready)),
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.min_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 5000),
+    ]
+    if tls is None:
+        return grpc.aio.insecure_channel(address, interceptors=interceptors, options=options)
+    names = tls.channel_options()
+    if not names and server_name:
+        names = [("grpc.ssl_target_name_override", server_name)]
+    return grpc.aio.secure_channel(
+        address, tls.channel_credentials(), interceptors=interceptors, options=[*options, *names]
     )

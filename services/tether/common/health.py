@@ -1,6 +1,7 @@
 """`tether health`: one health check of one service, for container HEALTHCHECKs and probes.
 
-    tether health --grpc HOST:PORT [--service NAME] [--timeout S]   gRPC health: SERVING = healthy
+    tether health --grpc HOST:PORT [--service NAME] [--plaintext] [--timeout S]
+                                                                    gRPC health: SERVING = healthy
     tether health --http URL [--timeout S]                          HTTP GET: 200 = healthy
     tether health                                                   the target in TETHER_HEALTH
 
@@ -10,7 +11,10 @@ image's HEALTHCHECK line is one command for every service, and each container se
 
 It runs every few seconds in every container, so it imports only grpc's health stubs or urllib (no
 pydantic, no settings), and works in any image that has the core installed
-(`python -m tether.common.health` is the same command).
+(`python -m tether.common.health` is the same command). With the TETHER_TLS_* files set (the
+container's own, tether.common.tls) the gRPC check dials with TLS and presents the certificate, as
+every client of the service's port must; `--plaintext` dials without it (the health-only port,
+TETHER_GRPC_HEALTH_PORT).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class Target:
     kind: str  # "grpc" or "http"
     address: str  # host:port for gRPC, the URL for HTTP
     service: str = ""  # the gRPC health service name ("" = the server as a whole)
+    plaintext: bool = False  # gRPC without TLS even where TETHER_TLS_* are set
 
 
 def grpc_address(value: str) -> str:
@@ -68,12 +73,19 @@ def target_from_env(value: str) -> Target:
     raise Refused(f"{ENV} wants grpc://HOST:PORT[/SERVICE] or an http(s):// URL, got {value!r}")
 
 
-def check_grpc(address: str, service: str, timeout_s: float) -> str | None:
-    """None when the server reports `service` SERVING, else why not."""
+def check_grpc(address: str, service: str, timeout_s: float, plaintext: bool = False) -> str | None:
+    """None when the server reports `service` SERVING, else why not. TLS as TETHER_TLS_* say, unless
+    `plaintext`."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    from tether.common.tls import TlsSettingsError, sync_channel, tls_from_env
+
+    try:
+        tls = None if plaintext else tls_from_env()
+    except TlsSettingsError as exc:
+        return str(exc)
+    with sync_channel(address, tls) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout_s
@@ -113,7 +125,7 @@ def check_http(url: str, timeout_s: float) -> str | None:
 
 def check(target: Target, timeout_s: float) -> str | None:
     if target.kind == "grpc":
-        return check_grpc(target.address, target.service, timeout_s)
+        return check_grpc(target.address, target.service, timeout_s, target.plaintext)
     return check_http(target.address, timeout_s)
 
 
@@ -130,6 +142,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--service", default="", help="gRPC health service name (default: the whole server)")
     p.add_argument(
+        "--plaintext",
+        action="store_true",
+        help="gRPC without TLS even where TETHER_TLS_* are set (the health-only port)",
+    )
+    p.add_argument(
         "--timeout", type=float, default=DEFAULT_TIMEOUT_S, metavar="S", help="seconds (default 3)"
     )
 
@@ -142,9 +159,9 @@ def parse(argv: Sequence[str], environ: Mapping[str, str] = os.environ) -> tuple
     if not (args.timeout > 0 and args.timeout < 3600):  # NaN fails too
         raise Refused(f"--timeout wants seconds in (0, 3600), got {args.timeout}")
     if args.grpc is not None:
-        return Target("grpc", grpc_address(args.grpc), args.service), args.timeout
-    if args.service:
-        raise Refused("--service goes with --grpc")
+        return Target("grpc", grpc_address(args.grpc), args.service, args.plaintext), args.timeout
+    if args.service or args.plaintext:
+        raise Refused(f"{'--service' if args.service else '--plaintext'} goes with --grpc")
     if args.http is not None:
         return Target("http", http_url(args.http)), args.timeout
     value = environ.get(ENV, "")

@@ -30,6 +30,8 @@ IM_END = "<|im_end|>"
 PAD = "<|endoftext|>"
 UNK = "<unk>"
 SPECIAL_TOKENS: tuple[str, ...] = (PAD, IM_START, IM_END, UNK)
+# Context length (positions) of the tiny model and its tokenizer, unless an example asks for more.
+MAX_LEN = 512
 ROLE_WORDS: tuple[str, ...] = ("system", "user", "assistant", "tool")
 # The pieces of a Hermes call (see the module docstring) and the template's JSON punctuation.
 TOOL_CALL_START = '<tool_call>{"name": '
@@ -64,7 +66,7 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
+def build_tokenizer(words: list[str], max_len: int = MAX_LEN) -> PreTrainedTokenizerFast:
     """Word-level tokenizer over `words` (plus role words and tool-call pieces) with ChatML special tokens.
     A word may hold spaces after its first character (``"calc", ``): it becomes an added token, matched
     in the raw text before whitespace splitting.
@@ -94,7 +96,7 @@ def build_tokenizer(words: list[str]) -> PreTrainedTokenizerFast:
         eos_token=IM_END,
         pad_token=PAD,
         unk_token=UNK,
-        model_max_length=512,
+        model_max_length=max_len,
         clean_up_tokenization_spaces=False,
     )
     tokenizer.chat_template = CHAT_TEMPLATE
@@ -109,6 +111,7 @@ def build_model(
     heads: int = 2,
     kv_heads: int = 1,
     intermediate: int = 256,
+    max_len: int = MAX_LEN,
 ) -> LlamaForCausalLM:
     """A randomly initialised fp32 Llama sized for the tokenizer; identical for identical seeds.
 
@@ -125,7 +128,7 @@ def build_model(
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=hidden // heads,
-        max_position_embeddings=512,
+        max_position_embeddings=max_len,
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
         bos_token_id=None,

@@ -1,4 +1,5 @@
-"""Example harnesses, shipped in the package so `tether demo` runs from an installed wheel.
+"""Example harnesses, shipped in the package so `tether demo --example NAME` runs from an installed wheel.
 
-Modules: calculator.agent (the demo's tasks, demonstrations and harness function `rollout`).
+Each `<name>/agent.py` has the same shape (README.md here): tasks, the tiny model's vocabulary and
+demonstrations, and the harness function `rollout`.
 """

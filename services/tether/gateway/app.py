@@ -779,7 +779,6 @@ def create_app(
         await rollouts.authorize(rollout_id, _bearer(request), open_without_admin=False)
         body = load_json_object(await _read_body(request, max_body_bytes), allow_nan=True)
         out = await rollouts.finish(rollout_id, COMPLETED, reward=parse_reward(body))
-        pool.forget(rollout_id)
         return _json(out)
 
     @app.post("/v1/rollouts/{rollout_id}/calls/{call_id}/reward")
@@ -806,7 +805,6 @@ def create_app(
         raw = await _read_body(request, max_body_bytes)
         reason = parse_reason(load_json_object(raw, allow_nan=True)) if raw.strip() else ""
         out = await rollouts.finish(rollout_id, FAILED, reason=reason)
-        pool.forget(rollout_id)
         return _json(out)
 
     # --- record-only sessions --------------------------------------------------------------------

@@ -10,29 +10,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import gc
 import json
 import logging
 import socket
-import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
+from typing import ClassVar, TypeVar
 
 import grpc
 import redis.asyncio as aioredis
 import uvicorn
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 from redis.exceptions import RedisError
 
 from tether.common import broker, replicas
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.net import is_loopback
-from tether.common.settings import RedisSettings
+from tether.common.settings import RedisSettings, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.gateway.admission import Admission
 from tether.gateway.app import create_app
 from tether.gateway.guided import GuidedCheck, GuidedMode
 from tether.gateway.proxy import Proxy
+from tether.gateway.quotas import Limits, Quotas
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RolloutRegistry
 from tether.gateway.routing import Replica, ReplicaPool
@@ -42,11 +44,14 @@ from tether.gateway.upstream import UpstreamClient
 from tether.v1 import gateway_pb2_grpc
 
 log = logging.getLogger("tether.gateway")
+T = TypeVar("T")
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
 
 class GatewaySettings(RedisSettings):
+    config_section: ClassVar[str | None] = "gateway"
+
     # vLLM's OpenAI server, e.g. http://127.0.0.1:8000: one replica (vllm_url) or several
     # (vllm_urls, comma-separated); at least one is required, both may be given.
     vllm_url: str | None = None
@@ -54,6 +59,8 @@ class GatewaySettings(RedisSettings):
     vllm_api_key: str | None = None
     # Replicas: GET /health every health_check_s puts a replica back (or takes it out).
     health_check_s: float = Field(5.0, gt=0)
+    # How often a replica checks that the run is not paused without it (scheduler/gateways.py).
+    admission_check_s: float = Field(2.0, gt=0)
     # Follow the replicas the scheduler discovers (Kubernetes) and publishes at Keys.replicas, read
     # every health_check_s; vllm_url(s) serve until the first set arrives (tether.gateway.routing).
     replica_discovery: bool = False
@@ -77,6 +84,10 @@ class GatewaySettings(RedisSettings):
     gateway_host: str = "127.0.0.1"
     gateway_port: int = Field(8080, ge=0, le=65535)  # 0 = any free port (logged)
     gateway_grpc_port: int = Field(50061, ge=0, le=65535)
+    # Bind the HTTP port with SO_REUSEPORT, so that several gateway processes (replicas) share it and
+    # the kernel spreads connections over them (`tether up --gateway-replicas N`). Everything a call
+    # needs across replicas lives in Redis; each replica keeps its own gRPC and metrics port.
+    gateway_reuse_port: bool = False
     # Base URL agents reach this gateway at; rollouts hand out <public_url>/v1. Default http://host:port.
     public_url: str | None = None
     # When set, POST /v1/rollouts (and admin reads/finishes) need "Authorization: Bearer <admin_token>".
@@ -109,6 +120,24 @@ class GatewaySettings(RedisSettings):
     # Origins browser-hosted harnesses call from ("https://a.example,https://b.example", or "*"); CORS
     # stays off (no headers, preflights unanswered) while unset.
     cors_origins: str | None = None
+    # Key expiry (rollouts.py): a rollout and its key live rollout_ttl_s from creation unless finished
+    # first; a finished rollout's key makes no model call, and is kept finished_key_grace_s for its
+    # harness to read the state and retry its complete (0: gone at once); a finished rollout's records
+    # are kept finished_rollout_ttl_s.
+    rollout_ttl_s: int = Field(24 * 3600, gt=0)
+    finished_key_grace_s: int = Field(300, ge=0)
+    finished_rollout_ttl_s: int = Field(7 * 24 * 3600, gt=0)
+    # Per-key limits (quotas.py), shared by every replica through Redis; 0 = none. A rollout key's
+    # defaults leave a real agent room (parallel subagents, 100k-token prompts) and stop a runaway loop;
+    # a deployment key carries production traffic, so only its calls in flight are bounded by default.
+    rollout_max_request_bytes: int = Field(8 * 1024 * 1024, ge=0)
+    rollout_max_concurrent: int = Field(16, ge=0)
+    rollout_tokens_per_minute: int = Field(2_000_000, ge=0)
+    deployment_max_request_bytes: int = Field(0, ge=0)
+    deployment_max_concurrent: int = Field(256, ge=0)
+    deployment_tokens_per_minute: int = Field(0, ge=0)
+    # A call's concurrency slot lapses after this long even if never given back (a replica that died).
+    quota_slot_ttl_s: int = Field(1800, gt=0)
 
     @field_validator("vllm_url", "public_url")
     @classmethod
@@ -173,12 +202,14 @@ class _Uvicorn(uvicorn.Server):
         yield
 
 
-def _bind(host: str, port: int) -> socket.socket:
+def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # proto must say TCP: asyncio sets TCP_NODELAY on accepted sockets only then (else Nagle plus
     # delayed ACKs add ~40 ms to every response).
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError:
@@ -188,19 +219,61 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+async def read_redis(what: str, read: Awaitable[T], fallback: T, timeout_s: float = 5.0) -> T:
+    """`read`'s answer, or `fallback` (logged, naming `what`) when Redis does not answer in time: a
+    gateway starts, and keeps serving, with Redis down; its Redis watch reads again."""
+    try:
+        return await asyncio.wait_for(read, timeout_s)
+    except (RedisError, OSError, TimeoutError) as exc:
+        log.warning("%s not read from Redis: %r", what, exc)
+        return fallback
+
+
 async def run_weight_version(r: aioredis.Redis, keys: broker.Keys, timeout_s: float = 5.0) -> int:
     """The weight version inference serves, as the scheduler last wrote it in the run state
     (RunState.weight_version); 0 when there is no run, or Redis does not answer yet (the scheduler's
     ResumeAdmission at its start and after every push sets it then)."""
+    raw = await read_redis(
+        "the run state's weight version", r.hget(keys.run, "weight_version"), None, timeout_s
+    )
     try:
-        raw = await asyncio.wait_for(r.hget(keys.run, "weight_version"), timeout_s)
         version = int(json.loads(raw)) if raw else 0
-    except (RedisError, OSError, TimeoutError, ValueError, TypeError) as exc:
-        log.warning("weight version not read from the run state, starting at 0: %r", exc)
+    except (ValueError, TypeError) as exc:
+        log.warning("the run state's weight version %r is not a number, starting at 0: %r", raw, exc)
         return 0
     if version:
         log.info("starting at weight version %d (the run state's)", version)
     return max(version, 0)
+
+
+async def run_admission_paused(r: aioredis.Redis, keys: broker.Keys, timeout_s: float = 5.0) -> bool:
+    """Whether the scheduler holds the run's gateways paused now (`Keys.admission`, written before its
+    pause reaches any replica: scheduler/gateways.py); False when Redis does not answer."""
+    return await read_redis("the admission state", r.get(keys.admission), None, timeout_s) == "paused"
+
+
+async def agree_partitions(r: aioredis.Redis, keys: broker.Keys, timeout_s: float = 5.0) -> bool:
+    """broker.agree_trace_partitions: PartitionMismatch raised, False when Redis did not answer (the
+    Redis watch checks again)."""
+
+    async def agree() -> bool:
+        await broker.agree_trace_partitions(r, keys)
+        return True
+
+    return await read_redis("the run's trace partitions", agree(), False, timeout_s)
+
+
+async def follow_admission(
+    admission: Admission, r: aioredis.Redis, keys: broker.Keys, every_s: float
+) -> None:
+    """Pause this replica when the run is paused and the scheduler's pause did not reach it (a pod
+    that was not in DNS yet when the pause went out). Resuming stays the scheduler's: its resume
+    carries the new weight version, and reaches every replica that DNS lists."""
+    while True:
+        await asyncio.sleep(every_s)
+        if not admission.paused and await run_admission_paused(r, keys, timeout_s=every_s):
+            log.warning("the run's gateways are paused and this replica was not: pausing it")
+            await admission.pause(0)
 
 
 class GatewayServer:
@@ -215,11 +288,13 @@ class GatewayServer:
         self.health: Health | None = None
         self._http_task: asyncio.Task | None = None
         self._health_task: asyncio.Task | None = None
+        self._admission_task: asyncio.Task | None = None
+        self._partitions_agreed = False
         self._stopped = False
 
     async def start(self) -> None:
         s = self.s
-        sock = _bind(s.gateway_host, s.gateway_port)
+        sock = _bind(s.gateway_host, s.gateway_port, s.gateway_reuse_port)
         self.http_port = sock.getsockname()[1]
         url_host = "127.0.0.1" if s.gateway_host in ("0.0.0.0", "::", "") else s.gateway_host
         self.public_url = s.public_url or f"http://{url_host}:{self.http_port}"
@@ -230,26 +305,36 @@ class GatewayServer:
 
         # Blocking pool: past its size a command waits for a connection instead of failing (redis-py's
         # default pool raises at 100). The call path pipelines (recorder.Batcher) and needs few.
-        self.redis = aioredis.Redis(
-            connection_pool=aioredis.BlockingConnectionPool.from_url(
-                s.redis_url,
-                decode_responses=True,
-                max_connections=64,
-                timeout=30,
-                socket_timeout=broker.SOCKET_TIMEOUT_S,
-                socket_connect_timeout=10.0,
-            )
-        )
-        keys = broker.Keys(s.namespace)
+        self.redis = broker.connect(s.redis_url, max_connections=64, pool_timeout_s=30)
+        keys = s.keys()
         # A gateway (re)started mid-run records calls with the version inference serves, not 0 until
         # the scheduler's next push (0 would make every call look stale to the staleness bound).
+        # A count of trace partitions other than the run's is refused (PartitionMismatch: main exits
+        # with SETTINGS_REFUSED): this replica would write calls to partitions the merger never reads.
+        self._partitions_agreed = await agree_partitions(self.redis, keys)
         self.admission = Admission(await run_weight_version(self.redis, keys))
+        # A replica that starts while the run is paused (a restart mid-push, a new pod) starts paused:
+        # the scheduler's resume opens it with the new weight version.
+        if await run_admission_paused(self.redis, keys):
+            log.info("starting paused: the run's gateways are paused")
+            await self.admission.pause(0)
+        self._admission_task = asyncio.create_task(
+            follow_admission(self.admission, self.redis, keys, s.admission_check_s)
+        )
         self.recorder = Recorder(self.redis, s.redis_url, keys)
         with contextlib.suppress(RedisError, OSError):  # loaded on first use when Redis is not up yet
             await self.recorder.start()
         self.pool = ReplicaPool([Replica(url, self._upstream(url)) for url in s.replica_urls])
         self.rollouts = RolloutRegistry(
-            self.redis, keys, self.admission, s.admin_token, s.finish_wait_s, batch=self.recorder.batch
+            self.redis,
+            keys,
+            self.admission,
+            s.admin_token,
+            s.finish_wait_s,
+            batch=self.recorder.batch,
+            max_lifetime_s=s.rollout_ttl_s,
+            finished_key_grace_s=s.finished_key_grace_s,
+            finished_ttl_s=s.finished_rollout_ttl_s,
         )
         self.sessions = Sessions(
             parse_deployment_keys(s.deployment_keys), self.redis, keys, self.recorder, s.admin_token
@@ -270,6 +355,19 @@ class GatewayServer:
             default_max_tokens=s.default_max_tokens or None,
             guided=GuidedCheck(
                 s.upstream_model or s.served_model, s.guided, s.guided_tolerance, s.guided_timeout_s
+            ),
+            quotas=Quotas(
+                self.recorder.batch,
+                keys,
+                Limits(s.rollout_max_request_bytes, s.rollout_max_concurrent, s.rollout_tokens_per_minute),
+                Limits(
+                    s.deployment_max_request_bytes,
+                    s.deployment_max_concurrent,
+                    s.deployment_tokens_per_minute,
+                ),
+                s.retry_after_s,
+                s.quota_slot_ttl_s,
+                self.redis.script_load,
             ),
         )
         app = create_app(
@@ -308,7 +406,6 @@ class GatewayServer:
         self.grpc_server, self.health, self.grpc_port = await start_server(
             s.gateway_grpc_port, register, s.gateway_host, s.metrics_port
         )
-        await self.health.set(await self._redis_ok())
 
         # uvicorn formats an access-log line per request whenever its logger has a handler anywhere up
         # the tree (ours: the root's), even with access_log off: cut it loose.
@@ -331,6 +428,8 @@ class GatewayServer:
                 self._http_task.result()
                 raise RuntimeError("HTTP server stopped during startup")
             await asyncio.sleep(0.01)
+        # SERVING only once calls are accepted: a supervisor waits on it for each replica.
+        await self.health.set(await self._redis_ok())
         log.info(
             "gateway HTTP on %s:%d (agents use %s/v1), gRPC GatewayControl on %s:%d, vLLM at %s",
             s.gateway_host,
@@ -360,10 +459,14 @@ class GatewayServer:
             return False
 
     async def watch_redis(self) -> None:
-        """gRPC health follows Redis only: a paused gateway is healthy (pausing is routine)."""
+        """gRPC health follows Redis only: a paused gateway is healthy (pausing is routine). When Redis
+        was down at start, the trace partitions are checked once it answers: a mismatch ends this task,
+        which stops the process (drained) and refuses it, saying why."""
         serving = None
         while True:
             ok = await self._redis_ok()
+            if ok and not self._partitions_agreed:
+                self._partitions_agreed = await agree_partitions(self.redis, self.s.keys())
             if ok != serving and self.health is not None:
                 await self.health.set(ok)
                 if serving is not None or not ok:
@@ -389,10 +492,11 @@ class GatewayServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._http_task), self.s.shutdown_grace_s + 5)
         await self.proxy.aclose()
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._health_task
+        for task in (self._health_task, self._admission_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         await self.pool.aclose()
         self.recorder.close()
         await self.redis.aclose()
@@ -401,9 +505,12 @@ class GatewayServer:
         await self.stop_http()
         if self.grpc_server is not None:
             await self.grpc_server.stop(grace)
+        if self.health is not None:
+            await self.health.close(0)
 
 
 async def amain(s: GatewaySettings) -> None:
+    tune_malloc()
     gw = GatewayServer(s)
     await gw.start()
     tune_gc()
@@ -428,6 +535,25 @@ def tune_gc() -> None:
     gc.set_threshold(20_000, 50, 100)
 
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
+
+
+def tune_malloc(threshold_bytes: int = 128 * 1024) -> bool:
+    """Serve every allocation of `threshold_bytes` or more from a mapping of its own, given back to the
+    system when freed. A call's trace is serialised into one buffer of up to hundreds of KiB; glibc
+    raises its mmap threshold once it frees such a buffer and from then on carves them out of the heap,
+    which fragments and does not shrink: under bench/gateway_load a gateway's resident memory grew by
+    tens of MiB a minute while its live Python objects stayed the same. A fixed threshold (which also
+    ends glibc's adjusting it) keeps it flat. False where the C library has no glibc mallopt."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    mallopt.restype = ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, threshold_bytes) == 1
+
+
 def run(coro) -> None:
     """Run on uvloop when installed (uvicorn[standard] brings it): the loop is much of a call's cost."""
     try:
@@ -438,18 +564,13 @@ def run(coro) -> None:
     uvloop.run(coro)
 
 
-SETTINGS_REFUSED = 2  # exit status for settings refused at start-up (supervisors need not restart it)
-
-
 def main() -> None:
     exit_if_help(GatewaySettings, __doc__)
-    try:
+    with refused_settings_exit("gateway"):
         s = GatewaySettings()
-    except ValidationError as exc:  # refused before anything serves: restarting cannot help
-        print(f"tether.gateway: refusing to start, bad settings: {exc}", file=sys.stderr)
-        sys.exit(SETTINGS_REFUSED)
     setup_logging("gateway", s.log_level)
-    run(amain(s))
+    with refused_settings_exit("gateway"):
+        run(amain(s))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,10 @@ RETRIES = Counter(
 FAILOVERS = Counter(
     "tether_gateway_failovers_total", "Calls moved to another replica after a connect failure", ["replica"]
 )
+# limit: request_bytes | concurrency | tokens_per_minute; key_kind: rollout | deployment (never the key).
+QUOTA_REFUSALS = Counter(
+    "tether_gateway_quota_refusals_total", "Calls refused by a per-key limit", ["limit", "key_kind"]
+)
 IN_FLIGHT = Gauge("tether_gateway_in_flight", "Calls admitted and not yet recorded")
 REPLICA_IN_FLIGHT = Gauge("tether_gateway_replica_in_flight", "Calls in flight per vLLM replica", ["replica"])
 REPLICA_HEALTHY = Gauge("tether_gateway_replica_healthy", "1 while a vLLM replica takes calls", ["replica"])

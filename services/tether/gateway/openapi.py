@@ -341,7 +341,8 @@ def _responses_request(model: Schema) -> Schema:
                 "properties": {
                     "type": {"const": "input_image"},
                     "image_url": _NON_EMPTY,
-                    "detail": {"type": "string"},
+                    # Passed on when a string; anything else (null included) is left out.
+                    "detail": _ANY,
                 },
             },
         ]

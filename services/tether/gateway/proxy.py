@@ -51,8 +51,9 @@ from tether.gateway.capture import (
 )
 from tether.gateway.guided import GuidedCheck, annotate, guidance
 from tether.gateway.limits import MaxTokens, applied_max_tokens, budget_error, client_limit, decide_max_tokens
+from tether.gateway.quotas import DEPLOYMENT, ROLLOUT, Limits, Quotas, Ticket
 from tether.gateway.recorder import Recorder
-from tether.gateway.rollouts import RUNNING, RolloutRegistry, rollout_finished, unauthorized
+from tether.gateway.rollouts import RUNNING, RolloutRegistry, finished_key, unauthorized
 from tether.gateway.routing import Replica, ReplicaPool, conversation_key
 from tether.gateway.sessions import Sessions, session_rollout_id
 from tether.gateway.upstream import Aborted, ConnectFailed, Exchange, UpstreamError, UpstreamTimeout
@@ -132,6 +133,7 @@ class Call:
     __slots__ = (
         "rollout_id",
         "tracked",
+        "counted",
         "session",
         "sticky",
         "api",
@@ -149,12 +151,14 @@ class Call:
         "context_len",
         "guided_by",
         "guided",
+        "ticket",
     )
 
     def __init__(self, rollout_id: str, tracked: str | None, session: str | None, api: Api, req: Any) -> None:
         self.call_id = f"call-{uuid.uuid4().hex}"
         self.rollout_id = rollout_id if session is None else session_rollout_id(session, self.call_id)
         self.tracked = tracked  # the rollout id admission counts this call under (None for sessions)
+        self.counted: asyncio.Future | None = None  # its count in Redis (Proxy._track), for tracked calls
         self.session = session
         self.api = api
         self.req = req  # what api.parse returned: .body (as the client sent it) and .stream
@@ -171,6 +175,7 @@ class Call:
         self.context_len: int | None = None  # the context that decision was bounded by
         self.guided_by: list[str] = []  # what constrains its sampling (guided.py)
         self.guided: dict | None = None  # the constrained tokens, found before recording
+        self.ticket: Ticket | None = None  # its standing with its key's limits (quotas.py)
 
 
 class Proxy:
@@ -191,6 +196,7 @@ class Proxy:
         retry_backoff_s: float = 0.25,
         default_max_tokens: int | None = None,
         guided: GuidedCheck | None = None,
+        quotas: Quotas | None = None,
     ) -> None:
         self.pool = pool
         self.rollouts = rollouts
@@ -207,6 +213,7 @@ class Proxy:
         self.default_max_tokens = default_max_tokens
         self._finishing: set[asyncio.Task] = set()  # stream finalisers still recording
         self.guided = guided or GuidedCheck(upstream_model)
+        self.quotas = quotas or Quotas(recorder.batch, keys, Limits(), Limits(), retry_after_s, 0)
 
     # --- one call ------------------------------------------------------------------------------
 
@@ -223,19 +230,29 @@ class Proxy:
         handle = handle or CallHandle()
         session = None if path_rollout is not None else self.sessions.session_of(api_key)
         if session is not None:
-            call = Call("", None, session, api, api.parse(raw))
-            if not self.pool.single:
-                call.sticky = f"session:{session}:{conversation_key(call.req.body)}"
-            handle.call_id = call.call_id
-            return await self._admitted(call, None, handle)
+            assert api_key is not None  # a session has a key
+            ticket = await self.quotas.admit(DEPLOYMENT, broker.key_digest(api_key), len(raw))
+            out = None
+            try:
+                call = Call("", None, session, api, api.parse(raw))
+                call.ticket = ticket
+                if not self.pool.single:
+                    call.sticky = f"session:{session}:{conversation_key(call.req.body)}"
+                handle.call_id = call.call_id
+                out = await self._admitted(call, None, handle)
+                return out
+            finally:
+                if not isinstance(out, StreamSession):
+                    self.quotas.release(ticket)
         rollout_id = await self.rollouts.authenticate(api_key, path_rollout)
-        # Counted before the status check, so a concurrent complete waits for this call.
-        self.admission.track(rollout_id)
+        # Refused over a limit before anything else: not recorded (it never reached the model).
+        ticket = await self.quotas.admit(ROLLOUT, rollout_id, len(raw))
+        # Counted (in Redis, just before the status check) so that a concurrent complete on any
+        # replica waits for this call. The check is in flight while the call is parsed and admitted: it is
+        # awaited before anything is sent or answered.
+        state = self._track(rollout_id)
         handed_off = False
         try:
-            # The status check is in flight while the call is parsed, admitted and (when its replica
-            # is known) already sent: it is awaited before anything is answered.
-            state = _quiet(self.recorder.rollout_state(rollout_id))
             try:
                 req = api.parse(raw)
             except ApiError as exc:
@@ -244,13 +261,34 @@ class Proxy:
                 )
                 raise
             call = Call(rollout_id, rollout_id, None, api, req)
+            call.ticket = ticket
+            call.counted = state
             handle.call_id = call.call_id
             out = await self._admitted(call, state, handle)
             handed_off = isinstance(out, StreamSession)
             return out
         finally:
             if not handed_off:
-                self.admission.untrack(rollout_id)
+                self._untrack(rollout_id, state)
+                self.quotas.release(ticket)
+
+    def _track(self, rollout_id: str) -> asyncio.Future:
+        """Count a call of the rollout in flight, here and in Redis, where a complete on any gateway
+        replica sees it; a future of the rollout's [status, replica]. `_untrack` it once."""
+        self.admission.track(rollout_id)
+        return _quiet(self.recorder.track(rollout_id))
+
+    def _untrack(self, rollout_id: str, counted: asyncio.Future | None) -> None:
+        self.admission.untrack(rollout_id)
+        if counted is None:
+            return
+
+        def count_out(f: asyncio.Future) -> None:
+            # Only a count that went in comes out: a failed one (Redis away) left nothing to undo.
+            if not f.cancelled() and f.exception() is None:
+                self.recorder.untrack(rollout_id)
+
+        counted.add_done_callback(count_out)
 
     @staticmethod
     async def _running(state: Awaitable[tuple[str | None, str | None]], rollout_id: str) -> str | None:
@@ -258,8 +296,8 @@ class Proxy:
         status, replica = await state
         if status is None:
             raise unauthorized("API key of an unknown rollout")
-        if status != RUNNING:
-            raise rollout_finished(rollout_id, status)
+        if status != RUNNING:  # its key authenticates no model call any more
+            raise finished_key(rollout_id, status)
         return replica
 
     async def _admitted(
@@ -280,14 +318,17 @@ class Proxy:
             raise err from None
         handed_off = False
         try:
-            # A rollout's calls stick by its id (call.sticky is call.tracked), record-only calls by
-            # their conversation.
-            preferred = stored = self.pool.remembered(call.sticky) if call.sticky is not None else None
+            # A rollout's calls stick by its id to the replica its Redis hash names, whichever
+            # gateway replica wrote it (a copy here could be stale: another gateway may have moved
+            # it); record-only calls stick by their conversation, remembered here.
+            preferred = stored = None
+            if call.tracked is None and call.sticky is not None:
+                preferred = stored = self.pool.remembered(call.sticky)
             check: tuple[Awaitable, str] | None = None
             if call.tracked is not None:
                 if waited:  # the rollout may have finished meanwhile: ask again
                     state = _quiet(self.recorder.rollout_state(call.tracked))
-                if preferred is None and not self.pool.single:
+                if not self.pool.single:
                     preferred = stored = await self._running(state, call.tracked)
                 else:
                     check = (state, call.tracked)
@@ -315,12 +356,12 @@ class Proxy:
             return
         if rollout_id is None or (path_rollout is not None and rollout_id != path_rollout):
             return
-        self.admission.track(rollout_id)  # as in handle: a concurrent complete waits for this record
+        counted = self._track(rollout_id)  # as in handle: a concurrent complete waits for this record
         try:
             call = Call(rollout_id, rollout_id, None, api, Refused(raw, exc))
-            await self._record_refused(call, exc, self.recorder.rollout_state(rollout_id))
+            await self._record_refused(call, exc, counted)
         finally:
-            self.admission.untrack(rollout_id)
+            self._untrack(rollout_id, counted)
 
     async def _record_refused(self, call: Call, exc: ApiError, state: Awaitable) -> None:
         """Record a rollout's call refused before it reached vLLM (an error trace, so the rollout's
@@ -458,9 +499,10 @@ class Proxy:
                     call.replica = replica
             break
         if call.sticky is not None and replica.url != stored and not self.pool.single:
-            self.pool.remember(call.sticky, replica.url)
             if call.tracked is not None:
                 self.recorder.remember_replica(call.tracked, replica.url)
+            else:
+                self.pool.remember(call.sticky, replica.url)
         call.upstream_latency_s = time.perf_counter() - t_up
         return ex, status, content
 
@@ -632,15 +674,20 @@ class Proxy:
 
     async def _publish(self, call: Call, record: dict) -> None:
         index = "" if call.session is not None else self.keys.rollout_calls(call.rollout_id)
-        await self.recorder.publish(self.keys.traces, call.call_id, record, index)
+        await self.recorder.publish(self.keys.traces(call.rollout_id), call.call_id, record, index)
+        if index:  # the list lives no longer than its rollout could (its finish sets the retention)
+            self.recorder.batch.send("EXPIRE", index, self.rollouts.max_lifetime_s)
         status = record["status"]
         m.child(m.TRACES, status, "rollout" if call.session is None else "session").inc()
         if status == "ok":
             replica = record["replica"] or ""
-            m.child(m.PROMPT_TOKENS, replica).inc(len(record["prompt_token_ids"]))
-            m.child(m.COMPLETION_TOKENS, replica).inc(
-                len(record["response_token_ids"]) + sum(len(c["token_ids"]) for c in record["extra_choices"])
+            prompt = len(record["prompt_token_ids"])
+            completion = len(record["response_token_ids"]) + sum(
+                len(c["token_ids"]) for c in record["extra_choices"]
             )
+            m.child(m.PROMPT_TOKENS, replica).inc(prompt)
+            m.child(m.COMPLETION_TOKENS, replica).inc(completion)
+            self.quotas.count(call.ticket, prompt + completion)
 
     async def _record(
         self, call: Call, captured: Captured | None, error: str | None, http_status: int
@@ -670,8 +717,9 @@ class Proxy:
 
     def release(self, call: Call) -> None:
         self.admission.release()
+        self.quotas.release(call.ticket)
         if call.tracked is not None:
-            self.admission.untrack(call.tracked)
+            self._untrack(call.tracked, call.counted)
 
     async def aclose(self) -> None:
         """Wait for streams that ended to finish recording."""

@@ -244,6 +244,24 @@ def _log_failure(fut: asyncio.Future) -> None:
         log.warning("redis write failed: %r", fut.exception())
 
 
+IN_FLIGHT = "in_flight"  # the rollout hash's field: its calls in flight on every gateway replica
+
+
+class ClusterBatcher(Batcher):
+    """The Batcher's interface on a Redis Cluster: each command through redis-py's RedisCluster, which
+    sends it to the node of its slot (RESP pipelining across calls is the one-Redis path's)."""
+
+    def __init__(self, r: aioredis.Redis) -> None:
+        super().__init__("")
+        self.r = r
+
+    def call(self, *args: Any) -> asyncio.Future:
+        return asyncio.ensure_future(self.r.execute_command(*args))
+
+    def close(self) -> None:
+        pass  # the connections are the client's, closed with it
+
+
 class Recorder:
     """The call path's reads and writes, on one Batcher."""
 
@@ -257,7 +275,7 @@ class Recorder:
     ) -> None:
         self.r = r
         self.keys = keys
-        self.batch = Batcher(redis_url)
+        self.batch = ClusterBatcher(r) if broker.is_cluster(redis_url) else Batcher(redis_url)
         self.trace_maxlen = trace_maxlen
         self.marker_ttl_s = marker_ttl_s
         self._sha: str | None = None
@@ -272,13 +290,12 @@ class Recorder:
         first entry's id when `record_id` was published before)."""
         if self._sha is None:
             await self.start()
+        script_keys = broker.publish_keys(self.keys, stream, record_id, index_list)
         args = (
             "EVALSHA",
             self._sha,
-            3,
-            self.keys.published(record_id),
-            stream,
-            index_list,
+            len(script_keys),
+            *script_keys,
             orjson.dumps(record),
             self.marker_ttl_s,
             self.trace_maxlen,
@@ -293,6 +310,20 @@ class Recorder:
     def rollout_state(self, rollout_id: str) -> asyncio.Future:
         """A future of [status, replica] of a rollout (the command leaves now)."""
         return self.batch.call("HMGET", self.keys.rollout(rollout_id), "status", "replica")
+
+    def track(self, rollout_id: str) -> asyncio.Future:
+        """Count a call of the rollout in flight (in its hash, seen by every gateway replica); a future
+        of its [status, replica], as `rollout_state`. Every call counted in is counted out once
+        (`untrack`). The count goes first, on the same connection: a complete on any replica either
+        came before it (this call then reads the final status and is refused) or sees the count and
+        waits for the call's trace (rollouts.RolloutRegistry.wait_idle). The rollout's hash exists: the
+        caller authenticated its key, and rollout hashes do not expire."""
+        key = self.keys.rollout(rollout_id)
+        self.batch.send("HINCRBY", key, IN_FLIGHT, 1)
+        return self.batch.call("HMGET", key, "status", "replica")
+
+    def untrack(self, rollout_id: str) -> None:
+        self.batch.send("HINCRBY", self.keys.rollout(rollout_id), IN_FLIGHT, -1)
 
     def close(self) -> None:
         self.batch.close()

@@ -4,10 +4,19 @@ reward, or failed), publishing its RolloutEvent after its in-flight calls are re
 attempt, max_attempts and eval of the rollout's metadata, so that the merger reads no rollout hash).
 
 Redis layout (see common.broker.Keys): hash Keys.rollout(id) with task_id, group_id, group_size,
-status (running | completed | failed), created_at, metadata (JSON), replica (the vLLM replica it
-sticks to, written by the proxy on its first call), and on finish reward, finished_at, reason; string
+status (running | completed | failed), created_at, metadata (JSON), key_sha256 (its key's digest),
+replica (the vLLM replica it sticks to, written by the proxy on its first call, read by every gateway
+replica), in_flight (its calls between authentication and their recorded trace on every gateway
+replica: recorder.Recorder.track), and on finish reward, finished_at, reason; string
 Keys.api_key(key) -> rollout id; hash Keys.call_rewards(id): call id -> per-call reward (repr of the
-float; the merger reads it when `call_rewards` is on), with the rollout hash's TTL if it has one.
+float; the merger reads it when `call_rewards` is on), with the rollout hash's TTL.
+
+Expiry: a rollout and its key live `max_lifetime_s` from creation (a rollout nobody finishes goes
+away with its key). On finish its key stops authenticating model calls at once (the call path reads
+the status: 401), and its key record is kept `finished_key_grace_s` more so that the harness can
+still read its state and send its complete again after a 5xx (409, which publishes the event the
+first one may not have); the rollout hash, its call list and call rewards are kept
+`finished_ttl_s` (the merger and `GET /v1/rollouts/{id}` read them after the finish).
 The call path reads a rollout's status and replica through recorder.Recorder (pipelined); this
 module does the rest. It reads what the merger writes: Keys.rollout_training(id) (a TrainingOutcome:
 trained, or why the rollout will never train; `training` in a rollout's state, "pending" until the
@@ -23,6 +32,7 @@ import math
 import secrets
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +43,12 @@ from tether.common import broker
 from tether.common.records import RecordError, RolloutEvent, TrainingOutcome
 from tether.gateway.admission import Admission
 from tether.gateway.capture import ApiError
-from tether.gateway.recorder import Batcher
+from tether.gateway.recorder import IN_FLIGHT, Batcher
 
 log = logging.getLogger(__name__)
 
 RUNNING, COMPLETED, FAILED = "running", "completed", "failed"
+KEY_CACHE_S = 30.0  # how long a replica trusts a key it looked up (an expired one stops here after it)
 
 # Compare-and-set running -> final, in one step, so that two finishes never both win.
 _FINISH = """
@@ -49,8 +60,8 @@ if st == 'running' then
   code = 1
 end
 local f = redis.call('HMGET', KEYS[1], 'task_id', 'group_id', 'group_size', 'metadata', 'status', 'reward',
-  'finished_at')
-return {code, st, f[1], f[2], f[3], f[4], f[5], f[6], f[7]}
+  'finished_at', 'key_sha256')
+return {code, st, f[1], f[2], f[3], f[4], f[5], f[6], f[7], f[8]}
 """
 
 # Set one call's reward while the rollout runs, in one step with the status check, so that a reward
@@ -67,6 +78,8 @@ local ttl = redis.call('PTTL', KEYS[1])
 if ttl > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
 return {1, st, added}
 """
+# How often a finish polls the count of calls in flight on other gateway replicas.
+_POLL_S = 0.02
 # The largest finite float32: rewards are trained on as fp32, where anything larger is inf.
 _FP32_MAX = 3.4028234663852886e38
 
@@ -77,6 +90,11 @@ def unauthorized(message: str = "Missing or unknown API key") -> ApiError:
 
 def rollout_not_found(rollout_id: str) -> ApiError:
     return ApiError(404, f"no rollout {rollout_id}", "invalid_request_error", "rollout_not_found")
+
+
+def finished_key(rollout_id: str, status: str) -> ApiError:
+    """A model call with the key of a finished rollout: the key expired with it."""
+    return unauthorized(f"This API key's rollout {rollout_id} is {status}: its key makes no more calls")
 
 
 def rollout_finished(rollout_id: str, status: str) -> ApiError:
@@ -219,6 +237,10 @@ class RolloutRegistry:
         finish_wait_s: float = 10.0,
         key_cache_size: int = 100_000,
         batch: Batcher | None = None,
+        max_lifetime_s: int = 24 * 3600,
+        finished_key_grace_s: int = 300,
+        finished_ttl_s: int = 7 * 24 * 3600,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.r = r
         self.batch = batch  # key lookups of the call path, pipelined (plain redis-py without one)
@@ -226,9 +248,16 @@ class RolloutRegistry:
         self.admission = admission
         self.admin_token = admin_token or None
         self.finish_wait_s = finish_wait_s
-        # api key -> rollout id never changes once written: cache it, one Redis round trip less per call.
-        self._key_cache: dict[str, str] = {}
+        self.max_lifetime_s = max_lifetime_s
+        self.finished_key_grace_s = finished_key_grace_s
+        self.finished_ttl_s = finished_ttl_s
+        # api key -> rollout id never changes once written: cache it, one Redis round trip less per call;
+        # for KEY_CACHE_S only, so that a key record that expired stops authenticating here too.
+        # Oldest first (a key looked up again moves to the end): lapsed entries leave from the front as
+        # new ones come, so the cache holds about KEY_CACHE_S of keys, not every key the process saw.
+        self._key_cache: dict[str, tuple[str, float]] = {}
         self._key_cache_size = key_cache_size
+        self._clock = clock
         self._finish = r.register_script(_FINISH)
         self._reward_call = r.register_script(_REWARD_CALL)
 
@@ -266,20 +295,31 @@ class RolloutRegistry:
     async def _owner(self, api_key: str | None) -> str:
         if not api_key:
             raise unauthorized()
-        rollout_id = self._key_cache.get(api_key)
+        hit = self._key_cache.get(api_key)
+        now = self._clock()
+        if hit is not None and hit[1] > now:
+            return hit[0]
+        key = self.keys.api_key(api_key)
+        rollout_id = await (self.batch.call("GET", key) if self.batch is not None else self.r.get(key))
+        self._key_cache.pop(api_key, None)
         if rollout_id is None:
-            key = self.keys.api_key(api_key)
-            rollout_id = await (self.batch.call("GET", key) if self.batch is not None else self.r.get(key))
-            if rollout_id is None:
-                raise unauthorized()
-            if len(self._key_cache) >= self._key_cache_size:
-                self._key_cache.clear()
-            self._key_cache[api_key] = rollout_id
+            raise unauthorized()
+        self._cache_key(api_key, rollout_id, now)
         return rollout_id
+
+    def _cache_key(self, api_key: str, rollout_id: str, now: float) -> None:
+        cache = self._key_cache
+        while cache:
+            oldest = next(iter(cache))
+            if cache[oldest][1] > now and len(cache) < self._key_cache_size:
+                break
+            del cache[oldest]
+        cache[api_key] = (rollout_id, now + KEY_CACHE_S)
 
     def cached_owner(self, api_key: str | None) -> str | None:
         """The rollout of a key already seen (no Redis): for log lines, which never wait on a lookup."""
-        return self._key_cache.get(api_key) if api_key else None
+        hit = self._key_cache.get(api_key) if api_key else None
+        return hit[0] if hit is not None else None
 
     async def owner(self, api_key: str | None) -> str | None:
         """The rollout id of an API key, None when missing or unknown (`authenticate` without the 401)."""
@@ -312,7 +352,10 @@ class RolloutRegistry:
     async def create(self, req: CreateRequest) -> NewRollout:
         rollout_id = uuid.uuid4().hex
         api_key = "tr-" + secrets.token_urlsafe(24)
-        pipe = self.r.pipeline(transaction=True)
+        digest = broker.key_digest(api_key)
+        # The rollout first, then its key (two slots on a Redis Cluster, so no transaction): a key never
+        # resolves to a rollout that does not exist; a failure in between leaves a rollout no one can call.
+        pipe = self.r.pipeline(transaction=False)  # one key: its hash and its lifetime, in order
         pipe.hset(
             self.keys.rollout(rollout_id),
             mapping={
@@ -323,10 +366,12 @@ class RolloutRegistry:
                 "status": RUNNING,
                 "created_at": repr(time.time()),
                 "metadata": orjson.dumps(req.metadata).decode(),
+                "key_sha256": digest,
             },
         )
-        pipe.set(self.keys.api_key(api_key), rollout_id)
+        pipe.expire(self.keys.rollout(rollout_id), self.max_lifetime_s)
         await pipe.execute()
+        await self.r.set(self.keys.api_key_digest(digest), rollout_id, ex=self.max_lifetime_s)
         return NewRollout(rollout_id, api_key)
 
     async def get(self, rollout_id: str) -> dict[str, Any]:
@@ -384,6 +429,7 @@ class RolloutRegistry:
             raise rollout_finished(rollout_id, res[1])
         # The status is final now: shield the rest so that a cancelled request still publishes the event.
         await asyncio.shield(self._publish_final(event))
+        await asyncio.shield(self._expire_finished(rollout_id, res[9]))
         out = await self.get(rollout_id)
         if status == COMPLETED:
             out["warning"] = complete_warning(
@@ -405,7 +451,7 @@ class RolloutRegistry:
             raise not_found
         keys = [
             self.keys.rollout(rollout_id),
-            self.keys.published(call_id),
+            self.keys.published(call_id, self.keys.traces(rollout_id)),
             self.keys.rollout_calls(rollout_id),
             self.keys.call_rewards(rollout_id),
         ]
@@ -425,20 +471,60 @@ class RolloutRegistry:
             if code == -1:
                 raise rollout_finished(rollout_id, res[1])
             # A stream's trace is written just after its last byte left: while calls of this rollout are
-            # in flight here, the call may be one of them, recorded in a moment.
+            # in flight (on any gateway replica), the call may be one of them, recorded in a moment.
             left = deadline - time.monotonic()
-            if not self.admission.rollout_calls(rollout_id) or left <= 0:
+            if left <= 0 or (
+                not self.admission.rollout_calls(rollout_id) and not await self.in_flight(rollout_id)
+            ):
                 raise not_found
-            await self.admission.wait_rollout_idle(rollout_id, min(0.05, left))
+            if self.admission.rollout_calls(rollout_id):
+                await self.admission.wait_rollout_idle(rollout_id, min(0.05, left))
+            else:
+                await asyncio.sleep(min(_POLL_S, left))
+
+    async def in_flight(self, rollout_id: str) -> int:
+        """The rollout's calls in flight on every gateway replica (the count in its hash)."""
+        key = self.keys.rollout(rollout_id)
+        # Through the call path's connection when there is one: read after this replica's own counts.
+        raw = await (
+            self.batch.call("HGET", key, IN_FLIGHT) if self.batch is not None else self.r.hget(key, IN_FLIGHT)
+        )
+        return max(int(raw or 0), 0)
+
+    async def wait_idle(self, rollout_id: str, timeout_s: float) -> bool:
+        """Wait until no call of the rollout is in flight on any gateway replica: this one's are
+        awaited here, the others' read from Redis until their count is 0."""
+        deadline = time.monotonic() + timeout_s
+        if not await self.admission.wait_rollout_idle(rollout_id, timeout_s):
+            return False
+        while await self.in_flight(rollout_id):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(_POLL_S, left))
+        return True
+
+    async def _expire_finished(self, rollout_id: str, digest: str | None) -> None:
+        """A finished rollout's TTLs: its key's grace, its records' retention (module docstring)."""
+        pipe = self.r.pipeline(transaction=False)
+        if digest:
+            pipe.expire(self.keys.api_key_digest(digest), self.finished_key_grace_s)  # 0: gone now
+        for key in (
+            self.keys.rollout(rollout_id),
+            self.keys.rollout_calls(rollout_id),
+            self.keys.call_rewards(rollout_id),
+        ):
+            pipe.expire(key, self.finished_ttl_s)
+        await pipe.execute()
 
     async def _publish_final(self, event: RolloutEvent) -> None:
-        # New calls of this rollout get 409 now; the ones already past authentication are recorded
-        # first, so the merger never reads a half-recorded rollout.
-        if not await self.admission.wait_rollout_idle(event.rollout_id, self.finish_wait_s):
+        # New calls of this rollout get 409 now; the ones already past authentication, on this
+        # replica or another, are recorded first, so the merger never reads a half-recorded rollout.
+        if not await self.wait_idle(event.rollout_id, self.finish_wait_s):
             log.warning(
                 "rollout %s finished with %d call(s) still in flight after %.0f s",
                 event.rollout_id,
-                self.admission.rollout_calls(event.rollout_id),
+                await self.in_flight(event.rollout_id),
                 self.finish_wait_s,
             )
         await broker.publish_once(

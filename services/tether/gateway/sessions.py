@@ -105,10 +105,11 @@ class Sessions:
         if not isinstance(call_id, str) or not call_id:
             raise ApiError(422, "'call_id' must be a non-empty string", param="call_id", code="invalid_value")
         reward = parse_reward(body)
-        entry = await self.r.get(self.keys.published(call_id))
+        stream = self.keys.traces(session_rollout_id(name, call_id))  # where the call was recorded
+        entry = await self.r.get(self.keys.published(call_id, stream))
         trace = None
         if entry:
-            items = await self.r.xrange(self.keys.traces, min=entry, max=entry)
+            items = await self.r.xrange(stream, min=entry, max=entry)
             try:
                 trace = Trace.from_json(items[0][1]["data"]) if items else None
             except RecordError as exc:  # not a trace this gateway can read: not one of its calls

@@ -11,13 +11,14 @@ import asyncio
 import logging
 import shlex
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 from pydantic import Field, field_validator
 
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
-from tether.common.settings import CommonSettings
+from tether.common.settings import CommonSettings, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.common.vllm_client import VLLMControl, VLLMError
 from tether.inference.launch import model_context_length, start_vllm, vllm_command, vllm_env
@@ -29,6 +30,8 @@ log = logging.getLogger("tether.inference")
 
 
 class InferenceSettings(CommonSettings):
+    config_section: ClassVar[str | None] = "inference"
+
     inference_grpc_host: str = "127.0.0.1"
     inference_grpc_port: int
     vllm_host: str = "127.0.0.1"
@@ -201,7 +204,8 @@ async def amain(s: InferenceSettings) -> None:
 
 def main() -> None:
     exit_if_help(InferenceSettings, __doc__)
-    s = InferenceSettings()
+    with refused_settings_exit("inference"):
+        s = InferenceSettings()
     setup_logging("inference", s.log_level)
     asyncio.run(amain(s))
 

@@ -402,9 +402,10 @@ class Merger:
         """The rollout's recorded traces, in call order; one that does not decode is dead-lettered
         (the rollout merges without it: its call counts as a prefix mismatch if a later one extends it)."""
         ids = await self.r.lrange(self.keys.rollout_calls(rollout_id), 0, -1)
+        stream = self.keys.traces(rollout_id)  # its partition: all its calls, in order
         pipe = self.r.pipeline(transaction=False)
         for eid in ids:
-            pipe.xrange(self.keys.traces, min=eid, max=eid)
+            pipe.xrange(stream, min=eid, max=eid)
         out = []
         for items in await pipe.execute():
             for eid, fields in items:
@@ -412,9 +413,7 @@ class Merger:
                 try:
                     out.append(Trace.from_dict(record))
                 except RecordError as exc:
-                    await broker.dead_letter(
-                        self.r, self.keys, self.keys.traces, eid, repr(exc), record, "Trace"
-                    )
+                    await broker.dead_letter(self.r, self.keys, stream, eid, repr(exc), record, "Trace")
         return out
 
     async def load_call_rewards(self, rollout_id: str) -> dict[str, float]:
@@ -827,13 +826,16 @@ class Merger:
                     decided_at=now,
                 )
             )
-        # The rollouts' outcomes and the group's done marker in one transaction: a merger stopped in
-        # between would otherwise score the group again (and hand it to the trainer twice).
-        async with self.r.pipeline(transaction=True) as pipe:
+        # The rollouts' outcomes, then the group's done marker (they live in different hash slots on a
+        # Redis Cluster: no transaction spans them). The marker is set only once every outcome is, so a
+        # done group always has its outcomes; a merger stopped in between scores the group again, as
+        # if it had stopped before, and writes the same outcomes (samples and results are published
+        # once by their ids, and the trainer drops a group it was handed before).
+        async with self.r.pipeline(transaction=False) as pipe:
             for o in outcomes:
                 pipe.set(self.keys.rollout_training(o.rollout_id), _dumps(o.to_dict()), ex=OUTCOME_TTL_S)
-            pipe.set(self.keys.group_done(group_id), outcome)
             await pipe.execute()
+        await self.r.set(self.keys.group_done(group_id), outcome)
         for o in outcomes:
             self.count_untrainable(o)
         GROUPS.labels(outcome).inc()
@@ -1013,7 +1015,7 @@ class Merger:
         if await self.r.exists(self.keys.group_done(group_id)):
             return "seen"
         entry = reward.trace_entry_id
-        items = await self.r.xrange(self.keys.traces, min=entry, max=entry)
+        items = await self.r.xrange(self.keys.traces(reward.rollout_id), min=entry, max=entry)
         if not items:
             return "trace_gone"
         trace = Trace.from_dict(broker.decode(items[0][1]))

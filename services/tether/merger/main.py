@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 from pydantic import Field, field_validator
@@ -15,7 +15,7 @@ from tether.common import broker
 from tether.common.grpc_server import channel, follow_health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.records import SampleRecord
-from tether.common.settings import RedisSettings
+from tether.common.settings import RedisSettings, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.merger.consumer import Merger, MergerConfig
 from tether.merger.merge import MergeMode, OverlongPolicy, generation_prompt_tail
@@ -28,6 +28,8 @@ log = logging.getLogger("tether.merger")
 
 class MergerSettings(RedisSettings):
     """TETHER_* environment of the merger (docs/merging.md)."""
+
+    config_section: ClassVar[str | None] = "merger"
 
     merger_grpc_host: str = "127.0.0.1"
     merger_grpc_port: int
@@ -139,7 +141,7 @@ async def amain(s: MergerSettings) -> None:
 
     cfg = config_from_settings(s)
     log.info("merger config: %s", cfg)
-    merger = Merger(r, broker.Keys(s.namespace), cfg, trainer_submitter(trainer))
+    merger = Merger(r, s.keys(), cfg, trainer_submitter(trainer))
 
     def register(server):
         merger_pb2_grpc.add_MergerServicer_to_server(MergerStatusServicer(merger), server)
@@ -149,6 +151,7 @@ async def amain(s: MergerSettings) -> None:
         s.merger_grpc_port, register, s.merger_grpc_host, s.metrics_port
     )
     await r.ping()
+    await broker.agree_trace_partitions(r, s.keys())
     log.info("merger on %s:%d", s.merger_grpc_host, port)
     try:
         await run_until_signal(
@@ -162,9 +165,11 @@ async def amain(s: MergerSettings) -> None:
 
 def main() -> None:
     exit_if_help(MergerSettings, __doc__)
-    s = MergerSettings()
+    with refused_settings_exit("merger"):
+        s = MergerSettings()
     setup_logging("merger", s.log_level)
-    asyncio.run(amain(s))
+    with refused_settings_exit("merger"):
+        asyncio.run(amain(s))
 
 
 if __name__ == "__main__":

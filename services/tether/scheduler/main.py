@@ -13,18 +13,20 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
+from typing import ClassVar
 
 from grpc_health.v1 import health_pb2_grpc
-from pydantic import Field, ValidationError
+from pydantic import Field, field_validator
 
 from tether.common import broker
 from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.retry import Retrying
-from tether.common.settings import RedisSettings, WeightPush
+from tether.common.settings import RedisSettings, WeightPush, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.scheduler import kube
 from tether.scheduler.fleet import InferenceFleet
+from tether.scheduler.gateways import ControlChannels, GatewayReplicas, check_spec
 from tether.scheduler.metrics import follow_broker
 from tether.scheduler.run import Run, RunConfig, SchedulingMode, Stubs, load_tasks
 from tether.scheduler.servicer import SchedulerServicer
@@ -38,12 +40,14 @@ from tether.v1 import (
 
 log = logging.getLogger("tether.scheduler")
 
-SETTINGS_REFUSED = 2  # exit status for settings refused at start-up (the launcher does not restart it)
-
 
 class SchedulerSettings(RedisSettings):
+    config_section: ClassVar[str | None] = "scheduler"
+
     scheduler_grpc_host: str = "127.0.0.1"
     scheduler_grpc_port: int
+    # host:port of the gateway's GatewayControl; with several gateway replicas, each one's, comma-separated
+    # (every replica is paused and resumed: scheduler/gateways.py).
     gateway_control_address: str
     inference_address: str
     trainer_address: str
@@ -69,24 +73,40 @@ class SchedulerSettings(RedisSettings):
     # pending entries) are read from Redis.
     broker_metrics_interval_s: float = Field(5.0, gt=0)
 
+    @field_validator("gateway_control_address")
+    @classmethod
+    def _control_addresses(cls, v: str) -> str:
+        check_spec(v)
+        return v
+
 
 async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> None:
     r = broker.connect(s.redis_url)
+    await broker.agree_trace_partitions(r, s.keys())
     # Calls retry the retryable codes with backoff, a few times; then, or on any other code, the run
     # fails and the process exits (see main). Not retried: a weight load or a path-2 push, whose
     # failures the run handles itself (fallback to path 1; reconcile after a restart).
     trainer = Retrying(trainer_pb2_grpc.TrainerStub(channel(s.trainer_address)), exempt={"PushWeights"})
     inference = channel(s.inference_address)
+    gateway_channels = ControlChannels()
     # The one adapter at inference_address, until Kubernetes discovery hands the fleet the replicas
     # (fleet.update); from then on every replica's adapter (tether.scheduler.fleet).
     fleet = InferenceFleet(
         Retrying(inference_pb2_grpc.InferenceStub(inference), exempt={"LoadWeights"}),
         r,
-        broker.Keys(s.namespace),
+        s.keys(),
         trainer=trainer,
     )
     stubs = Stubs(
-        gateway=Retrying(gateway_pb2_grpc.GatewayControlStub(channel(s.gateway_control_address))),
+        gateway=GatewayReplicas(
+            s.gateway_control_address,
+            lambda address, name: Retrying(
+                gateway_pb2_grpc.GatewayControlStub(gateway_channels.open(address, name))
+            ),
+            close=gateway_channels.close,
+            r=r,
+            keys=s.keys(),
+        ),
         inference=fleet,
         trainer=trainer,
         inference_health=health_pb2_grpc.HealthStub(inference),
@@ -108,7 +128,7 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
         weight_push=s.weight_push,
     )
     tasks = load_tasks(Path(s.tasks_file)) if s.tasks_file else []
-    keys = broker.Keys(s.namespace)
+    keys = s.keys()
     run = Run(r, keys, cfg, stubs, tasks)
 
     def register(server):
@@ -142,15 +162,13 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
 
 def main() -> None:
     exit_if_help(SchedulerSettings, __doc__)
-    try:
+    with refused_settings_exit("scheduler"):
         s = SchedulerSettings()
         k = kube.KubeSettings()
-    except ValidationError as exc:  # refused before anything serves: restarting cannot help
-        print(f"tether.scheduler: refusing to start, bad settings: {exc}", file=sys.stderr)
-        sys.exit(SETTINGS_REFUSED)
     setup_logging("scheduler", s.log_level)
     try:
-        asyncio.run(amain(s, k))
+        with refused_settings_exit("scheduler"):
+            asyncio.run(amain(s, k))
     except Exception as exc:
         log.critical("fatal: %r; exiting non-zero so that the supervisor starts the scheduler again", exc)
         sys.exit(1)

@@ -157,6 +157,7 @@ class Run:
         self.stubs = stubs
         self.tasks = tasks
         self.stop_requested = False
+        self.held_since: float | None = None  # async modes: dispatch held since (inference not serving)
         self.state = RunState(
             run_id=cfg.run_id,
             total_steps=cfg.steps,
@@ -409,6 +410,35 @@ class Run:
             await self.save_state(slept=False)
         return await self.publisher.reconcile()
 
+    async def inference_serving(self) -> bool:
+        """Whether inference says SERVING (vLLM answers, the newest checkpoint restored; through the
+        inference Service, any of its replicas); True when it is not checked."""
+        if self.stubs.inference_health is None:
+            return True
+        try:
+            resp = await self.stubs.inference_health.Check(health_pb2.HealthCheckRequest(), timeout=5.0)
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(resp.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def hold_dispatch(self) -> bool:
+        """Async modes, before dispatching more groups: True (hold them back) while inference is not
+        serving -- a vLLM restarting would only burn their rollouts' attempts -- while the loop goes on
+        reading results and training. Raises once it held for `rollout_timeout_s` (the process exits;
+        its supervisor starts it again), as `wait_inference` does."""
+        if await self.inference_serving():
+            if self.held_since is not None:
+                log.info("inference serving again; dispatching")
+                self.held_since = None
+            return False
+        now = time.monotonic()
+        if self.held_since is None:
+            log.warning("inference not serving; holding dispatch")
+            self.held_since = now
+        elif now - self.held_since > self.cfg.rollout_timeout_s:
+            raise RuntimeError(f"inference not serving after {self.cfg.rollout_timeout_s:.0f}s")
+        return True
+
     async def wait_inference(self) -> None:
         """Wait until inference says SERVING (vLLM answers, the newest checkpoint restored): a step
         dispatched while it restarts would only burn its rollouts' attempts. Raises after
@@ -418,14 +448,10 @@ class Run:
         deadline = time.monotonic() + self.cfg.rollout_timeout_s
         waited = False
         while True:
-            try:
-                resp = await self.stubs.inference_health.Check(health_pb2.HealthCheckRequest(), timeout=5.0)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    if waited:
-                        log.info("inference serving again")
-                    return
-            except grpc.aio.AioRpcError:
-                pass
+            if await self.inference_serving():
+                if waited:
+                    log.info("inference serving again")
+                return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"inference not serving after {self.cfg.rollout_timeout_s:.0f}s")
             if not waited:
@@ -634,7 +660,8 @@ class Run:
                 await self.save_state(status="stopped")
                 return
             STEP.set(step)
-            for _ in range(async_dispatch_count(len(outstanding), len(ready), budget)):
+            wanted = async_dispatch_count(len(outstanding), len(ready), budget)
+            for _ in range(0 if wanted == 0 or await self.hold_dispatch() else wanted):
                 gid = f"{self.cfg.run_id}-a{step}-{n}"
                 task = rng.choice(self.tasks)
                 n += 1
@@ -708,6 +735,7 @@ class Run:
             return self.state.eval_record
         cursor = self.state.eval_cursor or await self.results_cursor()
         await self.save_state(status="evaluating", eval_cursor=cursor)
+        await self.wait_inference()
         group_ids = set()
         for i, task in enumerate(self.tasks):
             for k in range(self.cfg.eval_repeats):

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Literal
+from typing import ClassVar, Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -21,7 +21,7 @@ from pydantic import Field, model_validator
 from tether.algorithms.names import KLEstimator, LossMode, OffPolicyMode
 from tether.common.grpc_server import run_until_signal, start_server
 from tether.common.logs import setup_logging
-from tether.common.settings import CommonSettings, WeightPush
+from tether.common.settings import CommonSettings, WeightPush, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.trainer import distributed, weights
 from tether.trainer.distributed import Dist
@@ -35,6 +35,8 @@ log = logging.getLogger("tether.trainer")
 
 
 class TrainerSettings(CommonSettings):
+    config_section: ClassVar[str | None] = "trainer"
+
     trainer_grpc_host: str = "127.0.0.1"
     trainer_grpc_port: int
     model_dir: str
@@ -83,6 +85,11 @@ class TrainerSettings(CommonSettings):
     weight_push_attempts: int = 2
     weight_push_timeout_s: float = 600.0
     weight_push_dtype: Literal["", "bfloat16", "float16"] = ""  # cast floating-point weights on the wire
+    # SIGTERM: how long a step (or weight push) in hand may still run to its end -- trained,
+    # checkpointed, answered -- before the process exits; the supervisor's grace must cover it.
+    drain_s: float = Field(45.0, ge=0)
+    # Tests only: seconds every step waits (in its worker thread) before it trains: a slow step.
+    test_step_delay_s: float = Field(0.0, ge=0)
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:
@@ -230,7 +237,7 @@ async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resu
         if health_box:
             await health_box[0].set(False)
 
-    trainer = Trainer(core, pusher=weight_pusher(s, d) if push else None)
+    trainer = Trainer(core, pusher=weight_pusher(s, d) if push else None, step_delay_s=s.test_step_delay_s)
     servicer = TrainerServicer(trainer, on_broken=not_serving)
 
     def register(server):
@@ -263,12 +270,13 @@ async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resu
         if d.active:
             await trainer.stop_ranks()
 
-    await run_until_signal(server, health, background, on_stop=on_stop)
+    await run_until_signal(server, health, background, on_stop=on_stop, drain_s=s.drain_s)
 
 
 def main() -> None:
     exit_if_help(TrainerSettings, __doc__)
-    s = TrainerSettings()
+    with refused_settings_exit("trainer"):
+        s = TrainerSettings()
     setup_logging("trainer", s.log_level)
     torch.set_num_threads(s.torch_threads)
     from transformers.utils import logging as hf_logging

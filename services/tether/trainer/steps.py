@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import signal
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -503,9 +504,10 @@ class Trainer:
     caller goes away: a restarted scheduler then gets the recorded result, never a second update).
     """
 
-    def __init__(self, core: TrainerCore, pusher: Any = None) -> None:
+    def __init__(self, core: TrainerCore, pusher: Any = None, step_delay_s: float = 0.0) -> None:
         self.core = core
         self.pusher = pusher
+        self.step_delay_s = step_delay_s  # tests: a slow step (TETHER_TEST_STEP_DELAY_S)
         self.lock = asyncio.Lock()  # one step, push (or rank command) at a time
 
     async def train(
@@ -533,7 +535,7 @@ class Trainer:
                 self.core.version,
             )
             with STEP_SECONDS.time():
-                record = await asyncio.to_thread(self.core.execute, plan)
+                record = await asyncio.to_thread(self._execute, plan)
             self.core.finish(plan, record)
             log.info(
                 "step %d -> version %d: %s",
@@ -542,6 +544,11 @@ class Trainer:
                 {k: round(v, 4) for k, v in record.metrics.items()},
             )
             return record
+
+    def _execute(self, plan: Any) -> StepRecord:
+        if self.step_delay_s:
+            time.sleep(self.step_delay_s)
+        return self.core.execute(plan)
 
     async def push(self, version: int):
         """Path 2: stream the weights of `version` into vLLM's workers, then drop vLLM's prefix cache.

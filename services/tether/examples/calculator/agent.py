@@ -8,15 +8,15 @@ uses the tool: reward starts low and RL raises it by shifting probability mass o
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import re
 import time
 
-import httpx
 import openai
 from openai.types.chat import ChatCompletionMessageParam
+
+from tether.examples import harness
 
 QUESTION_WORDS: tuple[str, ...] = ("what", "is", "?")
 TOOL_WORDS: tuple[str, ...] = ("calc", "+", "=")
@@ -67,13 +67,9 @@ def demonstrations(n: int = DEMONSTRATIONS, seed: int = 0, tool_fraction: float 
     Direct demonstrations answer with a uniformly random digit (not the sum), so the SFT policy learns
     that answering directly is a guess and only the tool path is reliable.
     """
-    if not 0.0 <= tool_fraction <= 1.0:
-        raise ValueError("tool_fraction must be in [0, 1]")
     rng = random.Random(seed)
     pool = tasks()
-    n_tool = round(n * tool_fraction)
-    kinds = [True] * n_tool + [False] * (n - n_tool)
-    rng.shuffle(kinds)
+    kinds = harness.mix(n, tool_fraction, rng, "tool_fraction")
     conversations: list[list[dict]] = []
     for uses_tool in kinds:
         task = rng.choice(pool)
@@ -91,20 +87,6 @@ def demonstrations(n: int = DEMONSTRATIONS, seed: int = 0, tool_fraction: float 
             guess = str(rng.randint(0, MAX_SUM))
             conversations.append([user, {"role": "assistant", "content": guess}])
     return conversations
-
-
-@functools.lru_cache(maxsize=16)
-def _pool(base_url: str) -> httpx.Client:
-    """One connection pool per endpoint, shared by every rollout's client (thread-safe). A client of
-    its own per rollout cost ~20 ms of CPU (an SSL context) and a new connection."""
-    return httpx.Client(timeout=60.0, limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
-
-
-def _client(base_url: str, api_key: str) -> openai.OpenAI:
-    """The rollout's own client (its key), on the endpoint's shared pool."""
-    return openai.OpenAI(
-        base_url=base_url, api_key=api_key, max_retries=1, timeout=60.0, http_client=_pool(base_url)
-    )
 
 
 def _reply(client: openai.OpenAI, model: str, messages: list[ChatCompletionMessageParam]) -> str:
@@ -129,7 +111,7 @@ def rollout(task: dict, base_url: str, api_key: str, model: str) -> float:
     A reply starting with ``calc`` is a tool call: a well-formed ``calc X + Y`` gets ``= X+Y`` back and
     the second reply is the answer; a malformed one ends the episode with reward 0.
     """
-    client = _client(base_url, api_key)
+    client = harness.client(base_url, api_key)
     messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": question(task)}]
     reply = _reply(client, model, messages)
     if reply.strip().startswith("calc"):

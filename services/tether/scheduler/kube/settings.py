@@ -4,7 +4,7 @@ checked once at start-up, so a bad value refuses the scheduler before it talks t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
@@ -16,6 +16,8 @@ RESOURCE_KEYS = frozenset({"requests", "limits", "claims"})
 
 class KubeSettings(CommonSettings):
     """Off unless TETHER_KUBE_ENABLED=true; each feature is on when its own setting names a target."""
+
+    config_section: ClassVar[str | None] = "kube"
 
     kube_enabled: bool = False
     kube_namespace: str = ""  # the chart sets it from the downward API (metadata.namespace)
