@@ -18,6 +18,7 @@ EXTRAS = ("core", "gateway", "merger", "scheduler", "inference", "agents", "trai
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1500)
 def test_every_extra_installs_alone_and_its_service_starts(tmp_path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("TETHER_") and k != "PYTHONPATH"}
     env.update(PYTHON=sys.executable, TETHER_EXTRAS_DIR=str(tmp_path))
