@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from deploy import chart, policy
-from deploy.validate import api_server_violations, kube_violations
+from deploy.validate import render_problems
 
 # What a template crash looks like (as opposed to a `fail` the chart chose).
 CRASH = re.compile(
@@ -95,18 +95,10 @@ def combos(draw: st.DrawFn) -> tuple[dict[str, Any], str]:
 
 
 def _problems(render: chart.Render, version: str, values: dict[str, Any]) -> list[str]:
-    out = [
-        f"{o['kind']}/{o['metadata']['name']}: {p}"
-        for o in render.objects
-        for p in kube_violations(o, version)
-    ]
-    out += [p for o in render.objects for p in api_server_violations(o)]
+    out = render_problems(render, version)
     out += [v for o in render.objects for v in policy.surge_violations(o)]
     policies = render.of_kind("NetworkPolicy")
     for where, t in render.pod_templates():
-        spec = t["spec"]
-        for check in policy.POD_CHECKS:
-            out += [f"{where}: {v}" for v in check(spec)]
         labels = (t.get("metadata") or {}).get("labels") or {}
         out += [f"{where}: {v}" for v in policy.network_policy_violations(labels, policies)]
     return out

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from deploy import chart, policy
-from deploy.validate import api_server_violations, kube_violations
+from deploy.validate import render_problems
 
 EXAMPLES = sorted((chart.CHART / "ci").glob("*.yaml"))
 
@@ -22,15 +22,6 @@ def test_an_example_renders_valid_and_restricted(path, version):
     values = chart.load_set(path).values
     chart.validate_schema(values)
     render = chart.render_values(values, version)
-    problems = [
-        f"{o['kind']}/{o['metadata']['name']}: {p}"
-        for o in render.objects
-        for p in kube_violations(o, version)
-    ]
-    problems += [p for o in render.objects for p in api_server_violations(o)]
-    for where, t in render.pod_templates():
-        spec = t["spec"]
-        for check in policy.POD_CHECKS:
-            problems += [f"{where}: {v}" for v in check(spec)]
+    problems = render_problems(render, version)
     problems += [v for o in render.objects for v in policy.surge_violations(o)]
     assert problems == []

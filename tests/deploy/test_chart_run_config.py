@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from deploy import chart, policy
-from deploy.validate import api_server_violations, kube_violations
+from deploy.validate import render_problems
 
 ROOT = Path(__file__).resolve().parents[2]
 RECIPES = sorted((ROOT / "recipes" / "helm").glob("*.yaml"))
@@ -68,16 +68,7 @@ def test_a_recipe_renders_valid_and_restricted(path):
     values, run = recipe_values(path)
     chart.validate_schema(values)
     render = chart.render_values(values, VERSION)
-    problems = [
-        f"{o['kind']}/{o['metadata']['name']}: {p}"
-        for o in render.objects
-        for p in kube_violations(o, VERSION)
-    ]
-    problems += [p for o in render.objects for p in api_server_violations(o)]
-    for where, t in render.pod_templates():
-        for check in policy.POD_CHECKS:
-            problems += [f"{where}: {v}" for v in check(t["spec"])]
-    assert problems == []
+    assert render_problems(render, VERSION) == []
 
     cm = render.get("ConfigMap", f"{chart.RELEASE}-tether-run-config")
     assert same(yaml.safe_load(cm["data"]["run.yaml"]), run)  # the file, unchanged

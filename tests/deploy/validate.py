@@ -15,6 +15,8 @@ from kubernetes_validate import utils
 from packaging.version import Version
 from referencing import Registry, Resource
 
+from deploy import policy
+
 CRDS = Path(__file__).parent / "crds"
 # The schemas do not carry their kind: the vendored files' plurals.
 KINDS = {"podmonitors": "PodMonitor", "prometheusrules": "PrometheusRule", "jobsets": "JobSet"}
@@ -232,3 +234,19 @@ def api_server_violations(obj: dict[str, Any]) -> list[str]:
     if last_host and len(last_host()) > 63:
         out.append(f"{where}: pod hostname {last_host()} is longer than 63 (DNS label)")
     return out
+
+
+def render_problems(render: Any, version: str) -> list[str]:
+    """What the core checks find in a chart render (deploy.chart.Render) at Kubernetes `version`: objects
+    the version's schemas refuse, what the API server itself would refuse, and every pod template held to
+    the chart's pod policies (policy.POD_CHECKS)."""
+    problems = [
+        f"{o['kind']}/{o['metadata']['name']}: {p}"
+        for o in render.objects
+        for p in kube_violations(o, version)
+    ]
+    problems += [p for o in render.objects for p in api_server_violations(o)]
+    for where, t in render.pod_templates():
+        for check in policy.POD_CHECKS:
+            problems += [f"{where}: {v}" for v in check(t["spec"])]
+    return problems

@@ -1,5 +1,5 @@
-"""What every example harness shares: its OpenAI client on a shared connection pool, and the shuffled mix
-of demonstration kinds its warm start draws from. The examples import it; nothing else does."""
+"""What every example harness shares: its OpenAI client on a shared connection pool, the sample of tasks a
+run draws, and the shuffled mix of demonstration kinds its warm start draws from. The examples import it; nothing else does."""
 
 from __future__ import annotations
 
@@ -33,3 +33,12 @@ def mix(n: int, fraction: float, rng: random.Random, name: str = "fraction") -> 
     kinds = [True] * n_true + [False] * (n - n_true)
     rng.shuffle(kinds)
     return kinds
+
+
+def pick(every: list[dict], n: int | None, seed: int) -> list[dict]:
+    """`every` task when n is None, else n of them sampled without replacement (the same n for a seed)."""
+    if n is None:
+        return every
+    if not 0 <= n <= len(every):
+        raise ValueError(f"n must be in [0, {len(every)}]")
+    return random.Random(seed).sample(every, n)

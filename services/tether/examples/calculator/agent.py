@@ -44,11 +44,7 @@ def tasks(n: int | None = None, seed: int = 0) -> list[dict]:
         for a in range(MAX_SUM + 1)
         for b in range(MAX_SUM + 1 - a)
     ]
-    if n is None:
-        return every
-    if not 0 <= n <= len(every):
-        raise ValueError(f"n must be in [0, {len(every)}]")
-    return random.Random(seed).sample(every, n)
+    return harness.pick(every, n, seed)
 
 
 def question(task: dict) -> str:

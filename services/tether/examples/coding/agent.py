@@ -177,7 +177,7 @@ def rollout(task: dict, base_url: str, api_key: str, model: str) -> float:
 
 def tasks(n: int | None = None, seed: int = 0) -> list[dict]:
     """Every generated repository (repos.all_tasks), or n of them sampled without replacement."""
-    return repos.all_tasks() if n is None else repos.sample(n, seed)
+    return harness.pick(repos.all_tasks(), n, seed)
 
 
 FIXES: tuple[str, ...] = tuple(sorted({f.fix for f in repos.FUNCTIONS}))

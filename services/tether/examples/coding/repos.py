@@ -13,7 +13,6 @@ Every bug's wrong text occurs once in its file, so a one-line ``sed -i 's/OLD/NE
 from __future__ import annotations
 
 import itertools
-import random
 from dataclasses import dataclass
 
 MODULE = "ops.py"
@@ -111,10 +110,3 @@ def all_tasks() -> list[dict]:
             if _valid((a, b), buggy):
                 tasks.append({"task_id": f"{a}+{b}:{buggy}", "functions": [a, b], "bug": buggy})
     return tasks
-
-
-def sample(n: int, seed: int) -> list[dict]:
-    every = all_tasks()
-    if not 0 <= n <= len(every):
-        raise ValueError(f"n must be in [0, {len(every)}]")
-    return random.Random(seed).sample(every, n)

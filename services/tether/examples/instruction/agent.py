@@ -39,28 +39,25 @@ NOT_MET = "not met :"
 MAX_CHECKS = 2
 
 
+# Each constraint kind as the plain sentence the prompt (and the check tool's report) states it in.
+SENTENCES = {
+    "length_exact": "use exactly {n} words .",
+    "length_at_most": "use at most {n} words .",
+    "include": "include the word {word} .",
+    "exclude": "do not use the word {word} .",
+    "starts_with": "start with the word {word} .",
+    "ends_with": "end with the word {word} .",
+    "lower_case": "write only lower case .",
+    "bullets": "write a list of {n} bullets .",
+    "json_keys": "answer in json with keys {keys} .",
+}
+
+
 def sentence(c: dict) -> str:
-    """A constraint as the plain sentence the prompt (and the check tool's report) states it in."""
-    kind = c["kind"]
-    if kind == "length_exact":
-        return f"use exactly {c['n']} words ."
-    if kind == "length_at_most":
-        return f"use at most {c['n']} words ."
-    if kind == "include":
-        return f"include the word {c['word']} ."
-    if kind == "exclude":
-        return f"do not use the word {c['word']} ."
-    if kind == "starts_with":
-        return f"start with the word {c['word']} ."
-    if kind == "ends_with":
-        return f"end with the word {c['word']} ."
-    if kind == "lower_case":
-        return "write only lower case ."
-    if kind == "bullets":
-        return f"write a list of {c['n']} bullets ."
-    if kind == "json_keys":
-        return f"answer in json with keys {' and '.join(c['keys'])} ."
-    raise ValueError(f"unknown constraint kind {kind!r}")
+    """Constraint `c` as its sentence (SENTENCES)."""
+    if c["kind"] not in SENTENCES:
+        raise ValueError(f"unknown constraint kind {c['kind']!r}")
+    return SENTENCES[c["kind"]].format(**{**c, "keys": " and ".join(c.get("keys", ()))})
 
 
 _SENTENCE_WORDS = (
@@ -137,11 +134,7 @@ def tasks(n: int | None = None, seed: int = 0) -> list[dict]:
     """The fixed pool of TASKS tasks (the same for every seed), or n of them sampled without replacement."""
     rng = random.Random(15)
     every = [_make_task(rng, i) for i in range(TASKS)]
-    if n is None:
-        return every
-    if not 0 <= n <= len(every):
-        raise ValueError(f"n must be in [0, {len(every)}]")
-    return random.Random(seed).sample(every, n)
+    return harness.pick(every, n, seed)
 
 
 def reference(task: dict) -> str:

@@ -81,11 +81,7 @@ def tasks(n: int | None = None, seed: int = 0) -> list[dict]:
         for p in corpus.people()
         for kind, (template, _) in QUESTIONS.items()
     ]
-    if n is None:
-        return every
-    if not 0 <= n <= len(every):
-        raise ValueError(f"n must be in [0, {len(every)}]")
-    return random.Random(seed).sample(every, n)
+    return harness.pick(every, n, seed)
 
 
 def observation(notes: list[str]) -> str:
