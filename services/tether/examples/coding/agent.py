@@ -16,7 +16,6 @@ policy is right mostly when it looks first: RL raises the reward by shifting mas
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import re
@@ -24,8 +23,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import httpx
-import openai
 from openai.types.chat import ChatCompletionMessageParam
 
 from tether.examples import harness
@@ -153,17 +150,9 @@ def run_episode(
     return Episode(score, submitted, turns, end, [dict(m) for m in messages], passed)
 
 
-@functools.lru_cache(maxsize=16)
-def _pool(base_url: str) -> httpx.Client:
-    """One connection pool per endpoint, shared by every rollout's client (thread-safe)."""
-    return httpx.Client(timeout=60.0, limits=httpx.Limits(max_connections=512, max_keepalive_connections=128))
-
-
 def rollout(task: dict, base_url: str, api_key: str, model: str) -> float:
     """Run one episode against an OpenAI-compatible endpoint and return its reward (1.0 or 0.0)."""
-    client = openai.OpenAI(
-        base_url=base_url, api_key=api_key, max_retries=1, timeout=60.0, http_client=_pool(base_url)
-    )
+    client = harness.client(base_url, api_key)
     max_tokens = int(os.environ.get(MAX_TOKENS_ENV) or MAX_TOKENS)
 
     def policy(messages: list[ChatCompletionMessageParam]) -> str:
@@ -229,5 +218,5 @@ def _words() -> list[str]:
 
 VOCAB: list[str] = _words()
 DEMONSTRATIONS = 2000
-WARM_START: dict[str, float] = {"steps": 300, "lr": 3e-3}
+WARM_START: dict[str, float] = {"steps": 600, "lr": 3e-3}
 DEMO: dict[str, int | float] = {"steps": 60, "tasks_per_step": 8, "group_size": 8, "eval_repeats": 1}
