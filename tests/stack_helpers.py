@@ -15,6 +15,12 @@ from pathlib import Path
 import pytest
 
 TETHER = [sys.executable, "-m", "tether.cli"]
+# A demo may first warm-start its example's model (a cold cache) and then start vLLM: at load ~25 on a
+# 2-core box a search demo's fixture ran past the suite's 15-minute default (Dec 3: vLLM alone took 5
+# minutes to start). The demo's own timeout fails its test with the services' logs; `runs_a_demo`, on
+# each test that starts one, leaves it the room to.
+DEMO_TIMEOUT_S = 1500
+runs_a_demo = pytest.mark.timeout(DEMO_TIMEOUT_S + 120)
 
 
 def alive(pid: int) -> bool:
@@ -198,7 +204,7 @@ def tether_demo(cwd: Path, *flags: str) -> tuple[Path, str]:
         cwd=cwd,
         capture_output=True,
         text=True,
-        timeout=1500,
+        timeout=DEMO_TIMEOUT_S,
     )
     if proc.returncode != 0:
         logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in (run_dir / "logs").glob("*.log"))

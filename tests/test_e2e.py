@@ -8,11 +8,18 @@ import json
 import subprocess
 
 import pytest
-from stack_helpers import alive, assert_samples_are_vllm_tokens, jsonl, tether_demo, tether_jsonl
+from stack_helpers import (
+    alive,
+    assert_samples_are_vllm_tokens,
+    jsonl,
+    runs_a_demo,
+    tether_demo,
+    tether_jsonl,
+)
 
 from tether.common.records import spans_cover
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, runs_a_demo]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from stack_helpers import assert_samples_are_vllm_tokens, jsonl, small_demo, tether_jsonl
+from stack_helpers import assert_samples_are_vllm_tokens, jsonl, runs_a_demo, small_demo, tether_jsonl
 
 from tether.examples.coding import agent, repos, reward, sandbox
 
@@ -319,6 +319,7 @@ def agent_turn(command: str) -> dict:
 
 
 @pytest.mark.slow
+@runs_a_demo
 def test_demo_samples_carry_vllm_token_ids_and_harness_rewards(tmp_path):
     from transformers import AutoTokenizer
 

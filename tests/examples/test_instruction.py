@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from stack_helpers import assert_samples_are_vllm_tokens, small_demo, tether_jsonl
+from stack_helpers import assert_samples_are_vllm_tokens, runs_a_demo, small_demo, tether_jsonl
 
 from tether.demo import tiny
 from tether.examples.instruction import agent
@@ -149,6 +149,7 @@ def test_tasks_references_and_the_tiny_vocabulary():
 
 
 @pytest.mark.slow
+@runs_a_demo
 def test_demo_samples_carry_vllms_tokens_and_the_harness_rewards(tmp_path):
     small_demo(tmp_path, "instruction")
     assert_run_flowed_exactly(tmp_path)

@@ -10,6 +10,7 @@ from stack_helpers import (
     assert_samples_are_vllm_tokens,
     assert_sequences_are_vllm_calls,
     jsonl,
+    runs_a_demo,
     small_demo,
     tether_jsonl,
 )
@@ -177,6 +178,7 @@ def demo(tmp_path_factory):
 
 
 @pytest.mark.slow
+@runs_a_demo
 def test_samples_are_the_tokens_vllm_returned(demo):
     run_dir, traces, samples = demo
     steps = [m for m in jsonl((run_dir / "metrics.jsonl").read_text()) if "step" in m]
@@ -189,6 +191,7 @@ def test_samples_are_the_tokens_vllm_returned(demo):
 
 
 @pytest.mark.slow
+@runs_a_demo
 def test_sample_rewards_are_the_harness_rewards(demo):
     """The reward each sample carries is the one the harness computes from what vLLM answered last in
     that rollout (decoded from its token ids), and the observations were the index's own results."""
