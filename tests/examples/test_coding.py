@@ -265,17 +265,20 @@ def test_format_errors_are_observed_not_run():
 
 
 def reply_probability(model, tokenizer, messages: list[dict]) -> float:
-    """The policy's probability of the conversation's last assistant turn (its tokens and end of turn)."""
+    """The policy's probability of the conversation's last assistant turn (its tokens and end of turn):
+    the warm start's own masked NLL, over that turn's tokens only."""
+    import math
+
     import torch
 
-    from tether.demo.warmstart import tokenize_conversation
+    from tether.demo.warmstart import masked_nll, tokenize_conversation
 
     ids, mask = tokenize_conversation(tokenizer, messages)
-    end = len(mask)
-    start = end - mask[::-1].index(0)  # the last turn: the final run of 1s in the mask
+    turn = mask[::-1].index(0)  # the last turn: the final run of 1s in the mask
+    last_turn = torch.tensor([[0.0] * (len(mask) - turn) + [1.0] * turn])
     with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), -1)
-    return float(torch.exp(sum(logp[t - 1, ids[t]] for t in range(start, end))))
+        nll = masked_nll(model, torch.tensor([ids]), last_turn)
+    return math.exp(-float(nll) * turn)
 
 
 @pytest.mark.slow
