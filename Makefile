@@ -1,5 +1,13 @@
 # The two quick-start commands: `make demo` and `make test`. Both set everything up first.
-.PHONY: setup demo test test-fast lint protos
+# Two test tiers (README, "Development"; tests/tiers.py says what only the second runs):
+#   make test       every layer, in CI's budget (.ci/run runs it)
+#   make test-all   the whole suite: images, compose on a real engine, every harness, the long fuzz,
+#                   the examples' learning tests, the fault matrix, the extras' installs
+.PHONY: setup demo test test-all test-fast lint protos
+
+# pytest exits 5 when it collected no tests: that is a failure here, never a pass.
+PYTEST = .venv/bin/pytest -ra --durations=30
+NO_TESTS_FAIL = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 setup:
 	bash scripts/setup.sh
@@ -10,12 +18,16 @@ demo: setup
 test:
 	bash scripts/setup.sh --test
 	.venv/bin/python scripts/gen_protos.py --check
-	@# pytest exits 5 when it collected no tests: that is a failure here, never a pass.
-	.venv/bin/pytest -ra --durations=40; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
+	$(PYTEST) -m "not full"; $(NO_TESTS_FAIL)
+
+test-all:
+	bash scripts/setup.sh --test-all
+	.venv/bin/python scripts/gen_protos.py --check
+	$(PYTEST); $(NO_TESTS_FAIL)
 
 test-fast:
 	bash scripts/setup.sh --test
-	.venv/bin/pytest -ra -m "not slow"
+	.venv/bin/pytest -ra -m "not slow and not full"
 
 # ruff on the whole tree; mypy on the files [tool.mypy] in pyproject.toml names.
 lint: setup

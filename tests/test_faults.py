@@ -107,7 +107,18 @@ def _read_store(redis_data: Path, namespace: str) -> dict[str, list[dict]]:
         proc.wait(10)
 
 
+def test_a_gateway_killed_mid_run_loses_nothing(tmp_path):
+    """`make test`'s fault: the gateway killed with -9 while a step's calls are in flight."""
+    run_with_faults(tmp_path, FAULTS[:1], steps=6, learns=False)
+
+
 def test_every_fault_in_one_run(tmp_path):
+    run_with_faults(tmp_path, FAULTS, steps=STEPS, learns=True)
+
+
+def run_with_faults(tmp_path: Path, faults: list[tuple[str, int, str]], steps: int, learns: bool) -> None:
+    """A demo of `steps` steps with `faults` dealt in turn; every check above (the reward's rise only
+    when `learns`: a short run has too few steps to show it)."""
     run_dir = tmp_path / "run"
     started = time.monotonic()
     out_path = tmp_path / "demo.out"
@@ -117,7 +128,7 @@ def test_every_fault_in_one_run(tmp_path):
             *TETHER,
             "demo",
             "--steps",
-            str(STEPS),
+            str(steps),
             "--tasks-per-step",
             str(TASKS_PER_STEP),
             "--group-size",
@@ -143,7 +154,7 @@ def test_every_fault_in_one_run(tmp_path):
             time.sleep(0.5)
         r = redis.Redis.from_url(stack["redis_url"], decode_responses=True, socket_timeout=5)
         keys = Keys(stack["namespace"])
-        pending = list(FAULTS)
+        pending = list(faults)
         first_seen: dict[tuple, float] = {}
         while pending and demo.poll() is None and time.monotonic() < deadline:
             name, at, phase = pending[0]
@@ -181,33 +192,35 @@ def test_every_fault_in_one_run(tmp_path):
     final = _stack(tmp_path)
     assert final is not None
     restarts = {n: k for n, k in final["restarts"].items() if k}
-    expected = {name: 1 for name, _, _ in FAULTS}
+    expected = {name: 1 for name, _, _ in faults}
     # By design the scheduler's run loop fails loudly on a Redis error (tether.common.retry) and is
     # restarted, resuming from Redis: the Redis fault may cost it one more restart, nothing else.
     if restarts.get("scheduler") == 2:
         expected["scheduler"] = 2
     assert restarts == expected, (restarts, demo_out)
-    for name, _, _ in FAULTS:
+    for name, _, _ in faults:
         assert f"{name} exited with code -9; restarting it (1/" in demo_out, name
 
     # Every step reported once, in order; the version advances by one on every step that trained.
-    steps = [m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "step" in m]
-    assert [m["step"] for m in steps] == list(range(STEPS)), [m["step"] for m in steps]
+    records = [
+        m for m in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "step" in m
+    ]
+    assert [m["step"] for m in records] == list(range(steps)), [m["step"] for m in records]
     version = 0
-    for m in steps:
+    for m in records:
         version += m["samples"] > 0
-        assert m["weight_version"] == version, steps
+        assert m["weight_version"] == version, records
         # The trainer reproduces vLLM's logprobs before each update: every call, those served by the
         # restarted vLLM included, was sampled by the weights the run was at (not the base model's).
         if m["samples"]:
             assert m["logprob_abs_diff"] <= 1e-3, m
-    assert version >= STEPS - 2, "too few steps trained"
+    assert version >= steps - 2, "too few steps trained"
 
     # The trainer trained each step once (a step retried after its restart is answered from its record).
     trainer_log = (run_dir / "logs" / "trainer.log").read_text()
     started_steps = [int(s) for s in re.findall(r"training step (\d+) ", trainer_log)]
     trained = [(int(s), int(v)) for s, v in re.findall(r"step (\d+) -> version (\d+)", trainer_log)]
-    assert trained == [(m["step"], m["weight_version"]) for m in steps if m["samples"] > 0], trained
+    assert trained == [(m["step"], m["weight_version"]) for m in records if m["samples"] > 0], trained
     # The step the kill cut short is started again by the new trainer, and trained once.
     assert sorted(set(started_steps)) == [s for s, _ in trained]
     tstate = torch.load(run_dir / "checkpoints" / f"v{version:06d}" / "trainer_state.pt", weights_only=True)
@@ -216,7 +229,8 @@ def test_every_fault_in_one_run(tmp_path):
 
     # Inference ends on the final version, the restarted one having restored the newest checkpoint.
     inference_log = (run_dir / "logs" / "inference.log").read_text()
-    assert "(started from it)" in inference_log  # restarted vLLM started on the newest checkpoint
+    if "inference" in restarts:
+        assert "(started from it)" in inference_log  # restarted vLLM started on the newest checkpoint
     loads = [int(v) for v in re.findall(r"as version (\d+)", inference_log)]
     assert loads[-1] == version and sorted(loads) == loads, loads
 
@@ -232,7 +246,7 @@ def test_every_fault_in_one_run(tmp_path):
     assert len(sample_keys) == len(set(sample_keys))
     assert {s["group_id"] for s in samples} == trained_groups
     # ... and the steps trained exactly the samples published: none twice, none lost.
-    assert sum(m["samples"] for m in steps) == len(samples)
+    assert sum(m["samples"] for m in records) == len(samples)
 
     # Exactly once, by (rollout_id, call_id): every call of every rollout that trained in one sample.
     in_samples = Counter((s["rollout_id"], c) for s in samples for c in s["call_ids"])
@@ -265,11 +279,11 @@ def test_every_fault_in_one_run(tmp_path):
     orphans = {t["rollout_id"] for t in traces} - set(terminal)
     errored_calls = sum(t["status"] != "ok" for t in traces)
     # A step whose rollouts the inference fault all cut has no reward (NaN): left out.
-    rewards = [m["reward_mean"] for m in steps if m["reward_mean"] == m["reward_mean"]]
+    rewards = [m["reward_mean"] for m in records if m["reward_mean"] == m["reward_mean"]]
     first, last = sum(rewards[:WINDOW]) / WINDOW, sum(rewards[-WINDOW:]) / WINDOW
     figures = {
         "seconds": round(seconds),
-        "steps": len(steps),
+        "steps": len(records),
         "final_version": version,
         "kills": [{"process": n, "step": s} for n, s, _ in kills],
         "restarts": restarts,
@@ -291,4 +305,5 @@ def test_every_fault_in_one_run(tmp_path):
     print("\nfaults:", json.dumps(figures))
     assert not store["dead_letter"], store["dead_letter"][:3]
     # The faults cost rollouts, not learning: the last steps' mean reward is clearly above the first's.
-    assert last > first + 0.1, rewards
+    if learns:
+        assert last > first + 0.1, rewards

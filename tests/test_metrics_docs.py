@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from vllm_cpu import VLLM_VENV
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "metrics.md"
 PROCESSES = {
@@ -178,9 +179,6 @@ def test_the_vllm_table_has_the_current_names_and_no_removed_ones():
     table = documented_vllm()
     assert CURRENT_VLLM <= set(table), sorted(CURRENT_VLLM - set(table))
     assert not [n for n in table if n.startswith("vllm:gpu_")]
-
-
-VLLM_VENV = Path(os.environ.get("TETHER_VLLM_VENV", Path.home() / ".cache" / "tether" / "vllm-venv"))
 
 
 def _vllm_families(text: str) -> dict[str, tuple[str, set[str]]]:

@@ -18,11 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import time
-from pathlib import Path
 from typing import Annotated
 
 import anthropic
@@ -32,78 +27,16 @@ import pytest
 import redis
 from gateway_helpers import InProcessGateway, gateway_settings, wait_traces
 from pydantic import Field
+from vllm_cpu import MODEL
 
-from tether.common.net import free_port
 from tether.common.records import spans_cover
 
 pytestmark = pytest.mark.slow
 
-MODEL = "tether-policy"
-VLLM_PYTHON = Path.home() / ".cache" / "tether" / "vllm-venv" / "bin" / "python"
 QUESTION = "what is 3 + 4 ?"
 MAX_TOKENS = 12
 # Greedy, so that asking vLLM directly gives the very tokens the gateway recorded.
 GREEDY = {"temperature": 0.0}
-
-
-@pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory):
-    if os.environ.get("TETHER_TEST_VLLM_URL"):
-        yield os.environ["TETHER_TEST_VLLM_URL"].rstrip("/")
-        return
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM-CPU virtualenv at {VLLM_PYTHON}")
-    from tether.cli import prepare_calculator_model
-    from tether.inference.launch import vllm_command, vllm_env
-
-    model_dir = prepare_calculator_model(0)
-    port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
-    with open(log, "wb") as out:
-        # Its own session: vLLM's engine core is a child process, and the whole group goes at teardown.
-        proc = subprocess.Popen(
-            vllm_command(str(VLLM_PYTHON), str(model_dir), MODEL, "127.0.0.1", port, 512),
-            env=vllm_env(),
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM did not come up in 300 s:\n{log.read_text()[-3000:]}")
-            time.sleep(1)
-        yield url
-    finally:
-        _stop_group(proc)
-        assert proc.poll() is not None
-
-
-def _stop_group(proc: subprocess.Popen) -> None:
-    for sig, wait_s in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(wait_s)
-        except subprocess.TimeoutExpired:
-            continue
-        # The group may outlive its leader for a moment (the engine core): make sure it is gone.
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        return
 
 
 @pytest.fixture(scope="module")

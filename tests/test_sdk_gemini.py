@@ -33,8 +33,8 @@ from test_sdk_conformance import (
 from tether.gateway.gemini import parse_generate_request
 
 pytestmark = pytest.mark.slow
-# The same real vLLM and gateway fixtures (one vLLM per module, as there).
-vllm_url, gw, vllm = conformance.vllm_url, conformance.gw, conformance.vllm
+# The same gateway and vLLM client fixtures (over the session's one real vLLM, conftest.py).
+gw, vllm = conformance.gw, conformance.vllm
 
 API = "gemini.generate_content"
 _CLIENTS: list[genai.Client] = []

@@ -35,7 +35,6 @@ from test_sdk_conformance import (  # noqa: F401  (fixtures)
     own_call,
     streamed_response,
     vllm,
-    vllm_url,
 )
 
 pytestmark = pytest.mark.slow

@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 import redis
 from gateway_helpers import traces_since
+from vllm_cpu import VLLM_PYTHON
 
 from tether.cli import build_parser, prepare_calculator_model, serving_env
 from tether.common.broker import Keys
@@ -24,7 +24,6 @@ from tether.launcher import Stack, inference_wiring
 
 pytestmark = pytest.mark.slow
 
-VLLM_PYTHON = Path.home() / ".cache" / "tether" / "vllm-venv" / "bin" / "python"
 CONTEXT = 2048
 KEY = "dk-harness"
 

@@ -22,7 +22,6 @@ import asyncio
 import json
 import subprocess
 import time
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -32,6 +31,7 @@ import torch
 from fakes.vllm_control import GROUP_TIMEOUT_S, FakeVLLMControl, checkpoint, serve, vllm_chunks, vllm_unpack
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from vllm_cpu import VLLM_PYTHON
 
 from tether.common.net import free_port
 from tether.trainer.nccl_push import (
@@ -46,8 +46,6 @@ from tether.trainer.nccl_push import (
 )
 from tether.trainer.weight_transfer import TransferState, WeightTransferClient, WeightTransferError
 from tether.v1 import inference_pb2
-
-VLLM_PYTHON = Path.home() / ".cache" / "tether" / "vllm-venv" / "bin" / "python"
 
 DTYPES = [
     torch.float32,

