@@ -349,3 +349,38 @@ def test_rollout_direct_and_malformed(fake_server, replies: list[str], reward: f
     server = fake_server(replies)
     assert agent.rollout(TASK, server.base_url, "key", "m") == reward
     assert len(server.requests) == calls
+
+
+def _reply_probability_of(conversation: list[dict]) -> Callable:
+    from tether.demo.warmstart import reply_probability
+
+    return lambda model, tokenizer, seed: reply_probability(model, tokenizer, conversation)
+
+
+@pytest.mark.parametrize("reached_at", ["start", "later", "never"])
+def test_warm_start_trains_until_its_check_is_reached(tokenizer, reached_at) -> None:
+    """cli.train_until: more rounds (each a real warm start) only while the example's check is short of
+    its target, at most max_rounds; a model that has the property already is left bit for bit."""
+    from tether.cli import train_until
+
+    conversations = agent.demonstrations(64, seed=0)
+    check = _reply_probability_of(conversations[0])
+    model = tiny.build_model(tokenizer, seed=0)
+    warm_start(model, tokenizer, conversations, steps=20, lr=3e-3, seed=0, progress=False)
+    start = check(model, tokenizer, 0)
+    target = {"start": start / 2, "later": min(0.99, start + 0.05), "never": 1.01}[reached_at]
+    example = {
+        "WARM_START": {"steps": 20, "lr": 3e-3, "until": target, "more_steps": 10, "max_rounds": 8},
+        "warm_start_check": check,
+    }
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scores: list[float] = []
+    example["warm_start_check"] = lambda m, t, s: scores.append(check(m, t, s)) or scores[-1]
+    train_until("calculator", example, model, tokenizer, conversations, seed=0)
+    changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
+    if reached_at == "start":
+        assert scores == [start] and not changed
+    elif reached_at == "later":
+        assert 1 < len(scores) <= 9 and scores[-1] >= target > max(scores[:-1]) and changed
+    else:
+        assert len(scores) == 9 and changed  # the first check and one after each of the 8 rounds

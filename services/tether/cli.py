@@ -89,12 +89,37 @@ def prepare_example_model(name: str, seed: int, out_root: Path | None = None) ->
     conversations = example["demonstrations"](n_demos, seed)
     print(f"warm start ({name}): {len(conversations)} demonstrations, {warm['steps']} steps", flush=True)
     warmstart.warm_start(model, tokenizer, conversations, steps=warm["steps"], lr=warm["lr"], seed=seed)
+    train_until(name, example, model, tokenizer, conversations, seed)
     tmp = root / f".tmp-{key}-{os.getpid()}"
     tiny.save(model, tokenizer, tmp)
     if out.exists():
         return out  # another process finished first
     os.replace(tmp, out)
     return out
+
+
+def train_until(name: str, example: dict, model, tokenizer, conversations: list, seed: int) -> None:
+    """An example whose WARM_START names a target (`until`) goes on training, `more_steps` at a time at a
+    third of its learning rate, until its `warm_start_check(model, tokenizer, seed)` reaches it (at most
+    `max_rounds` times; short of it, it says so and the example's tests tell). A model that has the
+    property after the first steps is left exactly as they made it."""
+    from tether.demo import warmstart
+
+    warm = example["WARM_START"]
+    if "until" not in warm:
+        return
+    for extra in range(int(warm["max_rounds"]) + 1):
+        score = example["warm_start_check"](model, tokenizer, seed)
+        print(f"warm start ({name}): check {score:.3f}, until {warm['until']}", flush=True)
+        if score >= warm["until"]:
+            return
+        if extra == warm["max_rounds"]:
+            print(f"warm start ({name}): short of {warm['until']} after {extra} more rounds", flush=True)
+            return
+        steps = int(warm["more_steps"])
+        warmstart.warm_start(
+            model, tokenizer, conversations, steps=steps, lr=warm["lr"] / 3, seed=seed + 1 + extra
+        )
 
 
 def prepare_calculator_model(seed: int, out_root: Path | None = None) -> Path:

@@ -264,53 +264,25 @@ def test_format_errors_are_observed_not_run():
 # --- the warm start: a policy RL can improve -----------------------------------------------------------
 
 
-def reply_probability(model, tokenizer, messages: list[dict]) -> float:
-    """The policy's probability of the conversation's last assistant turn (its tokens and end of turn):
-    the warm start's own masked NLL, over that turn's tokens only."""
-    import math
-
-    import torch
-
-    from tether.demo.warmstart import masked_nll, tokenize_conversation
-
-    ids, mask = tokenize_conversation(tokenizer, messages)
-    turn = mask[::-1].index(0)  # the last turn: the final run of 1s in the mask
-    last_turn = torch.tensor([[0.0] * (len(mask) - turn) + [1.0] * turn])
-    with torch.no_grad():
-        nll = masked_nll(model, torch.tensor([ids]), last_turn)
-    return math.exp(-float(nll) * turn)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 2])
 def test_the_warm_start_reads_the_report_and_leaves_rl_room(seed):
     """RL can only shift mass onto `run_tests` if looking first pays: after the report, the warm-started
     policy must apply the failing function's fix (its ceiling), while it looks first only sometimes (its
-    start). Seed 2 at the former 300 warm-start steps read the report 30% of the time and plateaued at 0.4."""
+    start). Seed 2 at the former 300 warm-start steps read the report 30% of the time and plateaued at 0.4.
+    The warm start trains until it reads 0.95 on other tasks (agent.warm_start_check); scored here on
+    tasks of its own, 0.9 leaves room for the difference between two samples of tasks."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tether.cli import prepare_example_model
+    from tether.demo.warmstart import reply_probability
 
     path = prepare_example_model("coding", seed)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    opening = [
-        {"role": "system", "content": agent.SYSTEM},
-        {"role": "user", "content": agent.task_message({})},
-    ]
-    looks_first = reply_probability(model, tokenizer, [*opening, agent_turn(agent.TEST_COMMAND)])
-    right_after_report = []
-    for task in agent.tasks(24, seed):
-        repo = repos.build(task)
-        report = agent.report_text(repo, {t.name: t.name not in repo.fail_to_pass for t in repo.tests})
-        conversation = [
-            *opening,
-            agent_turn(agent.TEST_COMMAND),
-            {"role": "user", "content": agent.observation(1, report)},
-            agent_turn(agent.fix_command(repo.fix)),
-        ]
-        right_after_report.append(reply_probability(model, tokenizer, conversation))
-    assert sum(right_after_report) / len(right_after_report) >= 0.9, right_after_report
+    looks_first = reply_probability(model, tokenizer, [*agent.opening({}), agent_turn(agent.TEST_COMMAND)])
+    reads = agent.reads_the_report(model, tokenizer, agent.tasks(24, seed))
+    assert reads >= 0.9, reads
     assert 0.15 <= looks_first <= 0.6, looks_first
 
 

@@ -71,6 +71,20 @@ def masked_nll(model: PreTrainedModel, input_ids: torch.Tensor, loss_mask: torch
     return (nll * weights.reshape(-1)).sum() / weights.sum().clamp_min(1.0)
 
 
+def reply_probability(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, messages: list[dict]
+) -> float:
+    """The policy's probability of the conversation's last assistant turn (its tokens and end of turn),
+    teacher-forced: the masked NLL above over that turn's tokens only."""
+    ids, mask = tokenize_conversation(tokenizer, messages)
+    turn = mask[::-1].index(0)  # the last turn: the final run of 1s in the mask
+    last_turn = torch.tensor([[0.0] * (len(mask) - turn) + [1.0] * turn])
+    model.eval()
+    with torch.no_grad():
+        nll = masked_nll(model, torch.tensor([ids]), last_turn)
+    return math.exp(-float(nll) * turn)
+
+
 def warm_start(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
