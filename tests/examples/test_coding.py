@@ -270,8 +270,8 @@ def test_the_warm_start_reads_the_report_and_leaves_rl_room(seed):
     """RL can only shift mass onto `run_tests` if looking first pays: after the report, the warm-started
     policy must apply the failing function's fix (its ceiling), while it looks first only sometimes (its
     start). Seed 2 at the former 300 warm-start steps read the report 30% of the time and plateaued at 0.4.
-    The warm start trains until it reads 0.95 on other tasks (agent.warm_start_check); scored here on
-    tasks of its own, 0.9 leaves room for the difference between two samples of tasks."""
+    The warm start trains until it reads 0.95 over every task (agent.warm_start_check); 24 of them scored
+    here against 0.9 leave room for the spread between tasks."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tether.cli import prepare_example_model

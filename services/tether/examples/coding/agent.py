@@ -240,15 +240,16 @@ def reads_the_report(model: Any, tokenizer: Any, picked: list[dict]) -> float:
 
 
 def warm_start_check(model: Any, tokenizer: Any, seed: int) -> float:
-    """What the warm start trains until (WARM_START["until"]): reading the report, on 24 tasks drawn
-    apart from the 24 the tests score (tests/examples/test_coding.py)."""
-    return reads_the_report(model, tokenizer, tasks(24, seed + 1000))
+    """What the warm start trains until (WARM_START["until"]): reading the report, over every task (a
+    sample of 24 read 0.95 where all 148 read 0.90: seed 3)."""
+    return reads_the_report(model, tokenizer, tasks())
 
 
 VOCAB: list[str] = _words()
 DEMONSTRATIONS = 2000
 # 600 steps, then 200 more at a time (at most 4 times) until warm_start_check reaches 0.95. A step count
-# alone gave a model that reads the report at 0.95-0.99 (seeds 0-4) where it was written and 0.89 (seed 0)
-# on another machine's CPU kernels: trained to the property, every machine's model has it.
+# alone gave a model that reads the report at 0.95-0.99 (seeds 0-4) where it was written, 0.89 (seed 0) on
+# another machine, and 0.80 here with scalar kernels (ATEN_CPU_CAPABILITY=default): trained to the
+# property, every machine's model has it.
 WARM_START: dict[str, float] = {"steps": 600, "lr": 3e-3, "until": 0.95, "more_steps": 200, "max_rounds": 4}
 DEMO: dict[str, int | float] = {"steps": 60, "tasks_per_step": 8, "group_size": 8, "eval_repeats": 1}
