@@ -249,7 +249,7 @@ VOCAB: list[str] = _words()
 DEMONSTRATIONS = 2000
 # 600 steps, then 200 more at a time (at most 4 times) until warm_start_check reaches 0.95. A step count
 # alone gave a model that reads the report at 0.95-0.99 (seeds 0-4) where it was written, 0.89 (seed 0) on
-# another machine, and 0.80 here with scalar kernels (ATEN_CPU_CAPABILITY=default): trained to the
+# another machine, and 0.79 here with scalar kernels (ATEN_CPU_CAPABILITY=default): trained to the
 # property, every machine's model has it.
 WARM_START: dict[str, float] = {"steps": 600, "lr": 3e-3, "until": 0.95, "more_steps": 200, "max_rounds": 4}
 DEMO: dict[str, int | float] = {"steps": 60, "tasks_per_step": 8, "group_size": 8, "eval_repeats": 1}
