@@ -155,7 +155,9 @@ def test_weights_pushed_mid_call_are_recorded_per_token_span(gw, rdb, vllm):
     Tether's plugin, lands in the trace; the client's stream stays plain OpenAI."""
     assert vllm.get("/tether/plugin").json()["weight_versions"] == ["chat.completions", "completions"]
     messages = [{"role": "user", "content": QUESTION}]
-    for attempt in range(3):  # the push must land while tokens are still being sampled
+    # The push must land while tokens are still being sampled: early in the stream (vLLM may run far
+    # ahead of a client on a loaded box: 20 chunks in, all 6,400 tokens were once sampled), and retried.
+    for attempt in range(5):
         old, new = 40 + 2 * attempt, 41 + 2 * attempt
         _set_version(vllm, old)
         rollout = gw.new_rollout()
@@ -170,7 +172,7 @@ def test_weights_pushed_mid_call_are_recorded_per_token_span(gw, rdb, vllm):
             extra_body={"ignore_eos": True},
         ):
             chunks.append(chunk)
-            if len(chunks) == 20:
+            if len(chunks) == 2:
                 assert vllm.post("/pause", params={"mode": "keep"}).status_code == 200
                 _set_version(vllm, new)
                 assert vllm.post("/resume").status_code == 200
@@ -186,7 +188,7 @@ def test_weights_pushed_mid_call_are_recorded_per_token_span(gw, rdb, vllm):
         if any(len(spans) == 2 for _, spans in choices):
             break
     else:
-        pytest.fail("no push landed mid-call in 3 attempts")
+        pytest.fail("no push landed mid-call in 5 attempts")
     # A whole (non-streamed) answer carries its spans too.
     rollout = gw.new_rollout()
     gw.client(rollout).chat.completions.create(
