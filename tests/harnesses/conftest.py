@@ -47,14 +47,10 @@ def installed(request) -> None:
             )
 
 
-@pytest.fixture(scope="session")
-def harnesses() -> Path:
-    return HARNESSES
-
-
-@pytest.fixture(scope="session")
-def stack(tmp_path_factory, harnesses):
-    """`tether up` in a temporary directory. TETHER_HARNESS_STACK=DIR reuses a stack already started
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """`tether up` in a temporary directory, for the harness tests' module only (a session-scoped one
+    idled beside every later test of the run). TETHER_HARNESS_STACK=DIR reuses a stack already started
     in DIR the same way (for working on one harness without waiting for vLLM)."""
     from tether.cli import prepare_calculator_model
 
