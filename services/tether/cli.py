@@ -68,8 +68,9 @@ def load_example(name: str = DEFAULT_EXAMPLE) -> dict:
 def prepare_example_model(name: str, seed: int, out_root: Path | None = None) -> Path:
     """Build the tiny Llama + word-level tokenizer over the example's VOCAB and warm-start it on the
     example's demonstrations (its DEMONSTRATIONS, WARM_START and optional MODEL). Cached by the code and
-    parameters that produce it, so repeated runs skip the warm start."""
-    from tether.demo import tiny, warmstart
+    parameters that produce it, so repeated runs skip the warm start (and torch's import: a cached model
+    is found in well under a second)."""
+    import importlib.util
 
     example = load_example(name)
     warm = example["WARM_START"]
@@ -77,12 +78,15 @@ def prepare_example_model(name: str, seed: int, out_root: Path | None = None) ->
     shape = example.get("MODEL", {})
     params = json.dumps([seed, n_demos, warm, shape], sort_keys=True)
     agent = Path(example["__file__"])
-    sources = [Path(tiny.__file__), Path(warmstart.__file__), *sorted(agent.parent.glob("*.py"))]
+    code = [importlib.util.find_spec(f"tether.demo.{m}").origin for m in ("tiny", "warmstart")]
+    sources = [*(Path(str(c)) for c in code), *sorted(agent.parent.glob("*.py"))]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + params.encode()).hexdigest()[:16]
     root = out_root or Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether")) / "models"
     out = root / f"{name}-{key}"
     if (out / "config.json").exists():
         return out
+    from tether.demo import tiny, warmstart
+
     max_len = shape.get("max_len", tiny.MAX_LEN)
     tokenizer = tiny.build_tokenizer(example["VOCAB"], max_len=max_len)
     model = tiny.build_model(tokenizer, seed=seed, **shape)
