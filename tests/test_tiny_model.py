@@ -369,13 +369,12 @@ def test_warm_start_trains_until_its_check_is_reached(tokenizer, reached_at) -> 
     warm_start(model, tokenizer, conversations, steps=20, lr=3e-3, seed=0, progress=False)
     start = check(model, tokenizer, 0)
     target = {"start": start / 2, "later": min(0.99, start + 0.05), "never": 1.01}[reached_at]
+    scores: list[float] = []
     example = {
         "WARM_START": {"steps": 20, "lr": 3e-3, "until": target, "more_steps": 10, "max_rounds": 8},
-        "warm_start_check": check,
+        "warm_start_check": lambda m, t, s: scores.append(check(m, t, s)) or scores[-1],
     }
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    scores: list[float] = []
-    example["warm_start_check"] = lambda m, t, s: scores.append(check(m, t, s)) or scores[-1]
     train_until("calculator", example, model, tokenizer, conversations, seed=0)
     changed = any(not torch.equal(before[k], v) for k, v in model.state_dict().items())
     if reached_at == "start":
