@@ -15,6 +15,7 @@ import redis
 from prometheus_client import REGISTRY
 
 from tether.common import broker
+from tether.common.grpc_server import cancel_until_done
 from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
 from tether.scheduler import metrics as m
@@ -166,7 +167,6 @@ async def test_the_refresh_task_survives_redis_going_away(server, caplog):
         assert len(warned) == 1  # once per outage, not once per round
     finally:
         if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_until_done(task)
         export.apply([])
         await r.aclose()

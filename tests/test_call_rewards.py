@@ -19,6 +19,7 @@ from gateway_helpers import ADMIN, assert_openai_error, bearer, wait_traces
 
 from tether.algorithms.advantages import discounted_call_rewards
 from tether.common import broker
+from tether.common.grpc_server import cancel_until_done
 from tether.merger.consumer import Merger, MergerConfig
 
 
@@ -52,8 +53,7 @@ def merge(gw, cfg: MergerConfig, group_id: str) -> tuple[list, Merger]:
                 while not submitted:
                     await asyncio.sleep(0.05)
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+            await cancel_until_done(task)
             await r.aclose()
         return merger
 

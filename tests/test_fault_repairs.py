@@ -16,6 +16,7 @@ import redis
 from gateway_helpers import bearer
 from stack_helpers import wait_for
 
+from tether.common.grpc_server import cancel_until_done
 from tether.inference.weights import newest_checkpoint
 from tether.launcher import HEALTHY_RESET_S, MAX_RESTARTS, Stack, StackError, restarts_after_run
 
@@ -180,8 +181,7 @@ async def test_a_stopped_merger_finishes_the_group_in_hand(redis_url):
     task = asyncio.create_task(merger.run())
     try:
         await asyncio.wait_for(handing_over.wait(), 20)
-        task.cancel()  # what SIGTERM does to the merger's loop
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_until_done(task)  # what SIGTERM does to the merger's loop
         asyncio.get_running_loop().call_later(0.3, release.set)
         await finish_running(20)
         assert submitted == ["g"]
@@ -271,3 +271,27 @@ def test_sigterm_lets_the_gateway_finish_a_stream_and_record_it(redis_port, vllm
             proc.kill()
             proc.wait(5)
         log.close()
+
+
+async def test_a_task_that_swallows_a_cancel_is_cancelled_until_it_ends():
+    """The lost cancel behind a CI hang (Python 3.11: a cancel landing as redis-py's socket timeout
+    fires comes out as a TimeoutError, which the merger's loop retries): one cancel and a plain wait
+    would wait forever; cancel_until_done cancels again until the task has ended."""
+    swallowed = []
+
+    async def loop_that_retries():
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                if swallowed:
+                    raise
+                swallowed.append(1)  # as if it had been a timeout: retried
+
+    task = asyncio.create_task(loop_that_retries())
+    await asyncio.sleep(0)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=0.3)
+    assert not done  # one cancel was not enough
+    await asyncio.wait_for(cancel_until_done(task, poll_s=0.05), 5)
+    assert task.cancelled() and swallowed == [1]

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from tether.common import broker
+from tether.common.grpc_server import cancel_until_done
 from tether.common.records import RolloutEvent, SampleRecord, Trace
 from tether.merger.consumer import Merger, MergerConfig
 
@@ -75,8 +76,7 @@ async def _run_until(merger, cond, timeout=10.0):
             await asyncio.sleep(0.05)
         raise AssertionError("condition not reached")
     finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await cancel_until_done(task)
 
 
 async def test_group_is_merged_scored_and_handed_over(redis_url):

@@ -17,6 +17,7 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tether.common import broker
+from tether.common.grpc_server import cancel_until_done
 from tether.common.records import (
     RECORDS,
     DispatchJob,
@@ -400,8 +401,7 @@ async def _until(cond, timeout=10.0, task=None):
 
 
 async def _stop(task):
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await cancel_until_done(task)
 
 
 async def test_merger_dead_letters_a_renamed_event_field_and_goes_on(redis_url):

@@ -24,6 +24,7 @@ from redis_cluster import LocalRedisCluster
 from tether.cli import _dump_traces
 from tether.common import broker
 from tether.common.broker import Keys, trace_partition
+from tether.common.grpc_server import cancel_until_done
 from tether.merger.consumer import Merger, MergerConfig
 
 
@@ -174,9 +175,7 @@ def test_the_gateway_records_many_rollouts_into_partitions_on_every_master(clust
                 while not all([await r.exists(gw.keys.group_done(g)) for g in groups]):
                     await asyncio.sleep(0.05)
         finally:
-            while not task.done():  # a cancel can be lost under load (see Merger.run): cancel again
-                task.cancel()
-                await asyncio.wait({task}, timeout=1.0)
+            await cancel_until_done(task)  # a cancel can be lost under load: cancelled again
         # Outcomes (per rollout, on its partition) and the group marker, as the gateway reads them.
         for ro in rollouts:
             state = gw.http.get(f"/v1/rollouts/{ro['rollout_id']}", headers=bearer(ro["api_key"])).json()

@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY
 from test_scheduler_state import LAST_RECORD, _group_result
 
 from tether.common import broker
+from tether.common.grpc_server import cancel_until_done
 from tether.common.records import DispatchJob, StepMetrics
 from tether.scheduler import metrics as m
 from tether.scheduler.run import VERSION, Run, RunConfig, Stubs
@@ -175,8 +176,7 @@ async def test_a_run_drives_phase_step_and_version_gauges(redis_url, tmp_path):
         assert _gauge("tether_run_logprob_abs_diff") == 0.002 and _phase() == ["done"]
         assert _gauge("tether_scheduler_weight_version") == 2
     finally:
-        merger.cancel()
-        await asyncio.gather(merger, return_exceptions=True)
+        await cancel_until_done(merger)
         await r.aclose()
 
 

@@ -198,6 +198,21 @@ async def run_to_end(coro: Awaitable[Any]) -> Any:
     return await asyncio.shield(task)
 
 
+async def cancel_until_done(*tasks: asyncio.Future[Any], poll_s: float = 1.0) -> None:
+    """Cancel `tasks` and wait until every one has ended, cancelling again each `poll_s` seconds. On
+    Python 3.11 a cancel that lands as a redis-py socket timeout (asyncio.timeout) fires can be
+    swallowed: the task loops on, and one cancel plus a plain wait then hangs for good (seen once in CI:
+    a merger's loop kept reading its stream for 15 minutes after its test cancelled it)."""
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for task in pending:
+            task.cancel()
+        _, pending = await asyncio.wait(pending, timeout=poll_s)
+    for task in tasks:
+        if not task.cancelled():
+            task.exception()  # retrieved: no "exception was never retrieved" at exit
+
+
 class Health:
     """Health the service sets from its real state (all names at once). `probe_server`: the
     plaintext health-only server (TETHER_GRPC_HEALTH_PORT), sharing this servicer, if there is one."""
@@ -333,9 +348,7 @@ async def run_until_signal(
             failure = failure or task.exception()
             log.error("background task failed", exc_info=task.exception())
     await health_handle.set(False)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
+    await cancel_until_done(*tasks)
     await finish_running(drain_s)
     if on_stop is not None:
         await on_stop()

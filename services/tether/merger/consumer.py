@@ -52,7 +52,7 @@ from tether.algorithms.advantages import (
 )
 from tether.algorithms.names import AdvantageEstimator, AdvantageLevel
 from tether.common import broker, retry
-from tether.common.grpc_server import run_to_end
+from tether.common.grpc_server import cancel_until_done, run_to_end
 from tether.common.records import (
     GroupResult,
     MergedRollout,
@@ -981,9 +981,8 @@ class Merger:
             # Cancelled until it is done: under load a cancel that lands inside a deadline check can
             # be lost (the loop then slept on and the merger never stopped; 1 run in ~8 of
             # tests/test_merger_service.py on a busy box), and a second one stops it.
-            while ticker is not None and not ticker.done():
-                ticker.cancel()
-                await asyncio.wait({ticker}, timeout=1.0)
+            if ticker is not None:
+                await cancel_until_done(ticker)
 
     async def consume(self, stream: str, entry_id: str, record: Any) -> None:
         """One rollout event: handled and acknowledged, dead-lettered, or left pending (deferred)."""
