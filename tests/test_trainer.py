@@ -17,6 +17,7 @@ from tether.trainer import distributed, weights
 from tether.trainer.main import TrainerSettings
 from tether.trainer.train import (
     StepConfig,
+    chunked_head_matches,
     collate,
     enable_activation_checkpointing,
     micro_batches,
@@ -136,7 +137,7 @@ def test_packed_rows_give_the_unpacked_logits():
         torch.testing.assert_close(packed, alone, atol=1e-5, rtol=0)
         # The trainer's path: targets of a packed micro-batch (logits of the needed positions only).
         mb = packed_micro_batch(batch, lengths, list(range(len(samples))))
-        lp = target_logprobs(model, mb)
+        lp, _ = target_logprobs(model, mb)
         ref = token_logprobs(model, batch.input_ids, batch.attention)[mb.rows, mb.cols]
     assert mb.cells == mb.tokens == sum(lengths)
     assert packing_keeps_samples_apart(model, 40)
@@ -162,6 +163,47 @@ def test_micro_batching_and_packing_do_not_change_the_update(packed):
     assert len(micro_batches([len(s.token_ids) for s in samples], 24)) > 1
     assert (metrics["pad_fraction"] == 0.0) if packed else (metrics["pad_fraction"] > 0.0)
     torch.testing.assert_close(delta, ref, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("packed", [True, False])
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_chunked_lm_head_gives_the_plain_paths_update_and_the_policys_entropy(packed, tied):
+    base = _model()
+    if tied:
+        base.lm_head.weight = base.model.embed_tokens.weight
+    samples = _samples(base, n=6)
+    plain_cfg = StepConfig(max_grad_norm=1e9, pack=packed, micro_batch_tokens=24, lm_head_chunk_bytes=0)
+    ref, plain = _step(base, samples, plain_cfg)
+    chunked_cfg = dataclasses.replace(plain_cfg, lm_head_chunk_bytes=4 * 40 * 3)  # 3 positions a chunk
+    delta, chunked = _step(base, samples, chunked_cfg)
+    assert float((delta - ref).norm() / ref.norm()) < 1e-5  # the gradient, to 1e-5 relative
+    torch.testing.assert_close(delta, ref, atol=1e-6, rtol=1e-5)
+    assert chunked["loss"] == pytest.approx(plain["loss"], rel=1e-5)
+    # The entropy of the trained positions, from the logits of the full distribution.
+    batch = collate(samples, 0)
+    with torch.no_grad():
+        logp = torch.log_softmax(
+            base(input_ids=batch.input_ids, attention_mask=batch.attention).logits[:, :-1], -1
+        )
+    entropy = -(logp.exp() * logp).sum(-1)
+    want = float((entropy * batch.mask).sum() / batch.mask.sum())
+    assert chunked["entropy"] == pytest.approx(want, rel=1e-5) and plain["entropy"] == pytest.approx(
+        want, rel=1e-5
+    )
+    assert chunked_head_matches(base, 40)
+
+
+def test_a_model_that_rescales_its_logits_keeps_the_plain_path():
+    model = _model()
+
+    class Scaled(type(model)):
+        def forward(self, *args, **kwargs):
+            out = super().forward(*args, **kwargs)
+            out.logits = out.logits * 0.5
+            return out
+
+    model.__class__ = Scaled
+    assert not chunked_head_matches(model, 40)
 
 
 def test_gradient_checkpointing_does_not_change_the_update():

@@ -27,7 +27,12 @@ from tether.trainer import distributed, weights
 from tether.trainer.distributed import Dist
 from tether.trainer.servicer import TrainerServicer
 from tether.trainer.steps import StepRunner, Trainer, TrainerCore
-from tether.trainer.train import StepConfig, enable_activation_checkpointing, packing_keeps_samples_apart
+from tether.trainer.train import (
+    StepConfig,
+    chunked_head_matches,
+    enable_activation_checkpointing,
+    packing_keeps_samples_apart,
+)
 from tether.trainer.weights import apply_lora, load_model
 from tether.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -62,6 +67,9 @@ class TrainerSettings(CommonSettings):
     # Tokens per forward: a packed row's length, or rows x padded width without packing.
     micro_batch_tokens: int = 4096
     pack_samples: bool = True
+    # The LM head over the trained positions, a chunk of at most this many MiB of fp32 logits at a
+    # time (trainer/lm_head.py): the (positions x vocab) logits never materialise. 0: the plain path.
+    lm_head_chunk_mb: float = Field(256.0, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     fsdp: bool = False  # FSDP2 fully_shard instead of DDP (CUDA, torchrun)
     bf16: bool = False  # bf16 autocast (CUDA only)
@@ -127,6 +135,7 @@ def step_config(s: TrainerSettings, pad_token_id: int) -> StepConfig:
         bf16=s.bf16,
         kl_coef=s.kl_coef,
         kl_estimator=s.kl_estimator,
+        lm_head_chunk_bytes=int(s.lm_head_chunk_mb * 1024 * 1024),
     )
 
 
@@ -164,6 +173,16 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
             type(model).__name__,
         )
         pack = False
+    chunked = s.lm_head_chunk_mb > 0 and chunked_head_matches(model, int(model.config.vocab_size))
+    if s.lm_head_chunk_mb > 0 and not chunked:
+        log.warning(
+            "%s's LM head is not a plain linear map of the hidden states (a LoRA head, a bias, scaled or "
+            "capped logits): its logprobs come from the plain path, (positions x vocab) logits in fp32",
+            type(model).__name__,
+        )
+    log.info(
+        "LM head: %s", f"chunked ({s.lm_head_chunk_mb:g} MiB of logits at a time)" if chunked else "plain"
+    )
     if s.gradient_checkpointing:
         enable_activation_checkpointing(model)
     engine = distributed.wrap(model, d, bf16=s.bf16)
@@ -188,7 +207,11 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
             resume.state["steps_done"],
         )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    cfg = dataclasses.replace(step_config(s, int(pad)), pack=pack)
+    cfg = dataclasses.replace(
+        step_config(s, int(pad)),
+        pack=pack,
+        lm_head_chunk_bytes=0 if not chunked else int(s.lm_head_chunk_mb * 2**20),
+    )
     ref_model = None
     if s.kl_coef > 0:
         # The reference is the base model (never a resumed checkpoint), frozen.

@@ -41,7 +41,7 @@ from tether.algorithms.losses import (
 )
 from tether.algorithms.names import OFF_POLICY_MODES, KLEstimator, LossMode, OffPolicyMode
 from tether.common.records import SampleRecord
-from tether.trainer import distributed
+from tether.trainer import distributed, lm_head
 
 _MAX_LOG_RATIO = 20.0
 
@@ -66,6 +66,10 @@ class StepConfig:
     bf16: bool = False
     kl_coef: float = 0.0
     kl_estimator: KLEstimator = "k3"
+    # The LM head over the targets in chunks of this many bytes of fp32 logits (lm_head.py); 0: the
+    # plain path (the (targets x vocab) logits materialised), also what a model whose head does not
+    # match (chunked_head_matches) gets.
+    lm_head_chunk_bytes: int = lm_head.DEFAULT_CHUNK_BYTES
 
 
 @dataclass
@@ -307,12 +311,21 @@ def _accepts(model: torch.nn.Module, name: str) -> bool:
     return name in inspect.signature(core.forward).parameters
 
 
-def target_logprobs(model: torch.nn.Module, mb: MicroBatch, keep_logits: bool = True) -> torch.Tensor:
-    """(N,) fp32 logprobs of the micro-batch's trainable targets. With no target, a 0-valued (1,) tensor
-    that still depends on every parameter (so gradient reduction sees them all).
+def target_logprobs(
+    model: torch.nn.Module,
+    mb: MicroBatch,
+    keep_logits: bool = True,
+    head: torch.nn.Linear | None = None,
+    chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N,) fp32 logprobs of the micro-batch's trainable targets and (N,) the policy's entropy at the
+    same positions (what the run's health reports; differentiable). With no target, a 0-valued (1,)
+    tensor that still depends on every parameter (so gradient reduction sees them all), and no entropy.
 
     `keep_logits` asks the model for the logits of the needed positions only (HF `logits_to_keep`):
-    the (W, vocab) logits of a long packed row never materialise.
+    the (W, vocab) logits of a long packed row never materialise. `head`: the model's LM head, which
+    then computes the targets' logprobs and entropy in chunks of `chunk` positions from the hidden
+    states (lm_head.py): not even the (N, vocab) logits of the targets materialise.
     """
     n = int(mb.src_pos.numel())
     positions = (
@@ -325,15 +338,49 @@ def target_logprobs(model: torch.nn.Module, mb: MicroBatch, keep_logits: bool = 
         kwargs["attention_mask"] = mb.attention
     if keep_logits:
         kwargs["logits_to_keep"] = positions
-        logits = model(**kwargs).logits
-    else:
-        logits = model(**kwargs).logits[:, positions]
-    if n == 0:
-        return logits.float().sum().reshape(1) * 0.0
-    col = torch.searchsorted(positions, mb.src_pos)
-    picked = logits[mb.src_row, col].float()
+    col = torch.searchsorted(positions, mb.src_pos) if keep_logits else mb.src_pos
     targets = mb.input_ids[mb.src_row, mb.src_pos + 1]
-    return torch.log_softmax(picked, dim=-1).gather(-1, targets[:, None]).squeeze(-1)
+    empty = torch.zeros(0, device=mb.input_ids.device)
+    if head is not None and n:
+        with lm_head.head_over_targets(head, mb.src_row, col, targets, chunk):
+            out = model(**kwargs).logits
+        return out[0, :, 0], out[0, :, 1]
+    logits = model(**kwargs).logits
+    if not keep_logits:
+        logits = logits[:, positions]
+    if n == 0:
+        return logits.float().sum().reshape(1) * 0.0, empty
+    col = torch.searchsorted(positions, mb.src_pos)
+    return lm_head.plain_logprobs_and_entropy(logits[mb.src_row, col], targets)
+
+
+def chunked_head_matches(model: torch.nn.Module, vocab_size: int) -> bool:
+    """Whether the chunked LM head (lm_head.py) gives this model's own logprobs: a model that rescales
+    or caps its logits after the head (Gemma's soft cap, Granite's scaling) does not. Checked once at
+    start on a short random sample, as `packing_keeps_samples_apart` is."""
+    head = lm_head.chunkable_head(model)
+    if head is None:
+        return False
+    g = torch.Generator().manual_seed(1)
+    device = next(model.parameters()).device
+    ids = torch.randint(0, vocab_size, (1, 9), generator=g).to(device)
+    n = ids.shape[1] - 1
+    mb = MicroBatch(
+        ids,
+        None,
+        torch.ones_like(ids),
+        torch.zeros(n, dtype=torch.long, device=device),
+        torch.arange(n, device=device),
+        torch.zeros(n, dtype=torch.long),
+        torch.arange(n),
+        cells=n + 1,
+        tokens=n + 1,
+    )
+    keep = _accepts(model, "logits_to_keep")
+    with torch.no_grad():
+        plain, _ = target_logprobs(model, mb, keep)
+        chunked, _ = target_logprobs(model, mb, keep, head, chunk=3)
+    return bool(torch.allclose(plain, chunked, rtol=1e-4, atol=1e-4))
 
 
 def off_policy_correction(
@@ -422,6 +469,7 @@ _SUMS = (
     "masked",
     "is_weight_sum",
     "micro_batches",
+    "entropy",
     "ref_kl",
 )
 
@@ -460,6 +508,11 @@ def train_step(
     n_micro = int(distributed.all_reduce([float(len(plans))], "max")[0]) if world > 1 else len(plans)
     plans += [empty_micro_batch(cfg.pad_token_id) for _ in range(n_micro - len(plans))]
     keep_logits = _accepts(model, "logits_to_keep")
+    head = lm_head.chunkable_head(model) if cfg.lm_head_chunk_bytes > 0 else None
+    chunk = (
+        lm_head.chunk_positions(head.weight.shape[0], cfg.lm_head_chunk_bytes) if head is not None else None
+    )
+    ref_head = lm_head.chunkable_head(ref_model) if ref_model is not None and head is not None else None
 
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -472,7 +525,7 @@ def train_step(
         mb.src_row, mb.src_pos = mb.src_row.to(device), mb.src_pos.to(device)
         with distributed.grad_sync(model, enabled=k == len(plans) - 1):
             with _autocast(device, cfg.bf16):
-                lp = target_logprobs(model, mb, keep_logits)
+                lp, entropy = target_logprobs(model, mb, keep_logits, head, chunk)
             n = int(mb.rows.numel())
             if n == 0:
                 (lp.sum() * float(world)).backward()
@@ -496,7 +549,7 @@ def train_step(
             loss = (w * is_w * loss_tok[0]).sum()
             if ref_model is not None and cfg.kl_coef > 0:
                 with torch.no_grad(), _autocast(device, cfg.bf16):
-                    ref_lp = target_logprobs(ref_model, mb, keep_logits)
+                    ref_lp, _ = target_logprobs(ref_model, mb, keep_logits, ref_head, chunk)
                 kl_tok = kl_to_reference(lp, ref_lp, cfg.kl_estimator)
                 loss = loss + cfg.kl_coef * (w * kl_tok).sum()
                 sums["ref_kl"] += float(kl_tok.detach().sum())
@@ -505,6 +558,7 @@ def train_step(
         mismatch = logprob_mismatch(lp[None], rollout_lp[None], ones[None])
         sums["loss"] += float(loss.detach())
         sums["trainable"] += n
+        sums["entropy"] += float(entropy.detach().sum())
         sums["clip"] += m["clip_fraction"] * n
         sums["dual_clip"] += m["dual_clip_fraction"] * n
         sums["policy_kl"] += m["approx_kl"] * n
@@ -546,6 +600,8 @@ def train_step(
         "clip_fraction": sums["clip"] / n_tok,
         "dual_clip_fraction": sums["dual_clip"] / n_tok,
         "policy_kl": sums["policy_kl"] / n_tok,
+        # Mean entropy of the policy over the trained tokens, from the step's own forward.
+        "entropy": sums["entropy"] / n_tok,
         "masked_fraction": sums["masked"] / n_tok,
         "truncated_fraction": sums["truncated"] / n_tok,
         "is_weight_mean": sums["is_weight_sum"] / n_tok,
