@@ -13,10 +13,11 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from tether.common.records import SampleRecord
-from tether.trainer import distributed, weights
+from tether.trainer import attention, distributed, weights
 from tether.trainer.main import TrainerSettings
 from tether.trainer.train import (
     StepConfig,
+    choose_attention,
     chunked_head_matches,
     collate,
     enable_activation_checkpointing,
@@ -469,3 +470,25 @@ def test_kl_to_reference_pulls_the_policy_back():
     with pytest.raises(ValueError, match="KL estimator"):
         train_step(model, opt, samples, StepConfig(kl_coef=1.0, kl_estimator="k7"), ref_model=ref)
     assert torch.equal(_flat(model), w)
+
+
+@pytest.mark.parametrize("path", ["segments", "dense"])
+def test_packed_attention_paths_give_the_padded_update(path):
+    """Packed rows through Tether's attention (trainer/attention.py, no dense mask on `segments`) train
+    exactly as padded rows through transformers' own sdpa; on CPU `auto` picks `segments`."""
+    base = _model()
+    samples = _samples(base, n=8)
+    ref, _ = _step(base, samples, StepConfig(micro_batch_tokens=10_000, pack=False, max_grad_norm=1e9))
+    model = copy.deepcopy(base)
+    assert choose_attention(model, 40, path) == path and attention.implementation(model) == attention.NAME
+    delta, metrics = _step(model, samples, StepConfig(micro_batch_tokens=30, pack=True, max_grad_norm=1e9))
+    assert metrics["pad_fraction"] == 0.0 and metrics["micro_batches"] > 1
+    torch.testing.assert_close(delta, ref, atol=1e-6, rtol=1e-5)
+    assert choose_attention(copy.deepcopy(base), 40) == "segments"
+
+
+def test_sample_boundaries_come_from_the_position_ids():
+    assert attention.boundaries(torch.tensor([[0, 1, 2, 0, 1, 0]])) == [0, 3, 5, 6]
+    assert attention.boundaries(torch.tensor([[5, 6, 7]])) == [0, 3]  # one sample, however it starts
+    with pytest.raises(ValueError, match="attention path"):
+        attention.use(_model(), "nope")

@@ -16,7 +16,7 @@ from test_trainer_resume import TrainerProcess, _weights, group_requests, step, 
 from tether.common.net import free_port
 from tether.common.records import SampleRecord
 from tether.trainer import distributed
-from tether.trainer.train import StepConfig, shard_rows, train_step
+from tether.trainer.train import StepConfig, choose_attention, shard_rows, train_step
 from tether.v1 import types_pb2
 
 torch.set_num_threads(1)
@@ -114,6 +114,7 @@ def test_torchrun_service_with_two_ranks_matches_one_rank(tmp_path):
     assert "[rank0]:" not in log and "[rank1]:" not in log, log  # no worker died with an error
 
     model, _ = load_model(model_dir, 0)
+    choose_attention(model, int(model.config.vocab_size))  # the kernels the service chose at start
     opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.99))
     samples = [SampleRecord.from_proto(p) for g in groups for p in g.samples]
     metrics = train_step(model, opt, samples, StepConfig(micro_batch_tokens=24, pad_token_id=1))

@@ -26,9 +26,10 @@ from tether.common.usage import exit_if_help
 from tether.trainer import distributed, weights
 from tether.trainer.distributed import Dist
 from tether.trainer.servicer import TrainerServicer
-from tether.trainer.steps import StepRunner, Trainer, TrainerCore
+from tether.trainer.steps import PATHS, StepRunner, Trainer, TrainerCore
 from tether.trainer.train import (
     StepConfig,
+    choose_attention,
     chunked_head_matches,
     enable_activation_checkpointing,
     packing_keeps_samples_apart,
@@ -70,6 +71,9 @@ class TrainerSettings(CommonSettings):
     # The LM head over the trained positions, a chunk of at most this many MiB of fp32 logits at a
     # time (trainer/lm_head.py): the (positions x vocab) logits never materialise. 0: the plain path.
     lm_head_chunk_mb: float = Field(256.0, ge=0)
+    # Attention of packed rows (trainer/attention.py): auto = the best path that passes the start-up
+    # check (CUDA: varlen, flex, segments, dense; CPU: segments, dense); model = transformers' own.
+    attention: Literal["auto", "varlen", "flex", "segments", "dense", "model"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     fsdp: bool = False  # FSDP2 fully_shard instead of DDP (CUDA, torchrun)
     bf16: bool = False  # bf16 autocast (CUDA only)
@@ -173,6 +177,8 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
             type(model).__name__,
         )
         pack = False
+    path = choose_attention(model, int(model.config.vocab_size), s.attention, s.bf16) if pack else "model"
+    log.info("attention of packed rows: %s", path if pack else "none (padded rows)")
     chunked = s.lm_head_chunk_mb > 0 and chunked_head_matches(model, int(model.config.vocab_size))
     if s.lm_head_chunk_mb > 0 and not chunked:
         log.warning(
@@ -183,6 +189,8 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
     log.info(
         "LM head: %s", f"chunked ({s.lm_head_chunk_mb:g} MiB of logits at a time)" if chunked else "plain"
     )
+    PATHS.labels("attention", path).set(1)
+    PATHS.labels("lm_head", "chunked" if chunked else "plain").set(1)
     if s.gradient_checkpointing:
         enable_activation_checkpointing(model)
     engine = distributed.wrap(model, d, bf16=s.bf16)

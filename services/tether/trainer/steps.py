@@ -56,6 +56,11 @@ STEP_SECONDS = Histogram(
 TOKENS = Counter("tether_trainer_tokens_total", "Tokens trained on")
 VERSION = Gauge("tether_trainer_weight_version", "Version of the newest checkpoint")
 STALENESS = Gauge("tether_trainer_staleness_max", "Max weight-version lag of the last step's samples")
+PATHS = Gauge(
+    "tether_trainer_path",
+    "1 for the kernel path each part of the step runs (attention of packed rows, LM head), chosen at start",
+    ["part", "path"],
+)
 
 
 def validate(sample: SampleRecord, vocab_size: int) -> str | None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -41,9 +42,11 @@ from tether.algorithms.losses import (
 )
 from tether.algorithms.names import OFF_POLICY_MODES, KLEstimator, LossMode, OffPolicyMode
 from tether.common.records import SampleRecord
-from tether.trainer import distributed, lm_head
+from tether.trainer import attention, distributed, lm_head
 
 _MAX_LOG_RATIO = 20.0
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -139,6 +142,53 @@ def packing_keeps_samples_apart(model: torch.nn.Module, vocab_size: int) -> bool
         packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0].float()
         joined = model(input_ids=ids, use_cache=False).logits[0].float()
     return float((packed - alone).abs().max()) < 0.1 * float((joined - alone).abs().max())
+
+
+def choose_attention(
+    model: torch.nn.Module, vocab_size: int, wanted: str = "auto", bf16: bool = False
+) -> str:
+    """Set the attention path of packed rows (attention.py) and return its name: `wanted`, or with
+    "auto" the first of `attention.candidates` that gives the model's own logprobs on a packed sample
+    of three and trains (a backward runs); "model" when none does (transformers' own, dense mask).
+    Every path tried and why it was passed over is logged."""
+    device = next(model.parameters()).device
+    if wanted == "model":
+        return "model"
+    g = torch.Generator().manual_seed(2)
+    lengths = [9, 14, 6]
+    ids = torch.randint(0, vocab_size, (1, sum(lengths)), generator=g).to(device)
+    positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+    own = attention.implementation(model)
+
+    def logprobs(train: bool) -> torch.Tensor:
+        with _autocast(device, bf16):
+            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+        if train:
+            lp.sum().backward()
+            model.zero_grad(set_to_none=True)
+        return lp.detach()
+
+    with torch.no_grad():
+        reference = logprobs(False)
+    tolerance = 5e-2 if bf16 and device.type == "cuda" else 1e-4
+    for path in [wanted] if wanted != "auto" else attention.candidates(device):
+        try:
+            attention.use(model, path)
+            err = float((logprobs(True) - reference).abs().max())
+        except Exception as exc:  # a kernel this machine lacks: the next one
+            log.info(
+                "attention path %s unavailable: %s", path, str(exc).splitlines()[0] if str(exc) else repr(exc)
+            )
+            attention.restore(model, own)
+            continue
+        if err <= tolerance:
+            return path
+        log.warning("attention path %s differs from the model's own by %.3g: not used", path, err)
+        attention.restore(model, own)
+    if wanted != "auto":
+        raise ValueError(f"attention path {wanted!r} does not work for this model on {device}")
+    return "model"
 
 
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
