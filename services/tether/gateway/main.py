@@ -25,7 +25,7 @@ from pydantic import Field, field_validator, model_validator
 from redis.exceptions import RedisError
 
 from tether.common import broker, replicas
-from tether.common.grpc_server import Health, run_until_signal, start_server
+from tether.common.grpc_server import Health, cancel_until_done, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.net import is_loopback
 from tether.common.settings import RedisSettings, refused_settings_exit
@@ -492,11 +492,8 @@ class GatewayServer:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._http_task), self.s.shutdown_grace_s + 5)
         await self.proxy.aclose()
-        for task in (self._health_task, self._admission_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        # Cancelled until they end: a cancel can be lost inside a Redis read (cancel_until_done).
+        await cancel_until_done(*(t for t in (self._health_task, self._admission_task) if t is not None))
         await self.pool.aclose()
         self.recorder.close()
         await self.redis.aclose()

@@ -36,7 +36,7 @@ from prometheus_client import Gauge
 
 from tether.common import replicas as published
 from tether.common.broker import Keys
-from tether.common.grpc_server import channel
+from tether.common.grpc_server import cancel_until_done, channel
 from tether.common.records import InferenceReplica
 from tether.common.retry import Retrying, backoff
 from tether.v1 import inference_pb2, inference_pb2_grpc, types_pb2
@@ -288,9 +288,7 @@ class InferenceFleet:
 
     async def aclose(self) -> None:
         if self._joiner is not None:
-            self._joiner.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._joiner
+            await cancel_until_done(self._joiner)  # a cancel can be lost inside a Redis read
         for m in list(self.members.values()):
             await _closed(m)
         self.members.clear()
