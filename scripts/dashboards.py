@@ -677,7 +677,7 @@ def trainer() -> Dashboard:
         "trainer",
         "tether-trainer",
         "Tether / Trainer",
-        "The trainer: steps, tokens, buffered groups, weight pushes, staleness",
+        "The trainer: steps, tokens, MFU and memory, buffered groups, weight pushes, staleness",
         (
             Panel(
                 "Steps",
@@ -779,6 +779,26 @@ def trainer() -> Dashboard:
                     q("max(tether_trainer_weight_version)", "trainer"),
                     q("max(tether_inference_weight_version)", "inference"),
                 ),
+                min=0,
+            ),
+            Panel(
+                "MFU",
+                "Model FLOPs utilisation of the last step (useful FLOPs with attention, over the devices' peak)",
+                (q("max(tether_trainer_mfu)", "MFU"),),
+                unit="percentunit",
+                min=0,
+            ),
+            Panel(
+                "Model TFLOP/s",
+                "Useful model FLOPs per second trained (attention included, padding and recomputation not)",
+                (q(f"{rate('tether_trainer_model_flops_total')} / 1e12", "TFLOP/s"),),
+                min=0,
+            ),
+            Panel(
+                "Peak memory of a step",
+                "Most memory the last step held on one device (the largest over ranks)",
+                (q("max(tether_trainer_peak_memory_bytes)", "peak"),),
+                unit="bytes",
                 min=0,
             ),
             Panel(

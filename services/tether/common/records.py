@@ -449,6 +449,10 @@ class StepMetrics(_Record):
     grad_norm: float | None = None
     clip_fraction: float | None = None
     trainer_tokens_per_s: float | None = None
+    entropy: float | None = None  # mean policy entropy over the trained tokens
+    model_tflops_per_s: float | None = None  # useful model FLOPs per second (trainer/throughput.py)
+    mfu: float | None = None
+    peak_memory_gib: float | None = None  # most one device held during the step
     staleness_max: float | None = None
     staleness_mean: float | None = None
     token_staleness_max: float | None = None

@@ -333,6 +333,11 @@ class Run:
             "clip_fraction": metrics.get("clip_fraction", float("nan")),
             "constrained_tokens_masked": metrics.get("constrained_tokens_masked", 0.0),
             "trainer_tokens_per_s": metrics.get("train_tokens_per_s", float("nan")),
+            # What the trainer did with its devices (trainer/throughput.py) and the policy's entropy.
+            **{
+                k: metrics.get(k, float("nan"))
+                for k in ("entropy", "model_tflops_per_s", "mfu", "peak_memory_gib")
+            },
             "staleness_max": float(max(staleness, default=0)),
             "staleness_mean": sum(staleness) / len(staleness) if staleness else 0.0,
             # Per trainable token, from vLLM's per-token weight spans (the trainer's count).

@@ -23,7 +23,7 @@ from tether.common.grpc_server import run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings, WeightPush, refused_settings_exit
 from tether.common.usage import exit_if_help
-from tether.trainer import distributed, weights
+from tether.trainer import distributed, throughput, weights
 from tether.trainer.distributed import Dist
 from tether.trainer.servicer import TrainerServicer
 from tether.trainer.steps import PATHS, StepRunner, Trainer, TrainerCore
@@ -74,6 +74,9 @@ class TrainerSettings(CommonSettings):
     # Attention of packed rows (trainer/attention.py): auto = the best path that passes the start-up
     # check (CUDA: varlen, flex, segments, dense; CPU: segments, dense); model = transformers' own.
     attention: Literal["auto", "varlen", "flex", "segments", "dense", "model"] = "auto"
+    # Peak FLOP/s of one device, in TFLOP/s, for the steps' MFU (trainer/throughput.py); 0 = measured at
+    # start on a square matmul in the step's precision.
+    peak_tflops: float = Field(0.0, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     fsdp: bool = False  # FSDP2 fully_shard instead of DDP (CUDA, torchrun)
     bf16: bool = False  # bf16 autocast (CUDA only)
@@ -219,6 +222,12 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
         step_config(s, int(pad)),
         pack=pack,
         lm_head_chunk_bytes=0 if not chunked else int(s.lm_head_chunk_mb * 2**20),
+        peak_flops=s.peak_tflops * 1e12 or throughput.measure_peak_flops(d.device, s.bf16),
+    )
+    log.info(
+        "MFU against %.1f TFLOP/s per device (%s)",
+        cfg.peak_flops / 1e12,
+        "TETHER_PEAK_TFLOPS" if s.peak_tflops else "measured on a matmul at start",
     )
     ref_model = None
     if s.kl_coef > 0:

@@ -56,6 +56,15 @@ STEP_SECONDS = Histogram(
 TOKENS = Counter("tether_trainer_tokens_total", "Tokens trained on")
 VERSION = Gauge("tether_trainer_weight_version", "Version of the newest checkpoint")
 STALENESS = Gauge("tether_trainer_staleness_max", "Max weight-version lag of the last step's samples")
+FLOPS = Counter(
+    "tether_trainer_model_flops_total",
+    "Model FLOPs of the steps trained: the useful work, attention included, counted from the samples' lengths",
+)
+MFU = Gauge("tether_trainer_mfu", "Model FLOPs utilisation of the last step against the devices' peak")
+PEAK_MEMORY = Gauge(
+    "tether_trainer_peak_memory_bytes",
+    "Most memory the last step held on a device (CUDA allocator peak; CPU: the process's peak resident set)",
+)
 PATHS = Gauge(
     "tether_trainer_path",
     "1 for the kernel path each part of the step runs (attention of packed rows, LM head), chosen at start",
@@ -466,6 +475,9 @@ class TrainerCore:
         TOKENS.inc(record.metrics.get("tokens", 0.0))
         VERSION.set(self.version)
         STALENESS.set(record.metrics.get("staleness_max", 0.0))
+        FLOPS.inc(record.metrics.get("model_flops", 0.0))
+        MFU.set(record.metrics.get("mfu", 0.0))
+        PEAK_MEMORY.set(record.metrics.get("peak_memory_gib", 0.0) * 2**30)
 
     def checkpoint_dir(self) -> str:
         return str(self.root / checkpoint_name(self.version)) if self.version else ""

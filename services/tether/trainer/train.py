@@ -42,7 +42,7 @@ from tether.algorithms.losses import (
 )
 from tether.algorithms.names import OFF_POLICY_MODES, KLEstimator, LossMode, OffPolicyMode
 from tether.common.records import SampleRecord
-from tether.trainer import attention, distributed, lm_head
+from tether.trainer import attention, distributed, lm_head, throughput
 
 _MAX_LOG_RATIO = 20.0
 
@@ -73,6 +73,8 @@ class StepConfig:
     # plain path (the (targets x vocab) logits materialised), also what a model whose head does not
     # match (chunked_head_matches) gets.
     lm_head_chunk_bytes: int = lm_head.DEFAULT_CHUNK_BYTES
+    # FLOP/s one device reaches (throughput.py), for the step's MFU; 0: unknown, MFU reported as 0.
+    peak_flops: float = 0.0
 
 
 @dataclass
@@ -549,6 +551,8 @@ def train_step(
     """
     start = time.perf_counter()
     device = next(model.parameters()).device
+    memory = throughput.PeakMemory(device)
+    memory.reset()
     batch = collate(samples, cfg.pad_token_id)
     weights = token_weights(
         batch.mask, cfg.loss_mode, rollout_ids=batch.rollout_ids, norm_constant=float(batch.mask.shape[1])
@@ -623,7 +627,9 @@ def train_step(
         sums["micro_batches"] += 1.0 if mb.cells else 0.0
     if world > 1:
         sums = dict(zip(_SUMS, distributed.all_reduce([sums[k] for k in _SUMS], "sum"), strict=True))
-        max_abs_diff = distributed.all_reduce([max_abs_diff], "max")[0]
+        max_abs_diff, peak_bytes = distributed.all_reduce([max_abs_diff, memory.read_bytes()], "max")
+    else:
+        peak_bytes = memory.read_bytes()
 
     grad_norm: torch.Tensor | float = 0.0
     if sums["trainable"] > 0:  # nothing to learn from: no step, so Adam's momentum does not move the weights
@@ -640,6 +646,10 @@ def train_step(
     staleness = [version - s.weight_version for s in samples]
     token_staleness = token_staleness_stats(samples, version)
     total_tokens = float(sum(lengths))
+    # Useful work from the samples' lengths (throughput.py): the LM head runs on the trained targets.
+    flops = throughput.step_flops(
+        throughput.shape_of(distributed.unwrap(model)), lengths, int(sums["trainable"])
+    )
     return {
         "loss": sums["loss"],
         "grad_norm": float(grad_norm) if math.isfinite(float(grad_norm)) else float("nan"),
@@ -663,6 +673,10 @@ def train_step(
         "world_size": float(world),
         "train_seconds": elapsed,
         "train_tokens_per_s": total_tokens / max(elapsed, 1e-9),
+        "model_flops": flops,
+        "model_tflops_per_s": flops / max(elapsed, 1e-9) / 1e12,
+        "mfu": throughput.mfu(flops, elapsed, world, cfg.peak_flops),
+        "peak_memory_gib": peak_bytes / 2**30,
         "logprob_abs_diff": sums["abs_diff"] / n_tok,
         "logprob_abs_diff_max": max_abs_diff,
         "logprob_k3_kl": sums["k3"] / n_tok,
