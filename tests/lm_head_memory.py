@@ -19,11 +19,27 @@ from tether.trainer.train import StepConfig, train_step
 VOCAB = 151_936
 
 
-def _status_mib(field: str) -> float:
+def status_mib(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def one_sample(n: int, vocab: int, logprob: float) -> SampleRecord:
+    """One sample of n random tokens, all but the first trained, with a positive advantage."""
+    return SampleRecord(
+        rollout_id="r",
+        group_id="g",
+        task_id="t",
+        sequence_index=0,
+        token_ids=torch.randint(0, vocab, (n,)).tolist(),
+        loss_mask=[0] + [1] * (n - 1),
+        rollout_logprobs=[0.0] + [logprob] * (n - 1),
+        advantages=[0.0] + [1.0] * (n - 1),
+        reward=1.0,
+        weight_version=0,
+    )
 
 
 def main(n: int, chunk_bytes: int) -> dict[str, float]:
@@ -39,29 +55,17 @@ def main(n: int, chunk_bytes: int) -> dict[str, float]:
         max_position_embeddings=n + 8,
     )
     model = Qwen2ForCausalLM(cfg).float()
-    ids = torch.randint(0, VOCAB, (n,)).tolist()
-    sample = SampleRecord(
-        rollout_id="r",
-        group_id="g",
-        task_id="t",
-        sequence_index=0,
-        token_ids=ids,
-        loss_mask=[0] + [1] * (n - 1),
-        rollout_logprobs=[0.0] + [-12.0] * (n - 1),
-        advantages=[0.0] + [1.0] * (n - 1),
-        reward=1.0,
-        weight_version=0,
-    )
+    sample = one_sample(n, VOCAB, -12.0)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     step = StepConfig(micro_batch_tokens=n, lm_head_chunk_bytes=chunk_bytes)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = _status_mib("VmRSS")
+    before = status_mib("VmRSS")
     metrics = train_step(model, opt, [sample], step)
     return {
         "tokens": n,
         "rss_before_mib": before,
-        "peak_mib": _status_mib("VmHWM"),
-        "growth_mib": _status_mib("VmHWM") - before,
+        "peak_mib": status_mib("VmHWM"),
+        "growth_mib": status_mib("VmHWM") - before,
         "trainable_tokens": metrics["trainable_tokens"],
     }
 

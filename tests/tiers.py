@@ -34,6 +34,9 @@ FULL_ONLY = {
     "tests/test_lm_head.py::test_the_plain_head_grows_with_positions_times_vocabulary": (
         "shows the memory probe can tell the plain LM head from the chunked one (~20 s)"
     ),
+    "tests/test_memory_plan.py::test_the_plan_predicts_what_a_step_really_holds": (
+        "two processes train 4,096 tokens each for their peak memory (~40 s; make test: the plan's own tests)"
+    ),
     "tests/test_trainer_resume.py::test_killed_trainer_resumes_and_matches_an_uninterrupted_run": (
         "two trainer processes (make test: the in-process resume tests of the same file)"
     ),

@@ -16,14 +16,14 @@ from pathlib import Path
 from typing import ClassVar, Literal
 
 import torch
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from tether.algorithms.names import KLEstimator, LossMode, OffPolicyMode
 from tether.common.grpc_server import run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings, WeightPush, refused_settings_exit
 from tether.common.usage import exit_if_help
-from tether.trainer import distributed, throughput, weights
+from tether.trainer import distributed, memory_plan, throughput, weights
 from tether.trainer.distributed import Dist
 from tether.trainer.servicer import TrainerServicer
 from tether.trainer.steps import PATHS, StepRunner, Trainer, TrainerCore
@@ -32,6 +32,7 @@ from tether.trainer.train import (
     choose_attention,
     chunked_head_matches,
     enable_activation_checkpointing,
+    measure_activations,
     packing_keeps_samples_apart,
 )
 from tether.trainer.weights import apply_lora, load_model
@@ -65,8 +66,13 @@ class TrainerSettings(CommonSettings):
     tis_cap: float = 2.0
     mask_low: float = 0.5
     mask_high: float = 2.0
-    # Tokens per forward: a packed row's length, or rows x padded width without packing.
-    micro_batch_tokens: int = 4096
+    # Tokens per forward: the longest packed row (the memory plan may make rows shorter), or rows x
+    # padded width without packing.
+    micro_batch_tokens: int = 16384
+    # Bytes one device may hold for the step, in GiB (trainer/memory_plan.py): weights, gradients and
+    # optimizer state, the LM head's chunk and each micro-batch's activations (measured at start). 0 =
+    # 90% of the GPU's memory; on CPU half of the memory available at start.
+    memory_budget_gb: float = Field(0.0, ge=0)
     pack_samples: bool = True
     # The LM head over the trained positions, a chunk of at most this many MiB of fp32 logits at a
     # time (trainer/lm_head.py): the (positions x vocab) logits never materialise. 0: the plain path.
@@ -80,7 +86,12 @@ class TrainerSettings(CommonSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     fsdp: bool = False  # FSDP2 fully_shard instead of DDP (CUDA, torchrun)
     bf16: bool = False  # bf16 autocast (CUDA only)
-    gradient_checkpointing: bool = False
+    # Recompute the blocks' activations in backward: auto = only the micro-batches that would not fit
+    # the budget otherwise; on = all; off = none (true/false read as on/off).
+    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
+    # Hold what forward keeps for backward in CPU memory (pinned on a GPU): rows as long as one block's
+    # recomputation fits, for samples one device cannot hold otherwise.
+    activation_offload: bool = False
     lora_rank: int = 0  # > 0: train LoRA adapters (needs peft); checkpoints hold merged weights
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
@@ -105,6 +116,15 @@ class TrainerSettings(CommonSettings):
     drain_s: float = Field(45.0, ge=0)
     # Tests only: seconds every step waits (in its worker thread) before it trains: a slow step.
     test_step_delay_s: float = Field(0.0, ge=0)
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _on_off(cls, v: object) -> object:
+        if isinstance(v, bool):
+            return "on" if v else "off"
+        if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+            return "on" if v.strip().lower() in ("true", "1", "yes") else "off"
+        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:
@@ -194,8 +214,15 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
     )
     PATHS.labels("attention", path).set(1)
     PATHS.labels("lm_head", "chunked" if chunked else "plain").set(1)
-    if s.gradient_checkpointing:
-        enable_activation_checkpointing(model)
+    checkpointing = s.gradient_checkpointing
+    if checkpointing != "off":
+        try:
+            enable_activation_checkpointing(model)
+        except (ValueError, AttributeError, NotImplementedError) as e:
+            if checkpointing == "on":
+                raise SystemExit(f"TETHER_GRADIENT_CHECKPOINTING=on: {type(model).__name__}: {e}") from e
+            log.warning("%s cannot recompute its blocks (%s): checkpointing off", type(model).__name__, e)
+            checkpointing = "off"
     engine = distributed.wrap(model, d, bf16=s.bf16)
     optimizer = torch.optim.Adam(
         [p for p in model.parameters() if p.requires_grad],
@@ -224,6 +251,7 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
         lm_head_chunk_bytes=0 if not chunked else int(s.lm_head_chunk_mb * 2**20),
         peak_flops=s.peak_tflops * 1e12 or throughput.measure_peak_flops(d.device, s.bf16),
     )
+    cfg = plan_memory(s, d, model, cfg, checkpointing)
     log.info(
         "MFU against %.1f TFLOP/s per device (%s)",
         cfg.peak_flops / 1e12,
@@ -235,6 +263,76 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
         ref_model, _ = load_model(s.model_dir, s.seed)
         ref_model.requires_grad_(False).eval().to(d.device)
     return StepRunner(model, engine, optimizer, cfg, d, root, ref_model=ref_model), tokenizer, resume
+
+
+def device_memory(device: torch.device) -> float:
+    """Bytes the step may use on `device` when TETHER_MEMORY_BUDGET_GB is 0: 90% of the GPU; on CPU half
+    of what the kernel reports available now (the weights are loaded: they are not counted again)."""
+    if device.type == "cuda":
+        return 0.9 * torch.cuda.get_device_properties(device).total_memory
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return 0.5 * int(line.split()[1]) * 1024
+    return 8 * 2**30  # no /proc/meminfo (not Linux): a laptop's share
+
+
+def plan_memory(
+    s: TrainerSettings, d: Dist, model: torch.nn.Module, cfg: StepConfig, checkpointing: memory_plan.Mode
+) -> StepConfig:
+    """The step's memory plan (memory_plan.py): the budget left for activations once the weights,
+    gradients, optimizer state and the LM head's chunk are counted, and the activations' cost measured
+    on the model. Logged; a budget the static state alone exceeds stops the trainer with what to change."""
+    cfg = dataclasses.replace(cfg, checkpointing=checkpointing, offload=s.activation_offload)
+    if not cfg.pack or s.fsdp:
+        why = "FSDP shards the weights" if s.fsdp else "padded rows"
+        log.info("memory plan: none (%s): rows of %d tokens", why, s.micro_batch_tokens)
+        return cfg
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    elem = params[0].element_size() if params else 4
+    if s.memory_budget_gb:
+        budget = s.memory_budget_gb * 2**30
+        static = memory_plan.static_bytes(total, trainable, elem)
+    else:
+        budget = device_memory(d.device)
+        # On CPU the loaded weights are already outside what is available; on a GPU they are inside.
+        static = memory_plan.static_bytes(total if d.device.type == "cuda" else 0, trainable, elem)
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    head = 3 * min(
+        cfg.lm_head_chunk_bytes or 4 * vocab * s.micro_batch_tokens, 4 * vocab * s.micro_batch_tokens
+    )
+    activations = budget - static - head
+    if activations <= 0:
+        raise SystemExit(
+            f"the memory budget ({budget / 2**30:.1f} GiB) does not hold the weights, gradients and optimizer "
+            f"state ({static / 2**30:.1f} GiB) and the LM head's chunk ({head / 2**30:.1f} GiB): raise "
+            "TETHER_MEMORY_BUDGET_GB, train LoRA adapters (TETHER_LORA_RANK) or shard with TETHER_FSDP"
+        )
+    cost = measure_activations(model, vocab, cfg)
+    cfg = dataclasses.replace(cfg, memory_budget=activations, activation_cost=cost)
+    longest = memory_plan.row_tokens(cost, activations, checkpointed=False, offloaded=s.activation_offload)
+    longest_ckpt = memory_plan.row_tokens(
+        cost, activations, checkpointed=True, offloaded=s.activation_offload
+    )
+    log.info(
+        "memory plan: %.2f GiB for activations (budget %.2f, static %.2f, LM head %.2f); "
+        "%.1f KiB per token kept for backward (%.1f KiB recomputing), %.3g B per attention pair; "
+        "one row holds %d tokens, %d recomputing; rows of at most %d tokens; checkpointing %s%s",
+        activations / 2**30,
+        budget / 2**30,
+        static / 2**30,
+        head / 2**30,
+        cost.per_token / 1024,
+        cost.per_token_checkpointed / 1024,
+        cost.per_pair,
+        longest,
+        longest_ckpt,
+        s.micro_batch_tokens,
+        checkpointing,
+        ", activations offloaded to CPU" if s.activation_offload else "",
+    )
+    return cfg
 
 
 def weight_pusher(s: TrainerSettings, d: Dist):

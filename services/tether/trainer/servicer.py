@@ -70,7 +70,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                 await self.on_broken()
             code = grpc.StatusCode.RESOURCE_EXHAUSTED if exc.out_of_memory else grpc.StatusCode.INTERNAL
             hint = (
-                " (lower TETHER_MICRO_BATCH_TOKENS or set TETHER_GRADIENT_CHECKPOINTING=true)"
+                " (lower TETHER_MEMORY_BUDGET_GB, or set TETHER_GRADIENT_CHECKPOINTING=on or TETHER_ACTIVATION_OFFLOAD=true)"
                 if exc.out_of_memory
                 else ""
             )

@@ -42,7 +42,7 @@ from tether.algorithms.losses import (
 )
 from tether.algorithms.names import OFF_POLICY_MODES, KLEstimator, LossMode, OffPolicyMode
 from tether.common.records import SampleRecord
-from tether.trainer import attention, distributed, lm_head, throughput
+from tether.trainer import attention, distributed, lm_head, memory_plan, throughput
 
 _MAX_LOG_RATIO = 20.0
 
@@ -75,6 +75,14 @@ class StepConfig:
     lm_head_chunk_bytes: int = lm_head.DEFAULT_CHUNK_BYTES
     # FLOP/s one device reaches (throughput.py), for the step's MFU; 0: unknown, MFU reported as 0.
     peak_flops: float = 0.0
+    # Micro-batches planned from memory (memory_plan.py): bytes a row's activations may take on one
+    # device (0: rows of `micro_batch_tokens` tokens, as without a plan), what a row costs (measured at
+    # start, `measure_activations`), which rows recompute their blocks in backward, and whether saved
+    # activations live in CPU memory. With a budget, `micro_batch_tokens` caps a row (0: no cap).
+    memory_budget: float = 0.0
+    activation_cost: memory_plan.ActivationCost | None = None
+    checkpointing: memory_plan.Mode = "off"
+    offload: bool = False
 
 
 @dataclass
@@ -204,6 +212,83 @@ def enable_activation_checkpointing(model: torch.nn.Module) -> None:
         core.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
+def set_activation_checkpointing(model: torch.nn.Module, on: bool) -> None:
+    """Turn the recomputation of every block on or off for the next forward (the memory plan decides per
+    micro-batch); `enable_activation_checkpointing` must have run once."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    for module in distributed.unwrap(model).modules():
+        if isinstance(module, GradientCheckpointingLayer) and hasattr(module, "_gradient_checkpointing_func"):
+            module.gradient_checkpointing = on
+
+
+def measure_activations(
+    model: torch.nn.Module, vocab_size: int, cfg: StepConfig, n: int = 64
+) -> memory_plan.ActivationCost:
+    """What the model's forward keeps for backward, measured on it (memory_plan.ActivationCost): samples
+    of n, 2n and 4n tokens (all trained) through the step's own path (attention, LM head, autocast),
+    every tensor autograd saves counted once by its storage, the weights left out. Checkpointed blocks
+    keep their input outside autograd's saved tensors: it is added, one hidden state per block and token.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    core = distributed.unwrap(model)
+    device = next(model.parameters()).device
+    weights_ = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    keep_logits = _accepts(model, "logits_to_keep")
+    head = lm_head.chunkable_head(model) if cfg.lm_head_chunk_bytes > 0 else None
+    chunk = (
+        lm_head.chunk_positions(head.weight.shape[0], cfg.lm_head_chunk_bytes) if head is not None else None
+    )
+    g = torch.Generator().manual_seed(2)
+
+    def saved(length: int, checkpointed: bool) -> float:
+        set_activation_checkpointing(model, checkpointed)
+        ids = torch.randint(0, vocab_size, (1, length), generator=g).to(device)
+        targets = torch.arange(length - 1, device=device)
+        mb = MicroBatch(
+            ids,
+            torch.arange(length, device=device)[None],
+            None,
+            torch.zeros_like(targets),
+            targets,
+            targets,
+            targets,
+            length,
+            length,
+        )
+        seen: dict[int, int] = {}
+
+        def keep(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in weights_:
+                seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t), _autocast(device, cfg.bf16):
+            lp, _ = target_logprobs(model, mb, keep_logits, head, chunk)
+        del lp
+        return float(sum(seen.values()))
+
+    was_training = model.training
+    model.train()
+    try:
+        b1, b2, b4 = saved(n, False), saved(2 * n, False), saved(4 * n, False)
+        per_pair = max(((b4 - b2) - 2 * (b2 - b1)) / (6 * n * n), 0.0)
+        per_token = max((b2 - b1 - 3 * per_pair * n * n) / n, 0.0)
+        checkpointed = per_token
+        if cfg.checkpointing != "off":
+            hidden = int(core.get_input_embeddings().weight.shape[1])
+            residual = core.get_input_embeddings().weight.element_size()
+            layers = sum(1 for m in core.modules() if isinstance(m, GradientCheckpointingLayer))
+            checkpointed = max(saved(2 * n, True) - saved(n, True), 0.0) / n + layers * hidden * residual
+    finally:
+        set_activation_checkpointing(model, False)
+        model.train(was_training)
+    layers_ = int(getattr(getattr(core, "config", None), "num_hidden_layers", 1) or 1)
+    return memory_plan.ActivationCost(per_token, per_pair, checkpointed, layers_)
+
+
 # --- planning: which rank and which micro-batch trains which sample -------------------------------------
 
 
@@ -272,6 +357,8 @@ class MicroBatch:
     cols: torch.Tensor
     cells: int
     tokens: int
+    checkpoint: bool = False  # recompute the blocks' activations in backward (memory plan)
+    offload: bool = False  # hold what forward saves in CPU memory (memory plan)
 
 
 def packed_micro_batch(batch: Batch, lengths: list[int], idx: list[int]) -> MicroBatch:
@@ -346,11 +433,30 @@ def plan_micro_batches(
     batch: Batch, lengths: list[int], rows: list[int], cfg: StepConfig
 ) -> list[MicroBatch]:
     local = [lengths[i] for i in rows]
+    if cfg.pack and cfg.memory_budget > 0 and cfg.activation_cost is not None:
+        plan = memory_plan.plan_rows(
+            local,
+            cfg.activation_cost,
+            cfg.memory_budget,
+            cfg.micro_batch_tokens,
+            cfg.checkpointing,
+            cfg.offload,
+        )
+        out = []
+        for row in plan:
+            mb = packed_micro_batch(batch, lengths, [rows[j] for j in row.samples])
+            mb.checkpoint, mb.offload = row.checkpoint, row.offload
+            out.append(mb)
+        return out
     if cfg.pack:
         groups = pack(local, cfg.micro_batch_tokens)
-        return [packed_micro_batch(batch, lengths, [rows[j] for j in g]) for g in groups]
-    groups = micro_batches(local, cfg.micro_batch_tokens)
-    return [padded_micro_batch(batch, lengths, [rows[j] for j in g]) for g in groups]
+        out = [packed_micro_batch(batch, lengths, [rows[j] for j in g]) for g in groups]
+    else:
+        groups = micro_batches(local, cfg.micro_batch_tokens)
+        out = [padded_micro_batch(batch, lengths, [rows[j] for j in g]) for g in groups]
+    for mb in out:  # without a plan, every micro-batch the same way
+        mb.checkpoint, mb.offload = cfg.checkpointing == "on", cfg.offload
+    return out
 
 
 # --- forward and loss -----------------------------------------------------------------------------------
@@ -521,6 +627,7 @@ _SUMS = (
     "masked",
     "is_weight_sum",
     "micro_batches",
+    "recomputed",
     "entropy",
     "ref_kl",
 )
@@ -577,8 +684,15 @@ def train_step(
         mb.position_ids = None if mb.position_ids is None else mb.position_ids.to(device)
         mb.attention = None if mb.attention is None else mb.attention.to(device)
         mb.src_row, mb.src_pos = mb.src_row.to(device), mb.src_pos.to(device)
+        if cfg.checkpointing != "off":
+            set_activation_checkpointing(model, mb.checkpoint)
+        offload = (
+            torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+            if mb.offload
+            else contextlib.nullcontext()
+        )
         with distributed.grad_sync(model, enabled=k == len(plans) - 1):
-            with _autocast(device, cfg.bf16):
+            with _autocast(device, cfg.bf16), offload:
                 lp, entropy = target_logprobs(model, mb, keep_logits, head, chunk)
             n = int(mb.rows.numel())
             if n == 0:
@@ -625,6 +739,7 @@ def train_step(
         sums["tokens"] += mb.tokens
         sums["cells"] += mb.cells
         sums["micro_batches"] += 1.0 if mb.cells else 0.0
+        sums["recomputed"] += 1.0 if mb.cells and mb.checkpoint else 0.0
     if world > 1:
         sums = dict(zip(_SUMS, distributed.all_reduce([sums[k] for k in _SUMS], "sum"), strict=True))
         max_abs_diff, peak_bytes = distributed.all_reduce([max_abs_diff, memory.read_bytes()], "max")
@@ -670,6 +785,7 @@ def train_step(
         **token_staleness,
         "pad_fraction": 1.0 - sums["tokens"] / sums["cells"] if sums["cells"] else 0.0,
         "micro_batches": sums["micro_batches"],
+        "recomputed_micro_batches": sums["recomputed"],
         "world_size": float(world),
         "train_seconds": elapsed,
         "train_tokens_per_s": total_tokens / max(elapsed, 1e-9),
