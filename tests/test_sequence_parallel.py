@@ -10,11 +10,13 @@ import os
 import pytest
 import torch
 import torch.multiprocessing as mp
+from pydantic import ValidationError
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tether.common.net import free_port
 from tether.common.records import SampleRecord
 from tether.trainer import attention, distributed, sequence_parallel
+from tether.trainer.main import TrainerSettings
 from tether.trainer.train import (
     StepConfig,
     collate,
@@ -182,6 +184,23 @@ def test_heads_that_do_not_split_are_refused():
     sequence_parallel.check_heads(_model(), 2)
 
 
+def test_settings_refuse_what_sequence_parallelism_cannot_do(monkeypatch):
+    least = {"trainer_grpc_port": 0, "model_dir": "m", "checkpoint_dir": "c"}
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValidationError, match="torchrun"):
+        TrainerSettings(**least, sequence_parallel=2)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValidationError, match="does not divide the 4 ranks"):
+        TrainerSettings(**least, sequence_parallel=3)
+    with pytest.raises(ValidationError, match="packed rows"):
+        TrainerSettings(**least, sequence_parallel=2, pack_samples=False)
+    with pytest.raises(ValidationError, match="FSDP"):
+        TrainerSettings(**least, sequence_parallel=2, fsdp=True)
+    assert TrainerSettings(**least, sequence_parallel=2).sequence_parallel == 2
+    with pytest.raises(ValidationError):
+        TrainerSettings(**least, sequence_parallel=0)
+
+
 def _compare(tmp_path, world: int, size: int) -> None:
     mp.spawn(_worker, args=(world, size, free_port(), str(tmp_path)), nprocs=world, join=True)
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
@@ -219,3 +238,43 @@ def test_two_ranks_sharing_each_row_match_one_rank(tmp_path):
 
 def test_two_groups_of_two_ranks_match_one_rank(tmp_path):
     _compare(tmp_path, world=4, size=2)
+
+
+def test_torchrun_service_with_rows_shared_by_two_ranks_matches_one_rank(tmp_path):
+    """The service's own start-up (heads checked, groups made, logged) and step, against one process."""
+    from test_trainer_resume import TrainerProcess, _weights, group_requests, step, tiny_model_dir
+
+    from tether.trainer.weights import load_model
+
+    model_dir = tiny_model_dir(tmp_path / "model")  # 2 heads, 1 KV head: the KV head is repeated
+    groups = group_requests(2)
+    env = {
+        "TETHER_MICRO_BATCH_TOKENS": "24",
+        "TETHER_SEQUENCE_PARALLEL": "2",
+        "TETHER_DIST_HEARTBEAT_S": "0.2",
+    }
+    proc = TrainerProcess(model_dir, tmp_path / "ckpt", tmp_path / "torchrun.log", nproc=2, env=env).start()
+    try:
+        proc.wait_ready(240)
+        for g in groups:
+            proc.stub.SubmitGroup(g)
+        resp = proc.stub.TrainStep(step(0, groups=2))
+        assert resp.metrics["sequence_parallel"] == 2.0 and resp.metrics["world_size"] == 2.0
+        proc.stop(120)
+    finally:
+        proc.cleanup()
+    log = proc.log_path.read_text(errors="replace")
+    assert "[rank0]:" not in log and "[rank1]:" not in log, log
+    assert "sequence parallelism: Ulysses, each packed row split over 2 ranks" in log
+
+    model, _ = load_model(model_dir, 0)
+    attention.use(model, "segments")
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, betas=(0.9, 0.99))
+    samples = [SampleRecord.from_proto(p) for g in groups for p in g.samples]
+    metrics = train_step(model, opt, samples, StepConfig(micro_batch_tokens=24, pad_token_id=1))
+    got = _weights(tmp_path / "ckpt" / "v000001")
+    # Adam's first step amplifies gradients at fp32 noise (as in test_trainer_distributed.py).
+    diff = torch.cat([(got[name] - value).abs().flatten() for name, value in model.state_dict().items()])
+    assert float(diff.max()) < 1e-4
+    assert float((diff > 1e-6).float().mean()) < 1e-3
+    assert resp.metrics["loss"] == pytest.approx(metrics["loss"], abs=1e-6)

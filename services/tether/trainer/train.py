@@ -8,7 +8,9 @@ Named steps of `train_step`:
 2. `shard_rows` picks this rank's samples (balanced by tokens); `plan_micro_batches` packs them into
    rows without padding (`pack`: position ids restart at 0 for every sample, which HF models turn into
    block-diagonal causal attention, with whatever attention kernel the model loaded with: sdpa by default), or into length-sorted padded
-   rows (`micro_batches`) when packing is off.
+   rows (`micro_batches`) when packing is off. With sequence parallelism (`StepConfig.sequence_parallel`
+   P > 1, sequence_parallel.py) the samples are shared out over the world / P replicas, and each packed
+   row is split over the P ranks of a group (`sequence_shard`): each forwards its shard of the row.
 3. Forward each micro-batch; logprobs of the trainable target tokens only (`target_logprobs`).
 4. Off-policy correction (`off_policy_correction`): "ppo" takes the PPO ratio against the rollout
    engine's logprobs; "tis" and "mask" take it against the trainer's own pre-update logprobs and weight
@@ -691,7 +693,8 @@ def train_step(
 
     `model` is the module to run (the HF model, or its DDP/FSDP2 form on `world` > 1 ranks, each of
     which calls this with the same `samples`); `version` is the weight version being trained, for the
-    staleness metrics.
+    staleness metrics. With `cfg.sequence_parallel` P > 1, ranks r..r+P-1 (r a multiple of P) share each
+    row of data-parallel replica r // P.
     """
     start = time.perf_counter()
     device = next(model.parameters()).device
@@ -845,6 +848,7 @@ def train_step(
         "micro_batches": sums["micro_batches"],
         "recomputed_micro_batches": sums["recomputed"],
         "world_size": float(world),
+        "sequence_parallel": float(size),
         "train_seconds": elapsed,
         "train_tokens_per_s": total_tokens / max(elapsed, 1e-9),
         "model_flops": flops,
