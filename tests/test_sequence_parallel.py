@@ -20,6 +20,7 @@ from tether.trainer.main import TrainerSettings
 from tether.trainer.train import (
     StepConfig,
     collate,
+    enable_activation_checkpointing,
     packed_micro_batch,
     sequence_shard,
     target_logprobs,
@@ -79,18 +80,34 @@ def _samples(model: torch.nn.Module) -> list[SampleRecord]:
     return out
 
 
-def _cfg(size: int) -> StepConfig:
-    return StepConfig(micro_batch_tokens=24, max_grad_norm=1.0, sequence_parallel=size)
+def _cfg(size: int, recompute: bool = False) -> StepConfig:
+    return StepConfig(
+        micro_batch_tokens=24,
+        max_grad_norm=1.0,
+        sequence_parallel=size,
+        checkpointing="on" if recompute else "off",
+        kl_coef=0.5 if recompute else 0.0,
+    )
 
 
 def _flat(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in model.parameters()])
 
 
-def _steps(engine, model, samples, cfg: StepConfig, rank: int = 0, world: int = 1):
+def _steps(engine, model, samples, cfg: StepConfig, rank: int = 0, world: int = 1, ref=None):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    metrics = [train_step(engine, opt, samples, cfg, rank=rank, world=world) for _ in range(STEPS)]
+    metrics = [
+        train_step(engine, opt, samples, cfg, rank=rank, world=world, ref_model=ref) for _ in range(STEPS)
+    ]
     return _flat(model), metrics
+
+
+def _recomputing(base: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A copy whose blocks recompute in backward (the exchanges run again there), and a frozen
+    reference for the KL term (its attention exchanges too)."""
+    model = copy.deepcopy(base)
+    enable_activation_checkpointing(model)
+    return model, copy.deepcopy(base).requires_grad_(False).eval()
 
 
 def _row_logprobs(model, samples, shard: tuple[int, int] | None = None, group=None):
@@ -129,6 +146,10 @@ def _worker(rank: int, world: int, size: int, port: int, out_dir: str) -> None:
         result["logprobs_mqa"] = _row_logprobs(mqa, samples, (rank % size, size), group)
         model = copy.deepcopy(base)
         result["steps"] = _steps(distributed.wrap(model, d), model, samples, _cfg(size), rank, world)
+        model, ref = _recomputing(base)
+        result["steps_recomputed"] = _steps(
+            distributed.wrap(model, d), model, samples, _cfg(size, True), rank, world, ref
+        )
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         distributed.shutdown()
@@ -218,18 +239,22 @@ def _compare(tmp_path, world: int, size: int) -> None:
             assert got.keys() == want.keys(), key
             assert max(abs(got[t] - want[t]) for t in want) < 1e-5, key
     model = copy.deepcopy(base)
-    ref_params, ref_metrics = _steps(model, model, samples, _cfg(1))
-    assert float((ref_params - _flat(base)).abs().max()) > 1e-3  # the steps did move the weights
-    for rank in ranks:
-        params, metrics = rank["steps"]
-        torch.testing.assert_close(params, ref_params, atol=1e-5, rtol=0)
-        for got, want in zip(metrics, ref_metrics, strict=True):
-            assert got["loss"] == pytest.approx(want["loss"], abs=1e-5)
-            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
-            for key in ("trainable_tokens", "tokens", "samples", "entropy", "logprob_abs_diff"):
-                assert got[key] == pytest.approx(want[key], abs=1e-5), key
-            assert got["pad_fraction"] > 0.0  # the rows' padding to a multiple of the group's size
-            assert got["world_size"] == float(world)
+    expected = {"steps": _steps(model, model, samples, _cfg(1))}
+    model, ref = _recomputing(base)
+    expected["steps_recomputed"] = _steps(model, model, samples, _cfg(1, True), ref=ref)
+    for case, (ref_params, ref_metrics) in expected.items():
+        assert float((ref_params - _flat(base)).abs().max()) > 1e-3  # the steps did move the weights
+        for rank in ranks:
+            params, metrics = rank[case]
+            torch.testing.assert_close(params, ref_params, atol=1e-5, rtol=0, msg=case)
+            for got, want in zip(metrics, ref_metrics, strict=True):
+                assert got["loss"] == pytest.approx(want["loss"], abs=1e-5), case
+                assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5), case
+                for key in ("trainable_tokens", "tokens", "samples", "entropy", "logprob_abs_diff", "ref_kl"):
+                    assert got[key] == pytest.approx(want[key], abs=1e-5), (case, key)
+                assert got["pad_fraction"] > 0.0  # the rows' padding to a multiple of the group's size
+                assert got["world_size"] == float(world) and got["sequence_parallel"] == float(size)
+    assert expected["steps_recomputed"][1][1]["ref_kl"] > 0  # the KL term was there to check
 
 
 def test_two_ranks_sharing_each_row_match_one_rank(tmp_path):

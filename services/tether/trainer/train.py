@@ -734,7 +734,8 @@ def train_step(
         mb.attention = None if mb.attention is None else mb.attention.to(device)
         mb.src_row, mb.src_pos = mb.src_row.to(device), mb.src_pos.to(device)
         mb.targets = None if mb.targets is None else mb.targets.to(device)
-        # A shard's attention runs over the whole row, with the group's other ranks.
+        # A shard's attention runs over the whole row, with the group's other ranks: in forward, in the
+        # reference's forward and in backward (recomputed blocks run their attention again there).
         shared = (
             sequence_parallel.row(sp_group, size, mb.sp_cuts)
             if mb.sp_cuts is not None
@@ -747,14 +748,14 @@ def train_step(
             if mb.offload
             else contextlib.nullcontext()
         )
-        with distributed.grad_sync(model, enabled=k == len(plans) - 1):
-            with _autocast(device, cfg.bf16), offload, shared:
+        with distributed.grad_sync(model, enabled=k == len(plans) - 1), shared:
+            with _autocast(device, cfg.bf16), offload:
                 lp, entropy = target_logprobs(model, mb, keep_logits, head, chunk)
             n = int(mb.rows.numel())
             ref_lp = None
             if ref_model is not None and cfg.kl_coef > 0 and (n or mb.sp_cuts is not None):
                 # A shard without targets still takes part in the reference's exchanges.
-                with torch.no_grad(), _autocast(device, cfg.bf16), shared:
+                with torch.no_grad(), _autocast(device, cfg.bf16):
                     ref_lp, _ = target_logprobs(ref_model, mb, keep_logits, ref_head, chunk)
             if n == 0:
                 (lp.sum() * float(world)).backward()
