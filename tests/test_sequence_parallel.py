@@ -5,6 +5,7 @@ weights after two steps (fp32), with 2 ranks (one group) and with 4 (2 groups x 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 
 import pytest
@@ -22,6 +23,7 @@ from tether.trainer.train import (
     collate,
     enable_activation_checkpointing,
     packed_micro_batch,
+    plan_micro_batches,
     sequence_shard,
     target_logprobs,
     token_logprobs,
@@ -78,6 +80,17 @@ def _samples(model: torch.nn.Module) -> list[SampleRecord]:
             )
         )
     return out
+
+
+def _prompt_heavy(samples: list[SampleRecord]) -> list[SampleRecord]:
+    """The longest two samples without trainable tokens: packed first (17 + 13 tokens), they fill the
+    first shard of their row, which then computes no target but still exchanges and backpropagates."""
+    return [
+        dataclasses.replace(s, loss_mask=[0] * len(s.token_ids), advantages=[0.0] * len(s.token_ids))
+        if len(s.token_ids) >= 13
+        else s
+        for s in samples
+    ]
 
 
 def _cfg(size: int, recompute: bool = False) -> StepConfig:
@@ -149,6 +162,10 @@ def _worker(rank: int, world: int, size: int, port: int, out_dir: str) -> None:
         model, ref = _recomputing(base)
         result["steps_recomputed"] = _steps(
             distributed.wrap(model, d), model, samples, _cfg(size, True), rank, world, ref
+        )
+        model = copy.deepcopy(base)
+        result["steps_shard_without_targets"] = _steps(
+            distributed.wrap(model, d), model, _prompt_heavy(samples), _cfg(size), rank, world
         )
         torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
@@ -242,6 +259,16 @@ def _compare(tmp_path, world: int, size: int) -> None:
     expected = {"steps": _steps(model, model, samples, _cfg(1))}
     model, ref = _recomputing(base)
     expected["steps_recomputed"] = _steps(model, model, samples, _cfg(1, True), ref=ref)
+    model = copy.deepcopy(base)
+    expected["steps_shard_without_targets"] = _steps(model, model, _prompt_heavy(samples), _cfg(1))
+    lengths = [len(s.token_ids) for s in samples]
+    rows = plan_micro_batches(
+        collate(_prompt_heavy(samples), 0),
+        lengths,
+        list(range(len(lengths))),
+        StepConfig(micro_batch_tokens=48),
+    )
+    assert any(sequence_shard(mb, 0, 2, 0).rows.numel() == 0 for mb in rows)  # the case is what it says
     for case, (ref_params, ref_metrics) in expected.items():
         assert float((ref_params - _flat(base)).abs().max()) > 1e-3  # the steps did move the weights
         for rank in ranks:
