@@ -37,6 +37,12 @@ FULL_ONLY = {
     "tests/test_memory_plan.py::test_the_plan_predicts_what_a_step_really_holds": (
         "two processes train 4,096 tokens each for their peak memory (~40 s; make test: the plan's own tests)"
     ),
+    "tests/test_sequence_parallel.py::test_torchrun_service_with_rows_shared_by_two_ranks_matches_one_rank": (
+        "a torchrun trainer sharing rows over two ranks (~50 s; make test: train_step on two gloo ranks)"
+    ),
+    "tests/test_sequence_parallel.py::test_two_groups_of_two_ranks_match_one_rank": (
+        "four gloo ranks, sequence x data parallel (~75 s on 2 cores; make test: one group of two ranks)"
+    ),
     "tests/test_trainer_resume.py::test_killed_trainer_resumes_and_matches_an_uninterrupted_run": (
         "two trainer processes (make test: the in-process resume tests of the same file)"
     ),

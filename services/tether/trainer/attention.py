@@ -18,6 +18,9 @@ every layer) and runs one of these kernels, the best available chosen at start (
   Python loop over the samples (the CPU's path);
 - `dense`: sdpa with the dense block-diagonal mask (what transformers does), the last fallback.
 
+With sequence parallelism (sequence_parallel.py) each rank holds a shard of the row: the same kernels run
+over the whole row on a share of the heads, between two all-to-alls.
+
 Rows with padding (padded micro-batches) go through transformers' sdpa with their mask as before. A
 path is used only after a check at start: a packed sample through the model with it gives the model's
 own logprobs and a gradient (`choose`); the trainer logs the path and exports it as a metric.
@@ -32,6 +35,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from tether.trainer import sequence_parallel
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +161,14 @@ def packed_attention(
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention interface: (B, H, T, D) in, (B, T, H, D) out. A padded batch, a batch
-    of several rows or a row of one sample go through transformers' sdpa unchanged."""
+    of several rows or a row of one sample go through transformers' sdpa unchanged. Inside
+    `sequence_parallel.row` a row without a mask is this rank's shard: its attention runs over the whole
+    row, sequence-parallel."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    if attention_mask is None and sequence_parallel.active():
+        out = sequence_parallel.attention(query, key, value, scaling, KERNELS[_state["path"]])
+        return out.transpose(1, 2).contiguous(), None
     position_ids = kwargs.get("position_ids")
     cuts = _segments_of(position_ids) if position_ids is not None and query.shape[0] == 1 else None
     if attention_mask is not None or cuts is None or len(cuts) <= 2 or query.shape[2] != key.shape[2]:

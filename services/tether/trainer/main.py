@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from pathlib import Path
 from typing import ClassVar, Literal
 
@@ -23,7 +24,7 @@ from tether.common.grpc_server import run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings, WeightPush, refused_settings_exit
 from tether.common.usage import exit_if_help
-from tether.trainer import distributed, memory_plan, throughput, weights
+from tether.trainer import attention, distributed, memory_plan, sequence_parallel, throughput, weights
 from tether.trainer.distributed import Dist
 from tether.trainer.servicer import TrainerServicer
 from tether.trainer.steps import PATHS, StepRunner, Trainer, TrainerCore
@@ -85,6 +86,9 @@ class TrainerSettings(CommonSettings):
     peak_tflops: float = Field(0.0, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     fsdp: bool = False  # FSDP2 fully_shard instead of DDP (CUDA, torchrun)
+    # Ranks that share each packed row (trainer/sequence_parallel.py, Ulysses): divides the world size
+    # (torchrun); the world is then world / sequence_parallel data-parallel replicas.
+    sequence_parallel: int = Field(1, ge=1)
     bf16: bool = False  # bf16 autocast (CUDA only)
     # Recompute the blocks' activations in backward: auto = only the micro-batches that would not fit
     # the budget otherwise; on = all; off = none (true/false read as on/off).
@@ -140,6 +144,23 @@ class TrainerSettings(CommonSettings):
             raise ValueError("LoRA with FSDP is not supported; use DDP (fsdp=false) with LoRA")
         if self.micro_batch_tokens < 2:
             raise ValueError("micro_batch_tokens must be at least 2")
+        if self.sequence_parallel > 1:
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            if world == 1:
+                raise ValueError(
+                    f"sequence_parallel={self.sequence_parallel} needs that many ranks: start the trainer "
+                    "with torchrun --nproc-per-node N (N a multiple of it)"
+                )
+            if world % self.sequence_parallel:
+                raise ValueError(
+                    f"sequence_parallel={self.sequence_parallel} does not divide the {world} ranks"
+                )
+            if not self.pack_samples or self.attention == "model":
+                raise ValueError(
+                    "sequence_parallel > 1 splits packed rows: it needs pack_samples and attention != model"
+                )
+            if self.fsdp:
+                raise ValueError("sequence_parallel > 1 with FSDP is not tested here; use DDP (fsdp=false)")
         if self.weight_push == "nccl" and not self.vllm_url:
             raise ValueError("weight_push=nccl needs vllm_url (the vLLM server the weights are pushed into)")
         return self
@@ -163,6 +184,7 @@ def step_config(s: TrainerSettings, pad_token_id: int) -> StepConfig:
         kl_coef=s.kl_coef,
         kl_estimator=s.kl_estimator,
         lm_head_chunk_bytes=int(s.lm_head_chunk_mb * 1024 * 1024),
+        sequence_parallel=s.sequence_parallel,
     )
 
 
@@ -212,7 +234,28 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
     log.info(
         "LM head: %s", f"chunked ({s.lm_head_chunk_mb:g} MiB of logits at a time)" if chunked else "plain"
     )
+    if s.sequence_parallel > 1:
+        if not pack or path == "model":
+            raise SystemExit(
+                f"TETHER_SEQUENCE_PARALLEL={s.sequence_parallel} needs packed rows through Tether's attention, "
+                f"and {type(model).__name__} trains on padded rows here (see the log above)"
+            )
+        try:
+            sequence_parallel.check_heads(model, s.sequence_parallel)
+        except ValueError as e:
+            raise SystemExit(f"TETHER_SEQUENCE_PARALLEL: {e}") from e
+        sequence_parallel.group(s.sequence_parallel)  # every rank creates every group, now
+    log.info(
+        "sequence parallelism: %s",
+        f"Ulysses, each packed row split over {s.sequence_parallel} ranks (all-to-all over the heads), "
+        f"{d.world // s.sequence_parallel} data-parallel replica(s)"
+        if s.sequence_parallel > 1
+        else "off (each rank holds its rows whole)",
+    )
     PATHS.labels("attention", path).set(1)
+    PATHS.labels(
+        "sequence_parallel", f"ulysses-{s.sequence_parallel}" if s.sequence_parallel > 1 else "off"
+    ).set(1)
     PATHS.labels("lm_head", "chunked" if chunked else "plain").set(1)
     checkpointing = s.gradient_checkpointing
     if checkpointing != "off":
@@ -262,6 +305,8 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
         # The reference is the base model (never a resumed checkpoint), frozen.
         ref_model, _ = load_model(s.model_dir, s.seed)
         ref_model.requires_grad_(False).eval().to(d.device)
+        if s.sequence_parallel > 1:  # its attention, too, runs over the whole row
+            attention.use(ref_model, path)
     return StepRunner(model, engine, optimizer, cfg, d, root, ref_model=ref_model), tokenizer, resume
 
 
@@ -283,9 +328,15 @@ def plan_memory(
     gradients, optimizer state and the LM head's chunk are counted, and the activations' cost measured
     on the model. Logged; a budget the static state alone exceeds stops the trainer with what to change."""
     cfg = dataclasses.replace(cfg, checkpointing=checkpointing, offload=s.activation_offload)
-    if not cfg.pack or s.fsdp:
-        why = "FSDP shards the weights" if s.fsdp else "padded rows"
-        log.info("memory plan: none (%s): rows of %d tokens", why, s.micro_batch_tokens)
+    if not cfg.pack or s.fsdp or s.sequence_parallel > 1:
+        why = (
+            "FSDP shards the weights"
+            if s.fsdp
+            else "padded rows"
+            if not cfg.pack
+            else "sequence parallelism: each rank holds a shard of a row, the plan counts whole rows"
+        )
+        log.info("memory plan: none (%s): rows of %d tokens per rank", why, s.micro_batch_tokens)
         return cfg
     params = list(model.parameters())
     total = sum(p.numel() for p in params)

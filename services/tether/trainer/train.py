@@ -8,7 +8,9 @@ Named steps of `train_step`:
 2. `shard_rows` picks this rank's samples (balanced by tokens); `plan_micro_batches` packs them into
    rows without padding (`pack`: position ids restart at 0 for every sample, which HF models turn into
    block-diagonal causal attention, with whatever attention kernel the model loaded with: sdpa by default), or into length-sorted padded
-   rows (`micro_batches`) when packing is off.
+   rows (`micro_batches`) when packing is off. With sequence parallelism (`StepConfig.sequence_parallel`
+   P > 1, sequence_parallel.py) the samples are shared out over the world / P replicas, and each packed
+   row is split over the P ranks of a group (`sequence_shard`): each forwards its shard of the row.
 3. Forward each micro-batch; logprobs of the trainable target tokens only (`target_logprobs`).
 4. Off-policy correction (`off_policy_correction`): "ppo" takes the PPO ratio against the rollout
    engine's logprobs; "tis" and "mask" take it against the trainer's own pre-update logprobs and weight
@@ -25,6 +27,7 @@ forward that carries the gradient: no extra pass.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
 import math
@@ -42,7 +45,7 @@ from tether.algorithms.losses import (
 )
 from tether.algorithms.names import OFF_POLICY_MODES, KLEstimator, LossMode, OffPolicyMode
 from tether.common.records import SampleRecord
-from tether.trainer import attention, distributed, lm_head, memory_plan, throughput
+from tether.trainer import attention, distributed, lm_head, memory_plan, sequence_parallel, throughput
 
 _MAX_LOG_RATIO = 20.0
 
@@ -83,6 +86,9 @@ class StepConfig:
     activation_cost: memory_plan.ActivationCost | None = None
     checkpointing: memory_plan.Mode = "off"
     offload: bool = False
+    # Ranks that share each packed row (sequence_parallel.py); 1: every rank holds its rows whole.
+    # Rows then hold up to `micro_batch_tokens` x this many tokens (each rank's forward: its shard).
+    sequence_parallel: int = 1
 
 
 @dataclass
@@ -359,6 +365,10 @@ class MicroBatch:
     tokens: int
     checkpoint: bool = False  # recompute the blocks' activations in backward (memory plan)
     offload: bool = False  # hold what forward saves in CPU memory (memory plan)
+    # Sequence parallelism (`sequence_shard`): the (N,) target tokens, which may lie in the next shard,
+    # and the whole padded row's sample boundaries; None for a row held whole.
+    targets: torch.Tensor | None = None
+    sp_cuts: list[int] | None = None
 
 
 def packed_micro_batch(batch: Batch, lengths: list[int], idx: list[int]) -> MicroBatch:
@@ -409,6 +419,35 @@ def padded_micro_batch(batch: Batch, lengths: list[int], idx: list[int]) -> Micr
         torch.cat(cols),
         cells=width * len(idx),
         tokens=sum(lengths[i] for i in idx),
+    )
+
+
+def sequence_shard(mb: MicroBatch, rank: int, size: int, pad_token_id: int) -> MicroBatch:
+    """This rank's contiguous shard of the packed row `mb` (sequence_parallel.py): the row padded to a
+    multiple of `size` with a segment of its own (position ids from 0, after every sample: no sample
+    attends to it; no target), its ids and position ids, and the targets whose logits it computes."""
+    assert mb.position_ids is not None and mb.input_ids.shape[0] == 1, "sequence parallelism packs rows"
+    ids, pos = mb.input_ids[0], mb.position_ids[0]
+    length = int(ids.numel())
+    lo, hi, padded = sequence_parallel.shard_bounds(length, size, rank)
+    extra = padded - length
+    ids_full = torch.cat([ids, torch.full((extra,), pad_token_id, dtype=ids.dtype)])
+    pos_full = torch.cat([pos, torch.arange(extra, dtype=pos.dtype)])
+    mine = (mb.src_pos >= lo) & (mb.src_pos < hi)
+    return MicroBatch(
+        ids_full[lo:hi][None],
+        pos_full[lo:hi][None],
+        None,
+        mb.src_row[mine],
+        mb.src_pos[mine] - lo,
+        mb.rows[mine],
+        mb.cols[mine],
+        cells=hi - lo,
+        tokens=max(min(hi, length) - lo, 0),
+        checkpoint=mb.checkpoint,
+        offload=mb.offload,
+        targets=ids[mb.src_pos[mine] + 1],
+        sp_cuts=attention.boundaries(pos_full),
     )
 
 
@@ -497,7 +536,7 @@ def target_logprobs(
     if keep_logits:
         kwargs["logits_to_keep"] = positions
     col = torch.searchsorted(positions, mb.src_pos) if keep_logits else mb.src_pos
-    targets = mb.input_ids[mb.src_row, mb.src_pos + 1]
+    targets = mb.targets if mb.targets is not None else mb.input_ids[mb.src_row, mb.src_pos + 1]
     empty = torch.zeros(0, device=mb.input_ids.device)
     if head is not None and n:
         with lm_head.head_over_targets(head, mb.src_row, col, targets, chunk):
@@ -654,7 +693,8 @@ def train_step(
 
     `model` is the module to run (the HF model, or its DDP/FSDP2 form on `world` > 1 ranks, each of
     which calls this with the same `samples`); `version` is the weight version being trained, for the
-    staleness metrics.
+    staleness metrics. With `cfg.sequence_parallel` P > 1, ranks r..r+P-1 (r a multiple of P) share each
+    row of data-parallel replica r // P.
     """
     start = time.perf_counter()
     device = next(model.parameters()).device
@@ -665,7 +705,16 @@ def train_step(
         batch.mask, cfg.loss_mode, rollout_ids=batch.rollout_ids, norm_constant=float(batch.mask.shape[1])
     )
     lengths = [len(s.token_ids) for s in samples]
-    plans = plan_micro_batches(batch, lengths, shard_rows(lengths, rank, world), cfg)
+    size = cfg.sequence_parallel  # ranks per row: rank // size is the data-parallel replica
+    sp_group = sequence_parallel.group(size) if size > 1 else None
+    if size > 1:
+        if not cfg.pack:
+            raise ValueError("sequence parallelism splits packed rows: it needs packing")
+        row_cfg = dataclasses.replace(cfg, micro_batch_tokens=cfg.micro_batch_tokens * size)
+        plans = plan_micro_batches(batch, lengths, shard_rows(lengths, rank // size, world // size), row_cfg)
+        plans = [sequence_shard(mb, rank % size, size, cfg.pad_token_id) for mb in plans]
+    else:
+        plans = plan_micro_batches(batch, lengths, shard_rows(lengths, rank, world), cfg)
     n_micro = int(distributed.all_reduce([float(len(plans))], "max")[0]) if world > 1 else len(plans)
     plans += [empty_micro_batch(cfg.pad_token_id) for _ in range(n_micro - len(plans))]
     keep_logits = _accepts(model, "logits_to_keep")
@@ -684,6 +733,14 @@ def train_step(
         mb.position_ids = None if mb.position_ids is None else mb.position_ids.to(device)
         mb.attention = None if mb.attention is None else mb.attention.to(device)
         mb.src_row, mb.src_pos = mb.src_row.to(device), mb.src_pos.to(device)
+        mb.targets = None if mb.targets is None else mb.targets.to(device)
+        # A shard's attention runs over the whole row, with the group's other ranks: in forward, in the
+        # reference's forward and in backward (recomputed blocks run their attention again there).
+        shared = (
+            sequence_parallel.row(sp_group, size, mb.sp_cuts)
+            if mb.sp_cuts is not None
+            else contextlib.nullcontext()
+        )
         if cfg.checkpointing != "off":
             set_activation_checkpointing(model, mb.checkpoint)
         offload = (
@@ -691,10 +748,15 @@ def train_step(
             if mb.offload
             else contextlib.nullcontext()
         )
-        with distributed.grad_sync(model, enabled=k == len(plans) - 1):
+        with distributed.grad_sync(model, enabled=k == len(plans) - 1), shared:
             with _autocast(device, cfg.bf16), offload:
                 lp, entropy = target_logprobs(model, mb, keep_logits, head, chunk)
             n = int(mb.rows.numel())
+            ref_lp = None
+            if ref_model is not None and cfg.kl_coef > 0 and (n or mb.sp_cuts is not None):
+                # A shard without targets still takes part in the reference's exchanges.
+                with torch.no_grad(), _autocast(device, cfg.bf16):
+                    ref_lp, _ = target_logprobs(ref_model, mb, keep_logits, ref_head, chunk)
             if n == 0:
                 (lp.sum() * float(world)).backward()
                 continue
@@ -715,13 +777,12 @@ def train_step(
                 dual_clip_c=cfg.dual_clip_c,
             )
             loss = (w * is_w * loss_tok[0]).sum()
-            if ref_model is not None and cfg.kl_coef > 0:
-                with torch.no_grad(), _autocast(device, cfg.bf16):
-                    ref_lp, _ = target_logprobs(ref_model, mb, keep_logits, ref_head, chunk)
+            if ref_lp is not None:
                 kl_tok = kl_to_reference(lp, ref_lp, cfg.kl_estimator)
                 loss = loss + cfg.kl_coef * (w * kl_tok).sum()
                 sums["ref_kl"] += float(kl_tok.detach().sum())
             # DDP/FSDP average gradients over ranks; the weights are global, so scale the average to a sum.
+            # With sequence parallelism each rank's gradient is its shard's partial sum: the same sum.
             (loss * float(world)).backward()
         mismatch = logprob_mismatch(lp[None], rollout_lp[None], ones[None])
         sums["loss"] += float(loss.detach())
@@ -737,9 +798,10 @@ def train_step(
             sums[key] += counts[key]
     for mb in plans:
         sums["tokens"] += mb.tokens
-        sums["cells"] += mb.cells
-        sums["micro_batches"] += 1.0 if mb.cells else 0.0
-        sums["recomputed"] += 1.0 if mb.cells and mb.checkpoint else 0.0
+        sums["cells"] += mb.cells  # a shard's cells: the row's padding to a multiple of `size` counts
+        counted = mb.cells and (mb.sp_cuts is None or rank % size == 0)  # a shared row once
+        sums["micro_batches"] += 1.0 if counted else 0.0
+        sums["recomputed"] += 1.0 if counted and mb.checkpoint else 0.0
     if world > 1:
         sums = dict(zip(_SUMS, distributed.all_reduce([sums[k] for k in _SUMS], "sum"), strict=True))
         max_abs_diff, peak_bytes = distributed.all_reduce([max_abs_diff, memory.read_bytes()], "max")
@@ -787,6 +849,7 @@ def train_step(
         "micro_batches": sums["micro_batches"],
         "recomputed_micro_batches": sums["recomputed"],
         "world_size": float(world),
+        "sequence_parallel": float(size),
         "train_seconds": elapsed,
         "train_tokens_per_s": total_tokens / max(elapsed, 1e-9),
         "model_flops": flops,
