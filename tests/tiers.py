@@ -37,6 +37,9 @@ FULL_ONLY = {
     "tests/test_memory_plan.py::test_the_plan_predicts_what_a_step_really_holds": (
         "two processes train 4,096 tokens each for their peak memory (~40 s; make test: the plan's own tests)"
     ),
+    "tests/test_trainer_offload.py::test_fsdp_on_two_gloo_ranks_trains_as_one_rank_with_each_offload": (
+        "two spawned FSDP2 ranks, four runs each (~45 s; make test: the same runs on one rank in-process)"
+    ),
     "tests/test_trainer_resume.py::test_killed_trainer_resumes_and_matches_an_uninterrupted_run": (
         "two trainer processes (make test: the in-process resume tests of the same file)"
     ),
