@@ -43,6 +43,9 @@ FULL_ONLY = {
     "tests/test_sequence_parallel.py::test_two_groups_of_two_ranks_match_one_rank": (
         "four gloo ranks, sequence x data parallel (~75 s on 2 cores; make test: one group of two ranks)"
     ),
+    "tests/test_trainer_offload.py::test_fsdp_on_two_gloo_ranks_trains_as_one_rank_with_each_offload": (
+        "two spawned FSDP2 ranks, four runs each (~45 s; make test: the same runs on one rank in-process)"
+    ),
     "tests/test_trainer_resume.py::test_killed_trainer_resumes_and_matches_an_uninterrupted_run": (
         "two trainer processes (make test: the in-process resume tests of the same file)"
     ),

@@ -3,7 +3,9 @@
 Launch several ranks with torchrun (``torchrun --nproc-per-node N -m tether.trainer``). Every rank
 loads the model; rank 0 serves gRPC and broadcasts each command (train a step, heartbeat, stop) to the
 others, which follow it (`tether.trainer.steps.StepRunner.follow`). Gloo on CPU, NCCL on GPUs; DDP
-wraps the model, or FSDP2 ``fully_shard`` on GPUs when asked. A process started without torchrun is a
+wraps the model, or FSDP2 ``fully_shard`` when asked (on GPUs, or on CPU with gloo, as the tests run
+it), optionally with CPU offload (`Offload`: the optimizer's state, offload.py, or FSDP2's own
+``CPUOffloadPolicy`` for parameters, gradients and optimizer state). A process started without torchrun is a
 world of one: no process group, no wrapper, every helper here is then a no-op.
 
 Gradient reduction averages over ranks; the trainer multiplies each rank's loss by the world size so
@@ -19,10 +21,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+
+# What FSDP2 keeps in CPU memory instead of the device: nothing, Adam's state, or everything.
+Offload = Literal["none", "optimizer", "params"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +39,7 @@ class Dist:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     fsdp: bool = False
+    offload: Offload = "none"
 
     @property
     def active(self) -> bool:
@@ -51,32 +57,42 @@ def resolve_device(setting: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def init(device_setting: str = "auto", fsdp: bool = False, timeout_s: float = 1800.0) -> Dist:
+def _backend(device: torch.device, offload: Offload) -> str:
+    if device.type != "cuda":
+        return "gloo"
+    # Parameters offloaded by FSDP2 have their gradients, and so clip_grad_norm_'s per-rank norms, in CPU
+    # memory: their all-reduce needs a backend for CPU tensors beside NCCL.
+    return "cpu:gloo,cuda:nccl" if offload == "params" else "nccl"
+
+
+def init(
+    device_setting: str = "auto", fsdp: bool = False, timeout_s: float = 1800.0, offload: Offload = "none"
+) -> Dist:
     """Join the process group torchrun describes (WORLD_SIZE, RANK, LOCAL_RANK, MASTER_*), if any."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(device_setting, local_rank)
-    if fsdp and device.type != "cuda":
-        raise ValueError("FSDP (fully_shard) is only supported on CUDA devices here; use DDP on CPU")
+    if offload != "none" and not fsdp:
+        raise ValueError(f"offload={offload} is FSDP's: it needs fsdp")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    backend = _backend(device, offload)
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
             backend, timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None
         )
     elif fsdp and not dist.is_initialized() and "RANK" not in os.environ:
         # FSDP2 needs a process group even on one rank; started without torchrun, make a private one.
         dist.init_process_group(
-            "nccl",
+            backend,
             store=dist.HashStore(),
             rank=0,
             world_size=1,
-            device_id=device,
+            device_id=device if device.type == "cuda" else None,
             timeout=timedelta(seconds=timeout_s),
         )
-    return Dist(rank=rank, world=world, local_rank=local_rank, device=device, fsdp=fsdp)
+    return Dist(rank=rank, world=world, local_rank=local_rank, device=device, fsdp=fsdp, offload=offload)
 
 
 def shutdown() -> None:
@@ -87,15 +103,17 @@ def shutdown() -> None:
 def wrap(model: torch.nn.Module, d: Dist, bf16: bool = False) -> torch.nn.Module:
     """The module to run forward/backward on: the model itself (one rank), DDP, or FSDP2 in place.
     With `bf16`, FSDP2 gathers parameters in bf16 (half the traffic and memory of fp32) and reduces
-    gradients in fp32; the sharded fp32 parameters stay the optimizer's master weights."""
+    gradients in fp32; the sharded fp32 parameters stay the optimizer's master weights. With
+    `d.offload == "params"` the shards (and their gradients, and so the optimizer) live in CPU memory,
+    pinned on a GPU, and are copied to the device block by block for forward and backward."""
     if d.fsdp:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-        kw = (
-            {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-            if bf16
-            else {}
-        )
+        kw: dict[str, Any] = {}
+        if bf16:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if d.offload == "params":
+            kw["offload_policy"] = CPUOffloadPolicy(pin_memory=d.device.type == "cuda")
         # Shard every transformer block (HF names them in _no_split_modules), then the root.
         block_names = set(getattr(model, "_no_split_modules", None) or ())
         for module in model.modules():

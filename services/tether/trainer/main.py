@@ -25,7 +25,8 @@ from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings, WeightPush, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.trainer import attention, distributed, memory_plan, sequence_parallel, throughput, weights
-from tether.trainer.distributed import Dist
+from tether.trainer.distributed import Dist, Offload
+from tether.trainer.offload import CPUOffloadOptimizer
 from tether.trainer.servicer import TrainerServicer
 from tether.trainer.steps import PATHS, StepRunner, Trainer, TrainerCore
 from tether.trainer.train import (
@@ -85,7 +86,10 @@ class TrainerSettings(CommonSettings):
     # start on a square matmul in the step's precision.
     peak_tflops: float = Field(0.0, ge=0)
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    fsdp: bool = False  # FSDP2 fully_shard instead of DDP (CUDA, torchrun)
+    fsdp: bool = False  # FSDP2 fully_shard instead of DDP
+    # With FSDP: what lives in CPU memory instead of the device. optimizer = Adam's moments and its step
+    # (trainer/offload.py); params = FSDP2's CPUOffloadPolicy: parameters, gradients and optimizer state.
+    fsdp_offload: Offload = "none"
     # Ranks that share each packed row (trainer/sequence_parallel.py, Ulysses): divides the world size
     # (torchrun); the world is then world / sequence_parallel data-parallel replicas.
     sequence_parallel: int = Field(1, ge=1)
@@ -142,6 +146,11 @@ class TrainerSettings(CommonSettings):
             raise ValueError("lora_rank must be >= 0")
         if self.lora_rank and self.fsdp:
             raise ValueError("LoRA with FSDP is not supported; use DDP (fsdp=false) with LoRA")
+        if self.fsdp_offload != "none" and not self.fsdp:
+            raise ValueError(
+                f"fsdp_offload={self.fsdp_offload} offloads FSDP2's shards: it needs fsdp=true "
+                "(TETHER_FSDP); without FSDP use fsdp_offload=none"
+            )
         if self.micro_batch_tokens < 2:
             raise ValueError("micro_batch_tokens must be at least 2")
         if self.sequence_parallel > 1:
@@ -266,13 +275,15 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
                 raise SystemExit(f"TETHER_GRADIENT_CHECKPOINTING=on: {type(model).__name__}: {e}") from e
             log.warning("%s cannot recompute its blocks (%s): checkpointing off", type(model).__name__, e)
             checkpointing = "off"
+    log_static_memory(model, d)
     engine = distributed.wrap(model, d, bf16=s.bf16)
-    optimizer = torch.optim.Adam(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=s.lr,
-        betas=(0.9, s.adam_beta2),
-        weight_decay=s.weight_decay,
-    )
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer: torch.optim.Optimizer
+    betas = (0.9, s.adam_beta2)
+    if d.offload == "optimizer":
+        optimizer = CPUOffloadOptimizer(trainable, lr=s.lr, betas=betas, weight_decay=s.weight_decay)
+    else:
+        optimizer = torch.optim.Adam(trainable, lr=s.lr, betas=betas, weight_decay=s.weight_decay)
     if resume is not None:
         if resume.state.get("optimizer_dir"):
             distributed.load_optimizer(model, optimizer, resume.path / resume.state["optimizer_dir"])
@@ -308,6 +319,30 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
         if s.sequence_parallel > 1:  # its attention, too, runs over the whole row
             attention.use(ref_model, path)
     return StepRunner(model, engine, optimizer, cfg, d, root, ref_model=ref_model), tokenizer, resume
+
+
+def log_static_memory(model: torch.nn.Module, d: Dist) -> float:
+    """Log what one device holds whatever the batch (weights, gradients, Adam's moments: sharded over the
+    ranks under FSDP, less what `d.offload` keeps in CPU memory) and what CPU memory holds for it; return
+    the device's bytes."""
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    elem = params[0].element_size() if params else 4
+    shards = d.world if d.fsdp else 1
+    on_device = memory_plan.static_bytes(total, trainable, elem, shards, d.offload)
+    cpu = memory_plan.static_bytes(total, trainable, elem, shards) - on_device
+    if d.offload == "optimizer":  # beside the moments: the fp32 values Adam updates and a gradient buffer
+        cpu += 2 * 4 * trainable / shards
+    log.info(
+        "weights, gradients and Adam's moments: %.2f GiB on each device, %.2f GiB of CPU memory per rank "
+        "(%s, offload %s)",
+        on_device / 2**30,
+        cpu / 2**30,
+        f"FSDP2 over {shards} rank(s)" if d.fsdp else f"{d.world} replica(s)",
+        d.offload,
+    )
+    return on_device
 
 
 def device_memory(device: torch.device) -> float:
@@ -472,7 +507,7 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()  # per-checkpoint progress bars would flood the service log
     try:
-        d = distributed.init(s.device, s.fsdp, s.dist_timeout_s)
+        d = distributed.init(s.device, s.fsdp, s.dist_timeout_s, s.fsdp_offload)
     except ValueError as exc:
         raise SystemExit(f"trainer settings: {exc}") from exc
     try:

@@ -164,6 +164,7 @@ class StepRunner:
             rank=self.d.rank,
             world=self.d.world,
             ref_model=self.ref_model,
+            device=self.d.device,
         )
         if self.lora:
             from peft import get_peft_model_state_dict

@@ -688,16 +688,18 @@ def train_step(
     rank: int = 0,
     world: int = 1,
     ref_model: torch.nn.Module | None = None,
+    device: torch.device | None = None,
 ) -> dict[str, float]:
     """Update `model` in place on the GLOBAL batch `samples`; return the step's metrics (same on all ranks).
 
     `model` is the module to run (the HF model, or its DDP/FSDP2 form on `world` > 1 ranks, each of
     which calls this with the same `samples`); `version` is the weight version being trained, for the
     staleness metrics. With `cfg.sequence_parallel` P > 1, ranks r..r+P-1 (r a multiple of P) share each
-    row of data-parallel replica r // P.
+    row of data-parallel replica r // P. `device`: where forward runs (default: where the parameters
+    are; FSDP2 with parameters offloaded keeps them in CPU memory and computes on the GPU).
     """
     start = time.perf_counter()
-    device = next(model.parameters()).device
+    device = device or next(model.parameters()).device
     memory = throughput.PeakMemory(device)
     memory.reset()
     batch = collate(samples, cfg.pad_token_id)
