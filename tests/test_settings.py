@@ -208,11 +208,15 @@ def test_minimal_environment_starts(cls, clean_env):
     cls()
 
 
+# Settings whose values other settings must allow (FSDP_OFFLOAD is refused without FSDP).
+NEEDS = {(TrainerSettings, "fsdp_offload"): {"TETHER_FSDP": "true"}}
+
+
 @pytest.mark.parametrize(
     ("cls", "name", "values"), LITERAL_FIELDS, ids=[f"{c.__name__}.{n}" for c, n, _ in LITERAL_FIELDS]
 )
 def test_a_bad_name_is_refused_naming_the_variable(cls, name, values, clean_env):
-    for k, v in MINIMAL_ENV[cls].items():
+    for k, v in {**MINIMAL_ENV[cls], **NEEDS.get((cls, name), {})}.items():
         clean_env.setenv(k, v)
     for good in values:  # every documented value is taken as it is written in the environment
         clean_env.setenv(f"TETHER_{name.upper()}", str(good))
