@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import os
 
+import gloo_ranks
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -140,15 +141,7 @@ def _row_logprobs(model, samples, shard: tuple[int, int] | None = None, group=No
 
 
 def _worker(rank: int, world: int, size: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    d = distributed.init("cpu")
+    d = gloo_ranks.join(rank, world, port)
     try:
         group = sequence_parallel.group(size)
         base = _model()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import os
 
+import gloo_ranks
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -40,15 +41,7 @@ def _train(engine, model, samples: list[SampleRecord], mode: str, rank: int, wor
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    d = distributed.init("cpu")
+    d = gloo_ranks.join(rank, world, port)
     try:
         base = _model()
         samples = _samples(base, n=7)

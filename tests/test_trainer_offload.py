@@ -14,6 +14,7 @@ import copy
 import os
 from pathlib import Path
 
+import gloo_ranks
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -173,15 +174,7 @@ def test_fsdp_on_one_rank_trains_as_adam_with_each_offload(tmp_path, monkeypatch
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-    )
-    torch.set_num_threads(1)
-    d = distributed.init("cpu", fsdp=True)
+    d = gloo_ranks.join(rank, world, port, fsdp=True)
     try:
         base = _model()
         out = _fsdp_runs(base, _samples(base, n=7), d, Path(out_dir) / "optimizer")
