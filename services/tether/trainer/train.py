@@ -247,6 +247,8 @@ def measure_activations(
         lm_head.chunk_positions(head.weight.shape[0], cfg.lm_head_chunk_bytes) if head is not None else None
     )
     g = torch.Generator().manual_seed(2)
+    # The blocks that recompute, counted once: the checkpointed inputs below and the plan's one block.
+    layers = sum(1 for m in core.modules() if isinstance(m, GradientCheckpointingLayer))
 
     def saved(length: int, checkpointed: bool) -> float:
         set_activation_checkpointing(model, checkpointed)
@@ -286,13 +288,11 @@ def measure_activations(
         if cfg.checkpointing != "off":
             hidden = int(core.get_input_embeddings().weight.shape[1])
             residual = core.get_input_embeddings().weight.element_size()
-            layers = sum(1 for m in core.modules() if isinstance(m, GradientCheckpointingLayer))
             checkpointed = max(saved(2 * n, True) - saved(n, True), 0.0) / n + layers * hidden * residual
     finally:
         set_activation_checkpointing(model, False)
         model.train(was_training)
-    layers_ = int(getattr(getattr(core, "config", None), "num_hidden_layers", 1) or 1)
-    return memory_plan.ActivationCost(per_token, per_pair, checkpointed, layers_)
+    return memory_plan.ActivationCost(per_token, per_pair, checkpointed, max(layers, 1))
 
 
 # --- planning: which rank and which micro-batch trains which sample -------------------------------------
