@@ -139,6 +139,23 @@ def test_validators_across_fields_run_in_the_check(tmp_path):
         CLASSES["trainer"](trainer_grpc_port=0, model_dir="m", checkpoint_dir="c", mask_low=3)
 
 
+@pytest.mark.parametrize(("value", "read"), [(True, "on"), (False, "off"), ("yes", "on"), ("auto", "auto")])
+def test_the_check_takes_what_the_service_takes(value, read, clean_env, tmp_path):
+    """A value the service coerces (true for on) passes the check too: the check reads each key by the
+    field's type, so the coercion lives in the type."""
+    path = write(tmp_path, {"trainer": {"gradient_checkpointing": value}})
+    assert check(path) == []
+    minimal(clean_env, CLASSES["trainer"])
+    clean_env.setenv(CONFIG_ENV, str(path))
+    assert CLASSES["trainer"]().gradient_checkpointing == read
+
+
+def test_the_check_refuses_what_the_service_refuses(tmp_path):
+    assert check(write(tmp_path, {"trainer": {"gradient_checkpointing": "sometimes"}})) == [
+        "trainer.gradient_checkpointing: Input should be 'auto', 'on' or 'off' (got 'sometimes')"
+    ]
+
+
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
 def test_every_recipe_passes_the_check(recipe):
     assert check(recipe) == []

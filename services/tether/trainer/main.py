@@ -14,10 +14,10 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import Annotated, ClassVar, Literal
 
 import torch
-from pydantic import Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, model_validator
 
 from tether.algorithms.names import KLEstimator, LossMode, OffPolicyMode
 from tether.common.grpc_server import run_until_signal, start_server
@@ -41,6 +41,20 @@ from tether.trainer.weights import apply_lora, load_model
 from tether.v1 import trainer_pb2, trainer_pb2_grpc
 
 log = logging.getLogger("tether.trainer")
+
+
+def _on_off(v: object) -> object:
+    """true/false (and 1/0, yes/no) as on/off; anything else as given, for the Literal to judge."""
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+        return "on" if v.strip().lower() in ("true", "1", "yes") else "off"
+    return v
+
+
+# In the type, not a validator of the class: the run-config check validates each key by its type alone
+# (tether.common.settings.section_problems), and must take what the service takes.
+AutoOnOff = Annotated[Literal["auto", "on", "off"], BeforeValidator(_on_off)]
 
 
 class TrainerSettings(CommonSettings):
@@ -96,7 +110,7 @@ class TrainerSettings(CommonSettings):
     bf16: bool = False  # bf16 autocast (CUDA only)
     # Recompute the blocks' activations in backward: auto = only the micro-batches that would not fit
     # the budget otherwise; on = all; off = none (true/false read as on/off).
-    gradient_checkpointing: Literal["auto", "on", "off"] = "auto"
+    gradient_checkpointing: AutoOnOff = "auto"
     # Hold what forward keeps for backward in CPU memory (pinned on a GPU): rows as long as one block's
     # recomputation fits, for samples one device cannot hold otherwise.
     activation_offload: bool = False
@@ -124,15 +138,6 @@ class TrainerSettings(CommonSettings):
     drain_s: float = Field(45.0, ge=0)
     # Tests only: seconds every step waits (in its worker thread) before it trains: a slow step.
     test_step_delay_s: float = Field(0.0, ge=0)
-
-    @field_validator("gradient_checkpointing", mode="before")
-    @classmethod
-    def _on_off(cls, v: object) -> object:
-        if isinstance(v, bool):
-            return "on" if v else "off"
-        if isinstance(v, str) and v.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
-            return "on" if v.strip().lower() in ("true", "1", "yes") else "off"
-        return v
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainerSettings:
