@@ -6,8 +6,8 @@ from __future__ import annotations
 # What only `make test-all` runs: test ids (a file, or a file's test without its parameters) -> why.
 # Everything else is `make test`: every unit, property and oracle test; SDK conformance against real
 # vLLM-CPU; a short `tether demo` that learns through the whole stack (tests/test_e2e.py); Claude Code,
-# Codex and Gemini CLI as shipped through `tether up`; the chart's render and policy tests; a gateway
-# killed with -9 mid-run (tests/test_faults.py); a reduced gateway fuzz (24 requests per operation).
+# Codex and Gemini CLI as shipped through `tether up`; the chart's render and policy tests; the gateway
+# killed with -9 mid-run (in test_e2e.py's demo); a reduced gateway fuzz (24 requests per operation).
 # A test that repeats a layer `make test` already covers, at the cost of most of a minute, is left here.
 FULL_ONLY = {
     "tests/test_images.py": "builds the service images on a Docker engine started from Debian's packages",
