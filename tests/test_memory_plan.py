@@ -6,6 +6,7 @@ process really holds; a planned step's update equal to an unplanned one's; the s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from tether.common.records import SampleRecord
 from tether.trainer import main as trainer_main
 from tether.trainer.distributed import Dist
 from tether.trainer.main import TrainerSettings
-from tether.trainer.memory_plan import ActivationCost, plan_rows, row_tokens, static_bytes
+from tether.trainer.memory_plan import ActivationCost, gathered_bytes, plan_rows, row_tokens, static_bytes
 from tether.trainer.train import (
     StepConfig,
     enable_activation_checkpointing,
@@ -208,6 +209,50 @@ def test_the_plan_predicts_what_a_step_really_holds():
     assert on["measured_mib"] < 0.6 * off["measured_mib"], (on, off)
     head_chunk = 3 * 4095 * 4000 * 4 / 2**20  # fp32 logits of the trained positions (chunk not binding)
     assert on["predicted_mib"] + head_chunk >= on["measured_mib"], on
+
+
+def test_ranks_sharing_a_row_hold_a_share_of_it():
+    """Sequence parallelism over P ranks: each holds a P-th of a row's tokens and (over the all-to-all)
+    a P-th of its heads for the whole row, so a row of P times the tokens costs a rank what one whole
+    row costs without it; the plan's rows grow accordingly (exactly P times without a pair term)."""
+    budget = COST.peak([6000], checkpointed=False)
+    two = COST.shared(2)
+    for n in (1000, 6000, 20_000):
+        assert two.peak([n], False) == pytest.approx(COST.peak([n], False) / 2)
+        assert two.peak([n], True) == pytest.approx(COST.peak([n], True) / 2)
+    linear = ActivationCost(100_000.0, 0.0, 12_000.0, 8)
+    assert row_tokens(linear.shared(4), budget, False) in range(
+        4 * row_tokens(linear, budget, False) - 3, 4 * row_tokens(linear, budget, False) + 4
+    )
+    assert (
+        row_tokens(COST, budget, False) < row_tokens(two, budget, False) < 2 * row_tokens(COST, budget, False)
+    )
+    rows = plan_rows([7000, 7000, 2000], two, budget, checkpointing="off")
+    assert [sorted(r.samples) for r in rows] == [[0, 2], [1]]  # a 9,000-token row fits two ranks
+    assert len(plan_rows([7000, 7000, 2000], COST, budget, checkpointing="off")) == 3
+
+
+def test_the_trainer_plans_under_fsdp_and_sequence_parallelism(monkeypatch):
+    """FSDP2 over two ranks: the static state halves, and the block FSDP2 gathers (and the one it
+    prefetches) is reserved; two ranks sharing each row: the cost measured on the whole model, halved."""
+    model = _model()
+    enable_activation_checkpointing(model)
+    cfg = StepConfig(micro_batch_tokens=16_384)
+    params = sum(p.numel() for p in model.parameters())
+    block = sum(p.numel() for p in model.model.layers[0].parameters())
+    head = 3 * 4 * 64 * 16_384
+    fsdp = TrainerSettings(**SETTINGS, memory_budget_gb=1.0, fsdp=True)
+    planned = trainer_main.plan_memory(fsdp, Dist(world=2, fsdp=True), model, cfg, "auto")
+    assert trainer_main.largest_block(model) == block
+    assert planned.memory_budget == pytest.approx(
+        2**30 - static_bytes(params, params, 4, shards=2) - gathered_bytes(block, 4) - head
+    )
+    whole = measure_activations(model, 64, dataclasses.replace(cfg, checkpointing="auto"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    sp = TrainerSettings(**SETTINGS, memory_budget_gb=1.0, sequence_parallel=2)
+    planned = trainer_main.plan_memory(sp, Dist(world=2), model, cfg, "auto")
+    assert planned.memory_budget == pytest.approx(2**30 - static_bytes(params, params, 4) - head)
+    assert planned.activation_cost == whole.shared(2)
 
 
 def test_gradient_checkpointing_reads_true_and_false_as_on_and_off():

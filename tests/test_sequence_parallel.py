@@ -311,6 +311,7 @@ def test_torchrun_service_with_rows_shared_by_two_ranks_matches_one_rank(tmp_pat
     log = proc.log_path.read_text(errors="replace")
     assert "[rank0]:" not in log and "[rank1]:" not in log, log
     assert "sequence parallelism: Ulysses, each packed row split over 2 ranks" in log
+    assert "memory plan:" in log and "each row shared by 2 ranks" in log
 
     model, _ = load_model(model_dir, 0)
     attention.use(model, "segments")

@@ -223,6 +223,7 @@ def test_the_service_trains_and_resumes_with_the_optimizer_offloaded(tmp_path, m
         with caplog.at_level("INFO", logger="tether.trainer"):
             straight = core(tmp_path / "a")
         assert "GiB on each device" in caplog.text and "offload optimizer" in caplog.text
+        assert "memory plan:" in caplog.text and "FSDP2 over 1 ranks" in caplog.text  # planned, sharded
         for g in groups:
             straight.submit(*g)
         for n in (1, 2, 3):

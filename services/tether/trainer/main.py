@@ -281,6 +281,14 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
             log.warning("%s cannot recompute its blocks (%s): checkpointing off", type(model).__name__, e)
             checkpointing = "off"
     log_static_memory(model, d)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    cfg = dataclasses.replace(
+        step_config(s, int(pad)),
+        pack=pack,
+        lm_head_chunk_bytes=0 if not chunked else int(s.lm_head_chunk_mb * 2**20),
+        peak_flops=s.peak_tflops * 1e12 or throughput.measure_peak_flops(d.device, s.bf16),
+    )
+    cfg = plan_memory(s, d, model, cfg, checkpointing)  # before FSDP2 shards the model
     engine = distributed.wrap(model, d, bf16=s.bf16)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer: torch.optim.Optimizer
@@ -303,14 +311,6 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
             resume.version,
             resume.state["steps_done"],
         )
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    cfg = dataclasses.replace(
-        step_config(s, int(pad)),
-        pack=pack,
-        lm_head_chunk_bytes=0 if not chunked else int(s.lm_head_chunk_mb * 2**20),
-        peak_flops=s.peak_tflops * 1e12 or throughput.measure_peak_flops(d.device, s.bf16),
-    )
-    cfg = plan_memory(s, d, model, cfg, checkpointing)
     log.info(
         "MFU against %.1f TFLOP/s per device (%s)",
         cfg.peak_flops / 1e12,
@@ -368,27 +368,25 @@ def plan_memory(
     gradients, optimizer state and the LM head's chunk are counted, and the activations' cost measured
     on the model. Logged; a budget the static state alone exceeds stops the trainer with what to change."""
     cfg = dataclasses.replace(cfg, checkpointing=checkpointing, offload=s.activation_offload)
-    if not cfg.pack or s.fsdp or s.sequence_parallel > 1:
-        why = (
-            "FSDP shards the weights"
-            if s.fsdp
-            else "padded rows"
-            if not cfg.pack
-            else "sequence parallelism: each rank holds a shard of a row, the plan counts whole rows"
-        )
-        log.info("memory plan: none (%s): rows of %d tokens per rank", why, s.micro_batch_tokens)
+    if not cfg.pack:
+        log.info("memory plan: none (padded rows): rows of %d tokens", s.micro_batch_tokens)
         return cfg
     params = list(model.parameters())
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
     elem = params[0].element_size() if params else 4
+    shards = d.world if s.fsdp else 1
     if s.memory_budget_gb:
         budget = s.memory_budget_gb * 2**30
-        static = memory_plan.static_bytes(total, trainable, elem)
+        static = memory_plan.static_bytes(total, trainable, elem, shards, d.offload)
     else:
         budget = device_memory(d.device)
         # On CPU the loaded weights are already outside what is available; on a GPU they are inside.
-        static = memory_plan.static_bytes(total if d.device.type == "cuda" else 0, trainable, elem)
+        static = memory_plan.static_bytes(
+            total if d.device.type == "cuda" else 0, trainable, elem, shards, d.offload
+        )
+    if s.fsdp:  # the block FSDP2 has gathered whole, and the next one
+        static += memory_plan.gathered_bytes(largest_block(model), 2 if s.bf16 else elem)
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     head = 3 * min(
         cfg.lm_head_chunk_bytes or 4 * vocab * s.micro_batch_tokens, 4 * vocab * s.micro_batch_tokens
@@ -400,7 +398,9 @@ def plan_memory(
             f"state ({static / 2**30:.1f} GiB) and the LM head's chunk ({head / 2**30:.1f} GiB): raise "
             "TETHER_MEMORY_BUDGET_GB, train LoRA adapters (TETHER_LORA_RANK) or shard with TETHER_FSDP"
         )
-    cost = measure_activations(model, vocab, cfg)
+    # Measured on this rank's whole model, before FSDP shards it; with sequence parallelism a row's
+    # activations are shared by its ranks.
+    cost = measure_activations(model, vocab, cfg).shared(s.sequence_parallel)
     cfg = dataclasses.replace(cfg, memory_budget=activations, activation_cost=cost)
     longest = memory_plan.row_tokens(cost, activations, checkpointed=False, offloaded=s.activation_offload)
     longest_ckpt = memory_plan.row_tokens(
@@ -409,7 +409,7 @@ def plan_memory(
     log.info(
         "memory plan: %.2f GiB for activations (budget %.2f, static %.2f, LM head %.2f); "
         "%.1f KiB per token kept for backward (%.1f KiB recomputing), %.3g B per attention pair; "
-        "one row holds %d tokens, %d recomputing; rows of at most %d tokens; checkpointing %s%s",
+        "one row holds %d tokens, %d recomputing; rows of at most %d tokens; checkpointing %s%s%s",
         activations / 2**30,
         budget / 2**30,
         static / 2**30,
@@ -422,8 +422,18 @@ def plan_memory(
         s.micro_batch_tokens,
         checkpointing,
         ", activations offloaded to CPU" if s.activation_offload else "",
+        (f"; FSDP2 over {shards} ranks" if s.fsdp else "")
+        + (f"; each row shared by {s.sequence_parallel} ranks" if s.sequence_parallel > 1 else ""),
     )
     return cfg
+
+
+def largest_block(model: torch.nn.Module) -> int:
+    """Parameters of the model's largest transformer block (what FSDP2 shards and gathers as one unit:
+    the modules HF names in _no_split_modules); the whole model when it names none."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = [sum(p.numel() for p in m.parameters()) for m in model.modules() if type(m).__name__ in names]
+    return max(blocks, default=sum(p.numel() for p in model.parameters()))
 
 
 def weight_pusher(s: TrainerSettings, d: Dist):

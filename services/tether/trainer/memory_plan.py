@@ -51,6 +51,14 @@ class ActivationCost:
             return full
         return self.per_token_checkpointed * tokens + block
 
+    def shared(self, ranks: int) -> ActivationCost:
+        """One rank's cost when `ranks` ranks share each row (Ulysses sequence parallelism): each holds
+        a `ranks`-th of the row's tokens, and over the all-to-all a `ranks`-th of its heads for the
+        whole row, so a `ranks`-th of both terms."""
+        return ActivationCost(
+            self.per_token / ranks, self.per_pair / ranks, self.per_token_checkpointed / ranks, self.layers
+        )
+
     def peak(self, lengths: list[int], checkpointed: bool, offloaded: bool = False) -> float:
         """The most a row's forward and backward hold beyond the static state."""
         return BACKWARD_MARGIN * self.saved(lengths, checkpointed, offloaded)
@@ -69,6 +77,12 @@ def static_bytes(
     if offload == "optimizer":
         return weights + grads
     return weights + grads + moments
+
+
+def gathered_bytes(block_params: int, param_bytes: int) -> float:
+    """What FSDP adds while it computes: the block it has gathered whole and the next one it prefetches
+    (`block_params` the largest block's parameter count, `param_bytes` each gathered element's size)."""
+    return 2.0 * block_params * param_bytes
 
 
 @dataclass(frozen=True)
