@@ -4,7 +4,10 @@ Run as a script (a process of its own, so the peak is this step's):
 a small Qwen2-shaped model on the step's own packed path, recomputing its blocks or not
 (CHECKPOINTING on|off), and prints JSON in MiB: the resident memory's growth over the step (Linux: the
 peak is reset through /proc/self/clear_refs first) less the gradients' first allocation, and the plan's
-prediction from `measure_activations` (ActivationCost.peak)."""
+prediction from `measure_activations` (ActivationCost.peak). Every tensor of 64 KiB or more is a mapping
+of its own (common/malloc.py): otherwise glibc serves the measured step from the heap the step before it
+left behind, unseen, and the growth varied by a third between runs (the same step, 444-496 MiB off and
+230-304 MiB recomputing; with the mappings 647 and 326 MiB every time)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from lm_head_memory import one_sample, status_mib  # this script's folder, on sys.path when run
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
+from tether.common.malloc import tune_malloc
 from tether.trainer.train import (
     StepConfig,
     choose_attention,
@@ -28,6 +32,8 @@ VOCAB = 4000
 
 
 def main(n: int, checkpointing: str) -> dict[str, float]:
+    if not tune_malloc(64 * 1024):
+        raise SystemExit("needs glibc's mallopt: the growth measured otherwise depends on the heap's history")
     torch.manual_seed(0)
     torch.set_num_threads(2)
     config = Qwen2Config(

@@ -1,4 +1,4 @@
-"""The gateway's allocator setting (gateway/main.py tune_malloc): buffers of a trace's size go back to
+"""The gateway's allocator setting (common/malloc.py tune_malloc): buffers of a trace's size go back to
 the system when freed, where glibc's default keeps them in a heap that does not shrink."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 # ones, and print how much of the 64 MiB is still resident.
 PROBE = """
 import sys
-from tether.gateway.main import tune_malloc
+from tether.common.malloc import tune_malloc
 
 def rss_mib():
     # smaps_rollup walks the page tables: exact, where /proc/self/status's VmRSS sums per-CPU counters

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import gc
 import json
 import logging
@@ -27,6 +26,7 @@ from redis.exceptions import RedisError
 from tether.common import broker, replicas
 from tether.common.grpc_server import Health, cancel_until_done, run_until_signal, start_server
 from tether.common.logs import setup_logging
+from tether.common.malloc import tune_malloc
 from tether.common.net import is_loopback
 from tether.common.settings import RedisSettings, refused_settings_exit
 from tether.common.usage import exit_if_help
@@ -530,25 +530,6 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 50, 100)
-
-
-M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter number (malloc.h)
-
-
-def tune_malloc(threshold_bytes: int = 128 * 1024) -> bool:
-    """Serve every allocation of `threshold_bytes` or more from a mapping of its own, given back to the
-    system when freed. A call's trace is serialised into one buffer of up to hundreds of KiB; glibc
-    raises its mmap threshold once it frees such a buffer and from then on carves them out of the heap,
-    which fragments and does not shrink: under bench/gateway_load a gateway's resident memory grew by
-    tens of MiB a minute while its live Python objects stayed the same. A fixed threshold (which also
-    ends glibc's adjusting it) keeps it flat. False where the C library has no glibc mallopt."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
-    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
-    mallopt.restype = ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, threshold_bytes) == 1
 
 
 def run(coro) -> None:

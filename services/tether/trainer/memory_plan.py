@@ -25,8 +25,9 @@ from typing import Literal
 
 Mode = Literal["auto", "on", "off"]
 # Backward holds gradients of the activations beside what forward saved: a margin on top of the saved
-# bytes, from the peaks measured against the saved bytes (tests/test_memory_plan.py).
-BACKWARD_MARGIN = 1.6
+# bytes, from the peaks measured against the saved bytes (tests/activation_memory.py, a small Qwen2 on
+# the CPU's packed path: 1.80x, 1.85x and 1.87x what forward keeps at 2,048, 4,096 and 8,192 tokens).
+BACKWARD_MARGIN = 1.9
 
 
 @dataclass(frozen=True)
