@@ -15,6 +15,7 @@ import textwrap
 from prometheus_client import REGISTRY
 from stack_helpers import TETHER, wait_for
 
+from tether import launcher
 from tether.common import broker
 from tether.launcher import Proc, Stack
 
@@ -133,6 +134,7 @@ def test_a_consumer_crashing_on_a_poison_entry_under_the_launcher(tmp_path, monk
     good record is handled exactly once. `tether dead-letters` lists it (text and --json, with the
     counts)."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launcher, "BACKOFF_BASE_S", 0.05)  # restarts as the launcher does, waits short
     script = tmp_path / "consumer.py"
     script.write_text(CONSUMER)
     ns = "poison-run"

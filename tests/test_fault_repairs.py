@@ -16,9 +16,18 @@ import redis
 from gateway_helpers import bearer
 from stack_helpers import wait_for
 
+from tether import launcher
 from tether.common.grpc_server import cancel_until_done
 from tether.inference.weights import newest_checkpoint
-from tether.launcher import HEALTHY_RESET_S, MAX_RESTARTS, Stack, StackError, restarts_after_run
+from tether.launcher import (
+    HEALTHY_RESET_S,
+    MAX_BACKOFF_S,
+    MAX_RESTARTS,
+    Stack,
+    StackError,
+    restart_backoff_s,
+    restarts_after_run,
+)
 
 
 def _supervise(stack: Stack, until, timeout: float, what: str):
@@ -80,8 +89,17 @@ def test_a_clean_exit_and_a_stopping_stack_are_never_restarted(tmp_path, monkeyp
         stack.stop(grace_s=2)
 
 
+def test_restarts_back_off_doubling_up_to_a_bound():
+    """As Kubernetes' CrashLoopBackOff: none before the first restart, then 1 s doubling to 8 s."""
+    assert [restart_backoff_s(n) for n in range(7)] == [0.0, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert MAX_BACKOFF_S == 8.0 and restart_backoff_s(3, base_s=0.05) == pytest.approx(0.2)
+
+
 def test_restarts_back_off_and_are_budgeted(tmp_path, monkeypatch):
+    """The launcher's own loop through the whole budget (waits of 0.05 s doubling: the test's time;
+    the real ones are the test above's)."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launcher, "BACKOFF_BASE_S", 0.05)
     stack = Stack(run_dir=tmp_path / "run", namespace="budget")
     stack.redis_url = "redis://127.0.0.1:1/0"
     try:

@@ -16,9 +16,12 @@ from hypothesis import strategies as st
 from tether.algorithms.losses import (
     LOSS_MODES,
     aggregate,
+    cispo_token_loss,
+    gspo_token_loss,
     kl_to_reference,
     logprob_mismatch,
     ppo_token_loss,
+    sequence_mean,
     token_weights,
     truncated_is_weights,
 )
@@ -478,6 +481,161 @@ def test_ppo_matches_verl_vanilla_policy_loss(verl_algos, batch, seed, high, c) 
     assert metrics["clip_fraction"] == pytest.approx(their_metrics["actor/pg_clipfrac"], abs=1e-6)
     assert metrics["dual_clip_fraction"] == pytest.approx(their_metrics["actor/pg_clipfrac_lower"], abs=1e-6)
     assert metrics["approx_kl_k1"] == pytest.approx(their_metrics["actor/ppo_kl"], abs=1e-5)
+
+
+# --- GSPO and CISPO: the papers' formulas, and verl's functions ---------------------------------------
+
+
+def _policy_batch(mask: torch.Tensor, seed: int, spread: float = 0.3) -> tuple[torch.Tensor, ...]:
+    """Behaviour logprobs, the policy's (near them: some ratios in the clip range, some out) and one
+    advantage per row (a response's, broadcast), in fp64."""
+    g = torch.Generator().manual_seed(seed)
+    old = (-torch.rand(mask.shape, generator=g) * 3).double()
+    new = (old + spread * torch.randn(mask.shape, generator=g).double()).requires_grad_()
+    adv = torch.randn(mask.shape[0], 1, generator=g).double().expand(mask.shape).contiguous()
+    return old, new, adv
+
+
+def gspo_paper_loss(new, old, adv, mask, low: float, high: float) -> torch.Tensor:
+    """GSPO's objective as the paper writes it (Zheng et al. 2025, eq. 5 and 7), sequence by sequence:
+    s_i = (pi(y_i) / pi_old(y_i)) ** (1 / |y_i|); J = mean_i min(s_i A_i, clip(s_i, 1-low, 1+high) A_i)
+    over the responses with any token; the loss is -J."""
+    terms = []
+    for i in range(mask.shape[0]):
+        sel = mask[i] != 0
+        if not sel.any():
+            continue
+        s_i = torch.exp((new[i][sel] - old[i][sel]).sum() / sel.sum())
+        a = adv[i][sel][0]
+        terms.append(torch.minimum(s_i * a, torch.clamp(s_i, 1 - low, 1 + high) * a))
+    return -torch.stack(terms).mean()
+
+
+def cispo_paper_loss(new, old, adv, mask, low: float, high: float) -> torch.Tensor:
+    """CISPO's objective as MiniMax-M1 writes it (arXiv:2506.13585, eq. 4): the mean over every token of
+    the batch of sg(clip(r, 1-low, 1+high)) * A * log pi; the loss is -J."""
+    sel = mask != 0
+    r = torch.exp(new.detach() - old)
+    weight = torch.clamp(r, 1 - low, 1 + high)
+    return -(weight * adv * new)[sel].sum() / sel.sum()
+
+
+@oracle
+@given(batch=ragged_mask(), seed=st.integers(0, 2**16), spread=st.sampled_from([0.01, 0.3]))
+def test_gspo_is_the_papers_sequence_objective(batch, seed, spread) -> None:
+    """Per response (seq-mean-token-mean, as the paper aggregates), GSPO's token form has the value and
+    the gradient of the sequence-level objective."""
+    mask, _ = batch
+    if mask.sum() == 0:
+        return
+    mask = mask.double()
+    old, new, adv = _policy_batch(mask, seed, spread)
+    for low, high in ((3e-4, 4e-4), (0.2, 0.2)):
+        token_loss, metrics = gspo_token_loss(new, old, adv, mask, low, high)
+        ours = aggregate(token_loss, mask, "seq-mean-token-mean")
+        paper = gspo_paper_loss(new, old, adv, mask, low, high)
+        torch.testing.assert_close(ours, paper, atol=1e-9, rtol=1e-6)  # token_weights are fp32
+        (g_ours,) = torch.autograd.grad(ours, new)
+        (g_paper,) = torch.autograd.grad(paper, new)
+        torch.testing.assert_close(g_ours, g_paper, atol=1e-9, rtol=1e-6)
+        assert 0.0 <= metrics["clip_fraction"] <= 1.0 and metrics["dual_clip_fraction"] == 0.0
+
+
+def test_gspo_clips_a_whole_sequence_and_takes_its_ratio_from_outside_when_given() -> None:
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    old = torch.zeros(2, 3, dtype=torch.float64)
+    new = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1e-4]], dtype=torch.float64, requires_grad=True)
+    adv = torch.ones(2, 3, dtype=torch.float64)
+    loss, m = gspo_token_loss(new, old, adv, mask, 3e-4, 4e-4)
+    (g,) = torch.autograd.grad(aggregate(loss, mask, "seq-mean-token-mean"), new)
+    assert torch.equal(g[0], torch.zeros(3, dtype=torch.float64))  # ratio e^0.5: clipped, every token
+    assert (g[1] < 0).all()  # ratio e^(1e-4/3): inside, every token pushed up
+    assert m["clip_fraction"] == pytest.approx(2 / 5)
+    torch.testing.assert_close(
+        sequence_mean(new.detach() - old, mask)[0], torch.full((3,), 0.5, dtype=torch.float64)
+    )
+    # The trainer's flat targets: the sequence's mean comes from outside (its other targets elsewhere).
+    flat_new = torch.tensor([[0.0, 0.0]], dtype=torch.float64, requires_grad=True)
+    outside = torch.tensor([[0.5, 0.5]], dtype=torch.float64)
+    loss2, _ = gspo_token_loss(
+        flat_new,
+        torch.zeros(1, 2, dtype=torch.float64),
+        torch.ones(1, 2, dtype=torch.float64),
+        torch.ones(1, 2),
+        3e-4,
+        4e-4,
+        seq_log_ratio=outside,
+    )
+    (g2,) = torch.autograd.grad(loss2.sum(), flat_new)
+    assert torch.equal(g2, torch.zeros(1, 2, dtype=torch.float64))
+
+
+@oracle
+@given(batch=ragged_mask(), seed=st.integers(0, 2**16))
+def test_cispo_is_the_papers_objective(batch, seed) -> None:
+    """Token-mean over the batch: CISPO's value and gradient, every token keeping its gradient (a
+    clipped one too, its weight bounded)."""
+    mask, _ = batch
+    if mask.sum() == 0:
+        return
+    mask = mask.double()
+    old, new, adv = _policy_batch(mask, seed, 0.5)
+    for low, high in ((1.0, 0.28), (0.2, 0.2)):
+        token_loss, metrics = cispo_token_loss(new, old, adv, mask, low, high)
+        ours = aggregate(token_loss, mask, "token-mean")
+        paper = cispo_paper_loss(new, old, adv, mask, low, high)
+        torch.testing.assert_close(ours, paper, atol=1e-9, rtol=1e-6)  # token_weights are fp32
+        (g_ours,) = torch.autograd.grad(ours, new)
+        (g_paper,) = torch.autograd.grad(paper, new)
+        torch.testing.assert_close(g_ours, g_paper, atol=1e-9, rtol=1e-6)
+        sel = mask != 0
+        assert bool((g_ours[sel & (adv != 0)] != 0).all())  # no token loses its gradient
+        r = torch.exp(new.detach() - old)[sel]
+        expected = float(((r < 1 - low) | (r > 1 + high)).double().mean())
+        assert metrics["clip_fraction"] == pytest.approx(expected)
+
+
+def _verl_actor_config(low: float, high: float, verl_algos):  # type: ignore[no-untyped-def]
+    from verl.workers.config import ActorConfig
+
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        global_batch_info={},
+    )
+
+
+@oracle
+@given(batch=ragged_mask(), seed=st.integers(0, 2**16))
+def test_gspo_and_cispo_match_verl(verl_algos, batch, seed) -> None:  # type: ignore[no-untyped-def]
+    mask, _ = batch
+    if mask.sum() == 0:
+        return
+    old, new, adv = _policy_batch(mask, seed, 0.3)
+    cases = (
+        ("gspo", gspo_token_loss, verl_algos.compute_policy_loss_gspo, (3e-4, 4e-4)),
+        ("cispo", cispo_token_loss, verl_algos.compute_policy_loss_cispo, (0.2, 0.28)),
+    )
+    for name, ours_fn, theirs_fn, (low, high) in cases:
+        config = _verl_actor_config(low, high, verl_algos)
+        for mode in VERL_MODES:
+            mine = new.detach().clone().requires_grad_()
+            theirs_in = new.detach().clone().requires_grad_()
+            token_loss, metrics = ours_fn(mine, old, adv, mask, low, high)
+            ours = aggregate(token_loss, mask, mode)
+            theirs, their_metrics = theirs_fn(old, theirs_in, adv, mask, loss_agg_mode=mode, config=config)
+            torch.testing.assert_close(
+                ours, theirs.to(ours.dtype), atol=1e-8, rtol=1e-7, msg=f"{name} {mode}"
+            )
+            (g_ours,) = torch.autograd.grad(ours, mine)
+            (g_theirs,) = torch.autograd.grad(theirs, theirs_in)
+            torch.testing.assert_close(
+                g_ours, g_theirs.to(g_ours.dtype), atol=1e-8, rtol=1e-7, msg=f"{name} {mode}"
+            )
+            assert metrics["clip_fraction"] == pytest.approx(their_metrics["actor/pg_clipfrac"], abs=1e-6)
 
 
 # --- KL to a reference ----------------------------------------------------------------------------------

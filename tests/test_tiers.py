@@ -32,7 +32,7 @@ IN_MAKE_TEST = [
     "tests/harnesses/test_harnesses.py::test_gemini_cli",
     "tests/deploy/test_chart.py::test_helm_lint_strict",
     "tests/deploy/test_chart_policy.py::test_pod_security_standards_restricted",
-    "tests/test_faults.py::test_a_gateway_killed_mid_run_loses_nothing",
+    "tests/test_e2e.py::test_a_gateway_killed_mid_run_loses_nothing",
     "tests/test_gateway_fuzz.py::test_fuzz_each_operation[POST /v1/chat/completions]",
     "tests/test_advantages.py::test_grpo_matches_the_rounded_convention",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -248,6 +249,93 @@ def test_off_policy_modes_in_a_step():
     torch.testing.assert_close(delta, on_policy, atol=1e-6, rtol=1e-5)
     _, m = _step(base, stale, StepConfig(off_policy="ppo"))
     assert m["clip_fraction"] == pytest.approx(0.5, abs=0.2)  # positive-advantage tokens sit above 1 + eps
+
+
+def _sampled_apart(samples: list[SampleRecord]) -> list[SampleRecord]:
+    """The engine's logprobs moved per sample (-1e-3, 0, +1e-3, ...): sequence ratios on both sides of
+    GSPO's narrow range, token ratios inside PPO's and CISPO's."""
+    return [_shifted([smp], 1e-3 * (i % 3 - 1))[0] for i, smp in enumerate(samples)]
+
+
+@pytest.mark.parametrize(
+    ("policy_loss", "clip"), [("gspo", (3e-4, 4e-4)), ("cispo", (1.0, 0.28)), ("ppo", (0.2, 0.2))]
+)
+@pytest.mark.parametrize("loss_mode", ["token-mean", "seq-mean-token-mean"])
+def test_each_policy_loss_steps_as_its_formula_over_the_whole_batch(policy_loss, clip, loss_mode):
+    """train_step's update, in packed micro-batches, equals one SGD step on the objective computed from
+    the whole (B, T) batch by losses.py (GSPO: each sample one response, its ratio over all its tokens)."""
+    from tether.algorithms.losses import aggregate, cispo_token_loss, gspo_token_loss, ppo_token_loss
+    from tether.trainer.train import collate
+
+    base = _model()
+    samples = _sampled_apart(_samples(base, n=8))
+    cfg = StepConfig(
+        micro_batch_tokens=24,
+        max_grad_norm=1e9,
+        policy_loss=policy_loss,
+        clip_low=clip[0],
+        clip_high=clip[1],
+        loss_mode=loss_mode,
+    )
+    delta, metrics = _step(base, samples, cfg)
+    assert metrics["micro_batches"] > 1
+
+    model = copy.deepcopy(base)
+    batch = collate(samples, 0)
+    lp = token_logprobs(model, batch.input_ids, batch.attention)
+    args = (lp, batch.rollout_logprobs, batch.advantages, batch.mask, *clip)
+    fn = {"gspo": gspo_token_loss, "cispo": cispo_token_loss, "ppo": ppo_token_loss}[policy_loss]
+    token_loss, m = fn(*args)
+    loss = aggregate(
+        token_loss,
+        batch.mask,
+        loss_mode,
+        rollout_ids=batch.rollout_ids,
+        norm_constant=float(batch.mask.shape[1]),
+    )
+    loss.backward()
+    ref = torch.cat([-0.1 * p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(delta, ref, atol=1e-6, rtol=1e-5)
+    assert metrics["clip_fraction"] == pytest.approx(m["clip_fraction"], abs=1e-6)
+    if policy_loss == "gspo":
+        assert 0.0 < metrics["clip_fraction"] < 1.0  # some samples' ratios left the range, some did not
+
+
+def test_the_step_guard_undoes_an_update_that_moves_too_far_and_makes_it_again_at_a_lower_rate():
+    from tether.trainer.train import collate
+
+    base = _model()
+    samples = _samples(base, n=6)
+
+    def run(lr: float, **guard) -> tuple[torch.Tensor, dict, torch.nn.Module, torch.optim.Optimizer]:
+        model = copy.deepcopy(base)
+        opt = torch.optim.Adam(model.parameters(), lr=lr)
+        metrics = train_step(model, opt, samples, StepConfig(max_grad_norm=1e9, **guard))
+        return _flat(model) - _flat(base), metrics, model, opt
+
+    plain, m_plain, _, _ = run(0.05)
+    half, _, half_model, half_opt = run(0.025)
+    assert m_plain["step_guard_retries"] == 0.0 and math.isnan(m_plain["step_kl"])  # no guard: not measured
+    # A bound above what the update moves: the same step, its KL measured.
+    kept, m_kept, kept_model, _ = run(0.05, max_step_kl=10.0)
+    assert m_kept["step_guard_retries"] == 0.0
+    torch.testing.assert_close(kept, plain, atol=0, rtol=0)
+    batch = collate(samples, 0)
+    with torch.no_grad():
+        log_r = (
+            token_logprobs(kept_model, batch.input_ids, batch.attention) - batch.rollout_logprobs
+        ).double()
+    k3 = (torch.expm1(log_r) - log_r)[batch.mask != 0].mean()
+    assert m_kept["step_kl"] == pytest.approx(float(k3), rel=1e-4) and m_kept["step_kl"] > 0
+    # A bound below it: undone (weights and Adam's state) and made again at half the rate.
+    guarded, m, _, opt = run(0.05, max_step_kl=float(k3) / 2, step_guard_lr_scale=0.5)
+    assert m["step_guard_retries"] == 1.0
+    torch.testing.assert_close(guarded, half, atol=1e-7, rtol=1e-5)
+    assert opt.param_groups[0]["lr"] == 0.05  # the run's learning rate is the settings' again
+    for p_guard, p_half in zip(opt.state.values(), half_opt.state.values(), strict=True):
+        assert p_guard["step"] == p_half["step"] == 1
+        torch.testing.assert_close(p_guard["exp_avg_sq"], p_half["exp_avg_sq"])
+    assert m["step_kl"] < m_kept["step_kl"]
 
 
 def test_staleness_metrics():

@@ -46,6 +46,9 @@ FULL_ONLY = {
     "tests/test_trainer_offload.py::test_fsdp_on_two_gloo_ranks_trains_as_one_rank_with_each_offload": (
         "two spawned FSDP2 ranks, four runs each (~45 s; make test: the same runs on one rank in-process)"
     ),
+    "tests/test_trainer_distributed.py::test_torchrun_service_with_two_ranks_matches_one_rank": (
+        "a torchrun trainer of two ranks (~17 s; make test: train_step on two gloo ranks, the service in the demo)"
+    ),
     "tests/test_trainer_resume.py::test_killed_trainer_resumes_and_matches_an_uninterrupted_run": (
         "two trainer processes (make test: the in-process resume tests of the same file)"
     ),

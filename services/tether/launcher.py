@@ -40,6 +40,8 @@ STATE_DIR = Path(".tether")
 STATE_FILE = STATE_DIR / "stack.json"
 MAX_RESTARTS = 5
 MAX_BACKOFF_S = 8.0
+# The first wait between restarts; each further one doubles it, up to MAX_BACKOFF_S.
+BACKOFF_BASE_S = 1.0
 # A process that ran this long before it exited gets its restart budget back (Kubernetes resets a
 # container's CrashLoopBackOff after 10 minutes of running): a crash a day is not a crash loop.
 HEALTHY_RESET_S = 600.0
@@ -84,6 +86,12 @@ def default_vllm_python() -> str:
     return str(python)
 
 
+def restart_backoff_s(restarts: int, base_s: float = BACKOFF_BASE_S) -> float:
+    """The wait before a restart after `restarts` earlier ones: none for the first, then `base_s`,
+    doubling each time, at most MAX_BACKOFF_S."""
+    return 0.0 if restarts == 0 else min(base_s * 2.0 ** (restarts - 1), MAX_BACKOFF_S)
+
+
 @dataclass
 class Proc:
     """One supervised process: `spawn` starts it (again, after a failure) exactly as the first time."""
@@ -107,7 +115,7 @@ class Proc:
     def backoff_s(self) -> float:
         """The wait before the next restart: none for the first, then doubling (as Kubernetes'
         CrashLoopBackOff does), so a process that fails at once does not spend its budget in seconds."""
-        return 0.0 if self.restarts == 0 else min(2.0 ** (self.restarts - 1), MAX_BACKOFF_S)
+        return restart_backoff_s(self.restarts, BACKOFF_BASE_S)
 
     def respawn(self, code: int) -> None:
         """Start it again after it exited with `code`; counted, and logged on stderr and in its log."""

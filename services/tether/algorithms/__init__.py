@@ -23,6 +23,7 @@ from .names import (
     KL_ESTIMATORS,
     LOSS_MODES,
     OFF_POLICY_MODES,
+    POLICY_LOSSES,
     AdvantageEstimator,
     AdvantageLevel,
     BaselineEstimator,
@@ -30,6 +31,7 @@ from .names import (
     KLEstimator,
     LossMode,
     OffPolicyMode,
+    PolicyLoss,
 )
 
 if TYPE_CHECKING:
@@ -41,9 +43,12 @@ if TYPE_CHECKING:
     )
     from .losses import (
         aggregate,
+        cispo_token_loss,
+        gspo_token_loss,
         kl_to_reference,
         logprob_mismatch,
         ppo_token_loss,
+        sequence_mean,
         token_weights,
         truncated_is_weights,
     )
@@ -56,6 +61,7 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_MODES",
     "OFF_POLICY_MODES",
+    "POLICY_LOSSES",
     "AdvantageEstimator",
     "AdvantageLevel",
     "BaselineEstimator",
@@ -63,13 +69,17 @@ __all__ = [
     "KLEstimator",
     "LossMode",
     "OffPolicyMode",
+    "PolicyLoss",
     "aggregate",
+    "cispo_token_loss",
     "discounted_call_rewards",
     "group_advantages",
+    "gspo_token_loss",
     "kl_to_reference",
     "logprob_mismatch",
     "ppo_token_loss",
     "running_baseline_advantages",
+    "sequence_mean",
     "token_weights",
     "truncated_is_weights",
     "whiten",

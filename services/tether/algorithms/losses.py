@@ -154,9 +154,10 @@ def ppo_token_loss(
     Returns:
         ``(token_loss, metrics)``: (B, T) loss in fp32 (fp64 for fp64 inputs), 0 where mask is 0 (weight
         it with ``token_weights``), and float metrics over the masked tokens: ``clip_fraction`` (PPO
-        clip active), ``dual_clip_fraction`` (dual clip active), ``approx_kl`` (k3 estimate of
+        clip active; ``clip_low_fraction`` and ``clip_high_fraction`` its two sides),
+        ``dual_clip_fraction`` (dual clip active), ``approx_kl`` (k3 estimate of
         KL(old || new)), ``approx_kl_k1`` (mean of ``old - new``), ``ratio_mean``, ``ratio_max``,
-        ``tokens``. Metrics are means over THIS call's tokens; weight them by ``tokens`` to combine
+        ``ratio_min``, ``tokens``. Metrics are means over THIS call's tokens; weight them by ``tokens`` to combine
         micro-batches.
     """
     if dual_clip_c is not None and dual_clip_c <= 1.0:
@@ -178,21 +179,124 @@ def ppo_token_loss(
         dual_active = (adv < 0) & (loss > bound)
         loss = torch.where(adv < 0, torch.minimum(loss, bound), loss)
     loss = torch.where(sel, loss, 0.0)
+    return loss, _ratio_metrics(log_ratio, ratio, clipped > unclipped, dual_active, sel)
 
+
+def sequence_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Each row's mean of `values` over its masked positions, broadcast back to the row's positions:
+    (B, T) -> (B, T); 0 for a row without any. For the (B, T) layout of the losses' docstrings; the
+    trainer, whose micro-batches hold their targets flat, computes the same by sample index."""
+    sel = mask != 0
+    total = torch.where(sel, values, 0.0).sum(-1, keepdim=True)
+    return (total / sel.sum(-1, keepdim=True).clamp(min=1)).expand_as(values)
+
+
+def gspo_token_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    seq_log_ratio: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Group Sequence Policy Optimization (Zheng et al. 2025, arXiv:2507.18071): the importance ratio of
+    a whole response, length-normalised, clipped per sequence.
+
+        s_i = exp( (1/|y_i|) sum_t log(pi(y_i,t) / pi_old(y_i,t)) )
+
+    and, in the paper's token form (GSPO-token, its eq. 13, with every token of a response carrying
+    the response's advantage), per token
+
+        s_i,t = sg[s_i] * pi(y_i,t) / sg[pi(y_i,t)]        (the value of s_i; the gradient of token t)
+        loss  = max(-A * s_i,t, -A * clip(s_i,t, 1 - clip_low, 1 + clip_high))
+
+    so a sequence whose ratio left the range contributes nothing, whichever token moved it. The paper
+    averages the tokens of a response, then the responses (`token_weights`' "seq-mean-token-mean") and
+    uses ranges of 3e-4 and 4e-4: a sequence-level ratio moves far less than a token's.
+
+    Args:
+        logprobs, old_logprobs, advantages, mask: as in ``ppo_token_loss``; a row is one response.
+        clip_low, clip_high: the sequence ratio's range ``[1 - clip_low, 1 + clip_high]``.
+        seq_log_ratio: each token's response mean of ``logprobs - old_logprobs`` (treated as a
+            constant), when a row of these tensors is not one response (the trainer's packed targets);
+            None: ``sequence_mean`` of the rows.
+
+    Returns:
+        ``(token_loss, metrics)`` as ``ppo_token_loss``: ``clip_fraction`` (tokens of a clipped
+        sequence), ``dual_clip_fraction`` 0, ``approx_kl`` and ``approx_kl_k1`` of the token ratios,
+        ``ratio_mean``/``ratio_max`` of the sequence ratios over tokens, ``tokens``.
+    """
+    sel = mask != 0
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    adv = torch.where(sel, advantages.detach().to(dtype), 0.0)
+    lp = logprobs.to(dtype)
+    log_ratio = torch.where(sel, lp - old_logprobs.detach().to(dtype), 0.0)
+    seq = (
+        sequence_mean(log_ratio.detach(), mask) if seq_log_ratio is None else seq_log_ratio.detach().to(dtype)
+    )
+    log_s = (seq + lp - lp.detach()).clamp(max=_MAX_LOG_RATIO)
+    s_tok = torch.exp(torch.where(sel, log_s, 0.0))
+    unclipped = -adv * s_tok
+    clipped = -adv * torch.clamp(s_tok, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.where(sel, torch.maximum(unclipped, clipped), 0.0)
+    return loss, _ratio_metrics(log_ratio, s_tok, clipped > unclipped, torch.zeros_like(sel), sel)
+
+
+def cispo_token_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 1.0,
+    clip_high: float = 0.28,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped IS-weight Policy Optimization (MiniMax-M1, arXiv:2506.13585, its eq. 4): REINFORCE on
+    every token, weighted by the token's importance ratio clipped and held constant.
+
+        r = pi(y_t) / pi_old(y_t),     loss = -sg[clip(r, 1 - clip_low, 1 + clip_high)] * A * log pi(y_t)
+
+    Unlike PPO's clip, which drops a clipped token's gradient, every token keeps one (the rare
+    high-ratio "fork" tokens included); only its weight is bounded. The paper bounds the ratio from
+    above only (clip_low = 1: no lower bound).
+
+    Args and returns: as ``ppo_token_loss`` (no dual clip); ``clip_fraction`` counts the tokens whose
+    weight was clipped.
+    """
+    sel = mask != 0
+    dtype = torch.promote_types(logprobs.dtype, torch.float32)
+    adv = torch.where(sel, advantages.detach().to(dtype), 0.0)
+    lp = logprobs.to(dtype)
+    log_ratio = torch.where(sel, lp - old_logprobs.detach().to(dtype), 0.0).clamp(
+        -_MAX_LOG_RATIO, _MAX_LOG_RATIO
+    )
+    ratio = torch.exp(log_ratio.detach())
+    weight = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.where(sel, -weight * adv * lp, 0.0)
+    return loss, _ratio_metrics(log_ratio, ratio, weight != ratio, torch.zeros_like(sel), sel)
+
+
+def _ratio_metrics(
+    log_ratio: torch.Tensor, ratio: torch.Tensor, clipped: torch.Tensor, dual: torch.Tensor, sel: torch.Tensor
+) -> dict[str, float]:
+    """The policy losses' shared metrics over the masked tokens (``ppo_token_loss``' Returns)."""
     with torch.no_grad():
         r = ratio.detach()
         lr = log_ratio.detach()
         n = int(sel.sum())
-        metrics = {
-            "clip_fraction": _masked_mean((clipped > unclipped).float(), sel),
-            "dual_clip_fraction": _masked_mean((dual_active & sel).float(), sel),
-            "approx_kl": _masked_mean((r - 1.0) - lr, sel),
+        return {
+            "clip_fraction": _masked_mean(clipped.float(), sel),
+            # The clip's two sides: ratios held below 1 - clip_low, and above 1 + clip_high.
+            "clip_low_fraction": _masked_mean((clipped & (r < 1.0)).float(), sel),
+            "clip_high_fraction": _masked_mean((clipped & (r > 1.0)).float(), sel),
+            "dual_clip_fraction": _masked_mean((dual & sel).float(), sel),
+            "approx_kl": _masked_mean(torch.expm1(lr) - lr, sel),
             "approx_kl_k1": _masked_mean(-lr, sel),
             "ratio_mean": _masked_mean(r, sel),
             "ratio_max": float(r[sel].max()) if n else 0.0,
+            "ratio_min": float(r[sel].min()) if n else 0.0,
             "tokens": float(n),
         }
-    return loss, metrics
 
 
 def logprob_mismatch(

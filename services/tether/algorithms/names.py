@@ -32,6 +32,9 @@ LossMode = Literal[
 KLEstimator = Literal["k1", "k2", "k3"]
 # Off-policy correction: PPO ratio against the rollout logprobs, truncated IS, or masking.
 OffPolicyMode = Literal["ppo", "tis", "mask"]
+# The policy objective (losses.py): PPO's clipped token ratio, GSPO's clipped sequence ratio, CISPO's
+# clipped and held importance weight on each token's log-probability.
+PolicyLoss = Literal["ppo", "gspo", "cispo"]
 
 ESTIMATORS: tuple[GroupEstimator, ...] = get_args(GroupEstimator)
 BASELINE_ESTIMATORS: tuple[BaselineEstimator, ...] = get_args(BaselineEstimator)
@@ -40,3 +43,4 @@ ADVANTAGE_LEVELS: tuple[AdvantageLevel, ...] = get_args(AdvantageLevel)
 LOSS_MODES: tuple[LossMode, ...] = get_args(LossMode)
 KL_ESTIMATORS: tuple[KLEstimator, ...] = get_args(KLEstimator)
 OFF_POLICY_MODES: tuple[OffPolicyMode, ...] = get_args(OffPolicyMode)
+POLICY_LOSSES: tuple[PolicyLoss, ...] = get_args(PolicyLoss)

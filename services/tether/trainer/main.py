@@ -19,7 +19,7 @@ from typing import Annotated, ClassVar, Literal
 import torch
 from pydantic import BeforeValidator, Field, model_validator
 
-from tether.algorithms.names import KLEstimator, LossMode, OffPolicyMode
+from tether.algorithms.names import KLEstimator, LossMode, OffPolicyMode, PolicyLoss
 from tether.common.grpc_server import run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings, WeightPush, refused_settings_exit
@@ -79,6 +79,14 @@ class TrainerSettings(CommonSettings):
     max_grad_norm: float = 1.0
     # Off-policy correction: ppo (ratio vs rollout logprobs), tis (truncated IS), mask (drop tokens).
     off_policy: OffPolicyMode = "ppo"
+    # The policy objective (algorithms/losses.py): ppo (clipped token ratio, dual clip), gspo (clipped
+    # sequence ratio: its paper uses clip_low 3e-4, clip_high 4e-4), cispo (clipped, held IS weight).
+    policy_loss: PolicyLoss = "ppo"
+    # The step guard: an update whose KL to the sampling policy (k3 over the trained tokens, one more
+    # forward without gradient) exceeds max_step_kl is undone (weights and optimizer state) and made
+    # again once at step_guard_lr_scale x the learning rate; counted (step_guard_retries). 0 = off.
+    max_step_kl: float = Field(0.0, ge=0)
+    step_guard_lr_scale: float = Field(0.5, gt=0, lt=1)
     tis_cap: float = 2.0
     mask_low: float = 0.5
     mask_high: float = 2.0
@@ -190,6 +198,9 @@ def step_config(s: TrainerSettings, pad_token_id: int) -> StepConfig:
         micro_batch_tokens=s.micro_batch_tokens,
         pad_token_id=pad_token_id,
         off_policy=s.off_policy,
+        policy_loss=s.policy_loss,
+        max_step_kl=s.max_step_kl,
+        step_guard_lr_scale=s.step_guard_lr_scale,
         tis_cap=s.tis_cap,
         mask_low=s.mask_low,
         mask_high=s.mask_high,
@@ -207,6 +218,41 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
     if s.bf16 and d.device.type != "cuda":
         raise SystemExit("TETHER_BF16=true needs a CUDA device (bf16 autocast is GPU-only here)")
     root = Path(s.checkpoint_dir)
+    resume = resumable(s, d, root)
+    # With LoRA the checkpoints hold merged weights: start from the base model and load the adapter.
+    source = resume.path if resume is not None and not s.lora_rank else s.model_dir
+    model, tokenizer = load_model(source, s.seed)
+    if s.lora_rank:
+        model = apply_lora(model, s.lora_rank, s.lora_alpha, s.lora_dropout, s.lora_target_modules)
+        if resume is not None:
+            from peft import set_peft_model_state_dict
+
+            set_peft_model_state_dict(model, resume.state["adapter"])
+    model.to(d.device)
+    prepared = prepare_model(s, d, model)
+    log_static_memory(model, d)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    cfg = step_plan(s, d, model, prepared, int(pad))  # before FSDP2 shards the model
+    engine = distributed.wrap(model, d, bf16=s.bf16)
+    optimizer = make_optimizer(s, d, model, resume)
+    log.info(
+        "MFU against %.1f TFLOP/s per device (%s)",
+        cfg.peak_flops / 1e12,
+        "TETHER_PEAK_TFLOPS" if s.peak_tflops else "measured on a matmul at start",
+    )
+    ref_model = None
+    if s.kl_coef > 0:
+        # The reference is the base model (never a resumed checkpoint), frozen.
+        ref_model, _ = load_model(s.model_dir, s.seed)
+        ref_model.requires_grad_(False).eval().to(d.device)
+        if s.sequence_parallel > 1:  # its attention, too, runs over the whole row
+            attention.use(ref_model, prepared.attention)
+    return StepRunner(model, engine, optimizer, cfg, d, root, ref_model=ref_model), tokenizer, resume
+
+
+def resumable(s: TrainerSettings, d: Dist, root: Path) -> weights.Resume | None:
+    """The newest complete checkpoint under `root` to resume from (None: start from the model), partial
+    ones removed (rank 0); one trained with another LoRA rank stops the trainer."""
     if d.rank == 0:
         weights.remove_partial(root)
     resume = weights.latest_resumable(root) if s.resume else None
@@ -219,26 +265,36 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
             )
     elif s.resume and weights.list_checkpoints(root):
         log.warning("%s holds checkpoints but none to resume from; starting from %s", root, s.model_dir)
-    # With LoRA the checkpoints hold merged weights: start from the base model and load the adapter.
-    source = resume.path if resume is not None and not s.lora_rank else s.model_dir
-    model, tokenizer = load_model(source, s.seed)
-    if s.lora_rank:
-        model = apply_lora(model, s.lora_rank, s.lora_alpha, s.lora_dropout, s.lora_target_modules)
-        if resume is not None:
-            from peft import set_peft_model_state_dict
+    return resume
 
-            set_peft_model_state_dict(model, resume.state["adapter"])
-    model.to(d.device)
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """What the trainer found out about a loaded model before its first step: whether packed rows keep
+    its samples apart, the attention path of packed rows ("model": padded rows), whether its LM head
+    runs in chunks, and the checkpointing it can do."""
+
+    pack: bool
+    attention: str
+    chunked: bool
+    checkpointing: memory_plan.Mode
+
+
+def prepare_model(s: TrainerSettings, d: Dist, model: torch.nn.Module) -> Prepared:
+    """Check and set up a loaded model for the step (bench/trainer_gpu does the same through here): the
+    packing check, the attention path, the chunked LM head's check, sequence parallelism's checks and
+    groups, activation checkpointing made available; each logged and in tether_trainer_path."""
+    vocab = int(model.config.vocab_size)
     pack = s.pack_samples
-    if pack and not packing_keeps_samples_apart(model, int(model.config.vocab_size)):
+    if pack and not packing_keeps_samples_apart(model, vocab):
         log.warning(
             "%s does not keep packed samples apart; training on padded micro-batches instead",
             type(model).__name__,
         )
         pack = False
-    path = choose_attention(model, int(model.config.vocab_size), s.attention, s.bf16) if pack else "model"
+    path = choose_attention(model, vocab, s.attention, s.bf16) if pack else "model"
     log.info("attention of packed rows: %s", path if pack else "none (padded rows)")
-    chunked = s.lm_head_chunk_mb > 0 and chunked_head_matches(model, int(model.config.vocab_size))
+    chunked = s.lm_head_chunk_mb > 0 and chunked_head_matches(model, vocab)
     if s.lm_head_chunk_mb > 0 and not chunked:
         log.warning(
             "%s's LM head is not a plain linear map of the hidden states (a LoRA head, a bias, scaled or "
@@ -248,28 +304,8 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
     log.info(
         "LM head: %s", f"chunked ({s.lm_head_chunk_mb:g} MiB of logits at a time)" if chunked else "plain"
     )
-    if s.sequence_parallel > 1:
-        if not pack or path == "model":
-            raise SystemExit(
-                f"TETHER_SEQUENCE_PARALLEL={s.sequence_parallel} needs packed rows through Tether's attention, "
-                f"and {type(model).__name__} trains on padded rows here (see the log above)"
-            )
-        try:
-            sequence_parallel.check_heads(model, s.sequence_parallel)
-        except ValueError as e:
-            raise SystemExit(f"TETHER_SEQUENCE_PARALLEL: {e}") from e
-        sequence_parallel.group(s.sequence_parallel)  # every rank creates every group, now
-    log.info(
-        "sequence parallelism: %s",
-        f"Ulysses, each packed row split over {s.sequence_parallel} ranks (all-to-all over the heads), "
-        f"{d.world // s.sequence_parallel} data-parallel replica(s)"
-        if s.sequence_parallel > 1
-        else "off (each rank holds its rows whole)",
-    )
+    prepare_sequence_parallel(s, d, model, pack, path)
     PATHS.labels("attention", path).set(1)
-    PATHS.labels(
-        "sequence_parallel", f"ulysses-{s.sequence_parallel}" if s.sequence_parallel > 1 else "off"
-    ).set(1)
     PATHS.labels("lm_head", "chunked" if chunked else "plain").set(1)
     checkpointing = s.gradient_checkpointing
     if checkpointing != "off":
@@ -280,16 +316,56 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
                 raise SystemExit(f"TETHER_GRADIENT_CHECKPOINTING=on: {type(model).__name__}: {e}") from e
             log.warning("%s cannot recompute its blocks (%s): checkpointing off", type(model).__name__, e)
             checkpointing = "off"
-    log_static_memory(model, d)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return Prepared(pack, path, chunked, checkpointing)
+
+
+def prepare_sequence_parallel(
+    s: TrainerSettings, d: Dist, model: torch.nn.Module, pack: bool, path: str
+) -> None:
+    """Sequence parallelism's checks (packed rows through Tether's attention, heads that split) and
+    groups (every rank creates every group, now); logged either way."""
+    if s.sequence_parallel > 1:
+        if not pack or path == "model":
+            raise SystemExit(
+                f"TETHER_SEQUENCE_PARALLEL={s.sequence_parallel} needs packed rows through Tether's attention, "
+                f"and {type(model).__name__} trains on padded rows here (see the log above)"
+            )
+        try:
+            sequence_parallel.check_heads(model, s.sequence_parallel)
+        except ValueError as e:
+            raise SystemExit(f"TETHER_SEQUENCE_PARALLEL: {e}") from e
+        sequence_parallel.group(s.sequence_parallel)
+    log.info(
+        "sequence parallelism: %s",
+        f"Ulysses, each packed row split over {s.sequence_parallel} ranks (all-to-all over the heads), "
+        f"{d.world // s.sequence_parallel} data-parallel replica(s)"
+        if s.sequence_parallel > 1
+        else "off (each rank holds its rows whole)",
+    )
+    PATHS.labels(
+        "sequence_parallel", f"ulysses-{s.sequence_parallel}" if s.sequence_parallel > 1 else "off"
+    ).set(1)
+
+
+def step_plan(
+    s: TrainerSettings, d: Dist, model: torch.nn.Module, prepared: Prepared, pad: int
+) -> StepConfig:
+    """The step's configuration: the settings' (step_config), the model's paths, the MFU's peak, and the
+    memory plan (plan_memory) measured on the model as it is (before FSDP2 shards it)."""
     cfg = dataclasses.replace(
-        step_config(s, int(pad)),
-        pack=pack,
-        lm_head_chunk_bytes=0 if not chunked else int(s.lm_head_chunk_mb * 2**20),
+        step_config(s, pad),
+        pack=prepared.pack,
+        lm_head_chunk_bytes=int(s.lm_head_chunk_mb * 2**20) if prepared.chunked else 0,
         peak_flops=s.peak_tflops * 1e12 or throughput.measure_peak_flops(d.device, s.bf16),
     )
-    cfg = plan_memory(s, d, model, cfg, checkpointing)  # before FSDP2 shards the model
-    engine = distributed.wrap(model, d, bf16=s.bf16)
+    return plan_memory(s, d, model, cfg, prepared.checkpointing)
+
+
+def make_optimizer(
+    s: TrainerSettings, d: Dist, model: torch.nn.Module, resume: weights.Resume | None
+) -> torch.optim.Optimizer:
+    """Adam over the trainable parameters (in CPU memory with FSDP_OFFLOAD=optimizer), its moments and
+    the RNG resumed from `resume`; the hyper-parameters are always today's settings."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer: torch.optim.Optimizer
     betas = (0.9, s.adam_beta2)
@@ -297,33 +373,19 @@ def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resu
         optimizer = CPUOffloadOptimizer(trainable, lr=s.lr, betas=betas, weight_decay=s.weight_decay)
     else:
         optimizer = torch.optim.Adam(trainable, lr=s.lr, betas=betas, weight_decay=s.weight_decay)
-    if resume is not None:
-        if resume.state.get("optimizer_dir"):
-            distributed.load_optimizer(model, optimizer, resume.path / resume.state["optimizer_dir"])
-        else:  # a format-1 checkpoint: the whole state inside trainer_state.pt
-            distributed.load_optimizer_state(model, optimizer, resume.state["optimizer"], d)
-        for group in optimizer.param_groups:  # the moments resume; the hyper-parameters are today's settings
-            group.update(lr=s.lr, betas=(0.9, s.adam_beta2), weight_decay=s.weight_decay)
-        torch.set_rng_state(resume.state["rng"])
-        log.info(
-            "resumed from %s (version %d, %d steps done)",
-            resume.path,
-            resume.version,
-            resume.state["steps_done"],
-        )
+    if resume is None:
+        return optimizer
+    if resume.state.get("optimizer_dir"):
+        distributed.load_optimizer(model, optimizer, resume.path / resume.state["optimizer_dir"])
+    else:  # a format-1 checkpoint: the whole state inside trainer_state.pt
+        distributed.load_optimizer_state(model, optimizer, resume.state["optimizer"], d)
+    for group in optimizer.param_groups:  # the moments resume; the hyper-parameters are today's settings
+        group.update(lr=s.lr, betas=betas, weight_decay=s.weight_decay)
+    torch.set_rng_state(resume.state["rng"])
     log.info(
-        "MFU against %.1f TFLOP/s per device (%s)",
-        cfg.peak_flops / 1e12,
-        "TETHER_PEAK_TFLOPS" if s.peak_tflops else "measured on a matmul at start",
+        "resumed from %s (version %d, %d steps done)", resume.path, resume.version, resume.state["steps_done"]
     )
-    ref_model = None
-    if s.kl_coef > 0:
-        # The reference is the base model (never a resumed checkpoint), frozen.
-        ref_model, _ = load_model(s.model_dir, s.seed)
-        ref_model.requires_grad_(False).eval().to(d.device)
-        if s.sequence_parallel > 1:  # its attention, too, runs over the whole row
-            attention.use(ref_model, path)
-    return StepRunner(model, engine, optimizer, cfg, d, root, ref_model=ref_model), tokenizer, resume
+    return optimizer
 
 
 def log_static_memory(model: torch.nn.Module, d: Dist) -> float:

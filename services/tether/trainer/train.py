@@ -27,6 +27,7 @@ forward that carries the gradient: no extra pass.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import logging
@@ -37,13 +38,22 @@ from dataclasses import dataclass
 import torch
 
 from tether.algorithms.losses import (
+    cispo_token_loss,
+    gspo_token_loss,
     kl_to_reference,
     logprob_mismatch,
     ppo_token_loss,
     token_weights,
     truncated_is_weights,
 )
-from tether.algorithms.names import OFF_POLICY_MODES, KLEstimator, LossMode, OffPolicyMode
+from tether.algorithms.names import (
+    OFF_POLICY_MODES,
+    POLICY_LOSSES,
+    KLEstimator,
+    LossMode,
+    OffPolicyMode,
+    PolicyLoss,
+)
 from tether.common.records import SampleRecord
 from tether.trainer import attention, distributed, lm_head, memory_plan, sequence_parallel, throughput
 
@@ -68,6 +78,11 @@ class StepConfig:
     tis_cap: float = 2.0
     mask_low: float = 0.5
     mask_high: float = 2.0
+    policy_loss: PolicyLoss = "ppo"
+    # The step guard (`guarded_step`): an update whose KL to the sampling policy exceeds this is undone
+    # and made again once with the learning rate times `step_guard_lr_scale`; 0: no guard.
+    max_step_kl: float = 0.0
+    step_guard_lr_scale: float = 0.5
     pack: bool = True
     bf16: bool = False
     kl_coef: float = 0.0
@@ -652,14 +667,18 @@ def token_staleness_stats(samples: list[SampleRecord], version: int) -> dict[str
 
 
 # Per-step sums reduced over ranks, in this order (the last one is reduced with max).
+# Summed over micro-batches and ranks; _PEAKS: their most (a minimum as the most of its negation).
 _SUMS = (
     "loss",
     "tokens",
     "cells",
     "trainable",
     "clip",
+    "clip_low",
+    "clip_high",
     "dual_clip",
     "policy_kl",
+    "ratio",
     "abs_diff",
     "k3",
     "truncated",
@@ -670,12 +689,32 @@ _SUMS = (
     "entropy",
     "ref_kl",
 )
+_PEAKS = ("abs_diff_max", "ratio_max", "ratio_min_neg")
 
 
 def _autocast(device: torch.device, bf16: bool):
     if bf16 and device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+@dataclass
+class _Step:
+    """What every micro-batch of one step shares: the global batch and its token weights, the step's
+    choices, where it runs, the LM heads (the policy's and the reference's, answered in chunks of
+    `chunk` positions; None: the plain path) and the sequence-parallel group of this rank's rows."""
+
+    batch: Batch
+    weights: torch.Tensor
+    cfg: StepConfig
+    world: int
+    device: torch.device
+    keep_logits: bool
+    head: torch.nn.Linear | None
+    chunk: int | None
+    ref_model: torch.nn.Module | None
+    ref_head: torch.nn.Linear | None
+    sp_group: object | None
 
 
 def train_step(
@@ -707,8 +746,82 @@ def train_step(
         batch.mask, cfg.loss_mode, rollout_ids=batch.rollout_ids, norm_constant=float(batch.mask.shape[1])
     )
     lengths = [len(s.token_ids) for s in samples]
+    plans = step_micro_batches(batch, lengths, cfg, rank, world)
+    head = lm_head.chunkable_head(model) if cfg.lm_head_chunk_bytes > 0 else None
+    size = cfg.sequence_parallel
+    step = _Step(
+        batch=batch,
+        weights=weights,
+        cfg=cfg,
+        world=world,
+        device=device,
+        keep_logits=_accepts(model, "logits_to_keep"),
+        head=head,
+        chunk=lm_head.chunk_positions(head.weight.shape[0], cfg.lm_head_chunk_bytes)
+        if head is not None
+        else None,
+        ref_model=ref_model,
+        ref_head=lm_head.chunkable_head(ref_model) if ref_model is not None and head is not None else None,
+        sp_group=sequence_parallel.group(size) if size > 1 else None,
+    )
+
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    sums = dict.fromkeys(_SUMS, 0.0)
+    peaks = dict.fromkeys(_PEAKS, -math.inf)
+    for k, mb in enumerate(plans):
+        _to_device(mb, device)
+        # A shard's attention runs over the whole row, with the group's other ranks: in forward, in the
+        # reference's forward and in backward (recomputed blocks run their attention again there).
+        shared = (
+            sequence_parallel.row(step.sp_group, size, mb.sp_cuts)
+            if mb.sp_cuts is not None
+            else contextlib.nullcontext()
+        )
+        with distributed.grad_sync(model, enabled=k == len(plans) - 1), shared:
+            _micro_batch(model, mb, step, sums, peaks)
+    for mb in plans:
+        sums["tokens"] += mb.tokens
+        sums["cells"] += mb.cells  # a shard's cells: the row's padding to a multiple of `size` counts
+        counted = mb.cells and (mb.sp_cuts is None or rank % size == 0)  # a shared row once
+        sums["micro_batches"] += 1.0 if counted else 0.0
+        sums["recomputed"] += 1.0 if counted and mb.checkpoint else 0.0
+    if world > 1:
+        sums = dict(zip(_SUMS, distributed.all_reduce([sums[k] for k in _SUMS], "sum"), strict=True))
+        *most, peak_bytes = distributed.all_reduce([*(peaks[k] for k in _PEAKS), memory.read_bytes()], "max")
+        peaks = dict(zip(_PEAKS, most, strict=True))
+    else:
+        peak_bytes = memory.read_bytes()
+    guard: dict[str, float] = {"step_kl": math.nan, "step_guard_retries": 0.0}
+    if cfg.max_step_kl > 0 and sums["trainable"] > 0:
+        grad_norm, guard = guarded_step(model, optimizer, step, plans)
+    else:
+        grad_norm = _optimizer_step(model, optimizer, cfg, sums["trainable"] > 0)
+    elapsed = time.perf_counter() - start
+    # Useful work from the samples' lengths (throughput.py): the LM head runs on the trained targets.
+    flops = throughput.step_flops(
+        throughput.shape_of(distributed.unwrap(model)), lengths, int(sums["trainable"])
+    )
+    return {
+        **_step_metrics(sums, peaks, samples, batch, version, grad_norm),
+        **guard,
+        "world_size": float(world),
+        "sequence_parallel": float(size),
+        "train_seconds": elapsed,
+        "train_tokens_per_s": float(sum(lengths)) / max(elapsed, 1e-9),
+        "model_flops": flops,
+        "model_tflops_per_s": flops / max(elapsed, 1e-9) / 1e12,
+        "mfu": throughput.mfu(flops, elapsed, world, cfg.peak_flops),
+        "peak_memory_gib": peak_bytes / 2**30,
+    }
+
+
+def step_micro_batches(
+    batch: Batch, lengths: list[int], cfg: StepConfig, rank: int, world: int
+) -> list[MicroBatch]:
+    """This rank's micro-batches of the step: its replica's rows (planned), a shard of each with sequence
+    parallelism, and empty ones up to the most any rank has (collectives need the same count)."""
     size = cfg.sequence_parallel  # ranks per row: rank // size is the data-parallel replica
-    sp_group = sequence_parallel.group(size) if size > 1 else None
     if size > 1:
         if not cfg.pack:
             raise ValueError("sequence parallelism splits packed rows: it needs packing")
@@ -718,126 +831,250 @@ def train_step(
     else:
         plans = plan_micro_batches(batch, lengths, shard_rows(lengths, rank, world), cfg)
     n_micro = int(distributed.all_reduce([float(len(plans))], "max")[0]) if world > 1 else len(plans)
-    plans += [empty_micro_batch(cfg.pad_token_id) for _ in range(n_micro - len(plans))]
-    keep_logits = _accepts(model, "logits_to_keep")
-    head = lm_head.chunkable_head(model) if cfg.lm_head_chunk_bytes > 0 else None
-    chunk = (
-        lm_head.chunk_positions(head.weight.shape[0], cfg.lm_head_chunk_bytes) if head is not None else None
+    return plans + [empty_micro_batch(cfg.pad_token_id) for _ in range(n_micro - len(plans))]
+
+
+def _to_device(mb: MicroBatch, device: torch.device) -> None:
+    mb.input_ids = mb.input_ids.to(device)
+    mb.position_ids = None if mb.position_ids is None else mb.position_ids.to(device)
+    mb.attention = None if mb.attention is None else mb.attention.to(device)
+    mb.src_row, mb.src_pos = mb.src_row.to(device), mb.src_pos.to(device)
+    mb.targets = None if mb.targets is None else mb.targets.to(device)
+
+
+def _micro_batch(
+    model: torch.nn.Module, mb: MicroBatch, step: _Step, sums: dict[str, float], peaks: dict[str, float]
+) -> None:
+    """Forward and backward of one micro-batch (its gradient accumulated), its figures added to `sums`
+    and `peaks`."""
+    cfg, device, batch = step.cfg, step.device, step.batch
+    if cfg.checkpointing != "off":
+        set_activation_checkpointing(model, mb.checkpoint)
+    offload = (
+        torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
+        if mb.offload
+        else contextlib.nullcontext()
     )
-    ref_head = lm_head.chunkable_head(ref_model) if ref_model is not None and head is not None else None
+    with _autocast(device, cfg.bf16), offload:
+        lp, entropy = target_logprobs(model, mb, step.keep_logits, step.head, step.chunk)
+    n = int(mb.rows.numel())
+    ref_lp = None
+    if step.ref_model is not None and cfg.kl_coef > 0 and (n or mb.sp_cuts is not None):
+        # A shard without targets still takes part in the reference's exchanges.
+        with torch.no_grad(), _autocast(device, cfg.bf16):
+            ref_lp, _ = target_logprobs(step.ref_model, mb, step.keep_logits, step.ref_head, step.chunk)
+    rollout_lp = batch.rollout_logprobs[mb.rows, mb.cols].to(device)
+    old, is_w, counts = off_policy_correction(
+        lp, rollout_lp, cfg.off_policy, cfg.tis_cap, cfg.mask_low, cfg.mask_high
+    )
+    # GSPO's ratio is a whole sample's: its targets may lie in other shards of the row (a collective,
+    # so every shard of the row takes part, one without targets too).
+    seq_log_ratio = (
+        sample_mean(lp.detach() - old, mb.rows, batch.mask.shape[0], step.sp_group if mb.sp_cuts else None)
+        if cfg.policy_loss == "gspo"
+        else None
+    )
+    if n == 0:
+        (lp.sum() * float(step.world)).backward()
+        return
+    adv = batch.advantages[mb.rows, mb.cols].to(device)
+    w = step.weights[mb.rows, mb.cols].to(device)
+    loss_tok, m = policy_token_loss(cfg, lp, old, adv, seq_log_ratio)
+    loss = (w * is_w * loss_tok).sum()
+    if ref_lp is not None:
+        kl_tok = kl_to_reference(lp, ref_lp, cfg.kl_estimator)
+        loss = loss + cfg.kl_coef * (w * kl_tok).sum()
+        sums["ref_kl"] += float(kl_tok.detach().sum())
+    # DDP/FSDP average gradients over ranks; the weights are global, so scale the average to a sum.
+    # With sequence parallelism each rank's gradient is its shard's partial sum: the same sum.
+    (loss * float(step.world)).backward()
+    ones = torch.ones_like(w)
+    mismatch = logprob_mismatch(lp[None], rollout_lp[None], ones[None])
+    sums["loss"] += float(loss.detach())
+    sums["trainable"] += n
+    sums["entropy"] += float(entropy.detach().sum())
+    sums["clip"] += m["clip_fraction"] * n
+    sums["clip_low"] += m["clip_low_fraction"] * n
+    sums["clip_high"] += m["clip_high_fraction"] * n
+    sums["dual_clip"] += m["dual_clip_fraction"] * n
+    sums["policy_kl"] += m["approx_kl"] * n
+    sums["ratio"] += m["ratio_mean"] * n
+    sums["abs_diff"] += mismatch["mean_abs_logprob_diff"] * n
+    sums["k3"] += mismatch["kl_k3"] * n
+    for key in ("truncated", "masked", "is_weight_sum"):
+        sums[key] += counts[key]
+    peaks["abs_diff_max"] = max(peaks["abs_diff_max"], mismatch["max_abs_logprob_diff"])
+    peaks["ratio_max"] = max(peaks["ratio_max"], m["ratio_max"])
+    peaks["ratio_min_neg"] = max(peaks["ratio_min_neg"], -m["ratio_min"])
 
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    sums = dict.fromkeys(_SUMS, 0.0)
-    max_abs_diff = 0.0
-    for k, mb in enumerate(plans):
-        mb.input_ids = mb.input_ids.to(device)
-        mb.position_ids = None if mb.position_ids is None else mb.position_ids.to(device)
-        mb.attention = None if mb.attention is None else mb.attention.to(device)
-        mb.src_row, mb.src_pos = mb.src_row.to(device), mb.src_pos.to(device)
-        mb.targets = None if mb.targets is None else mb.targets.to(device)
-        # A shard's attention runs over the whole row, with the group's other ranks: in forward, in the
-        # reference's forward and in backward (recomputed blocks run their attention again there).
-        shared = (
-            sequence_parallel.row(sp_group, size, mb.sp_cuts)
-            if mb.sp_cuts is not None
-            else contextlib.nullcontext()
+
+def policy_token_loss(
+    cfg: StepConfig,
+    lp: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    seq_log_ratio: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The (N,) per-token loss of `cfg.policy_loss` over a micro-batch's targets (losses.py), and its
+    metrics; `seq_log_ratio` (GSPO): each target's sample mean of lp - old."""
+    ones = torch.ones_like(lp)
+    if cfg.policy_loss == "gspo":
+        loss, m = gspo_token_loss(
+            lp[None],
+            old[None],
+            adv[None],
+            ones[None],
+            cfg.clip_low,
+            cfg.clip_high,
+            seq_log_ratio=None if seq_log_ratio is None else seq_log_ratio[None],
         )
-        if cfg.checkpointing != "off":
-            set_activation_checkpointing(model, mb.checkpoint)
-        offload = (
-            torch.autograd.graph.save_on_cpu(pin_memory=device.type == "cuda")
-            if mb.offload
-            else contextlib.nullcontext()
+    elif cfg.policy_loss == "cispo":
+        loss, m = cispo_token_loss(lp[None], old[None], adv[None], ones[None], cfg.clip_low, cfg.clip_high)
+    elif cfg.policy_loss == "ppo":
+        loss, m = ppo_token_loss(
+            lp[None],
+            old[None],
+            adv[None],
+            ones[None],
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            dual_clip_c=cfg.dual_clip_c,
         )
-        with distributed.grad_sync(model, enabled=k == len(plans) - 1), shared:
-            with _autocast(device, cfg.bf16), offload:
-                lp, entropy = target_logprobs(model, mb, keep_logits, head, chunk)
-            n = int(mb.rows.numel())
-            ref_lp = None
-            if ref_model is not None and cfg.kl_coef > 0 and (n or mb.sp_cuts is not None):
-                # A shard without targets still takes part in the reference's exchanges.
-                with torch.no_grad(), _autocast(device, cfg.bf16):
-                    ref_lp, _ = target_logprobs(ref_model, mb, keep_logits, ref_head, chunk)
-            if n == 0:
-                (lp.sum() * float(world)).backward()
-                continue
-            rollout_lp = batch.rollout_logprobs[mb.rows, mb.cols].to(device)
-            adv = batch.advantages[mb.rows, mb.cols].to(device)
-            w = weights[mb.rows, mb.cols].to(device)
-            old, is_w, counts = off_policy_correction(
-                lp, rollout_lp, cfg.off_policy, cfg.tis_cap, cfg.mask_low, cfg.mask_high
-            )
-            ones = torch.ones_like(w)
-            loss_tok, m = ppo_token_loss(
-                lp[None],
-                old[None],
-                adv[None],
-                ones[None],
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                dual_clip_c=cfg.dual_clip_c,
-            )
-            loss = (w * is_w * loss_tok[0]).sum()
-            if ref_lp is not None:
-                kl_tok = kl_to_reference(lp, ref_lp, cfg.kl_estimator)
-                loss = loss + cfg.kl_coef * (w * kl_tok).sum()
-                sums["ref_kl"] += float(kl_tok.detach().sum())
-            # DDP/FSDP average gradients over ranks; the weights are global, so scale the average to a sum.
-            # With sequence parallelism each rank's gradient is its shard's partial sum: the same sum.
-            (loss * float(world)).backward()
-        mismatch = logprob_mismatch(lp[None], rollout_lp[None], ones[None])
-        sums["loss"] += float(loss.detach())
-        sums["trainable"] += n
-        sums["entropy"] += float(entropy.detach().sum())
-        sums["clip"] += m["clip_fraction"] * n
-        sums["dual_clip"] += m["dual_clip_fraction"] * n
-        sums["policy_kl"] += m["approx_kl"] * n
-        sums["abs_diff"] += mismatch["mean_abs_logprob_diff"] * n
-        sums["k3"] += mismatch["kl_k3"] * n
-        max_abs_diff = max(max_abs_diff, mismatch["max_abs_logprob_diff"])
-        for key in ("truncated", "masked", "is_weight_sum"):
-            sums[key] += counts[key]
-    for mb in plans:
-        sums["tokens"] += mb.tokens
-        sums["cells"] += mb.cells  # a shard's cells: the row's padding to a multiple of `size` counts
-        counted = mb.cells and (mb.sp_cuts is None or rank % size == 0)  # a shared row once
-        sums["micro_batches"] += 1.0 if counted else 0.0
-        sums["recomputed"] += 1.0 if counted and mb.checkpoint else 0.0
-    if world > 1:
-        sums = dict(zip(_SUMS, distributed.all_reduce([sums[k] for k in _SUMS], "sum"), strict=True))
-        max_abs_diff, peak_bytes = distributed.all_reduce([max_abs_diff, memory.read_bytes()], "max")
     else:
-        peak_bytes = memory.read_bytes()
+        raise ValueError(f"unknown policy loss {cfg.policy_loss!r}; expected one of {POLICY_LOSSES}")
+    return loss[0], m
 
-    grad_norm: torch.Tensor | float = 0.0
-    if sums["trainable"] > 0:  # nothing to learn from: no step, so Adam's momentum does not move the weights
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            [p for p in model.parameters() if p.requires_grad], cfg.max_grad_norm
+
+def sample_mean(
+    values: torch.Tensor, rows: torch.Tensor, n_rows: int, group: object | None = None
+) -> torch.Tensor:
+    """Each target's mean of `values` (N,) over the targets of its sample (`rows`: each target's sample
+    index, < n_rows), in fp64; with `group`, over the targets every rank of it holds (an all-reduce)."""
+    sums = torch.zeros(2, n_rows, dtype=torch.float64, device=values.device)
+    sums[0].index_add_(0, rows, values.detach().to(torch.float64))
+    sums[1].index_add_(0, rows, torch.ones_like(rows, dtype=torch.float64))
+    if group is not None:
+        torch.distributed.all_reduce(sums, group=group)
+    return (sums[0] / sums[1].clamp(min=1))[rows].to(values.dtype)
+
+
+def guarded_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: _Step, plans: list[MicroBatch]
+) -> tuple[float, dict[str, float]]:
+    """The optimizer step under the step guard: after the update, the trained tokens go through the
+    updated model again (no gradient) for the k3 estimate of KL(sampling policy || updated policy) from
+    the tokens the engine sampled; above `max_step_kl` the weights and the optimizer's state are put
+    back and the same (clipped) gradient is applied once more at `step_guard_lr_scale` times the
+    learning rate. Every rank decides on the same all-reduced figure. Returns the gradient norm and
+    `step_kl` (of the update kept), `step_guard_retries` (0 or 1)."""
+    cfg = step.cfg
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    saved = [p.detach().clone() for p in trainable]
+    saved_state = copy.deepcopy(optimizer.state_dict())
+    grad_norm = _clip(trainable, cfg)
+    optimizer.step()
+    kl = update_kl(model, step, plans)
+    retries = 0.0
+    if kl > cfg.max_step_kl:
+        log.warning(
+            "step guard: the update moved the policy %.4g from the sampling policy (KL, bound %.4g): "
+            "undone, made again at %.3g x the learning rate",
+            kl,
+            cfg.max_step_kl,
+            cfg.step_guard_lr_scale,
         )
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-            grad_norm = grad_norm.full_tensor()
+        with torch.no_grad():
+            for p, value in zip(trainable, saved, strict=True):
+                p.copy_(value)
+        optimizer.load_state_dict(saved_state)
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * cfg.step_guard_lr_scale
+        optimizer.step()
+        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+            group["lr"] = lr
+        kl, retries = update_kl(model, step, plans), 1.0
+    optimizer.zero_grad(set_to_none=True)
+    return grad_norm, {"step_kl": kl, "step_guard_retries": retries}
+
+
+def update_kl(model: torch.nn.Module, step: _Step, plans: list[MicroBatch]) -> float:
+    """k3 estimate of KL(sampling policy || the model now) over the step's trained tokens (all ranks'),
+    from a forward of each micro-batch without gradient: mean(r - 1 - log r), r = pi_now / pi_sampling."""
+    cfg, batch = step.cfg, step.batch
+    total = torch.zeros(2, dtype=torch.float64)
+    with torch.no_grad():
+        for mb in plans:
+            shared = (
+                sequence_parallel.row(step.sp_group, cfg.sequence_parallel, mb.sp_cuts)
+                if mb.sp_cuts is not None
+                else contextlib.nullcontext()
+            )
+            with shared, _autocast(step.device, cfg.bf16):
+                lp, _ = target_logprobs(model, mb, step.keep_logits, step.head, step.chunk)
+            if mb.rows.numel() == 0:
+                continue
+            rollout = batch.rollout_logprobs[mb.rows, mb.cols].to(lp.device)
+            log_r = (lp.double() - rollout.double()).clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
+            total[0] += float((torch.expm1(log_r) - log_r).sum())
+            total[1] += mb.rows.numel()
+    if step.world > 1:
+        total = torch.tensor(distributed.all_reduce(total.tolist(), "sum"), dtype=torch.float64)
+    return float(total[0] / total[1]) if total[1] > 0 else 0.0
+
+
+def _clip(trainable: list[torch.nn.Parameter], cfg: StepConfig) -> float:
+    """Clip the gradients to `max_grad_norm`; their norm before (NaN if not finite)."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, cfg.max_grad_norm)
+    if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+        grad_norm = grad_norm.full_tensor()
+    return float(grad_norm) if math.isfinite(float(grad_norm)) else float("nan")
+
+
+def _finite_or(value: float, default: float) -> float:
+    """A peak no micro-batch set (no trainable token anywhere) is `default`, not infinite."""
+    return value if math.isfinite(value) else default
+
+
+def _optimizer_step(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: StepConfig, learns: bool
+) -> float:
+    """Clip and step when the batch had anything to learn from (else no step, so Adam's momentum does
+    not move the weights); the gradients' norm before clipping (NaN if not finite), 0 without a step."""
+    grad_norm = 0.0
+    if learns:
+        grad_norm = _clip([p for p in model.parameters() if p.requires_grad], cfg)
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return grad_norm
 
-    elapsed = time.perf_counter() - start
+
+def _step_metrics(
+    sums: dict[str, float],
+    peaks: dict[str, float],
+    samples: list[SampleRecord],
+    batch: Batch,
+    version: int,
+    grad_norm: float,
+) -> dict[str, float]:
+    """The step's learning and staleness figures from its summed micro-batch figures (all ranks')."""
     n_tok = max(sums["trainable"], 1.0)
     staleness = [version - s.weight_version for s in samples]
-    token_staleness = token_staleness_stats(samples, version)
-    total_tokens = float(sum(lengths))
-    # Useful work from the samples' lengths (throughput.py): the LM head runs on the trained targets.
-    flops = throughput.step_flops(
-        throughput.shape_of(distributed.unwrap(model)), lengths, int(sums["trainable"])
-    )
     return {
         "loss": sums["loss"],
-        "grad_norm": float(grad_norm) if math.isfinite(float(grad_norm)) else float("nan"),
+        "grad_norm": grad_norm,
         "trainable_tokens": sums["trainable"],
-        "tokens": total_tokens,
+        "tokens": float(sum(len(s.token_ids) for s in samples)),
         "samples": float(len(samples)),
         "rollouts": float(int(batch.rollout_ids.max()) + 1),
         "clip_fraction": sums["clip"] / n_tok,
+        "clip_low_fraction": sums["clip_low"] / n_tok,
+        "clip_high_fraction": sums["clip_high"] / n_tok,
         "dual_clip_fraction": sums["dual_clip"] / n_tok,
+        # The importance ratio the objective clipped (PPO, CISPO: each token's; GSPO: its sample's).
+        "ratio_mean": sums["ratio"] / n_tok,
+        "ratio_max": _finite_or(peaks["ratio_max"], 0.0),
+        "ratio_min": _finite_or(-peaks["ratio_min_neg"], 0.0),
         "policy_kl": sums["policy_kl"] / n_tok,
         # Mean entropy of the policy over the trained tokens, from the step's own forward.
         "entropy": sums["entropy"] / n_tok,
@@ -846,20 +1083,12 @@ def train_step(
         "is_weight_mean": sums["is_weight_sum"] / n_tok,
         "staleness_max": float(max(staleness)),
         "staleness_mean": sum(staleness) / len(staleness),
-        **token_staleness,
+        **token_staleness_stats(samples, version),
         "pad_fraction": 1.0 - sums["tokens"] / sums["cells"] if sums["cells"] else 0.0,
         "micro_batches": sums["micro_batches"],
         "recomputed_micro_batches": sums["recomputed"],
-        "world_size": float(world),
-        "sequence_parallel": float(size),
-        "train_seconds": elapsed,
-        "train_tokens_per_s": total_tokens / max(elapsed, 1e-9),
-        "model_flops": flops,
-        "model_tflops_per_s": flops / max(elapsed, 1e-9) / 1e12,
-        "mfu": throughput.mfu(flops, elapsed, world, cfg.peak_flops),
-        "peak_memory_gib": peak_bytes / 2**30,
         "logprob_abs_diff": sums["abs_diff"] / n_tok,
-        "logprob_abs_diff_max": max_abs_diff,
+        "logprob_abs_diff_max": _finite_or(peaks["abs_diff_max"], 0.0),
         "logprob_k3_kl": sums["k3"] / n_tok,
         "ref_kl": sums["ref_kl"] / n_tok,
         # Sampled tokens the merger kept out of the loss because a grammar constrained them (their vLLM
