@@ -36,7 +36,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from tether.trainer import sequence_parallel
+from tether.trainer import distributed, sequence_parallel
 
 log = logging.getLogger(__name__)
 
@@ -220,17 +220,17 @@ def use(model: torch.nn.Module, path: str) -> None:
         raise ValueError(f"unknown attention path {path!r}; choose one of {', '.join(PATHS)}")
     register()
     _state["path"] = path
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    core = distributed.hf_model(model)
     core.set_attn_implementation(NAME)
 
 
 def implementation(model: torch.nn.Module) -> str:
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    core = distributed.hf_model(model)
     return str(core.config._attn_implementation)
 
 
 def restore(model: torch.nn.Module, name: str) -> None:
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    core = distributed.hf_model(model)
     if implementation(core) != name:
         core.set_attn_implementation(name)
 

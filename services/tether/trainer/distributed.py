@@ -133,6 +133,13 @@ def unwrap(engine: torch.nn.Module) -> torch.nn.Module:
     return getattr(engine, "module", engine) if type(engine).__name__ == "DistributedDataParallel" else engine
 
 
+def hf_model(model: torch.nn.Module) -> Any:
+    """The transformers model itself: inside DDP's wrapper, and inside peft's (its base model). Typed
+    Any, as transformers types its models' configs (their fields are the checkpoint's)."""
+    core: Any = unwrap(model)
+    return core.get_base_model() if hasattr(core, "get_base_model") else core
+
+
 @contextlib.contextmanager
 def grad_sync(engine: torch.nn.Module, enabled: bool) -> Iterator[None]:
     """Reduce gradients across ranks in this backward only if `enabled` (accumulate locally otherwise)."""

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from tether.trainer import distributed
+
 # Logits of one chunk at most this many bytes in fp32 (the backward holds ~3 such buffers at once).
 DEFAULT_CHUNK_BYTES = 256 * 1024 * 1024
 
@@ -130,8 +132,7 @@ def chunkable_head(model: torch.nn.Module) -> torch.nn.Linear | None:
     """The model's LM head when it is a plain bias-free Linear the chunked path can stand in for (a
     LoRA-wrapped head, a bias, or a model that rescales its logits are not: the trainer checks the
     result once at start, `chunked_head_matches`)."""
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model
-    core = getattr(core, "module", core)  # DDP
+    core = distributed.hf_model(model)
     head = core.get_output_embeddings() if hasattr(core, "get_output_embeddings") else None
     if type(head) is torch.nn.Linear and head.bias is None:
         return head

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tether.trainer import distributed
+
 _state: dict[str, Any] = {"group": None, "size": 1, "cuts": None}
 _groups: dict[tuple[int, int], Any] = {}
 
@@ -125,7 +127,7 @@ def attention(
 
 def check_heads(model: torch.nn.Module, size: int) -> None:
     """Refuse a model whose attention heads do not split over `size` ranks (ValueError)."""
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    core = distributed.hf_model(model)
     cfg = getattr(core, "config", None)
     heads = int(getattr(cfg, "num_attention_heads", 0) or 0)
     if heads == 0 or heads % size:

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from tether.trainer import distributed
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -41,7 +43,7 @@ class Shape:
 
 def shape_of(model: torch.nn.Module) -> Shape:
     """The Shape of an HF causal LM (or its peft wrapper)."""
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    core = distributed.hf_model(model)
     cfg = core.config
     cfg = getattr(cfg, "text_config", None) or cfg
     heads = int(cfg.num_attention_heads)

@@ -225,7 +225,7 @@ def choose_attention(
 def enable_activation_checkpointing(model: torch.nn.Module) -> None:
     """Recompute each block's activations in backward (HF's `activation_checkpointing_enable`, called
     `gradient_checkpointing_enable` before transformers 5.2x). Non-reentrant: works with DDP and LoRA."""
-    core = model.get_base_model() if hasattr(model, "get_base_model") else model
+    core = distributed.hf_model(model)
     kwargs = {"use_reentrant": False}
     if hasattr(core, "activation_checkpointing_enable"):
         core.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
