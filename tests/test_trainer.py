@@ -338,6 +338,36 @@ def test_the_step_guard_undoes_an_update_that_moves_too_far_and_makes_it_again_a
     assert m["step_kl"] < m_kept["step_kl"]
 
 
+def test_a_steps_learning_health_reaches_prometheus():
+    """The figures of the step's own pass, exported as the trainer's learning-health gauges."""
+    from prometheus_client import REGISTRY
+
+    from tether.trainer.steps import export_learning_health
+
+    base = _model()
+    samples = _shifted(_samples(base, n=6), -0.5)  # off-policy: ratios e^0.5 > 1.2, some clipped
+    _, m = _step(base, samples, StepConfig(max_grad_norm=1e9, max_step_kl=10.0))
+    assert m["clip_high_fraction"] > 0 and m["clip_low_fraction"] == 0.0
+    assert m["clip_fraction"] == pytest.approx(m["clip_low_fraction"] + m["clip_high_fraction"])
+    assert m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"] and m["ratio_max"] == pytest.approx(
+        math.exp(0.5), rel=1e-3
+    )
+    retries = REGISTRY.get_sample_value("tether_trainer_step_guard_retries_total") or 0.0
+    export_learning_health(m)
+
+    def value(name: str, **labels: str) -> float | None:
+        return REGISTRY.get_sample_value(name, labels)
+
+    assert value("tether_trainer_policy_entropy") == pytest.approx(m["entropy"])
+    assert value("tether_trainer_policy_kl") == pytest.approx(m["policy_kl"])
+    assert value("tether_trainer_update_kl") == pytest.approx(m["step_kl"])
+    assert value("tether_trainer_grad_norm") == pytest.approx(m["grad_norm"])
+    assert value("tether_trainer_clip_fraction", side="high") == pytest.approx(m["clip_high_fraction"])
+    assert value("tether_trainer_clip_fraction", side="dual") == pytest.approx(m["dual_clip_fraction"])
+    assert value("tether_trainer_importance_ratio", stat="max") == pytest.approx(m["ratio_max"])
+    assert value("tether_trainer_step_guard_retries_total") == retries  # the guard kept the update
+
+
 def test_staleness_metrics():
     base = _model()
     samples = [

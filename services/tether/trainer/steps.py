@@ -65,11 +65,61 @@ PEAK_MEMORY = Gauge(
     "tether_trainer_peak_memory_bytes",
     "Most memory the last step held on a device (CUDA allocator peak; CPU: the process's peak resident set)",
 )
+# Learning health, from the step's own pass (train.train_step's metrics; NaN until a step trained).
+ENTROPY = Gauge(
+    "tether_trainer_policy_entropy", "Mean entropy of the policy over the last step's trained tokens"
+)
+POLICY_KL = Gauge(
+    "tether_trainer_policy_kl",
+    "k3 estimate of KL(sampling policy || policy trained) over the last step's trained tokens, before its update",
+)
+UPDATE_KL = Gauge(
+    "tether_trainer_update_kl",
+    "k3 estimate of KL(sampling policy || updated policy) after the last step's update (the step guard's "
+    "measure; NaN with the guard off)",
+)
+CLIPPED = Gauge(
+    "tether_trainer_clip_fraction",
+    "Fraction of the last step's trained tokens the objective clipped: below the range, above it, or by the "
+    "dual clip",
+    ["side"],
+)
+RATIO = Gauge(
+    "tether_trainer_importance_ratio",
+    "Importance ratio (policy / sampling policy) the objective clipped, over the last step's trained tokens",
+    ["stat"],
+)
+GRAD_NORM = Gauge("tether_trainer_grad_norm", "Gradient norm of the last step, before clipping")
+GUARD_RETRIES = Counter(
+    "tether_trainer_step_guard_retries_total", "Updates the step guard undid and made again at a lower rate"
+)
+for _gauge in (ENTROPY, POLICY_KL, UPDATE_KL, GRAD_NORM):
+    _gauge.set(math.nan)
+for _side in ("low", "high", "dual"):
+    CLIPPED.labels(_side).set(math.nan)
+for _stat in ("mean", "min", "max"):
+    RATIO.labels(_stat).set(math.nan)
 PATHS = Gauge(
     "tether_trainer_path",
     "1 for the kernel path each part of the step runs (attention of packed rows, LM head), chosen at start",
     ["part", "path"],
 )
+
+
+def export_learning_health(metrics: dict[str, float]) -> None:
+    """The learning-health gauges from a trained step's metrics (a figure it lacks: NaN)."""
+    nan = math.nan
+    ENTROPY.set(metrics.get("entropy", nan))
+    POLICY_KL.set(metrics.get("policy_kl", nan))
+    UPDATE_KL.set(metrics.get("step_kl", nan))
+    GRAD_NORM.set(metrics.get("grad_norm", nan))
+    for side in ("low", "high", "dual"):
+        CLIPPED.labels(side).set(
+            metrics.get(f"{side}_clip_fraction" if side == "dual" else f"clip_{side}_fraction", nan)
+        )
+    for stat in ("mean", "min", "max"):
+        RATIO.labels(stat).set(metrics.get(f"ratio_{stat}", nan))
+    GUARD_RETRIES.inc(metrics.get("step_guard_retries", 0.0))
 
 
 def validate(sample: SampleRecord, vocab_size: int) -> str | None:
@@ -479,6 +529,7 @@ class TrainerCore:
         FLOPS.inc(record.metrics.get("model_flops", 0.0))
         MFU.set(record.metrics.get("mfu", 0.0))
         PEAK_MEMORY.set(record.metrics.get("peak_memory_gib", 0.0) * 2**30)
+        export_learning_health(record.metrics)
 
     def checkpoint_dir(self) -> str:
         return str(self.root / checkpoint_name(self.version)) if self.version else ""
