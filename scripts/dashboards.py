@@ -821,7 +821,73 @@ def trainer() -> Dashboard:
     )
 
 
-DASHBOARDS = (run_overview, gateway, inference, broker, trainer)
+def learning_health() -> Dashboard:
+    return Dashboard(
+        "learning-health",
+        "tether-learning",
+        "Tether / Learning health",
+        "Whether the policy is still learning: the reward, the policy's entropy, how far each update moves "
+        "it, what the objective clipped, the gradient, and the step guard",
+        (
+            Panel(
+                "Reward",
+                "Mean reward of the last step's rollouts (a fall to under half its best of the last hour, "
+                "held 10 minutes, is the collapse the alert watches), and the final evaluation's",
+                (
+                    q("max(tether_run_reward_mean)", "train (last step)"),
+                    q("max(tether_run_eval_reward)", "eval"),
+                ),
+                min=0,
+            ),
+            Panel(
+                "Policy entropy",
+                "Mean entropy of the policy over the last step's trained tokens (nats); a fall to a small "
+                "part of its recent level is an entropy collapse",
+                (q("max(tether_trainer_policy_entropy)", "entropy"),),
+                min=0,
+            ),
+            Panel(
+                "KL to the sampling policy",
+                "k3 estimates of KL(sampling policy || policy): before the step's update (the policy "
+                "trained) and after it (the step guard's measure, with the guard on)",
+                (
+                    q("max(tether_trainer_policy_kl)", "before the update"),
+                    q("max(tether_trainer_update_kl)", "after the update"),
+                ),
+                min=0,
+            ),
+            Panel(
+                "Clipped tokens",
+                "Share of the last step's trained tokens the objective clipped, by side",
+                (q("max by (side) (tether_trainer_clip_fraction)", "{{side}}"),),
+                unit="percentunit",
+                min=0,
+                max=1,
+            ),
+            Panel(
+                "Importance ratio",
+                "Policy over sampling policy on the last step's trained tokens (PPO, CISPO: per token; "
+                "GSPO: per sample)",
+                (q("max by (stat) (tether_trainer_importance_ratio)", "{{stat}}"),),
+                min=0,
+            ),
+            Panel(
+                "Gradient norm",
+                "Gradient norm of the last step before clipping",
+                (q("max(tether_trainer_grad_norm)", "grad norm"),),
+                min=0,
+            ),
+            Panel(
+                "Step guard",
+                "Updates the step guard undid and made again at a lower learning rate",
+                (q(f"sum(increase(tether_trainer_step_guard_retries_total[{RATE}]))", "retried"),),
+                min=0,
+            ),
+        ),
+    )
+
+
+DASHBOARDS = (run_overview, gateway, inference, broker, trainer, learning_health)
 
 
 # --- Grafana JSON ---------------------------------------------------------------------------------
@@ -1049,6 +1115,36 @@ ALERTS = (
         "The trainer has not finished a step while groups wait",
         "The scheduler has waited on a training step for 10 minutes with groups buffered in the trainer"
         " and no step finished in the last 15 minutes.",
+    ),
+    Alert(
+        "TetherEntropyCollapse",
+        "tether_trainer_policy_entropy < 0.25 * max_over_time(tether_trainer_policy_entropy[1h])",
+        "10m",
+        "warning",
+        "The policy's entropy collapsed",
+        "The policy's mean entropy over the trained tokens is {{ $value }} nats, under a quarter of its"
+        " level in the last hour, for 10 minutes: the policy is becoming deterministic; exploration (and"
+        " with it the reward's variance within groups) may be gone.",
+    ),
+    Alert(
+        "TetherPolicyKLSpike",
+        "tether_trainer_policy_kl > 0.05\n"
+        "and tether_trainer_policy_kl > 10 * quantile_over_time(0.5, tether_trainer_policy_kl[1h])",
+        "0m",
+        "warning",
+        "A step's policy moved far from the sampling policy",
+        "The last step trained a policy {{ $value }} (k3 KL) from the policy that sampled its tokens, over"
+        " ten times its median of the last hour: stale or mismatched samples, or an update too large.",
+    ),
+    Alert(
+        "TetherRewardCollapse",
+        "tether_run_reward_mean < 0.5 * max_over_time(tether_run_reward_mean[1h])\n"
+        "and max_over_time(tether_run_reward_mean[1h]) > 0.2",
+        "10m",
+        "critical",
+        "The reward collapsed",
+        "The steps' mean reward is {{ $value }}, under half its best of the last hour, for 10 minutes: the"
+        " policy has collapsed (see the Learning health dashboard).",
     ),
 )
 

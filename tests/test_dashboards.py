@@ -30,6 +30,7 @@ UIDS = {
     "inference": "tether-inference",
     "broker": "tether-broker",
     "trainer": "tether-trainer",
+    "learning-health": "tether-learning",
 }
 # What vLLM itself exports and a panel may use (the rest of vLLM's metrics are not relied on).
 VLLM_GAUGES = {"vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"}
@@ -288,6 +289,9 @@ def test_every_alert_is_complete_and_tested_both_ways():
         "TetherReplicaUnhealthy",
         "TetherDeadLettersGrowing",
         "TetherTrainerStalled",
+        "TetherEntropyCollapse",
+        "TetherPolicyKLSpike",
+        "TetherRewardCollapse",
     }
     for r in rules:
         assert re.fullmatch(r"\d+[smh]", r["for"]), r["alert"]
