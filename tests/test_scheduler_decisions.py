@@ -36,6 +36,7 @@ from tether.scheduler.plan import (
     sync_group_ids,
     task_draws,
 )
+from tether.scheduler.store import InflightGroup
 
 OUTCOMES = st.sampled_from(["trained", "filtered", "too_few", "eval"])
 
@@ -223,6 +224,13 @@ def test_restore_inflight_keeps_the_unused_groups_and_reads_from_the_earliest(sa
 
 def test_stream_positions_order_numerically():
     assert stream_position("9-5") < stream_position("10-0") and stream_position("12") == (12, 0)
+
+
+def test_an_inflight_group_keeps_its_saved_form():
+    """The in-flight hash's values are JSON a scheduler of before this module wrote too."""
+    old = '{"version": 2, "cursor": "5-1", "task": {"task_id": "t"}, "step": 4}'
+    group = InflightGroup.from_json(old)
+    assert group == InflightGroup(2, "5-1", {"task_id": "t"}, 4) and group.to_json() == old
 
 
 # --- a restart -------------------------------------------------------------------------------------

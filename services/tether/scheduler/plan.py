@@ -1,7 +1,8 @@
 """The scheduler's decisions, as pure functions: what to dispatch, when a step may train and on which
 groups, what a restarted scheduler resumes from, whether to hold dispatch for inference, how a step's
-weights are pushed. No I/O, no clock, no Redis: the mode loops in tether.scheduler.run feed them what
-they read and carry out what they answer (docs/architecture.md). Property-tested in tests/test_scheduler_plan.py and
+weights are pushed. No I/O, no clock, no Redis: the mode loops (tether.scheduler.sync_loop,
+async_loop, serve) and the run's shell (run, steps, push, health) feed them what they read and carry
+out what they answer (docs/architecture.md). Property-tested in tests/test_scheduler_plan.py and
 tests/test_scheduler_decisions.py.
 
 The async rule (colocated-async, disaggregated-async) is the product's staleness guarantee: no group
