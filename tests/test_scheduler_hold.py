@@ -1,8 +1,8 @@
 """The scheduler holds dispatch while inference is not serving, in every mode: a vLLM restarting
 would only burn the attempts of every rollout dispatched meanwhile (the agent worker waits for a
 healthy replica before another attempt, but the first one fails). colocated-sync waits before each step
-(`Run.wait_inference`); the async modes, whose loop keeps reading results and training, hold back new
-groups (`Run.hold_dispatch`) and dispatch them once inference serves again; the final evaluation waits
+(`InferenceHealth.wait`); the async modes, whose loop keeps reading results and training, hold back new
+groups (`InferenceHealth.hold_dispatch`) and dispatch them once inference serves again; the final evaluation waits
 too. Inference's health is a real grpc.health.v1 server (tether.common.grpc_server); the other services
 are tests/fake_control.py's stand-ins, on a real Redis."""
 

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 from typing import ClassVar
 
+import grpc
 from grpc_health.v1 import health_pb2_grpc
 from pydantic import Field, field_validator
 
@@ -25,10 +26,11 @@ from tether.common.retry import Retrying
 from tether.common.settings import RedisSettings, WeightPush, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.scheduler import kube
+from tether.scheduler.config import RunConfig, SchedulingMode, Stubs, load_tasks
 from tether.scheduler.fleet import InferenceFleet
 from tether.scheduler.gateways import ControlChannels, GatewayReplicas, check_spec
 from tether.scheduler.metrics import follow_broker
-from tether.scheduler.run import Run, RunConfig, SchedulingMode, Stubs, load_tasks
+from tether.scheduler.run import Run
 from tether.scheduler.servicer import SchedulerServicer
 from tether.v1 import (
     gateway_pb2_grpc,
@@ -131,7 +133,7 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
     keys = s.keys()
     run = Run(r, keys, cfg, stubs, tasks)
 
-    def register(server):
+    def register(server: grpc.aio.Server) -> list[str]:
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(run), server)
         return [scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name]
 

@@ -1,8 +1,9 @@
 """The scheduler's Prometheus gauges beyond its own bookkeeping: the run overview and the broker.
 
 The scheduler always runs exactly once per run, so it exports what no single other service knows:
-- `tether_run_*`: the last finished step's figures, set from its StepMetrics record (tether.scheduler.run
-  calls `export_step` where it writes the record), the run's phase and the configured staleness bound;
+- `tether_run_*`: the last finished step's figures, set from its StepMetrics record
+  (tether.scheduler.report calls `export_step` where it writes the record), the run's phase and the
+  configured staleness bound;
 - `tether_broker_*`: every Redis stream's length and each consumer group's lag and pending entries,
   refreshed every few seconds by `follow_broker` (a background task of the scheduler process; it never
   ends the process: a Redis error is logged and the last figures stay).

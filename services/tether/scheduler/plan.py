@@ -1,6 +1,9 @@
 """The scheduler's decisions, as pure functions: what to dispatch, when a step may train and on which
-groups. No I/O, no clock, no Redis: the mode loops in tether.scheduler.run feed them what they read
-and carry out what they answer (docs/architecture.md). Property-tested in tests/test_scheduler_plan.py.
+groups, what a restarted scheduler resumes from, whether to hold dispatch for inference, how a step's
+weights are pushed. No I/O, no clock, no Redis: the mode loops (tether.scheduler.sync_loop,
+async_loop, serve) and the run's shell (run, steps, push, health) feed them what they read and carry
+out what they answer (docs/architecture.md). Property-tested in tests/test_scheduler_plan.py and
+tests/test_scheduler_decisions.py.
 
 The async rule (colocated-async, disaggregated-async) is the product's staleness guarantee: no group
 trains whose oldest token was sampled more than `max_staleness` (k) versions before the weights it
@@ -20,9 +23,46 @@ is the only way a ready group leaves without training.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Literal
+import random
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Generic, Literal, Protocol, TypeVar
+
+from tether.common.records import PendingStep, RunState
+
+T = TypeVar("T")
+
+
+class Result(Protocol):
+    """What the decisions read of a group's result (tether.common.records.GroupResult)."""
+
+    @property
+    def group_id(self) -> str: ...
+    @property
+    def outcome(self) -> str: ...  # trained | filtered | too_few | eval
+    @property
+    def min_weight_version(self) -> int: ...  # the version that sampled its oldest token; -1: none
+
+
+R = TypeVar("R", bound=Result)
+
+# --- what to dispatch next (every mode) --------------------------------------------------------------
+
+
+def task_draws(tasks: Sequence[T], seed: int) -> Iterator[T]:
+    """The run's task draws, in order: a seeded sequence, so that a restarted scheduler that skips the
+    draws its finished steps (or dispatched groups) used goes on with the very tasks an uninterrupted
+    run would have drawn. colocated-sync takes P per step, the async modes one per group."""
+    rng = random.Random(seed)
+    while True:
+        yield rng.choice(tasks)
+
+
+def eval_groups(run_id: str, tasks: int, repeats: int) -> list[tuple[str, int]]:
+    """The final evaluation's groups, (group id, task index): every task `repeats` times, one rollout
+    each."""
+    return [(f"{run_id}-eval-{i}-{k}", i) for i in range(tasks) for k in range(repeats)]
+
 
 # --- colocated-sync ---------------------------------------------------------------------------------
 
@@ -74,6 +114,12 @@ class Wait:
     reason: Literal["too_few", "due"]
     ready: tuple[Ready, ...]
     stale: tuple[Ready, ...]
+
+
+def async_group_id(run_id: str, step: int, n: int) -> str:
+    """The n-th group an async run dispatches (n counts across steps, so ids never repeat), dispatched
+    while the run is on `step`."""
+    return f"{run_id}-a{step}-{n}"
 
 
 def async_budget(max_inflight_groups: int, max_staleness: int, groups_per_step: int) -> int:
@@ -130,6 +176,177 @@ def fits_in_time(deadlines: Sequence[int], version: int, groups_per_step: int) -
     return all(j <= (d - version) * groups_per_step for j, d in enumerate(sorted(deadlines), start=1))
 
 
+@dataclass(frozen=True)
+class InFlight(Generic[R]):
+    """An async run's groups between steps: `outstanding` still running (by the version they were
+    dispatched at), `ready` scored and trainable, not yet trained (in arrival order), `window` every
+    result since the last step (reported with the next one), `dropped` the groups dropped as too old
+    since the last step (the trainer drops them from its buffer) and `dropped_total` in all."""
+
+    outstanding: Mapping[str, int]
+    ready: tuple[R, ...] = ()
+    window: tuple[R, ...] = ()
+    dropped: tuple[str, ...] = ()
+    dropped_total: int = 0
+
+    def dispatched(self, group_id: str, version: int) -> InFlight[R]:
+        """The group went out while inference serves `version`."""
+        return replace(self, outstanding={**self.outstanding, group_id: version})
+
+
+@dataclass(frozen=True)
+class AsyncStep(Generic[R]):
+    """A step to train now: `take` (its groups), `drop` (the groups dropped as too old since the last
+    step) and `results` (what the step reports: every result of its window except the trainable groups
+    it leaves for later)."""
+
+    take: list[str]
+    drop: list[str]
+    results: list[R]
+
+
+def arrive(book: InFlight[R], results: Iterable[R]) -> InFlight[R]:
+    """Results read from the stream: those of groups this run has running join the window (and the
+    ready ones if trainable); anything else (another run's, a session group's, a second result of a
+    group already in) is no part of the run."""
+    outstanding = dict(book.outstanding)
+    window, ready = list(book.window), list(book.ready)
+    for rec in results:
+        if outstanding.pop(rec.group_id, None) is None:
+            continue
+        window.append(rec)
+        if rec.outcome == "trained":
+            ready.append(rec)
+    return replace(book, outstanding=outstanding, window=tuple(window), ready=tuple(ready))
+
+
+def async_step(
+    book: InFlight[R], version: int, groups_per_step: int, max_staleness: int
+) -> tuple[InFlight[R], AsyncStep[R] | None]:
+    """plan_async_step on the run's groups: the groups after it, and the step to train now (None:
+    wait). Groups too old leave the ready ones and are counted, whether or not a step trains."""
+    by_id = {g.group_id: g for g in book.ready}
+    plan = plan_async_step(
+        [Ready(g.group_id, g.min_weight_version) for g in book.ready],
+        book.outstanding,
+        version,
+        groups_per_step,
+        max_staleness,
+    )
+    book = replace(
+        book,
+        ready=tuple(by_id[g.group_id] for g in plan.ready),
+        dropped=(*book.dropped, *(g.group_id for g in plan.stale)),
+        dropped_total=book.dropped_total + len(plan.stale),
+    )
+    if isinstance(plan, Wait):
+        return book, None
+    taken = {g.group_id for g in plan.take}
+    kept = {g.group_id for g in plan.ready}
+    step = AsyncStep(
+        take=[g.group_id for g in plan.take],
+        drop=list(book.dropped),
+        results=[g for g in book.window if g.outcome != "trained" or g.group_id in taken],
+    )
+    window = tuple(g for g in book.window if g.outcome == "trained" and g.group_id in kept)
+    return replace(book, window=window, dropped=()), step
+
+
+def stream_position(entry: str) -> tuple[int, int]:
+    """A Redis stream entry id ("ms-seq") as a sortable pair."""
+    ms, _, seq = entry.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def restore_inflight(
+    saved: Mapping[str, tuple[int, str]], pending: PendingStep | None
+) -> tuple[dict[str, int], str | None]:
+    """An async run after a restart, from its saved in-flight groups (id -> (dispatch version, stream
+    position when dispatched)): the groups still running (not used up by the pending step, which is
+    finished with its own), and the earliest position their results can be at (None: none saved)."""
+    taken = {*pending.take, *pending.drop, *(g["group_id"] for g in pending.results)} if pending else set()
+    cursor = min((c for _, c in saved.values()), key=stream_position, default=None)
+    return {gid: v for gid, (v, _) in saved.items() if gid not in taken}, cursor
+
+
+# --- a run's restart ---------------------------------------------------------------------------------
+
+
+def resume_from(previous: RunState | None, run_id: str) -> int | None:
+    """The step a run starts at when Redis holds `previous`: its first unfinished step if it is this
+    run, None when the run starts afresh (nothing saved, or another run id's state)."""
+    if previous is None or previous.run_id != run_id:
+        return None
+    return previous.next_step
+
+
+def pending_for(state: RunState, step: int) -> PendingStep | None:
+    """The groups `step` was to train with, written down before a restart (None: choose afresh)."""
+    pending = state.pending
+    return pending if pending is not None and pending.step == step else None
+
+
+def saved_cursor(state: RunState, step: int) -> str | None:
+    """Where `step`'s results start, if a scheduler before a restart saved it (None: from now on)."""
+    return state.results_cursor if state.step == step and state.results_cursor else None
+
+
+# --- inference health --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Health:
+    """What to do on a health check's answer: "go" (serving: dispatch), "hold" (not serving: dispatch
+    nothing, check again), "give_up" (not serving for longer than the timeout: the run fails, its
+    supervisor starts the scheduler again). `since`: not serving since (None while serving)."""
+
+    action: Literal["go", "hold", "give_up"]
+    since: float | None
+
+
+def on_health(serving: bool, since: float | None, now: float, timeout_s: float) -> Health:
+    """Hold dispatch while inference is not serving (a vLLM restarting would only burn the attempts of
+    the rollouts dispatched meanwhile), from the first check that said so (`since`: None before it)
+    until `timeout_s` later."""
+    if serving:
+        return Health("go", None)
+    if since is None:
+        return Health("hold", now)
+    if now - since > timeout_s:
+        return Health("give_up", since)
+    return Health("hold", since)
+
+
+# --- a step's weight push ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PushPlan:
+    """How a step trains and pushes: `drain` gateway admission around it (colocated: the GPUs are
+    shared, nothing may generate), and put vLLM to sleep at `sleep_level` while the trainer trains
+    (0: awake)."""
+
+    drain: bool
+    sleep_level: int
+
+
+def push_plan(colocated: bool, sleep_level: int) -> PushPlan:
+    """Colocated modes drain admission and sleep vLLM (when configured); disaggregated-async neither:
+    rollouts go on while the trainer trains, and vLLM holds requests in flight only while it loads."""
+    return PushPlan(drain=colocated, sleep_level=sleep_level if colocated else 0)
+
+
+def staleness(results: Iterable[Result], version_before: int) -> tuple[float, float]:
+    """(max, mean) versions between the weights a step updates and the oldest token of each group it
+    trains; groups with no sampled token (min_weight_version -1) do not count."""
+    ages = [
+        version_before - g.min_weight_version
+        for g in results
+        if g.outcome == "trained" and g.min_weight_version >= 0
+    ]
+    return float(max(ages, default=0)), (sum(ages) / len(ages) if ages else 0.0)
+
+
 # --- serve (`tether up`) ----------------------------------------------------------------------------
 
 
@@ -137,3 +354,9 @@ def serve_should_train(trained: int, arriving: bool, groups_per_step: int) -> bo
     """Serve mode trains once `groups_per_step` groups are trainable, and keeps collecting (up to 4x
     that) while groups are still arriving."""
     return not (trained < groups_per_step or (arriving and trained < 4 * groups_per_step))
+
+
+def serve_scored(results: Iterable[R]) -> list[R]:
+    """The results serve mode reports with its next step: the groups scored, trained or filtered (a
+    group with too few rollouts, or an evaluation, is no part of a step)."""
+    return [g for g in results if g.outcome in ("trained", "filtered")]

@@ -3,7 +3,7 @@ trainer's newest weights (docs/weight-push.md).
 
 Path 1 (`weight_push="checkpoint"`): inference reloads the checkpoint the trainer wrote. Path 2
 (`"nccl"`): generation is paused, the trainer streams the weights into vLLM's workers, generation
-resumes; when that fails, path 1 follows. Caller: tether.scheduler.run, with the Inference and Trainer
+resumes; when that fails, path 1 follows. Caller: tether.scheduler.push, with the Inference and Trainer
 gRPC stubs (or anything that answers their methods).
 """
 
@@ -37,7 +37,7 @@ class WeightPublisher:
         self.weight_push = weight_push
         self.path = ""
 
-    async def publish(self, resp) -> int:
+    async def publish(self, resp: trainer_pb2.TrainStepResponse) -> int:
         """Make inference serve a trained step's weights (`resp`: the TrainStep answer); returns the
         version it serves. Path 2 when configured: pause generation, the trainer streams the weights into
         vLLM's workers (and drops the prefix cache), resume. If that fails, vLLM is still paused and may

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 
+import grpc
+
 from tether.scheduler.run import Run
-from tether.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tether.v1 import scheduler_pb2, scheduler_pb2_grpc, types_pb2
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -24,9 +26,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             run_dir=str(self.run.cfg.run_dir),
         )
 
-    async def GetRun(self, request, context):
+    async def GetRun(
+        self, request: types_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.RunState:
         return self._state()
 
-    async def Stop(self, request, context):
+    async def Stop(
+        self, request: types_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.RunState:
         self.run.stop_requested = True
         return self._state()

@@ -1,0 +1,56 @@
+"""What a run is given: its configuration (RunConfig, built from SchedulerSettings in main.py, which
+refuse a bad value at start-up), the gRPC stubs it calls (Stubs) and its tasks (load_tasks)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, get_args
+
+from tether.common.settings import WeightPush
+
+# The backend-scheduling modes (tether.scheduler.run). SchedulerSettings.mode has this type: a bad mode
+# is refused at start-up.
+SchedulingMode = Literal["colocated-sync", "colocated-async", "disaggregated-async"]
+
+MODES: tuple[SchedulingMode, ...] = get_args(SchedulingMode)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """The run, built from SchedulerSettings (main.py), which refuse a bad value at start-up."""
+
+    run_id: str
+    steps: int
+    tasks_per_step: int
+    group_size: int
+    seed: int
+    run_dir: Path
+    eval_repeats: int = 4
+    rollout_timeout_s: float = 300.0
+    drain_timeout_s: float = 60.0
+    mode: SchedulingMode = "colocated-sync"
+    max_staleness: int = 1
+    max_inflight_groups: int = 0  # async modes; 0 = (max_staleness + 1) x tasks_per_step
+    sleep_level: int = 0  # colocated modes: put vLLM to sleep (1 or 2) while the trainer trains
+    max_attempts: int = 3  # a failed rollout is retried this many times in all, then excluded
+    weight_push: WeightPush = "checkpoint"  # "checkpoint" (path 1) or "nccl" (path 2, path 1 as its fallback)
+
+
+@dataclass
+class Stubs:
+    gateway: Any
+    inference: Any
+    trainer: Any
+    inference_health: Any = None  # grpc.health.v1 Health of the inference service (None: not checked)
+
+
+def load_tasks(path: Path) -> list[dict[str, Any]]:
+    tasks = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not tasks:
+        raise ValueError(f"no tasks in {path}")
+    for t in tasks:
+        if "task_id" not in t:
+            raise ValueError(f"task without task_id in {path}: {t}")
+    return tasks
