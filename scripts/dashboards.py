@@ -878,6 +878,24 @@ def learning_health() -> Dashboard:
                 min=0,
             ),
             Panel(
+                "Groups without signal",
+                "Share of the last step's groups whose rollouts all got the same reward (no advantage), "
+                "and share filtered out: a step of such groups trains on few or none",
+                (
+                    q("max(tether_run_zero_variance_fraction)", "same reward"),
+                    q("max(tether_run_groups_filtered_fraction)", "filtered"),
+                ),
+                unit="percentunit",
+                min=0,
+                max=1,
+            ),
+            Panel(
+                "Steps that trained nothing",
+                "Steps in a row, up to the last, that trained nothing (every group filtered)",
+                (q("max(tether_run_untrained_steps_in_a_row)", "in a row"),),
+                min=0,
+            ),
+            Panel(
                 "Step guard",
                 "Updates the step guard undid and made again at a lower learning rate",
                 (q(f"sum(increase(tether_trainer_step_guard_retries_total[{RATE}]))", "retried"),),
@@ -1145,6 +1163,15 @@ ALERTS = (
         "The reward collapsed",
         "The steps' mean reward is {{ $value }}, under half its best of the last hour, for 10 minutes: the"
         " policy has collapsed (see the Learning health dashboard).",
+    ),
+    Alert(
+        "TetherNothingTrained",
+        "tether_run_untrained_steps_in_a_row >= 5",
+        "0m",
+        "warning",
+        "Steps train nothing",
+        "The last {{ $value }} steps in a row trained nothing: every group was filtered (each group's"
+        " rollouts got the same reward: the tasks are all solved, or all failed).",
     ),
 )
 

@@ -292,6 +292,7 @@ def test_every_alert_is_complete_and_tested_both_ways():
         "TetherEntropyCollapse",
         "TetherPolicyKLSpike",
         "TetherRewardCollapse",
+        "TetherNothingTrained",
     }
     for r in rules:
         assert re.fullmatch(r"\d+[smh]", r["for"]), r["alert"]

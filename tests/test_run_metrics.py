@@ -71,6 +71,46 @@ def test_a_step_record_sets_every_run_gauge_and_unmeasured_ones_are_nan():
     assert _gauge("tether_run_reward_mean") == 0.5 and _gauge("tether_run_forks") == 1.0
 
 
+def test_a_step_record_carries_learning_health_and_counts_steps_that_trained_nothing():
+    from tether.common.records import GroupResult
+    from tether.scheduler.report import LEARNING_HEALTH, step_record
+
+    def record(results: list[dict], metrics: dict, previous: dict | None) -> dict:
+        timing = {"rollout_seconds": 1.0, "push_seconds": 0.1, "paused_seconds": 0.0, "step_seconds": 2.0}
+        groups = [GroupResult.from_dict(g) for g in results]
+        return step_record(3, 2, groups, metrics, timing, 1, "checkpoint", "colocated-sync", 1.0, previous)
+
+    health = {k: 0.1 * (i + 1) for i, k in enumerate(LEARNING_HEALTH)}
+    trained = record(
+        [
+            _group_result("a", "trained", [1.0, 0.0], 2, 10),
+            _group_result("b", "filtered", [1.0, 1.0], 0, 0),
+            _group_result("c", "filtered", [0.0, 0.0], 0, 0),
+            _group_result("d", "trained", [0.5, 0.0], 2, 10),
+        ],
+        {**health, "step_guard_retries": 1.0},
+        {"untrained_steps_in_a_row": 4.0},
+    )
+    assert trained["zero_variance_fraction"] == 0.5 and trained["groups_filtered_fraction"] == 0.5
+    assert {k: trained[k] for k in LEARNING_HEALTH} == health and trained["step_guard_retries"] == 1.0
+    assert trained["untrained_steps_in_a_row"] == 0.0  # it trained: the count starts again
+    nothing = [_group_result("e", "filtered", [1.0, 1.0], 0, 0)]
+    first = record(nothing, {}, trained)
+    assert first["untrained_steps_in_a_row"] == 1.0 and math.isnan(first["policy_kl"])
+    assert record(nothing, {}, first)["untrained_steps_in_a_row"] == 2.0
+    assert record(nothing, {}, None)["untrained_steps_in_a_row"] == 1.0
+    # The record is a StepMetrics, and its new gauges follow it.
+    m.export_step(
+        StepMetrics.from_dict(
+            {**LAST_RECORD, **{k: trained[k] for k in ("zero_variance_fraction", "untrained_steps_in_a_row")}}
+        )
+    )
+    assert (
+        _gauge("tether_run_zero_variance_fraction") == 0.5
+        and _gauge("tether_run_untrained_steps_in_a_row") == 0.0
+    )
+
+
 def test_the_phase_gauge_has_one_series_per_status_and_one_at_1():
     for status in m.PHASES:
         m.export_phase(status)

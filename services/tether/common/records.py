@@ -464,6 +464,20 @@ class StepMetrics(_Record):
     mode: str | None = None
     stale_groups_dropped: float | None = None
     groups_in_flight: float | None = None
+    # Learning health (scheduler/report.py): the groups' share filtered and without reward variance,
+    # the steps in a row that trained nothing, and the trainer's figures of the step's own pass.
+    groups_filtered_fraction: float | None = None
+    zero_variance_fraction: float | None = None
+    untrained_steps_in_a_row: float | None = None
+    clip_low_fraction: float | None = None
+    clip_high_fraction: float | None = None
+    dual_clip_fraction: float | None = None
+    policy_kl: float | None = None
+    ratio_mean: float | None = None
+    ratio_min: float | None = None
+    ratio_max: float | None = None
+    step_kl: float | None = None
+    step_guard_retries: float | None = None
 
 
 @dataclass

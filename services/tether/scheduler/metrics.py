@@ -50,6 +50,9 @@ STEP_FIELDS: dict[str, str] = {
     "loss": "Policy loss of the last step",
     "grad_norm": "Gradient norm of the last step",
     "clip_fraction": "Fraction of the last step's tokens whose ratio was clipped",
+    "groups_filtered_fraction": "Share of the last step's groups filtered out (no reward variance, or too few)",
+    "zero_variance_fraction": "Share of the last step's groups whose rollouts all got the same reward",
+    "untrained_steps_in_a_row": "Steps in a row, up to the last, that trained nothing",
 }
 # A field whose name would break Prometheus's naming rules gets another gauge name (units spelled out).
 GAUGE_NAMES = {"tokens_per_s": "tokens_per_second"}

@@ -24,14 +24,33 @@ log = logging.getLogger(__name__)
 NAN = math.nan
 
 
+LEARNING_HEALTH = (
+    "clip_low_fraction",
+    "clip_high_fraction",
+    "dual_clip_fraction",
+    "policy_kl",
+    "ratio_mean",
+    "ratio_min",
+    "ratio_max",
+    "step_kl",
+)
+
+
 def step_summary(results: Sequence[GroupResult]) -> dict[str, float]:
     """Reward and accounting over one step's resolved groups (pure)."""
     rewards = [r for g in results for r in g.rewards]
+    groups = [g for g in results if not g.eval]
+    # Groups whose rollouts all got the same reward: no advantage, no signal (learning health).
+    flat = [g for g in groups if len(g.rewards) > 1 and max(g.rewards) == min(g.rewards)]
     return {
         "reward_mean": sum(rewards) / len(rewards) if rewards else NAN,
         "rollouts": float(len(rewards)),
         "groups_trained": float(sum(g.outcome == "trained" for g in results)),
         "groups_filtered": float(sum(g.outcome == "filtered" for g in results)),
+        "groups_filtered_fraction": sum(g.outcome == "filtered" for g in groups) / len(groups)
+        if groups
+        else NAN,
+        "zero_variance_fraction": len(flat) / len(groups) if groups else NAN,
         "samples": float(sum(g.samples for g in results)),
         "tokens": float(sum(g.tokens for g in results)),
         "generated_tokens": float(sum(g.generated_tokens for g in results)),
@@ -50,11 +69,13 @@ def step_record(
     push_path: str,
     mode: str,
     now: float,
+    previous: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A training step's record (pure): its groups' summary, the trainer's figures (NaN where it
     reported none), staleness, and `timing` (rollout_seconds, push_seconds, paused_seconds,
-    step_seconds)."""
+    step_seconds); `previous` (the run's last record) counts the steps in a row that trained nothing."""
     summary = step_summary(results)
+    untrained = 0 if summary["samples"] > 0 else int((previous or {}).get("untrained_steps_in_a_row", 0)) + 1
     stale_max, stale_mean = staleness(results, version_before)
     return {
         "step": step,
@@ -69,6 +90,11 @@ def step_record(
         "trainer_tokens_per_s": metrics.get("train_tokens_per_s", NAN),
         # What the trainer did with its devices (trainer/throughput.py) and the policy's entropy.
         **{k: metrics.get(k, NAN) for k in ("entropy", "model_tflops_per_s", "mfu", "peak_memory_gib")},
+        # Learning health from the trainer's pass (train.train_step): the clip's sides, the ratio, the KL
+        # to the sampling policy before the update and after it (the step guard's), the guard's retries.
+        **{k: metrics.get(k, NAN) for k in LEARNING_HEALTH},
+        "step_guard_retries": metrics.get("step_guard_retries", 0.0),
+        "untrained_steps_in_a_row": float(untrained),
         "staleness_max": stale_max,
         "staleness_mean": stale_mean,
         # Per trainable token, from vLLM's per-token weight spans (the trainer's count).

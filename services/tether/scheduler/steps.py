@@ -100,6 +100,7 @@ class Steps:
             self.pusher.publisher.path,
             self.mode,
             time.time(),
+            self.store.state.last_record,
         )
 
     async def resume_pending(self, step: int, colocated: bool) -> bool:
