@@ -340,3 +340,37 @@ def test_staleness_counts_the_trained_groups_with_tokens(results, version):
 @given(st.lists(st.builds(G, st.text(max_size=3), OUTCOMES, st.just(0))))
 def test_serve_reports_the_scored_groups_in_order(results):
     assert serve_scored(results) == [g for g in results if g.outcome in ("trained", "filtered")]
+
+
+@given(
+    wanted=st.integers(1, 16),
+    bound_extra=st.integers(0, 48),
+    dispatched=st.integers(0, 64),
+    trainable_share=st.floats(0.0, 1.0),
+)
+def test_dynamic_sampling_tops_up_within_its_bound_and_only_when_short(
+    wanted, bound_extra, dispatched, trainable_share
+):
+    from tether.scheduler.plan import top_up
+
+    bound = wanted + bound_extra
+    dispatched = min(dispatched, bound)
+    trainable = int(dispatched * trainable_share)
+    n = top_up(trainable, dispatched, wanted, bound)
+    assert 0 <= n <= bound - dispatched
+    assert (n == 0) == (trainable >= wanted or dispatched >= bound)
+    if n and n < bound - dispatched:  # not cut by the bound: enough at the share seen so far (>= 1/4)
+        rate = max(trainable / dispatched if dispatched else 1.0, 0.25)
+        assert trainable + n * rate >= wanted - 1e-9
+
+
+def test_top_up_draws_and_ids_are_the_steps_own():
+    from tether.scheduler.plan import sync_group_ids, task_draws, top_up_draws, top_up_group_ids
+
+    tasks = [{"task_id": f"t{i}"} for i in range(10)]
+    a = [t["task_id"] for t in itertools.islice(top_up_draws(tasks, 1, 3), 20)]
+    assert a == [t["task_id"] for t in itertools.islice(top_up_draws(tasks, 1, 3), 20)]  # replayable
+    assert a != [t["task_id"] for t in itertools.islice(top_up_draws(tasks, 1, 4), 20)]
+    assert a != [t["task_id"] for t in itertools.islice(task_draws(tasks, 1), 20)]  # not the main draws
+    ids = top_up_group_ids("r", 3, 1, 4) + top_up_group_ids("r", 3, 2, 4) + sync_group_ids("r", 3, 4)
+    assert len(set(ids)) == len(ids)

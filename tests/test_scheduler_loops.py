@@ -123,6 +123,48 @@ async def test_a_run_in_each_mode(redis_url, tmp_path, mode):
         await r.aclose()
 
 
+@pytest.mark.parametrize(
+    ("tasks", "bound"), [(TASKS, 0), ([{"task_id": "t2"}], 5)], ids=["some-filtered", "all-filtered"]
+)
+async def test_dynamic_sampling_tops_a_synchronous_step_up_to_p_groups_with_signal(
+    redis_url, tmp_path, tasks, bound
+):
+    """colocated-sync with dynamic sampling: a step whose first P groups drew task t2 (filtered) keeps
+    dispatching until P groups carry signal, trains exactly those, and reports what it dispatched; with
+    nothing but t2 it stops at its bound and trains nothing."""
+    r = broker.connect(redis_url)
+    keys = broker.Keys(f"loops-dynamic-{bound}")
+    inference = FakeInference()
+    trainer = _Trainer(inference, tmp_path / "ckpt")
+    P, steps = 2, 4
+    cfg = RunConfig(
+        run_id="r", steps=steps, tasks_per_step=P, group_size=2, seed=3, run_dir=tmp_path / "run",
+        eval_repeats=0, dynamic_sampling=True, dynamic_sampling_max_groups=bound,
+    )  # fmt: skip
+    workers = asyncio.ensure_future(_workers(r, keys, inference, 0.01))
+    try:
+        await asyncio.wait_for(Run(r, keys, cfg, Stubs(FakeGateway(), inference, trainer), tasks).run(), 60)
+        records = [m for m in _records(cfg.run_dir) if "step" in m]
+        trained = _trained(trainer)
+        assert [m["step"] for m in records] == list(range(steps))
+        for m in records:
+            surplus = m.get("groups_surplus", 0.0)
+            assert m["groups_dispatched"] == m["groups_trained"] + m["groups_filtered"] + surplus
+            if bound == 0:
+                assert m["groups_trained"] == P and len(trained[m["step"]]) == P
+                assert P <= m["groups_dispatched"] <= 4 * P
+            else:
+                assert m["groups_trained"] == 0 and m["groups_dispatched"] == bound == m["groups_filtered"]
+                assert m["untrained_steps_in_a_row"] == m["step"] + 1
+        if bound == 0:
+            assert any(m["groups_dispatched"] > P for m in records), (
+                "no step needed a top-up: change the seed"
+            )
+    finally:
+        await cancel_until_done(workers)
+        await r.aclose()
+
+
 async def test_an_async_run_cancelled_mid_step_is_finished_by_a_new_scheduler(redis_url, tmp_path):
     r = broker.connect(redis_url)
     keys = broker.Keys("loops-resume")

@@ -413,7 +413,7 @@ class GroupResult(_Record):
     timed_out: bool
     finished_at: float
     estimator: str
-    outcome: str  # trained | filtered | too_few | eval
+    outcome: str  # trained | filtered | too_few | eval (the scheduler reports "surplus": dynamic sampling)
     samples: int
     tokens: int
     min_weight_version: int
@@ -467,6 +467,8 @@ class StepMetrics(_Record):
     # Learning health (scheduler/report.py): the groups' share filtered and without reward variance,
     # the steps in a row that trained nothing, and the trainer's figures of the step's own pass.
     groups_filtered_fraction: float | None = None
+    groups_dispatched: float | None = None  # colocated-sync with dynamic sampling: the step's groups in all
+    groups_surplus: float | None = None  # ... and those with signal beyond its P, left untrained
     zero_variance_fraction: float | None = None
     untrained_steps_in_a_row: float | None = None
     clip_low_fraction: float | None = None

@@ -36,6 +36,10 @@ class RunConfig:
     sleep_level: int = 0  # colocated modes: put vLLM to sleep (1 or 2) while the trainer trains
     max_attempts: int = 3  # a failed rollout is retried this many times in all, then excluded
     weight_push: WeightPush = "checkpoint"  # "checkpoint" (path 1) or "nccl" (path 2, path 1 as its fallback)
+    # colocated-sync: dispatch more groups until tasks_per_step carry signal (plan.top_up), at most
+    # dynamic_sampling_max_groups a step (0 = 4 x tasks_per_step). The async modes always train P such.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_groups: int = 0
 
 
 @dataclass

@@ -68,6 +68,12 @@ class SchedulerSettings(RedisSettings):
     max_inflight_groups: int = 0
     sleep_level: int = Field(0, ge=0, le=2)  # colocated modes: vLLM sleeps (level 1 or 2) while training
     max_attempts: int = 3
+    # colocated-sync: keep dispatching groups (at most dynamic_sampling_max_groups a step; 0 = 4 x
+    # tasks_per_step) until tasks_per_step of them carry signal (rewards that differ within the group);
+    # each step counts the groups dispatched, filtered and trained. The async modes always train
+    # tasks_per_step such groups a step.
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_groups: int = Field(0, ge=0)
     # "checkpoint": inference reloads each step's checkpoint (path 1). "nccl": the trainer streams the
     # weights into vLLM (path 2; the trainer needs TETHER_WEIGHT_PUSH=nccl too), path 1 on failure.
     weight_push: WeightPush = "checkpoint"
@@ -128,6 +134,8 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
         sleep_level=s.sleep_level,
         max_attempts=s.max_attempts,
         weight_push=s.weight_push,
+        dynamic_sampling=s.dynamic_sampling,
+        dynamic_sampling_max_groups=s.dynamic_sampling_max_groups,
     )
     tasks = load_tasks(Path(s.tasks_file)) if s.tasks_file else []
     keys = s.keys()

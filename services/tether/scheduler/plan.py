@@ -23,6 +23,7 @@ is the only way a ready group leaves without training.
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -79,10 +80,37 @@ def sync_missing(group_ids: set[str], resolved: Mapping[str, object]) -> set[str
     return group_ids - resolved.keys()
 
 
-def sync_take(outcomes: Sequence[tuple[str, str]]) -> list[str]:
+def sync_take(outcomes: Sequence[tuple[str, str]], limit: int = 0) -> list[str]:
     """The groups a synchronous step trains, from its (group id, outcome) results in the order they
-    resolved: every trained one; filtered or failed groups are reported, not trained."""
-    return [gid for gid, outcome in outcomes if outcome == "trained"]
+    resolved: every trained one (the first `limit`, when > 0: dynamic sampling's batch); filtered or
+    failed groups are reported, not trained."""
+    take = [gid for gid, outcome in outcomes if outcome == "trained"]
+    return take[:limit] if limit > 0 else take
+
+
+def top_up(trainable: int, dispatched: int, wanted: int, bound: int) -> int:
+    """Dynamic sampling (DAPO, arXiv:2503.14476): how many more groups a synchronous step dispatches
+    when `trainable` of the `dispatched` so far carry signal and it wants `wanted`, at most `bound` in
+    all. Enough for the deficit at the share of groups that passed so far (at least a quarter counted,
+    so that a step whose groups all failed the filter does not ask for the whole bound at once); 0 when
+    the step has enough or no room is left."""
+    if trainable >= wanted or dispatched >= bound:
+        return 0
+    rate = max(trainable / dispatched if dispatched else 1.0, 0.25)
+    return min(math.ceil((wanted - trainable) / rate), bound - dispatched)
+
+
+def top_up_group_ids(run_id: str, step: int, round_: int, n: int) -> list[str]:
+    """The groups of a step's `round_`-th top-up (dynamic sampling), apart from its first P."""
+    return [f"{run_id}-s{step}-r{round_}-g{i}" for i in range(n)]
+
+
+def top_up_draws(tasks: Sequence[T], seed: int, step: int) -> Iterator[T]:
+    """A step's top-up tasks: a seeded sequence of its own, so the run's main draws (and a restarted
+    scheduler's replay of them) do not depend on how many groups a step topped up."""
+    rng = random.Random(f"{seed}:top-up:{step}")
+    while True:
+        yield rng.choice(tasks)
 
 
 # --- colocated-async and disaggregated-async -------------------------------------------------------
