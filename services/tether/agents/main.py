@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 from typing import ClassVar
 
+import redis.asyncio as aioredis
+
 from tether.agents.worker import Worker, load_function
 from tether.common import broker
 from tether.common.grpc_server import follow_health, run_until_signal, start_server
@@ -34,7 +36,7 @@ class AgentSettings(RedisSettings):
     agent_grpc_port: int = DEFAULT_GRPC_PORT  # gRPC health only; 0 = any free port
 
 
-async def redis_answers(r, timeout_s: float = 2.0) -> bool:
+async def redis_answers(r: aioredis.Redis, timeout_s: float = 2.0) -> bool:
     await asyncio.wait_for(r.ping(), timeout_s)
     return True
 

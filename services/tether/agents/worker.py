@@ -17,8 +17,10 @@ import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import httpx
+import redis.asyncio as aioredis
 from prometheus_client import Counter, Gauge
 
 from tether.common import broker, retry
@@ -95,7 +97,7 @@ def load_function(spec: str) -> HarnessFn:
 class Worker:
     def __init__(
         self,
-        r,
+        r: aioredis.Redis,
         keys: broker.Keys,
         gateway_url: str,
         fn: HarnessFn,
@@ -121,7 +123,7 @@ class Worker:
         self.done = 0
         self.failed = 0
 
-    async def post(self, url: str, **kwargs) -> httpx.Response:
+    async def post(self, url: str, **kwargs: Any) -> httpx.Response:
         """POST to the gateway, trying again on the answers RETRYABLE_STATUS names and on a refused
         connection, GATEWAY_RETRIES times at most; the last try's answer (or error) is the caller's."""
         for attempt in range(GATEWAY_RETRIES):

@@ -35,10 +35,15 @@ import json
 import random
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import TYPE_CHECKING, Any, cast
 
 from tether.merger.merge import Call, merge_calls
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 IM_START, IM_END, EOT = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 SPECIAL = (EOT, IM_START, IM_END)
@@ -121,15 +126,15 @@ SPLITS = _split_words()
 
 
 @lru_cache(maxsize=1)
-def build_tokenizer():
+def build_tokenizer() -> PreTrainedTokenizerFast:
     """The test set's tokenizer: ``PreTrainedTokenizerFast`` over a fixed word-level vocabulary."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab: dict[str, int] = {}
     pieces = [p for pair in SPLITS.values() for p in pair]
-    for tok in (*SPECIAL, UNK, *MARKUP, *WHITESPACE, *PUNCT, *WORDS, *NUMBERS, *TOOL_NAMES, *pieces):
-        vocab.setdefault(tok, len(vocab))
+    for word in (*SPECIAL, UNK, *MARKUP, *WHITESPACE, *PUNCT, *WORDS, *NUMBERS, *TOOL_NAMES, *pieces):
+        vocab.setdefault(word, len(vocab))
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(_SPLIT), behavior="isolated")
     backend.decoder = decoders.Fuse()
@@ -147,7 +152,8 @@ def build_tokenizer():
     return tok
 
 
-TOOLS = [
+# Typed as apply_chat_template takes tools (JSON schemas or functions).
+TOOLS: list[dict[Any, Any] | Callable[..., Any]] = [
     {
         "type": "function",
         "function": {
@@ -221,6 +227,10 @@ class _Sim:
                 out.append(".")
         return " ".join(out).replace(" .", ".")
 
+    def piece(self, token_id: int) -> str:
+        """The vocabulary entry of one id (transformers types the list form's answer alongside)."""
+        return cast(str, self.tok.convert_ids_to_tokens(token_id))
+
     def encode(self, text: str) -> list[int]:
         ids = self.tok.encode(text, add_special_tokens=False)
         if self.unk in ids:
@@ -235,9 +245,13 @@ class _Sim:
         ``<|im_end|>`` (special tokens are split off before pre-tokenisation, so the encoding of the
         text after such a point does not depend on the text before it) are reused.
         """
-        kw = {} if thinking else {"enable_thinking": False}
-        text = self.tok.apply_chat_template(
-            messages, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kw
+        kw: dict[str, Any] = {} if thinking else {"enable_thinking": False}
+        # tokenize=False: the rendered text (transformers types every form the call can return).
+        text = cast(
+            str,
+            self.tok.apply_chat_template(
+                messages, tools=TOOLS, add_generation_prompt=True, tokenize=False, **kw
+            ),
         )
         prev_text, prev_ids, prev_bounds = self._cache
         n = 0
@@ -319,10 +333,10 @@ class _Sim:
         parts.append(body)
         ids = self.encode("".join(parts))
         if rng.random() < cfg.p_split:
-            where = [i for i, t in enumerate(ids) if self.tok.convert_ids_to_tokens(t) in SPLITS]
+            where = [i for i, t in enumerate(ids) if self.piece(t) in SPLITS]
             if where:
                 i = rng.choice(where)
-                a, b = SPLITS[self.tok.convert_ids_to_tokens(ids[i])]
+                a, b = SPLITS[self.piece(ids[i])]
                 ids[i : i + 1] = [self.ids[a], self.ids[b]]
                 events["split_word"] += 1
         r = rng.random()
@@ -339,7 +353,7 @@ class _Sim:
 
     def parse(self, ids: list[int]) -> dict:
         """What the API returns and the harness appends: vLLM-style reasoning and tool-call parsing."""
-        text = self.tok.decode(ids, skip_special_tokens=True)
+        text = cast(str, self.tok.decode(ids, skip_special_tokens=True))  # one sequence: one text
         msg: dict = {"role": "assistant"}
         if "</think>" in text:
             reasoning, _, text = text.partition("</think>")
@@ -435,7 +449,7 @@ def strip_tail() -> list[int]:
     return generation_prompt_tail(build_tokenizer(), enable_thinking=False)
 
 
-def evaluate(rollouts: list[TestRollout], **merge_kwargs) -> dict[str, float]:
+def evaluate(rollouts: list[TestRollout], **merge_kwargs: Any) -> dict[str, float]:
     """Merge every rollout; single-sequence share, sequences per rollout and what was kept."""
     n = len(rollouts)
     seqs_total = single = forks = realigns = mismatched = 0

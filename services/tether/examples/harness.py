@@ -19,8 +19,14 @@ def _pool(base_url: str) -> httpx.Client:
 
 def client(base_url: str, api_key: str) -> openai.OpenAI:
     """The rollout's own client (its key), on the endpoint's shared pool."""
+    # openai from 3.x types http_client as an httpx2.Client and takes an httpx.Client still (checked at run
+    # time); older releases type it as httpx's: the ignore holds for both.
     return openai.OpenAI(
-        base_url=base_url, api_key=api_key, max_retries=1, timeout=60.0, http_client=_pool(base_url)
+        base_url=base_url,
+        api_key=api_key,
+        max_retries=1,
+        timeout=60.0,
+        http_client=_pool(base_url),  # type: ignore[arg-type, unused-ignore]
     )
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import shlex
+import subprocess
 from pathlib import Path
 from typing import ClassVar
 
+import grpc
 import httpx
 from pydantic import Field, field_validator
 
@@ -137,7 +139,7 @@ async def restore_newest(
 async def watch_health(
     vllm: VLLMControl,
     health: Health,
-    proc,
+    proc: subprocess.Popen[bytes] | None,
     servicer: InferenceServicer,
     checkpoint_dir: str = "",
     launched: tuple[Path, int] | None = None,
@@ -187,7 +189,7 @@ async def amain(s: InferenceSettings) -> None:
     vllm = VLLMControl(f"http://{s.vllm_host}:{s.vllm_port}")
     servicer = InferenceServicer(vllm, model_dir)
 
-    def register(server):
+    def register(server: grpc.aio.Server) -> list[str]:
         inference_pb2_grpc.add_InferenceServicer_to_server(servicer, server)
         return [inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name]
 

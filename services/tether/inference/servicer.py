@@ -4,6 +4,7 @@ dev-endpoint calls; status codes are set only here."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable
 
 import grpc
 import httpx
@@ -23,7 +24,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
         self.vllm = vllm
         self.loader = WeightLoader(vllm, initial_checkpoint)
 
-    async def GetWeightVersion(self, request, context):
+    async def GetWeightVersion(
+        self, request: types_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.WeightVersion:
         try:
             version = await self.loader.served_version()
         except (VLLMError, httpx.HTTPError, OSError) as exc:
@@ -34,7 +37,9 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             version=version, checkpoint_dir=self.loader.checkpoint_dir if known else ""
         )
 
-    async def LoadWeights(self, request, context):
+    async def LoadWeights(
+        self, request: inference_pb2.LoadWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> inference_pb2.WeightVersion:
         if not request.checkpoint_dir:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "checkpoint_dir is required")
         # Shielded: a caller that goes away mid-load (a killed scheduler) must not leave vLLM paused
@@ -46,27 +51,31 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"weight load failed: {exc}")
         return inference_pb2.WeightVersion(version=version, checkpoint_dir=self.loader.checkpoint_dir)
 
-    async def _simple(self, context, coro) -> types_pb2.Empty:
+    async def _simple(self, context: grpc.aio.ServicerContext, coro: Awaitable[None]) -> types_pb2.Empty:
         try:
             await coro
         except (VLLMError, httpx.HTTPError, OSError) as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         return types_pb2.Empty()
 
-    async def Pause(self, request, context):
+    async def Pause(
+        self, request: inference_pb2.PauseRequest, context: grpc.aio.ServicerContext
+    ) -> types_pb2.Empty:
         mode = request.mode or "keep"
         if mode not in ("wait", "keep", "abort"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pause mode {mode!r}")
         return await self._simple(context, self.vllm.pause(mode))
 
-    async def Resume(self, request, context):
+    async def Resume(self, request: types_pb2.Empty, context: grpc.aio.ServicerContext) -> types_pb2.Empty:
         return await self._simple(context, self.loader.resume())
 
-    async def Sleep(self, request, context):
+    async def Sleep(
+        self, request: inference_pb2.SleepRequest, context: grpc.aio.ServicerContext
+    ) -> types_pb2.Empty:
         level = request.level or 1
         if level not in (1, 2):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "sleep level must be 1 or 2")
         return await self._simple(context, self.vllm.sleep(level))
 
-    async def WakeUp(self, request, context):
+    async def WakeUp(self, request: types_pb2.Empty, context: grpc.aio.ServicerContext) -> types_pb2.Empty:
         return await self._simple(context, self.vllm.wake_up())

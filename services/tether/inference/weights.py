@@ -114,9 +114,11 @@ class WeightLoader:
     async def served_version(self) -> int:
         # vLLM starts at "default" (or None) until a version is set: that is our version 0.
         raw = await self.vllm.weight_version()
+        if raw is None:
+            return 0
         try:
             return int(raw)
-        except (TypeError, ValueError):
+        except (TypeError, ValueError):  # what JSON holds may not be what the client's type says
             return 0
 
     def vouches(self, served: int) -> bool:

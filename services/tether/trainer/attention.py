@@ -193,9 +193,10 @@ def packed_mask(
 
     if attention_mask is None:
         return None
-    extra = {"mask_function": mask_function} if mask_function is not None else {}
+    if mask_function is not None:  # else sdpa_mask's own default
+        kwargs["mask_function"] = mask_function
     return sdpa_mask(
-        batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask, **extra, **kwargs
+        batch_size, q_length, kv_length, q_offset, kv_offset, attention_mask=attention_mask, **kwargs
     )
 
 

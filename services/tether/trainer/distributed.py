@@ -21,10 +21,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
 
 # What FSDP2 keeps in CPU memory instead of the device: nothing, Adam's state, or everything.
 Offload = Literal["none", "optimizer", "params"]
@@ -146,13 +150,14 @@ def grad_sync(engine: torch.nn.Module, enabled: bool) -> Iterator[None]:
     if enabled or not dist.is_initialized():
         yield
     elif hasattr(engine, "set_requires_gradient_sync"):  # FSDP2
-        engine.set_requires_gradient_sync(False)
+        fsdp = cast("FSDPModule", engine)
+        fsdp.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            engine.set_requires_gradient_sync(True)
+            fsdp.set_requires_gradient_sync(True)
     elif hasattr(engine, "no_sync"):  # DDP
-        with engine.no_sync():
+        with cast("DistributedDataParallel", engine).no_sync():
             yield
     else:
         yield
@@ -192,7 +197,8 @@ def model_state(model: torch.nn.Module, d: Dist) -> dict[str, torch.Tensor] | No
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    return sd if d.rank == 0 else None
+    # A full state dict of a model holds plain tensors (the declared value type covers optimizer state).
+    return cast(dict[str, torch.Tensor], sd) if d.rank == 0 else None
 
 
 @contextlib.contextmanager

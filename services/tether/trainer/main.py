@@ -14,13 +14,14 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
 
+import grpc
 import torch
 from pydantic import BeforeValidator, Field, model_validator
 
 from tether.algorithms.names import KLEstimator, LossMode, OffPolicyMode, PolicyLoss
-from tether.common.grpc_server import run_until_signal, start_server
+from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings, WeightPush, refused_settings_exit
 from tether.common.usage import exit_if_help
@@ -39,6 +40,11 @@ from tether.trainer.train import (
 )
 from tether.trainer.weights import apply_lora, load_model
 from tether.v1 import trainer_pb2, trainer_pb2_grpc
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tether.trainer.nccl_push import WeightPusher
 
 log = logging.getLogger("tether.trainer")
 
@@ -213,7 +219,7 @@ def step_config(s: TrainerSettings, pad_token_id: int) -> StepConfig:
     )
 
 
-def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, object, weights.Resume | None]:
+def build(s: TrainerSettings, d: Dist) -> tuple[StepRunner, PreTrainedTokenizerBase, weights.Resume | None]:
     """Model, optimizer and step runner for this rank, resumed from the newest complete checkpoint."""
     if s.bf16 and d.device.type != "cuda":
         raise SystemExit("TETHER_BF16=true needs a CUDA device (bf16 autocast is GPU-only here)")
@@ -284,7 +290,7 @@ def prepare_model(s: TrainerSettings, d: Dist, model: torch.nn.Module) -> Prepar
     """Check and set up a loaded model for the step (bench/trainer_gpu does the same through here): the
     packing check, the attention path, the chunked LM head's check, sequence parallelism's checks and
     groups, activation checkpointing made available; each logged and in tether_trainer_path."""
-    vocab = int(model.config.vocab_size)
+    vocab = int(distributed.hf_model(model).config.vocab_size)
     pack = s.pack_samples
     if pack and not packing_keeps_samples_apart(model, vocab):
         log.warning(
@@ -498,7 +504,7 @@ def largest_block(model: torch.nn.Module) -> int:
     return max(blocks, default=sum(p.numel() for p in model.parameters()))
 
 
-def weight_pusher(s: TrainerSettings, d: Dist):
+def weight_pusher(s: TrainerSettings, d: Dist) -> WeightPusher:
     """Path 2: the trainer (rank 0 of the transfer group) and vLLM's weight-transfer routes."""
     from tether.trainer.nccl_push import WeightPusher
     from tether.trainer.weight_transfer import WeightTransferClient
@@ -516,7 +522,13 @@ def weight_pusher(s: TrainerSettings, d: Dist):
     )
 
 
-async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resume) -> None:
+async def amain(
+    s: TrainerSettings,
+    d: Dist,
+    runner: StepRunner,
+    tokenizer: PreTrainedTokenizerBase,
+    resume: weights.Resume | None,
+) -> None:
     push = s.weight_push == "nccl"
     core = TrainerCore(
         runner,
@@ -532,7 +544,7 @@ async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resu
         },
         keep_push_state=push,
     )
-    health_box: list = []
+    health_box: list[Health] = []
 
     async def not_serving() -> None:
         if health_box:
@@ -541,7 +553,7 @@ async def amain(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer, resu
     trainer = Trainer(core, pusher=weight_pusher(s, d) if push else None, step_delay_s=s.test_step_delay_s)
     servicer = TrainerServicer(trainer, on_broken=not_serving)
 
-    def register(server):
+    def register(server: grpc.aio.Server) -> list[str]:
         trainer_pb2_grpc.add_TrainerServicer_to_server(servicer, server)
         return [trainer_pb2.DESCRIPTOR.services_by_name["Trainer"].full_name]
 

@@ -19,7 +19,7 @@ from tether.common.grpc_server import run_to_end
 from tether.common.records import RecordError, SampleRecord
 from tether.trainer.nccl_push import PushError
 from tether.trainer.steps import InvalidGroup, NotReady, StepFailed, StepRecord, Trainer, TrainerBroken
-from tether.v1 import trainer_pb2, trainer_pb2_grpc
+from tether.v1 import trainer_pb2, trainer_pb2_grpc, types_pb2
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self.trainer = trainer
         self.on_broken = on_broken
 
-    async def SubmitGroup(self, request, context):
+    async def SubmitGroup(
+        self, request: trainer_pb2.SubmitGroupRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.SubmitGroupResponse:
         try:
             samples = [SampleRecord.from_proto(p) for p in request.samples]
         except RecordError as exc:
@@ -49,7 +51,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         return trainer_pb2.SubmitGroupResponse(buffered_groups=buffered, duplicate=duplicate)
 
-    async def TrainStep(self, request, context):
+    async def TrainStep(
+        self, request: trainer_pb2.TrainStepRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.TrainStepResponse:
         # Shielded: a caller that goes away (a killed scheduler) cancels this handler, never the step,
         # so the weights, the checkpoint and the step record cannot part ways.
         try:
@@ -82,7 +86,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"{exc}; restart the trainer to resume")
         return self._response(record)
 
-    async def PushWeights(self, request, context):
+    async def PushWeights(
+        self, request: trainer_pb2.PushWeightsRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.PushWeightsResponse:
         if self.trainer.pusher is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -118,7 +124,9 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
             replayed=record.replayed,
         )
 
-    async def GetStatus(self, request, context):
+    async def GetStatus(
+        self, request: types_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.TrainerStatus:
         st = self.trainer.core.status()
         if st["last_step"] is None:
             del st["last_step"]

@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 import torch
@@ -43,6 +43,11 @@ from tether.trainer.weights import (
     optimizer_staging,
     save_checkpoint,
 )
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from tether.trainer.nccl_push import PushReport
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +206,7 @@ class StepRunner:
         self.cfg = cfg
         self.d = d
         self.lora = hasattr(model, "get_base_model")
-        self.hf_model = model.get_base_model() if self.lora else model
+        self.hf_model = distributed.hf_model(model)
         self.vocab_size = int(self.hf_model.config.vocab_size)
 
     def run(self, samples: list[SampleRecord], version: int) -> StepOutput:
@@ -343,7 +348,7 @@ class TrainerCore:
     def __init__(
         self,
         runner: StepRunner,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         checkpoint_root: Path,
         *,
         keep: int = 3,
@@ -619,7 +624,7 @@ class Trainer:
             time.sleep(self.step_delay_s)
         return self.core.execute(plan)
 
-    async def push(self, version: int):
+    async def push(self, version: int) -> PushReport:
         """Path 2: stream the weights of `version` into vLLM's workers, then drop vLLM's prefix cache.
         Returns the pusher's report (buckets, tensors, bytes, seconds)."""
         async with self.lock:  # the weights must not change under the broadcast

@@ -301,8 +301,9 @@ def measure_activations(
         per_token = max((b2 - b1 - 3 * per_pair * n * n) / n, 0.0)
         checkpointed = per_token
         if cfg.checkpointing != "off":
-            hidden = int(core.get_input_embeddings().weight.shape[1])
-            residual = core.get_input_embeddings().weight.element_size()
+            embeddings = distributed.hf_model(model).get_input_embeddings()
+            hidden = int(embeddings.weight.shape[1])
+            residual = embeddings.weight.element_size()
             checkpointed = max(saved(2 * n, True) - saved(n, True), 0.0) / n + layers * hidden * residual
     finally:
         set_activation_checkpointing(model, False)
@@ -517,10 +518,7 @@ def plan_micro_batches(
 
 
 def _accepts(model: torch.nn.Module, name: str) -> bool:
-    core = distributed.unwrap(model)
-    if hasattr(core, "get_base_model"):  # peft
-        core = core.get_base_model()
-    return name in inspect.signature(core.forward).parameters
+    return name in inspect.signature(distributed.hf_model(model).forward).parameters
 
 
 def target_logprobs(
@@ -692,7 +690,7 @@ _SUMS = (
 _PEAKS = ("abs_diff_max", "ratio_max", "ratio_min_neg")
 
 
-def _autocast(device: torch.device, bf16: bool):
+def _autocast(device: torch.device, bf16: bool) -> contextlib.AbstractContextManager[object]:
     if bf16 and device.type == "cuda":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()

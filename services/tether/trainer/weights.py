@@ -24,9 +24,13 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from peft import PeftMixedModel, PeftModel
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +67,8 @@ def optimizer_staging(root: Path, version: int) -> Path:
 
 
 def save_checkpoint(
-    model: torch.nn.Module,
-    tokenizer,
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
     root: Path,
     version: int,
     keep: int = 3,
@@ -161,13 +165,14 @@ def merged_lora_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tenso
     so inference loads a plain HF checkpoint. Out of place: the trained adapter is left untouched."""
     from peft.tuners.lora import LoraLayer
 
-    base = peft_model.get_base_model()
+    base = cast("PeftModel", peft_model).get_base_model()
     deltas: dict[str, torch.Tensor] = {}
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             delta = None
             for adapter in module.active_adapters:
-                d = module.get_delta_weight(adapter)
+                # Declared by each kind of LoRA layer (Linear, Embedding, Conv...), not by their base class.
+                d = module.get_delta_weight(adapter)  # type: ignore[attr-defined]
                 delta = d if delta is None else delta + d
             if delta is not None:
                 deltas[f"{name}.weight"] = delta.detach()
@@ -180,8 +185,9 @@ def merged_lora_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tenso
     return out
 
 
-def load_model(model_dir: str | Path, seed: int):
-    """The HF causal LM (fp32) and its tokenizer from a local folder, with the seed set first."""
+def load_model(model_dir: str | Path, seed: int) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
+    """The HF causal LM (fp32) and its tokenizer from a local folder, with the seed set first. The model
+    typed as the torch module it is (its HF attributes through `distributed.hf_model`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.manual_seed(seed)
@@ -190,7 +196,9 @@ def load_model(model_dir: str | Path, seed: int):
     return model, tokenizer
 
 
-def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: str):
+def apply_lora(
+    model: torch.nn.Module, rank: int, alpha: float, dropout: float, targets: str
+) -> PeftModel | PeftMixedModel:
     """LoRA adapters (peft) on `targets`: "all-linear" or comma-separated module names."""
     try:
         from peft import LoraConfig, get_peft_model
@@ -200,6 +208,11 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float, dropout: float, 
         ) from exc
     modules: str | list[str] = targets if targets == "all-linear" else [t.strip() for t in targets.split(",")]
     config = LoraConfig(
-        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=modules, task_type="CAUSAL_LM"
+        r=rank,
+        # Declared int; peft scales by lora_alpha / r, and a fractional alpha is a setting users make.
+        lora_alpha=alpha,  # type: ignore[arg-type]
+        lora_dropout=dropout,
+        target_modules=modules,
+        task_type="CAUSAL_LM",
     )
     return get_peft_model(model, config)
