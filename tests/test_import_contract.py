@@ -2,7 +2,7 @@
 
 - Each service room imports only the shared hallway (`tether.common`, `tether.algorithms`,
   `tether.v1`) and its own room; the shared packages import no room. Static, over the AST of every
-  module, lazy imports inside functions included. (cli.py, launcher.py, tether.demo and
+  module, lazy imports inside functions included. (tether.cli, launcher.py, tether.demo and
   tether.examples sit above the services and may import any of them.)
 - The torch-free services (gateway, merger, scheduler, inference adapter, agent worker) never import
   torch, transformers or matplotlib: statically (no such import anywhere in their rooms or in the
