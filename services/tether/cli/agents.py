@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 
-from tether.cli.stack import stack_state
+from tether.cli.stack import stack_state, use_stack_token
 
 
 def cmd_agent(args) -> int:
@@ -15,6 +15,7 @@ def cmd_agent(args) -> int:
     from tether.common.logs import setup_logging
 
     state = {} if (args.redis_url and args.gateway) else stack_state()
+    use_stack_token(state)
     s = AgentSettings(
         redis_url=args.redis_url or state["redis_url"],
         namespace=args.namespace or state.get("namespace", "tether"),

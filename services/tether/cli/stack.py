@@ -75,6 +75,16 @@ def stack_state() -> dict:
     return json.loads(STATE_FILE.read_text())
 
 
+def use_stack_token(state: dict) -> None:
+    """A process this command runs beside the stack (`tether agent`'s worker) serves gRPC as the
+    stack's own processes do: requiring the stack's service token (`.tether/service-token`, which
+    `state` names), unless the user gave a token of their own."""
+    from tether.common.grpc_server import TOKEN_FILE_ENV, token_given
+
+    if state.get("service_token_file") and not token_given():
+        os.environ[TOKEN_FILE_ENV] = state["service_token_file"]
+
+
 def running(pid: int) -> bool:
     """Alive and not a zombie (a launcher whose parent has not reaped it yet has stopped)."""
     try:
