@@ -231,3 +231,76 @@ def tether_jsonl(cwd: Path, *args: str) -> list[dict]:
     """`tether ARGS` run in `cwd` (the stack's directory), its JSON-lines output parsed."""
     out = subprocess.run([*TETHER, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=True)
     return jsonl(out.stdout)
+
+
+# Each gRPC address `.tether/stack.json` lists -> the Tether service served there (tether/v1 protos).
+STACK_SERVICES = {
+    "gateway_grpc": ("gateway_pb2", "GatewayControl"),
+    "merger": ("merger_pb2", "Merger"),
+    "scheduler": ("scheduler_pb2", "Scheduler"),
+    "trainer": ("trainer_pb2", "Trainer"),
+    "inference": ("inference_pb2", "Inference"),
+}
+REFLECTION = "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo"
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
+def service_methods(module: str, service: str) -> list[tuple[str, bool, bool]]:
+    """(path, client streaming, server streaming) of every method of a tether.v1 service, and of the
+    reflection every server also serves."""
+    import importlib
+
+    desc = importlib.import_module(f"tether.v1.{module}").DESCRIPTOR.services_by_name[service]
+    methods = [(f"/{desc.full_name}/{m.name}", m.client_streaming, m.server_streaming) for m in desc.methods]
+    return [*methods, (REFLECTION, True, True)]
+
+
+def call_codes(address: str, methods: list[tuple[str, bool, bool]], token: str = "") -> dict[str, object]:
+    """Each method called once on `address` with an empty request, with `authorization: Bearer
+    token` (none when ""): the status code each got (grpc.StatusCode.OK when it answered). Without the
+    token a server refuses before the method runs; never call a method that acts (Pause, LoadWeights,
+    Stop ...) with it."""
+    import grpc
+
+    metadata = [("authorization", f"Bearer {token}")] if token else None
+    out: dict[str, object] = {}
+    with grpc.insecure_channel(address) as ch:
+        for path, streams_in, streams_out in methods:
+            kind = {
+                (False, False): ch.unary_unary,
+                (False, True): ch.unary_stream,
+                (True, False): ch.stream_unary,
+                (True, True): ch.stream_stream,
+            }[(streams_in, streams_out)]
+            request = iter([b""]) if streams_in else b""
+            try:
+                reply = kind(path)(request, timeout=30, metadata=metadata)
+                if streams_out:
+                    list(reply)
+                out[path] = grpc.StatusCode.OK
+            except grpc.RpcError as exc:
+                out[path] = exc.code()
+    return out
+
+
+def assert_every_method_needs_the_token(addresses: dict[str, str], token: str) -> set[str]:
+    """Every gRPC method of every service of a stack that `addresses` lists (each gateway replica's
+    control included), and reflection, refuses a call without the service token (UNAUTHENTICATED) or
+    with another; health answers without it; a read-only method answers with it. Returns the services
+    checked."""
+    import grpc
+
+    targets = [(addresses[name], *spec) for name, spec in STACK_SERVICES.items() if name in addresses]
+    targets += [
+        (a, *STACK_SERVICES["gateway_grpc"]) for a in addresses.get("gateway_controls", "").split(",") if a
+    ]
+    for address, module, service in targets:
+        methods = service_methods(module, service)
+        for token_sent in ("", "not-the-token"):
+            codes = call_codes(address, methods, token_sent)
+            assert set(codes.values()) == {grpc.StatusCode.UNAUTHENTICATED}, (address, service, codes)
+        assert call_codes(address, [(HEALTH_CHECK, False, False)]) == {HEALTH_CHECK: grpc.StatusCode.OK}
+        read = {"GatewayControl": "GetAdmission", "Scheduler": "GetRun", "Inference": "GetWeightVersion"}
+        path = next(p for p, _, _ in methods if p.endswith(f"/{read.get(service, 'GetStatus')}"))
+        assert call_codes(address, [(path, False, False)], token) == {path: grpc.StatusCode.OK}, address
+    return {service for _, _, service in targets}

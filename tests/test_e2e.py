@@ -92,6 +92,9 @@ def test_no_process_left_behind(demo):
     assert state.get("stopped") is True
     assert not alive(state["launcher_pid"])
     assert state["pids"] and not [name for name, pid in state["pids"].items() if alive(pid)]
+    # The demo's processes spoke with the stack's own service token; the file went with the stack.
+    assert state["service_token_file"] == str((work / ".tether" / "service-token").resolve())
+    assert not (work / ".tether" / "service-token").exists()
     vllm_port = state["addresses"]["vllm_url"].rsplit(":", 1)[1]
     left = subprocess.run(["pgrep", "-f", f"api_server.*--port {vllm_port}"], capture_output=True, text=True)
     assert left.stdout.split() == [], "vLLM outlived the stack"

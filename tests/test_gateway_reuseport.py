@@ -17,6 +17,7 @@ import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +26,7 @@ from gateway_helpers import ADMIN, InProcessGateway, bearer, gateway_settings, t
 from test_metrics_ports import value
 
 from tether.common.broker import Keys
+from tether.common.grpc_server import channel
 from tether.common.net import free_port
 from tether.common.retry import Retrying
 from tether.launcher import Stack, start_gateways, wait_gateways
@@ -174,10 +176,11 @@ def test_pause_and_resume_reach_every_replica(pair, rdb):
     controls = stack.addresses["gateway_controls"].split(",")
     rollout = create(url)
 
-    async def control(method: str, request) -> tuple[gateway_pb2.AdmissionStatus, list]:
-        import grpc
+    # The launcher gave the replicas the stack's service token: the scheduler's calls carry it.
+    token = Path(stack.service_token_file).read_text().strip()
 
-        channels = {a: grpc.aio.insecure_channel(a) for a in controls}
+    async def control(method: str, request) -> tuple[gateway_pb2.AdmissionStatus, list]:
+        channels = {a: channel(a, wait_for_ready=False, token=token, tls=None) for a in controls}
         try:
             stubs = [gateway_pb2_grpc.GatewayControlStub(c) for c in channels.values()]
             replicas = GatewayReplicas(

@@ -2,7 +2,7 @@
 
 - Each service room imports only the shared hallway (`tether.common`, `tether.algorithms`,
   `tether.v1`) and its own room; the shared packages import no room. Static, over the AST of every
-  module, lazy imports inside functions included. (cli.py, launcher.py, tether.demo and
+  module, lazy imports inside functions included. (tether.cli, launcher.py, tether.demo and
   tether.examples sit above the services and may import any of them.)
 - The torch-free services (gateway, merger, scheduler, inference adapter, agent worker) never import
   torch, transformers or matplotlib: statically (no such import anywhere in their rooms or in the
@@ -103,6 +103,77 @@ def test_the_shared_packages_import_no_service_room(package: str) -> None:
         if room_of(mod) is not None and room_of(mod) not in SHARED
     ]
     assert not bad, "\n".join(bad)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Each module of the tether package (the generated tether.v1 aside) -> the tether modules it
+    imports, statically, lazy and TYPE_CHECKING imports included; `from tether.common import retry`
+    counts as importing the submodule tether.common.retry."""
+    paths = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(SERVICES).with_suffix("").parts)
+        if parts[1:2] != ["v1"]:
+            paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in paths.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                found |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = package[: len(package) - node.level + 1] if node.level else []
+                module = ".".join([*base, node.module] if node.module else base)
+                found |= {
+                    f"{module}.{a.name}" if f"{module}.{a.name}" in paths else module for a in node.names
+                }
+        graph[name] = {m for m in found if m in paths and m != name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The groups of modules that import one another, directly or around a loop (the strongly
+    connected components of more than one module, Tarjan's algorithm), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while (w := stack.pop()) != v:
+                group.append(w)
+            if group:
+                cycles.append(sorted([v, *group]))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(cycles)
+
+
+def test_the_cycle_check_finds_loops_and_only_loops() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a", "e"}, "e": {"d"}, "f": {"a"}}
+    assert import_cycles(graph) == [["a", "b", "c"], ["d", "e"]]
+    assert import_cycles({"a": {"b"}, "b": set()}) == []
+    # The walk resolves `from tether.common import x` to the submodule and sees lazy imports.
+    assert "tether.common.retry" in module_graph()["tether.common.grpc_server"]
+
+
+def test_no_module_imports_itself_back() -> None:
+    """Imports only run downward: no two modules of the package import each other, directly or
+    around a loop, lazily or not (tether.common.broker and tether.common.settings did until both
+    built on tether.common.keys)."""
+    assert import_cycles(module_graph()) == []
 
 
 @pytest.mark.parametrize("package", [*TORCH_FREE, "common", "v1"])

@@ -21,7 +21,7 @@ from gateway_helpers import InProcessGateway, bearer, gateway_settings, trace_co
 from redis.crc import key_slot
 from redis_cluster import LocalRedisCluster
 
-from tether.cli import _dump_traces
+from tether.cli.inspection import dump_traces
 from tether.common import broker
 from tether.common.broker import Keys, trace_partition
 from tether.common.grpc_server import cancel_until_done
@@ -191,8 +191,8 @@ def test_the_gateway_records_many_rollouts_into_partitions_on_every_master(clust
 
     # `tether traces` reads every partition (and one rollout's alone).
     rid = rollouts[0]["rollout_id"]
-    assert asyncio.run(_dump_traces(cluster.url, gw.keys.ns, None, None)) == trace_count(rdb, gw.keys)
-    assert asyncio.run(_dump_traces(cluster.url, gw.keys.ns, None, rid)) == 2
+    assert asyncio.run(dump_traces(cluster.url, gw.keys.ns, None, None)) == trace_count(rdb, gw.keys)
+    assert asyncio.run(dump_traces(cluster.url, gw.keys.ns, None, rid)) == 2
 
 
 def test_session_calls_are_recorded_and_rewarded_on_the_cluster(cluster, vllm):

@@ -13,7 +13,7 @@ import grpc
 import pytest
 from fake_control import FakeGateway, FakeInference, FakeTrainer, rpc_error
 
-from tether.cli import _run_status
+from tether.cli.stack import run_status
 from tether.common import broker
 from tether.common.records import PendingStep, RunState
 from tether.scheduler.run import Run, RunConfig, Stubs
@@ -203,9 +203,9 @@ async def test_a_new_run_id_starts_afresh_and_every_reader_sees_the_state(redis_
         await run.save_state(status="rolling_out", step=1, reward_mean=float("nan"))
         with pytest.raises(TypeError):
             await run.save_state(stauts="done")  # a misspelt field is refused, not written
-        state = _run_status(redis_url, "t")
+        state = run_status(redis_url, "t")
         assert (state.status, state.step, state.total_steps) == ("rolling_out", 1, 4)
-        assert _run_status(redis_url, "elsewhere") is None
+        assert run_status(redis_url, "elsewhere") is None
         answer = SchedulerServicer(run)._state()
         assert (answer.status, answer.step, answer.total_steps, answer.reward_mean) == (
             "rolling_out",

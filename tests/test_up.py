@@ -1,15 +1,19 @@
 """`tether up` serves agents the user runs: rollouts created over HTTP, calls through the official
 openai SDK, rewards reported, the group trained on and pushed, then `tether down` stops it all. The
-gateway runs as two replicas on one port (`--gateway-replicas 2`): the push pauses and resumes both."""
+gateway runs as two replicas on one port (`--gateway-replicas 2`): the push pauses and resumes both.
+Secure by default: the stack's own service token (`.tether/service-token`, mode 0600) is required by
+every gRPC method of every service (health aside), the training step above went through with it, and
+the file is gone once the stack stopped."""
 
 from __future__ import annotations
 
 import json
+import stat
 
 import httpx
 import openai
 import pytest
-from stack_helpers import tether_up, wait_for
+from stack_helpers import assert_every_method_needs_the_token, tether_up, wait_for
 from test_metrics_ports import value
 
 pytestmark = pytest.mark.slow
@@ -47,3 +51,9 @@ def test_up_trains_on_groups_users_complete(tmp_path):
         assert {"gateway", "gateway-1"} <= set(state["pids"])
         scrapes = [httpx.get(u, timeout=10).text for u in state["addresses"]["gateway_metrics"].split(",")]
         assert [value(t, "tether_gateway_weight_version") for t in scrapes] == [1.0, 1.0]
+        token_file = tmp_path / ".tether" / "service-token"
+        assert state["service_token_file"] == str(token_file.resolve())
+        assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+        checked = assert_every_method_needs_the_token(state["addresses"], token_file.read_text().strip())
+        assert checked == {"GatewayControl", "Merger", "Scheduler", "Trainer", "Inference"}
+    assert not token_file.exists()

@@ -12,6 +12,14 @@ lose in Redis or on disk and picks up from there. Not restarted: exit 0 (a servi
 own: the stack cannot go on without it), exit status 2 (settings refused at start-up: the same command
 cannot do better) and anything once the stack is stopping (`tether down`, Ctrl-C).
 
+Secure by default: every stack has a service token of its own, a new random one written to
+`.tether/service-token` (mode 0600, its owner alone reads it; `Stack.token_path`) before its first
+process starts, and named to every process by TETHER_SERVICE_TOKEN_FILE: each gRPC server of the stack
+refuses a call without it (health aside), each client sends it. A token the user gave
+(TETHER_SERVICE_TOKEN or TETHER_SERVICE_TOKEN_FILE in their environment) is used instead, and nothing
+is written. `.tether/stack.json` names the file (`service_token_file`), never the token; the stack
+removes it when it stops.
+
 Only the cli uses this module; no service imports it.
 """
 
@@ -31,6 +39,7 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tether.common.grpc_server import TOKEN_FILE_ENV, token_given, write_token_file
 from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
 from tether.common.settings import SETTINGS_REFUSED
@@ -38,6 +47,8 @@ from tether.common.tls import HEALTH_PORT_ENV, sync_channel, tls_from_env
 
 STATE_DIR = Path(".tether")
 STATE_FILE = STATE_DIR / "stack.json"
+# The stack's service token, next to its state file.
+TOKEN_FILE_NAME = "service-token"
 MAX_RESTARTS = 5
 MAX_BACKOFF_S = 8.0
 # The first wait between restarts; each further one doubles it, up to MAX_BACKOFF_S.
@@ -154,10 +165,31 @@ class Stack:
     # and the TETHER_* names of the flags the user gave (they win over the config).
     config: dict[str, dict] = field(default_factory=dict)
     explicit: frozenset[str] = frozenset()
+    # The service token's file once the stack wrote one ("": not yet, or the user gave their own).
+    service_token_file: str = ""
+    _token: str = field(default="", init=False, repr=False)
 
     @property
     def log_dir(self) -> Path:
         return self.run_dir / "logs"
+
+    @property
+    def token_path(self) -> Path:
+        """Where the stack's service token goes: its `.tether/` (beside the state file; a stack with
+        none, a bench's or a test's, has one in its run directory)."""
+        state_dir = self.state_file.parent if self.state_file is not None else self.run_dir / STATE_DIR
+        return state_dir / TOKEN_FILE_NAME
+
+    def token_env(self) -> dict[str, str]:
+        """TETHER_SERVICE_TOKEN_FILE naming the stack's token, written the first time it is asked for;
+        nothing when the user gave a token of their own (it reaches every process with their
+        environment)."""
+        if token_given():
+            return {}
+        if not self.service_token_file:
+            self._token = write_token_file(self.token_path)
+            self.service_token_file = str(self.token_path.resolve())
+        return {TOKEN_FILE_ENV: self.service_token_file}
 
     def base_env(self) -> dict[str, str]:
         """Every process's environment: the user's, TETHER_* settings included (each service reads the
@@ -172,6 +204,7 @@ class Stack:
             PYTHONUNBUFFERED="1",
             OMP_NUM_THREADS="1",
             TOKENIZERS_PARALLELISM="false",
+            **self.token_env(),
         )
         return env
 
@@ -270,6 +303,7 @@ class Stack:
     def write_state(self) -> None:
         if self.state_file is None:
             return
+        self.token_env()  # the token exists before the stack says where it runs
         self.state_file.parent.mkdir(exist_ok=True)
         self.state_file.write_text(
             json.dumps(
@@ -281,6 +315,7 @@ class Stack:
                     "model_dir": self.model_dir,
                     "namespace": self.namespace,
                     "addresses": self.addresses,
+                    "service_token_file": self.service_token_file,
                     "pids": {p.name: p.popen.pid for p in self.procs},
                     "restarts": {p.name: p.restarts for p in self.procs},
                 },
@@ -308,6 +343,7 @@ class Stack:
                 p.popen.wait(timeout=5)
             except subprocess.TimeoutExpired:
                 pass
+        self._remove_token()
         if self.state_file is None:
             return
         try:
@@ -316,6 +352,18 @@ class Stack:
                 state["stopped"] = True
                 self.state_file.write_text(json.dumps(state, indent=2))
         except (OSError, ValueError):
+            pass
+
+    def _remove_token(self) -> None:
+        """The token file, once nothing of the stack runs -- unless another stack started here since
+        and wrote its own over it."""
+        if not self.service_token_file:
+            return
+        path = Path(self.service_token_file)
+        try:
+            if path.read_text().strip() == self._token:
+                path.unlink()
+        except OSError:
             pass
 
 

@@ -4,8 +4,10 @@ service token that every call between Tether's services carries.
 Service token: with TETHER_SERVICE_TOKEN (or TETHER_SERVICE_TOKEN_FILE, a mounted secret; it wins) set,
 every server refuses a call whose metadata lacks `authorization: Bearer <token>` with UNAUTHENTICATED,
 and every client channel made by `channel()` sends it. Health checks are exempt: kubelet's gRPC
-probes and container HEALTHCHECKs cannot send metadata, and health reveals nothing. Unset, calls are
-not checked (the local stack on loopback); Compose and the Helm chart always set it.
+probes and container HEALTHCHECKs cannot send metadata, and health reveals nothing. Compose and the
+Helm chart always set it; the local launcher (`tether up`, `tether demo`, ...) writes a new one per
+stack (`write_token_file`) unless the user gave one. Unset, calls are not checked (a service started
+by hand, a test's in-process server).
 
 TLS (optional; tether.common.tls reads the TETHER_TLS_* files): every server serves TLS, requiring a
 client certificate from the CA when one is given (mutual TLS), and every channel made by `channel()`
@@ -19,8 +21,10 @@ import asyncio
 import hmac
 import logging
 import os
+import secrets
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -60,6 +64,32 @@ def service_token(environ: dict[str, str] | None = None) -> str:
             raise RuntimeError(f"{TOKEN_FILE_ENV}={path}: the file is empty")
         return token
     return env.get(TOKEN_ENV, "").strip()
+
+
+def token_given(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether the environment names a service token (TETHER_SERVICE_TOKEN_FILE or TETHER_SERVICE_TOKEN,
+    not empty): the user's own, which then wins over one the launcher would write."""
+    env = os.environ if environ is None else environ
+    return bool(env.get(TOKEN_FILE_ENV, "").strip() or env.get(TOKEN_ENV, "").strip())
+
+
+def write_token_file(path: Path) -> str:
+    """A new service token (256 random bits, URL-safe) written to `path`, readable and writable by its
+    owner alone (mode 0600) from the moment the file exists, whatever the umask: made under a temporary
+    name with that mode, then renamed over `path` (a process starting meanwhile reads the old token or
+    the new, never half of one). Returns the token."""
+    token = secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.unlink(missing_ok=True)  # left by a process of the same pid that died here
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # the umask can only take bits away; this makes the mode exact
+        os.write(fd, f"{token}\n".encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    return token
 
 
 def _bearer(metadata: Any) -> str:

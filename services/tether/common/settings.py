@@ -19,11 +19,14 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+# Pure key names (no Redis, no metrics): the broker builds on the same module, never on this one.
+from tether.common.keys import DEFAULT_TRACE_PARTITIONS, Keys, PartitionMismatch
 
 log = logging.getLogger("tether.settings")
 
@@ -35,21 +38,9 @@ RUN_KEYS = frozenset({"model", "example", "description"})
 SECTIONS = frozenset({"gateway", "merger", "trainer", "scheduler", "kube", "inference", "agent"})
 SETTINGS_REFUSED = 2  # exit status for settings refused at start-up (supervisors need not restart it)
 
-if TYPE_CHECKING:  # broker registers the dead-letter counter: only the processes that use Redis import it
-    from tether.common.broker import Keys
-
 # How new weights reach inference, set on the scheduler and the trainer alike: "checkpoint" (path 1,
 # inference reloads the checkpoint) or "nccl" (path 2, the trainer streams them; docs/weight-push.md).
 WeightPush = Literal["checkpoint", "nccl"]
-
-# The trace stream's partitions by default (TETHER_TRACE_PARTITIONS; broker.Keys): on a Redis Cluster each
-# is a hash slot of its own, so that the recording load spreads over the masters.
-DEFAULT_TRACE_PARTITIONS = 4
-
-
-class PartitionMismatch(RuntimeError):
-    """This process's TETHER_TRACE_PARTITIONS differs from the one the run's Redis recorded
-    (broker.agree_trace_partitions): a refused setting."""
 
 
 class CommonSettings(BaseSettings):
@@ -96,8 +87,6 @@ class RedisSettings(CommonSettings):
 
     def keys(self) -> Keys:
         """The run's Redis keys (namespace and trace partitions)."""
-        from tether.common.broker import Keys
-
         return Keys(self.namespace, self.trace_partitions)
 
 

@@ -1,0 +1,224 @@
+"""What a run recorded, read from its Redis (or, once the stack stopped, from its append-only file):
+`tether traces`, `samples`, `metrics`, `dead-letters`, each as JSON lines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from tether.cli.stack import stack_state
+
+
+async def _trace_keys(r, namespace: str, given: int | None):
+    """The run's keys with its trace partitions: --trace-partitions, else the count the run's services
+    recorded in Redis, else TETHER_TRACE_PARTITIONS (or its default)."""
+    from tether.common.broker import DEFAULT_TRACE_PARTITIONS, Keys, recorded_trace_partitions
+
+    partitions = given or await recorded_trace_partitions(r, Keys(namespace))
+    return Keys(
+        namespace, partitions or int(os.environ.get("TETHER_TRACE_PARTITIONS") or DEFAULT_TRACE_PARTITIONS)
+    )
+
+
+async def _dump(stream_attr: str, redis_url: str, namespace: str, keys_filter) -> int:
+    from tether.common import broker
+
+    r = broker.connect(redis_url)
+    try:
+        n = 0
+        for _, record in await broker.read_all(r, getattr(broker.Keys(namespace), stream_attr)):
+            if keys_filter(record):
+                sys.stdout.write(json.dumps(record) + "\n")
+                n += 1
+        return n
+    finally:
+        await r.aclose()
+
+
+def _with_redis(args, fn) -> int:
+    """Run fn(redis_url, namespace) against the stack's Redis; when the stack has stopped, open
+    its append-only file with a temporary embedded Redis (the trace store outlives the run)."""
+    import redis
+
+    from tether.common.broker import connect_sync
+    from tether.common.net import free_port
+    from tether.common.redis_server import start_embedded_redis
+
+    state = {} if args.redis_url else stack_state()
+    url = args.redis_url or state["redis_url"]
+    namespace = args.namespace or state.get("namespace", "tether")
+    try:
+        connect_sync(url).ping()
+    except (redis.ConnectionError, redis.exceptions.RedisClusterException):
+        if not state.get("redis_data"):
+            raise SystemExit(f"Redis at {url} is not reachable") from None
+        proc = start_embedded_redis(Path(state["redis_data"]), free_port())
+        try:
+            url = f"redis://127.0.0.1:{proc.args[proc.args.index('--port') + 1]}/0"
+            return fn(url, namespace)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    return fn(url, namespace)
+
+
+async def dump_traces(redis_url: str, namespace: str, partitions: int | None, rollout_id: str | None) -> int:
+    """Every partition of the trace stream, oldest first; with `rollout_id`, its partition alone."""
+    from tether.common import broker
+
+    r = broker.connect(redis_url)
+    try:
+        keys = await _trace_keys(r, namespace, partitions)
+        if rollout_id:
+            rows = await broker.read_all(r, keys.traces(rollout_id))
+        else:
+            rows = await broker.read_traces(r, keys)
+        n = 0
+        for _, record in rows:
+            if not rollout_id or (isinstance(record, dict) and record.get("rollout_id") == rollout_id):
+                sys.stdout.write(json.dumps(record) + "\n")
+                n += 1
+        return n
+    finally:
+        await r.aclose()
+
+
+def cmd_traces(args) -> int:
+    given = getattr(args, "trace_partitions", None)
+    _with_redis(args, lambda url, ns: asyncio.run(dump_traces(url, ns, given, args.rollout)))
+    return 0
+
+
+async def _dump_mismatches(redis_url: str, namespace: str, model_dir: str | None) -> int:
+    from tether.common import broker
+    from tether.merger.consumer import mismatch_stream
+    from tether.merger.merge import format_mismatch
+
+    decode = None
+    if model_dir:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+        def decode(ids):
+            return tokenizer.decode(ids, skip_special_tokens=False)
+
+    r = broker.connect(redis_url)
+    try:
+        rows = await broker.read_all(r, mismatch_stream(broker.Keys(namespace)))
+        for _, rec in rows:
+            if decode is None:
+                sys.stdout.write(json.dumps(rec) + "\n")
+            else:
+                sys.stdout.write(format_mismatch(rec, decode) + "\n\n")
+        return len(rows)
+    finally:
+        await r.aclose()
+
+
+def cmd_samples(args) -> int:
+    if args.mismatches:
+        model_dir = args.model
+        if model_dir is None and not args.redis_url:
+            model_dir = stack_state().get("model_dir")
+        _with_redis(args, lambda url, ns: asyncio.run(_dump_mismatches(url, ns, model_dir)))
+        return 0
+
+    def keep(rec):
+        return (not args.rollout or rec.get("rollout_id") == args.rollout) and (
+            not args.group or rec.get("group_id") == args.group
+        )
+
+    _with_redis(args, lambda url, ns: asyncio.run(_dump("samples", url, ns, keep)))
+    return 0
+
+
+def cmd_metrics(args) -> int:
+    _with_redis(args, lambda url, ns: asyncio.run(_dump("metrics", url, ns, lambda rec: True)))
+    return 0
+
+
+async def _dead_letters(redis_url: str, namespace: str, as_json: bool) -> int:
+    """The dead-letter stream: one line per entry (stream, reason, record type, time), then the count
+    per stream it came from; with `as_json`, JSON lines (each entry, then one {"counts": ...})."""
+    from collections import Counter
+
+    from tether.common import broker
+
+    keys = broker.Keys(namespace)
+    r = broker.connect(redis_url)
+    try:
+        rows = await broker.read_all(r, keys.dead_letter)
+    finally:
+        await r.aclose()
+    counts: Counter = Counter()
+    for entry_id, rec in rows:
+        if not isinstance(rec, dict):
+            rec = {"record": rec}
+        source = keys.short(str(rec.get("stream", "")))
+        counts[source] += 1
+        at = float(rec.get("dead_lettered_at") or int(entry_id.split("-")[0]) / 1000)
+        if as_json:
+            sys.stdout.write(json.dumps({"id": entry_id, **rec, "stream": source, "at": at}) + "\n")
+        else:
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(at))
+            what = rec.get("record_type") or "unknown"
+            sys.stdout.write(f"{when}Z  {source}  {what}  {entry_id}  {rec.get('reason', '')}\n")
+    if as_json:
+        sys.stdout.write(json.dumps({"counts": dict(counts)}) + "\n")
+    else:
+        total = ", ".join(f"{name}: {n}" for name, n in sorted(counts.items())) or "none"
+        sys.stdout.write(f"{len(rows)} dead-lettered ({total})\n")
+    return len(rows)
+
+
+def cmd_dead_letters(args) -> int:
+    _with_redis(args, lambda url, ns: asyncio.run(_dead_letters(url, ns, args.json)))
+    return 0
+
+
+def add_inspection(sub) -> None:
+    for name, fn, help_ in (
+        ("traces", cmd_traces, "print recorded LLM calls as JSON lines"),
+        ("samples", cmd_samples, "print what the trainer consumed as JSON lines"),
+        (
+            "metrics",
+            cmd_metrics,
+            "print the run's training steps (reward, weight version, ...) as JSON lines",
+        ),
+    ):
+        c = sub.add_parser(name, help=help_)
+        if name != "metrics":
+            c.add_argument("--rollout")
+        if name == "samples":
+            c.add_argument("--group")
+            c.add_argument(
+                "--mismatches",
+                action="store_true",
+                help="show prefix mismatches (forks) as decoded token diffs instead",
+            )
+            c.add_argument(
+                "--model", help="tokenizer directory for --mismatches (default: the stack's model)"
+            )
+        if name == "traces":
+            c.add_argument(
+                "--trace-partitions",
+                type=int,
+                help="partitions of the trace stream (default: the run's, as its services recorded it in Redis)",
+            )
+        c.add_argument("--redis-url")
+        c.add_argument("--namespace")
+        c.set_defaults(fn=fn)
+
+    dead = sub.add_parser(
+        "dead-letters", help="list the records consumers gave up on (stream, reason, record type, time)"
+    )
+    dead.add_argument("--json", action="store_true", help="JSON lines, then the counts per stream")
+    dead.add_argument("--redis-url")
+    dead.add_argument("--namespace")
+    dead.set_defaults(fn=cmd_dead_letters)
