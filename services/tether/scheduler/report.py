@@ -75,7 +75,9 @@ def step_record(
     reported none), staleness, and `timing` (rollout_seconds, push_seconds, paused_seconds,
     step_seconds); `previous` (the run's last record) counts the steps in a row that trained nothing."""
     summary = step_summary(results)
-    untrained = 0 if summary["groups_trained"] > 0 else int((previous or {}).get("untrained_steps_in_a_row", 0)) + 1
+    untrained = (
+        0 if summary["groups_trained"] > 0 else int((previous or {}).get("untrained_steps_in_a_row", 0)) + 1
+    )
     stale_max, stale_mean = staleness(results, version_before)
     return {
         "step": step,
