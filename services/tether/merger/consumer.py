@@ -21,6 +21,7 @@ store.py.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -418,7 +419,7 @@ class Merger:
         for entry_id, record in entries:
             try:
                 outcome = await retrying(
-                    lambda record=record: self.handle_session_reward(record), what=f"session entry {entry_id}"
+                    functools.partial(self.handle_session_reward, record), what=f"session entry {entry_id}"
                 )
             except (ValueError, KeyError, TypeError) as exc:  # RecordError: the reward or its trace
                 what = exc.record_type if isinstance(exc, RecordError) else "SessionReward"

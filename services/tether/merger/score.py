@@ -34,8 +34,8 @@ from typing import Any, cast
 
 import numpy as np
 
-from tether.algorithms.advantages import BASELINE_ESTIMATORS, discounted_call_rewards, group_advantages
-from tether.algorithms.names import AdvantageEstimator, AdvantageLevel
+from tether.algorithms.advantages import discounted_call_rewards, group_advantages
+from tether.algorithms.names import BASELINE_ESTIMATORS, AdvantageEstimator, AdvantageLevel
 from tether.common.records import (
     GroupResult,
     MergedRollout,
