@@ -210,6 +210,17 @@ def test_group_verdicts_and_the_reasons_rollouts_will_not_train():
     ] * 2
 
 
+def test_a_member_of_a_trained_group_without_samples_says_why():
+    """A completed rollout with no sequence (a record parked by another merger version) in a trained
+    group: it has no samples, so it did not train."""
+    bare = MergedRollout("c", "g", "t", "completed", 0.5, False, [], 3, calls=1)
+    plan = plan_group("g", [merged("a", 1.0), merged("b", 0.0), bare], "grpo")
+    samples = group_samples(plan)
+    assert plan.outcome == "trained" and {s.rollout_id for s in samples} == {"a", "b"}
+    reasons = {o.rollout_id: o.reason for o in training_outcomes(plan, "trained", samples, 0.0)}
+    assert reasons == {"a": None, "b": None, "c": "no_trainable_calls"}
+
+
 def test_a_running_baseline_group_needs_its_advantages_from_the_caller():
     one = with_estimator(merged("s", 0.8, group_size=1), "running_baseline")
     plan = plan_group("g", [one], "grpo")  # the member's estimator overrides the configured one
