@@ -172,7 +172,8 @@ def test_refused_without_a_rollout_is_logged_and_counted_not_recorded(gw, rdb, c
 
 
 def test_merger_skips_refused_calls(gw, rdb):
-    from tether.merger.consumer import Merger, MergerConfig, trace_to_call
+    from tether.merger.consumer import Merger, MergerConfig
+    from tether.merger.score import trace_to_call
 
     rollout = gw.new_rollout()
     client = gw.client(rollout)

@@ -245,7 +245,8 @@ def _trace(call_id, prompt, response, **kw) -> dict:
 def test_merger_masks_the_constrained_tokens_of_traces():
     from tether.common.broker import Keys
     from tether.common.records import RolloutEvent
-    from tether.merger.consumer import Merger, MergerConfig, build_samples
+    from tether.merger.consumer import Merger, MergerConfig
+    from tether.merger.score import build_samples
 
     records = [
         # A forced call: tokens 0-2 written by the grammar, token 3 free; a further choice fully masked.
@@ -274,7 +275,7 @@ def test_merger_masks_the_constrained_tokens_of_traces():
     assert main["constrained_tokens"] == 3 and main["weight_spans"] == [(2, 5, 6), (2, 7, 9)]
     assert other["loss_mask"] == [0, 0, 0] and other["constrained_tokens"] == 2
     assert branch["loss_mask"] == [0, 0, 0, 0] and branch["constrained_tokens"] == 2
-    samples = build_samples(dict(merged, reward=1.0), 1.0)
+    samples = build_samples(merged, 1.0)  # a MergedRollout (its reward is 1.0)
     assert [s.constrained_tokens for s in samples] == [3, 2, 2]
 
 

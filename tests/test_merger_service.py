@@ -380,7 +380,7 @@ def test_advantage_scale_matches_every_estimator():
     import torch
 
     from tether.algorithms.advantages import ESTIMATORS, group_advantages
-    from tether.merger.consumer import advantage_scale
+    from tether.merger.score import advantage_scale
 
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
     for est in ESTIMATORS:

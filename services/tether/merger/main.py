@@ -17,8 +17,9 @@ from tether.common.logs import setup_logging
 from tether.common.records import SampleRecord
 from tether.common.settings import RedisSettings, refused_settings_exit
 from tether.common.usage import exit_if_help
-from tether.merger.consumer import Merger, MergerConfig
+from tether.merger.consumer import Merger, Submit
 from tether.merger.merge import MergeMode, OverlongPolicy, generation_prompt_tail
+from tether.merger.score import MergerConfig
 from tether.merger.servicer import MergerStatusServicer
 from tether.merger.sidecalls import SideCallRule, compile_patterns
 from tether.v1 import merger_pb2, merger_pb2_grpc, trainer_pb2, trainer_pb2_grpc
@@ -111,7 +112,7 @@ def config_from_settings(s: MergerSettings) -> MergerConfig:
     )
 
 
-def trainer_submitter(trainer: trainer_pb2_grpc.TrainerStub):
+def trainer_submitter(trainer: trainer_pb2_grpc.TrainerStub) -> Submit:
     """The merger's hand-over: one SubmitGroup per scored group (waiting for a restarting trainer)."""
 
     async def submit(group_id: str, samples: list[SampleRecord], rollouts: int) -> None:
@@ -126,7 +127,7 @@ def trainer_submitter(trainer: trainer_pb2_grpc.TrainerStub):
     return submit
 
 
-async def reachable(r, trainer_channel: grpc.aio.Channel, timeout_s: float = 2.0) -> bool:
+async def reachable(r: Any, trainer_channel: grpc.aio.Channel, timeout_s: float = 2.0) -> bool:
     """The merger's health: Redis answers a ping and the trainer's channel connects, each within
     `timeout_s` (either one gone, no group can be merged or handed over)."""
     await asyncio.wait_for(r.ping(), timeout_s)
@@ -143,7 +144,7 @@ async def amain(s: MergerSettings) -> None:
     log.info("merger config: %s", cfg)
     merger = Merger(r, s.keys(), cfg, trainer_submitter(trainer))
 
-    def register(server):
+    def register(server: grpc.aio.Server) -> list[str]:
         merger_pb2_grpc.add_MergerServicer_to_server(MergerStatusServicer(merger), server)
         return [merger_pb2.DESCRIPTOR.services_by_name["Merger"].full_name]
 

@@ -193,7 +193,7 @@ class MergeStats:
     # A few examples: {"call_id", "expected_prefix", "prompt", "diverge_at", "response_start"}
     # (token ids / indices; "response_start" is where the previous call's response began in
     # "expected_prefix").  ``compact_mismatch`` makes the bounded form that is published.
-    mismatches: list[dict] = field(default_factory=list)
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
     mismatched_calls: int = 0  # calls whose prompt continued no open sequence (all, not just examples)
     forks_max_len: int = 0  # forks because joining would exceed max_seq_len
     calls_dropped_prompt_len: int = 0
@@ -316,16 +316,9 @@ def _limit_lengths(
     return out
 
 
-def merge_calls(
-    calls: list[Call],
-    mode: MergeMode = "merge",
-    strip_tail: cabc.Sequence[int] = (),
-    realign_max: int = 0,
-    max_seq_len: int | None = None,
-    max_prompt_len: int | None = None,
-    overlong: OverlongPolicy = "drop",
-) -> tuple[list[Sequence], MergeStats]:
-    """Turn one rollout's calls (in call order) into training sequences.  See the module docstring."""
+def _check_options(
+    mode: str, realign_max: int, max_seq_len: int | None, max_prompt_len: int | None, overlong: str
+) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if realign_max < 0:
@@ -336,69 +329,123 @@ def merge_calls(
         raise ValueError(f"max_prompt_len must be positive, got {max_prompt_len}")
     if overlong not in OVERLONG_POLICIES:
         raise ValueError(f"overlong must be one of {OVERLONG_POLICIES}, got {overlong!r}")
-    tail = list(strip_tail)
 
-    stats = MergeStats(calls_in=len(calls))
-    kept = _filter(calls, stats)
 
-    if mode == "per-call":
-        seqs = []
-        for c, p, r, lp in kept:
-            if max_prompt_len is not None and len(p) > max_prompt_len:
-                stats.calls_dropped_prompt_len += 1
+def _exact_match(recent: list[_Open], p: list[int], tail: list[int]) -> tuple[_Open | None, int]:
+    """The open sequence whose view (optionally tail-stripped) the prompt starts with, most recently
+    extended first, and how many prompt tokens that view covers."""
+    budget = _MAX_FULL_COMPARES
+    for o in reversed(recent):
+        if budget <= 0:
+            break
+        R = o.response
+        for cut in _cuts(o, tail):
+            end = cut + len(R)
+            if len(p) < end or p[cut] != R[0] or p[end - 1] != R[-1]:
                 continue
-            seqs.append(_new_sequence(c, p, r, lp).seq)
-        seqs = _limit_lengths(seqs, max_seq_len, overlong, stats)
-        stats.sequences = len(seqs)
-        return seqs, stats
+            budget -= 1
+            if p[cut:end] == R and _prompt_part_matches(p, o.prompt, cut):
+                return o, end
+    return None, 0
 
+
+def _realign_match(
+    recent: list[_Open], p: list[int], tail: list[int], realign_max: int
+) -> tuple[_Open | None, int, int]:
+    """The open sequence whose view the prompt reproduces except the response's last ``realign_max``
+    tokens; how many prompt tokens it covers, and how many response tokens to remove."""
+    budget = _MAX_FULL_COMPARES
+    for o in reversed(recent):
+        if budget <= 0:
+            break
+        R = o.response
+        safe = max(len(R) - realign_max, 1)  # response tokens that must match exactly
+        for cut in _cuts(o, tail):
+            if len(p) < cut + safe or p[cut] != R[0]:
+                continue
+            budget -= 1
+            if p[cut : cut + safe] != R[:safe] or not _prompt_part_matches(p, o.prompt, cut):
+                continue
+            j = safe
+            stop = min(len(R), len(p) - cut)
+            while j < stop and p[cut + j] == R[j]:
+                j += 1
+            if j < len(R):  # j == len(R) would have been an exact match
+                return o, cut + j, len(R) - j
+    return None, 0, 0
+
+
+def _note_mismatch(stats: MergeStats, c: Call, p: list[int], cur: _Open) -> None:
+    """Count a call whose prompt continued no open sequence; keep a few examples against the current
+    sequence."""
+    stats.mismatched_calls += 1
+    if len(stats.mismatches) < MAX_MISMATCH_EXAMPLES:
+        expected = cur.prompt + cur.response
+        stats.mismatches.append(
+            {
+                "call_id": c.call_id,
+                "expected_prefix": expected,
+                "prompt": list(p),
+                "diverge_at": _diverge_at(expected, p),
+                "response_start": len(cur.prompt),
+            }
+        )
+
+
+def _join(target: _Open, c: Call, p: list[int], r: list[int], lp: list[float], keep: int, drop: int) -> None:
+    """Append the call to the sequence: its response's last ``drop`` tokens removed (realign), the
+    prompt beyond the first ``keep`` tokens as context, then the response."""
+    s = target.seq
+    if drop:
+        del s.token_ids[-drop:]
+        del s.loss_mask[-drop:]
+        del s.logprobs[-drop:]
+        a, b = s.response_spans[-1]
+        s.response_spans[-1] = (a, b - drop)
+    extra = len(p) - keep
+    s.token_ids.extend(p[keep:])
+    s.loss_mask.extend([0] * extra)
+    s.logprobs.extend([0.0] * extra)
+    start = len(s.token_ids)
+    mask, lp = c.response_mask() if c.constrained else ([1] * len(r), lp)
+    s.token_ids.extend(r)
+    s.loss_mask.extend(mask)
+    s.logprobs.extend(lp)
+    s.call_ids.append(c.call_id)
+    s.response_spans.append((start, start + len(r)))
+    s.call_weight_spans.append(c.spans())
+    target.prompt, target.response = p, r
+
+
+def _per_call(
+    kept: list[tuple[Call, list[int], list[int], list[float]]], max_prompt_len: int | None, stats: MergeStats
+) -> list[Sequence]:
+    seqs = []
+    for c, p, r, lp in kept:
+        if max_prompt_len is not None and len(p) > max_prompt_len:
+            stats.calls_dropped_prompt_len += 1
+            continue
+        seqs.append(_new_sequence(c, p, r, lp).seq)
+    return seqs
+
+
+def _walk(
+    kept: list[tuple[Call, list[int], list[int], list[float]]],
+    tail: list[int],
+    realign_max: int,
+    max_seq_len: int | None,
+    max_prompt_len: int | None,
+    stats: MergeStats,
+) -> list[Sequence]:
+    """Step 3: each kept call joins an open sequence (exact, tail-stripped or realigned match) or
+    forks a new one. The sequences in creation order, before length limits."""
     opened: list[_Open] = []  # in creation order (= output order)
     recent: list[_Open] = []  # most recently extended last
     for c, p, r, lp in kept:
-        target: _Open | None = None
-        keep = 0  # tokens of p already present in the sequence (the matched view)
+        target, keep = _exact_match(recent, p, tail)
         drop = 0  # trailing response tokens of the sequence to remove (realign)
-        budget = _MAX_FULL_COMPARES
-
-        # Exact (or tail-stripped) prefix match, most recently extended sequence first.
-        for o in reversed(recent):
-            if budget <= 0:
-                break
-            R = o.response
-            for cut in _cuts(o, tail):
-                end = cut + len(R)
-                if len(p) < end or p[cut] != R[0] or p[end - 1] != R[-1]:
-                    continue
-                budget -= 1
-                if p[cut:end] == R and _prompt_part_matches(p, o.prompt, cut):
-                    target, keep = o, end
-                    break
-            if target is not None:
-                break
-
-        # Realign: prompt part matches, the response diverges only in its last realign_max tokens.
         if target is None and realign_max > 0:
-            budget = _MAX_FULL_COMPARES
-            for o in reversed(recent):
-                if budget <= 0:
-                    break
-                R = o.response
-                safe = max(len(R) - realign_max, 1)  # response tokens that must match exactly
-                for cut in _cuts(o, tail):
-                    if len(p) < cut + safe or p[cut] != R[0]:
-                        continue
-                    budget -= 1
-                    if p[cut : cut + safe] != R[:safe] or not _prompt_part_matches(p, o.prompt, cut):
-                        continue
-                    j = safe
-                    stop = min(len(R), len(p) - cut)
-                    while j < stop and p[cut + j] == R[j]:
-                        j += 1
-                    if j < len(R):  # j == len(R) would have been an exact match
-                        target, keep, drop = o, cut + j, len(R) - j
-                        break
-                if target is not None:
-                    break
+            target, keep, drop = _realign_match(recent, p, tail, realign_max)
 
         fork_reason = None
         if target is not None and max_seq_len is not None:
@@ -407,19 +454,7 @@ def merge_calls(
                 target, fork_reason = None, "max_len"
         elif target is None and opened:
             fork_reason = "mismatch"
-            stats.mismatched_calls += 1
-            if len(stats.mismatches) < MAX_MISMATCH_EXAMPLES:
-                cur = recent[-1]
-                expected = cur.prompt + cur.response
-                stats.mismatches.append(
-                    {
-                        "call_id": c.call_id,
-                        "expected_prefix": expected,
-                        "prompt": list(p),
-                        "diverge_at": _diverge_at(expected, p),
-                        "response_start": len(cur.prompt),
-                    }
-                )
+            _note_mismatch(stats, c, p, recent[-1])
 
         if target is None:
             if max_prompt_len is not None and len(p) > max_prompt_len:
@@ -434,33 +469,34 @@ def merge_calls(
             recent.append(o)
             continue
 
-        s = target.seq
         if drop:
-            del s.token_ids[-drop:]
-            del s.loss_mask[-drop:]
-            del s.logprobs[-drop:]
-            a, b = s.response_spans[-1]
-            s.response_spans[-1] = (a, b - drop)
             stats.realigns += 1
-        extra = len(p) - keep
-        s.token_ids.extend(p[keep:])
-        s.loss_mask.extend([0] * extra)
-        s.logprobs.extend([0.0] * extra)
-        start = len(s.token_ids)
-        mask, lp = c.response_mask() if c.constrained else ([1] * len(r), lp)
-        s.token_ids.extend(r)
-        s.loss_mask.extend(mask)
-        s.logprobs.extend(lp)
-        s.call_ids.append(c.call_id)
-        s.response_spans.append((start, start + len(r)))
-        s.call_weight_spans.append(c.spans())
-        target.prompt, target.response = p, r
+        _join(target, c, p, r, lp, keep, drop)
         stats.merged_calls += 1
         if recent[-1] is not target:
             recent.remove(target)
             recent.append(target)
+    return [o.seq for o in opened]
 
-    seqs = _limit_lengths([o.seq for o in opened], max_seq_len, overlong, stats)
+
+def merge_calls(
+    calls: list[Call],
+    mode: MergeMode = "merge",
+    strip_tail: cabc.Sequence[int] = (),
+    realign_max: int = 0,
+    max_seq_len: int | None = None,
+    max_prompt_len: int | None = None,
+    overlong: OverlongPolicy = "drop",
+) -> tuple[list[Sequence], MergeStats]:
+    """Turn one rollout's calls (in call order) into training sequences.  See the module docstring."""
+    _check_options(mode, realign_max, max_seq_len, max_prompt_len, overlong)
+    stats = MergeStats(calls_in=len(calls))
+    kept = _filter(calls, stats)
+    if mode == "per-call":
+        seqs = _per_call(kept, max_prompt_len, stats)
+    else:
+        seqs = _walk(kept, list(strip_tail), realign_max, max_seq_len, max_prompt_len, stats)
+    seqs = _limit_lengths(seqs, max_seq_len, overlong, stats)
     stats.sequences = len(seqs)
     return seqs, stats
 
@@ -527,7 +563,7 @@ def format_mismatch(example: dict[str, Any], decode: cabc.Callable[[list[int]], 
 
 
 def _template_ids(
-    tokenizer: Any, messages: list[dict], add_generation_prompt: bool, **kwargs: Any
+    tokenizer: Any, messages: list[dict[str, Any]], add_generation_prompt: bool, **kwargs: Any
 ) -> list[int]:
     out = tokenizer.apply_chat_template(
         messages, add_generation_prompt=add_generation_prompt, tokenize=True, return_dict=False, **kwargs

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import grpc
+
 from tether.merger.consumer import Merger
-from tether.v1 import merger_pb2, merger_pb2_grpc
+from tether.v1 import merger_pb2, merger_pb2_grpc, types_pb2
 
 
 class MergerStatusServicer(merger_pb2_grpc.MergerServicer):
     def __init__(self, merger: Merger) -> None:
         self.merger = merger
 
-    async def GetStatus(self, request, context):
+    async def GetStatus(
+        self, request: types_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> merger_pb2.MergerStatus:
         c = self.merger.counts
         return merger_pb2.MergerStatus(
             rollouts_merged=c.rollouts_merged,

@@ -14,7 +14,7 @@ These rules leave such sequences out (docs/merging.md, "Side calls", says which 
   extraction) can be matched by a pattern and the chain before it is still the one kept.
 * ``rule="keep"`` and no patterns (the default): every sequence is kept.
 
-Who calls this: the merger's ``merge_records``, after ``merge.merge_calls``.
+Who calls this: ``score.merge_rollout``, after ``merge.merge_calls``.
 """
 
 from __future__ import annotations
