@@ -4,8 +4,11 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
+
+from tether.cli.args import Subparsers
 
 CONFIG_HELP = (
     "a run config (YAML, one section per service; docs/recipes.md): checked first, then read by every "
@@ -30,7 +33,7 @@ FLAG_SETTINGS = {
 }
 
 
-def use_run_config(args) -> tuple[dict, frozenset[str]]:
+def use_run_config(args: argparse.Namespace) -> tuple[dict, frozenset[str]]:
     """With --config: the file checked against every service's settings (RunConfigError naming every
     problem), handed to every process as TETHER_CONFIG; returns its sections and run keys, and the
     settings of the flags the user gave (which win over it). Without: ({}, those flags)."""
@@ -62,19 +65,19 @@ def config_model(config: dict, model: str | None) -> str | None:
     return str(path)
 
 
-def cmd_config_check(args) -> int:
+def cmd_config_check(args: argparse.Namespace) -> int:
     from tether.runconfig import cmd_check
 
     return cmd_check(args.files)
 
 
-def cmd_config_values(args) -> int:
+def cmd_config_values(args: argparse.Namespace) -> int:
     from tether.runconfig import cmd_values
 
     return cmd_values(args.file)
 
 
-def add_config(sub) -> None:
+def add_config(sub: Subparsers) -> None:
     config = sub.add_parser("config", help="run configs: one YAML file for every service (docs/recipes.md)")
     config_sub = config.add_subparsers(dest="config_command", required=True)
     check = config_sub.add_parser(

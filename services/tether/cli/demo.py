@@ -4,6 +4,12 @@ plotted and summed up (summary.json).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tether.common.records import RunState
+
+import argparse
 import json
 import math
 import os
@@ -11,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from tether.cli.args import Subparsers
 from tether.cli.config import CONFIG_HELP, config_model, use_run_config
 from tether.cli.examples import (
     DEFAULT_EXAMPLE,
@@ -20,6 +27,7 @@ from tether.cli.examples import (
     write_tasks,
 )
 from tether.cli.stack import on_stack, redis_down, replicas_flag, run_status
+from tether.launcher import Stack
 
 # Demo settings an example may set in its DEMO dict; a flag given on the command line wins.
 DEMO_DEFAULTS: dict[str, int | float] = {
@@ -43,7 +51,7 @@ DEMO_CONFIG_KEYS = {
 }
 
 
-def demo_settings(args, config: dict | None = None) -> dict:
+def demo_settings(args: argparse.Namespace, config: dict | None = None) -> dict:
     """The demo's settings: a flag given on the command line, else the run config's value, else the
     example's DEMO, else the default."""
     preset = load_example(args.example).get("DEMO", {})
@@ -130,7 +138,7 @@ DEMO_SCHEDULING: dict[str, str | int] = {
 }
 
 
-def cmd_demo(args) -> int:
+def cmd_demo(args: argparse.Namespace) -> int:
     """`tether demo`: the example's warm-started model trained end to end on its tasks, with a progress
     bar; then the reward plot and the summary in the run directory."""
     from tether.launcher import Stack
@@ -167,7 +175,7 @@ def cmd_demo(args) -> int:
     return 0
 
 
-def run_demo(stack, args, cfg: dict, model_dir: Path, n_tasks: int) -> int:
+def run_demo(stack: Stack, args: argparse.Namespace, cfg: dict, model_dir: Path, n_tasks: int) -> int:
     """Start the stack and the example's agent workers, then follow the run to its end; StackError
     unless it ended done."""
     from tether.launcher import StackError, start_agents, start_stack
@@ -204,7 +212,7 @@ def run_demo(stack, args, cfg: dict, model_dir: Path, n_tasks: int) -> int:
     return 0
 
 
-def follow_run(stack, steps: int, quiet: bool):
+def follow_run(stack: Stack, steps: int, quiet: bool) -> tuple[str, RunState | None]:
     """A progress bar of the run's steps (reward, weight version, tokens/s, |dlogp|) until the run ends:
     its last status and state (tether.common.records.RunState; None if the scheduler never wrote one).
     The stack is supervised meanwhile."""
@@ -242,7 +250,7 @@ def follow_run(stack, steps: int, quiet: bool):
     return status, state
 
 
-def report_demo(args, cfg: dict, run_dir: Path, started: float) -> None:
+def report_demo(args: argparse.Namespace, cfg: dict, run_dir: Path, started: float) -> None:
     """reward.png and summary.json in the run directory, and the summary's line."""
     metrics = read_metrics(run_dir / "metrics.jsonl")
     plot_rewards(metrics, run_dir / "reward.png", f"{args.example} agent, seed {args.seed}, lr {cfg['lr']:g}")
@@ -258,7 +266,7 @@ def report_demo(args, cfg: dict, run_dir: Path, started: float) -> None:
     )
 
 
-def add_demo(sub) -> None:
+def add_demo(sub: Subparsers) -> None:
     demo = sub.add_parser(
         "demo", help="train an example agent (the calculator by default) on CPU, end to end"
     )

@@ -4,16 +4,22 @@ a gateway that records and trains nothing.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from tether.cli.args import Subparsers
 from tether.cli.examples import DEFAULT_EXAMPLE, example_module
 from tether.cli.stack import on_stack
 
 
-def eval_runs(gateway_url: str, fn, tasks: list[dict], repeats: int, concurrency: int) -> list[list[float]]:
+def eval_runs(
+    gateway_url: str, fn: Callable[..., Any], tasks: list[dict], repeats: int, concurrency: int
+) -> list[list[float]]:
     """Each task's rewards over `repeats` runs of the harness `fn`, every run a rollout of the gateway
     (recorded, never trained: no merger or trainer is running). A run that raises scores 0."""
     from concurrent.futures import ThreadPoolExecutor
@@ -60,7 +66,7 @@ def pass_at_1(rewards: list[list[float]]) -> float:
     return sum(sum(r) / len(r) for r in rewards) / len(rewards) if rewards else 0.0
 
 
-def cmd_eval(args) -> int:
+def cmd_eval(args: argparse.Namespace) -> int:
     """`tether eval`: vLLM on the checkpoint behind a gateway that records and does not train, the
     example's harness over the tasks, pass@1."""
     from tether.agents.worker import load_function
@@ -132,7 +138,7 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def add_eval(sub) -> None:
+def add_eval(sub: Subparsers) -> None:
     ev = sub.add_parser(
         "eval",
         help="score a checkpoint on held-out tasks through the example's harness (pass@1); trains nothing",

@@ -4,10 +4,14 @@ warm-started models (cached) and task files; `tether prepare-demo`.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Any
+
+from tether.cli.args import Subparsers
 
 # The demos' harnesses are modules of the installed package (so `tether demo` runs from a wheel as well):
 # tether.examples.<name>.agent, each with the same shape (services/tether/examples/README.md).
@@ -52,7 +56,6 @@ def prepare_example_model(name: str, seed: int, out_root: Path | None = None) ->
     example's demonstrations (its DEMONSTRATIONS, WARM_START and optional MODEL). Cached by the code and
     parameters that produce it, so repeated runs skip the warm start (and torch's import: a cached model
     is found in well under a second)."""
-    import importlib.util
 
     example = load_example(name)
     warm = example["WARM_START"]
@@ -60,7 +63,7 @@ def prepare_example_model(name: str, seed: int, out_root: Path | None = None) ->
     shape = example.get("MODEL", {})
     params = json.dumps([seed, n_demos, warm, shape], sort_keys=True)
     agent = Path(example["__file__"])
-    code = [importlib.util.find_spec(f"tether.demo.{m}").origin for m in ("tiny", "warmstart")]
+    code = [_module_file(f"tether.demo.{m}") for m in ("tiny", "warmstart")]
     sources = [*(Path(str(c)) for c in code), *sorted(agent.parent.glob("*.py"))]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + params.encode()).hexdigest()[:16]
     root = out_root or Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether")) / "models"
@@ -84,7 +87,17 @@ def prepare_example_model(name: str, seed: int, out_root: Path | None = None) ->
     return out
 
 
-def train_until(name: str, example: dict, model, tokenizer, conversations: list, seed: int) -> None:
+def _module_file(name: str) -> str:
+    """Where an installed module's source lies."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"{name} has no source file")
+    return spec.origin
+
+
+def train_until(name: str, example: dict, model: Any, tokenizer: Any, conversations: list, seed: int) -> None:
     """An example whose WARM_START names a target (`until`) goes on training, `more_steps` at a time at a
     third of its learning rate, until its `warm_start_check(model, tokenizer, seed)` reaches it (at most
     `max_rounds` times; short of it, it says so and the example's tests tell). A model that has the
@@ -119,7 +132,7 @@ def write_tasks(path: Path, name: str = DEFAULT_EXAMPLE) -> int:
     return len(tasks)
 
 
-def cmd_prepare_demo(args) -> int:
+def cmd_prepare_demo(args: argparse.Namespace) -> int:
     """The demo's inputs in one folder, as compose's one-shot model-init writes them into its volume:
     OUT/model (a link to the warm-started model, cached in OUT/cache by the code that makes it) and
     OUT/tasks.jsonl. Run again, it finds the cached model and rewrites the tasks."""
@@ -137,7 +150,7 @@ def cmd_prepare_demo(args) -> int:
     return 0
 
 
-def add_prepare_demo(sub) -> None:
+def add_prepare_demo(sub: Subparsers) -> None:
     prepare = sub.add_parser(
         "prepare-demo", help="write the demo's warm-started model and tasks file into a folder"
     )

@@ -4,16 +4,18 @@ supervised replicas sharing its port).
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import sys
 import time
 from pathlib import Path
 
+from tether.cli.args import Subparsers
 from tether.cli.stack import on_stack, replicas_flag
 
 
-def cmd_gateway(args) -> int:
+def cmd_gateway(args: argparse.Namespace) -> int:
     """The gateway alone in front of any vLLM-compatible server, recording to REDIS_URL or to an
     embedded Redis kept in .tether/gateway-redis. With --gateway-replicas N > 1, N supervised gateway
     processes share the port (tether.launcher.start_gateways)."""
@@ -62,7 +64,7 @@ def cmd_gateway(args) -> int:
     return 0
 
 
-def _gateway_replicas(args) -> int:
+def _gateway_replicas(args: argparse.Namespace) -> int:
     from tether.common.net import free_port
     from tether.launcher import Stack, start_gateways, wait_gateways
 
@@ -87,7 +89,7 @@ def _gateway_replicas(args) -> int:
     return on_stack(stack, run, interrupted=0)
 
 
-def add_gateway(sub) -> None:
+def add_gateway(sub: Subparsers) -> None:
     gateway = sub.add_parser("gateway", help="run the gateway alone in front of a vLLM-compatible server")
     gateway.add_argument(
         "--upstream", required=True, help="base URL of the vLLM server, e.g. http://127.0.0.1:8000"

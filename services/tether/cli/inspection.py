@@ -4,17 +4,25 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    from tether.common.keys import Keys
+
+import argparse
 import asyncio
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from tether.cli.args import Subparsers
 from tether.cli.stack import stack_state
 
 
-async def _trace_keys(r, namespace: str, given: int | None):
+async def _trace_keys(r: Any, namespace: str, given: int | None) -> Keys:
     """The run's keys with its trace partitions: --trace-partitions, else the count the run's services
     recorded in Redis, else TETHER_TRACE_PARTITIONS (or its default)."""
     from tether.common.broker import DEFAULT_TRACE_PARTITIONS, Keys, recorded_trace_partitions
@@ -25,7 +33,7 @@ async def _trace_keys(r, namespace: str, given: int | None):
     )
 
 
-async def _dump(stream_attr: str, redis_url: str, namespace: str, keys_filter) -> int:
+async def _dump(stream_attr: str, redis_url: str, namespace: str, keys_filter: Callable[[dict], bool]) -> int:
     from tether.common import broker
 
     r = broker.connect(redis_url)
@@ -40,7 +48,7 @@ async def _dump(stream_attr: str, redis_url: str, namespace: str, keys_filter) -
         await r.aclose()
 
 
-def _with_redis(args, fn) -> int:
+def _with_redis(args: argparse.Namespace, fn: Callable[[str, str], int]) -> int:
     """Run fn(redis_url, namespace) against the stack's Redis; when the stack has stopped, open
     its append-only file with a temporary embedded Redis (the trace store outlives the run)."""
     import redis
@@ -59,7 +67,8 @@ def _with_redis(args, fn) -> int:
             raise SystemExit(f"Redis at {url} is not reachable") from None
         proc = start_embedded_redis(Path(state["redis_data"]), free_port())
         try:
-            url = f"redis://127.0.0.1:{proc.args[proc.args.index('--port') + 1]}/0"
+            argv = [str(a) for a in cast("list[str]", proc.args)]
+            url = f"redis://127.0.0.1:{argv[argv.index('--port') + 1]}/0"
             return fn(url, namespace)
         finally:
             proc.terminate()
@@ -88,7 +97,7 @@ async def dump_traces(redis_url: str, namespace: str, partitions: int | None, ro
         await r.aclose()
 
 
-def cmd_traces(args) -> int:
+def cmd_traces(args: argparse.Namespace) -> int:
     given = getattr(args, "trace_partitions", None)
     _with_redis(args, lambda url, ns: asyncio.run(dump_traces(url, ns, given, args.rollout)))
     return 0
@@ -105,8 +114,8 @@ async def _dump_mismatches(redis_url: str, namespace: str, model_dir: str | None
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
-        def decode(ids):
-            return tokenizer.decode(ids, skip_special_tokens=False)
+        def decode(ids: list[int]) -> str:
+            return str(tokenizer.decode(ids, skip_special_tokens=False))
 
     r = broker.connect(redis_url)
     try:
@@ -121,7 +130,7 @@ async def _dump_mismatches(redis_url: str, namespace: str, model_dir: str | None
         await r.aclose()
 
 
-def cmd_samples(args) -> int:
+def cmd_samples(args: argparse.Namespace) -> int:
     if args.mismatches:
         model_dir = args.model
         if model_dir is None and not args.redis_url:
@@ -129,7 +138,7 @@ def cmd_samples(args) -> int:
         _with_redis(args, lambda url, ns: asyncio.run(_dump_mismatches(url, ns, model_dir)))
         return 0
 
-    def keep(rec):
+    def keep(rec: dict) -> bool:
         return (not args.rollout or rec.get("rollout_id") == args.rollout) and (
             not args.group or rec.get("group_id") == args.group
         )
@@ -138,7 +147,7 @@ def cmd_samples(args) -> int:
     return 0
 
 
-def cmd_metrics(args) -> int:
+def cmd_metrics(args: argparse.Namespace) -> int:
     _with_redis(args, lambda url, ns: asyncio.run(_dump("metrics", url, ns, lambda rec: True)))
     return 0
 
@@ -177,12 +186,12 @@ async def _dead_letters(redis_url: str, namespace: str, as_json: bool) -> int:
     return len(rows)
 
 
-def cmd_dead_letters(args) -> int:
+def cmd_dead_letters(args: argparse.Namespace) -> int:
     _with_redis(args, lambda url, ns: asyncio.run(_dead_letters(url, ns, args.json)))
     return 0
 
 
-def add_inspection(sub) -> None:
+def add_inspection(sub: Subparsers) -> None:
     for name, fn, help_ in (
         ("traces", cmd_traces, "print recorded LLM calls as JSON lines"),
         ("samples", cmd_samples, "print what the trainer consumed as JSON lines"),

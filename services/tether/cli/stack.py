@@ -14,20 +14,26 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
+from tether.cli.args import Subparsers
 from tether.cli.config import CONFIG_HELP, config_model, use_run_config
 from tether.cli.examples import prepare_calculator_model
+from tether.launcher import Stack
+
+if TYPE_CHECKING:
+    from tether.common.records import RunState
 
 
-def stop_on_signals(stack) -> None:
-    def handler(signum, frame):
+def stop_on_signals(stack: Stack) -> None:
+    def handler(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, handler)
     signal.signal(signal.SIGINT, handler)
 
 
-def on_stack(stack, body: Callable[[], int], interrupted: int = 130, say: str | None = None) -> int:
+def on_stack(stack: Stack, body: Callable[[], int], interrupted: int = 130, say: str | None = None) -> int:
     """`body()`'s exit code, with the stack stopped after it whatever happens: `interrupted` on Ctrl-C
     or SIGTERM (printing `say`), 1 on a StackError (printing why)."""
     from tether.launcher import StackError
@@ -46,14 +52,14 @@ def on_stack(stack, body: Callable[[], int], interrupted: int = 130, say: str | 
         stack.stop()
 
 
-def run_status(redis_url: str, namespace: str):
+def run_status(redis_url: str, namespace: str) -> RunState | None:
     """The run's state (tether.common.records.RunState), None until the scheduler has written it."""
     from tether.common.broker import Keys, connect_sync
     from tether.common.records import RunState
 
     r = connect_sync(redis_url)
     try:
-        raw = r.hgetall(Keys(namespace).run)
+        raw = cast("dict[str, str]", r.hgetall(Keys(namespace).run))  # a client that decodes responses
         return RunState.from_redis(raw) if raw else None
     finally:
         r.close()
@@ -101,7 +107,7 @@ def running(pid: int) -> bool:
 UP_DEFAULTS: dict[str, int | float] = {"lr": 5e-4, "seed": 0, "group_size": 4, "groups_per_step": 1}
 
 
-def cmd_up(args) -> int:
+def cmd_up(args: argparse.Namespace) -> int:
     from tether.launcher import Stack, start_stack
 
     try:
@@ -149,7 +155,7 @@ def cmd_up(args) -> int:
     return on_stack(stack, run, interrupted=0, say="stopping the stack")
 
 
-def serving_env(args) -> dict[str, str]:
+def serving_env(args: argparse.Namespace) -> dict[str, str]:
     """The inference service's settings for the serving flags given (InferenceSettings); a flag not
     given leaves the setting to the environment (a user's TETHER_MAX_MODEL_LEN) or its default."""
     env = {}
@@ -176,7 +182,7 @@ def shell_words(value: str) -> str:
     return value
 
 
-def cmd_down(args) -> int:
+def cmd_down(args: argparse.Namespace) -> int:
     state = stack_state()
     pid = state.get("launcher_pid")
     if state.get("stopped") or not pid:
@@ -207,7 +213,7 @@ def replicas_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def add_up(sub) -> None:
+def add_up(sub: Subparsers) -> None:
     up = sub.add_parser("up", help="start the stack for agents you run yourself")
     up.add_argument(
         "--model",
@@ -245,6 +251,6 @@ def add_up(sub) -> None:
     up.set_defaults(fn=cmd_up)
 
 
-def add_down(sub) -> None:
+def add_down(sub: Subparsers) -> None:
     down = sub.add_parser("down", help="stop the stack started here")
     down.set_defaults(fn=cmd_down)
