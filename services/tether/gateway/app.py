@@ -43,9 +43,10 @@ from tether.gateway import gemini, openapi
 from tether.gateway import metrics as m
 from tether.gateway.admission import Admission
 from tether.gateway.apis import Api, ChatApi, CompletionsApi, GeminiApi, GeminiCall, MessagesApi, ResponsesApi
+from tether.gateway.call import CallHandle, ClientGone
 from tether.gateway.capture import ApiError, error_body, load_json_object
 from tether.gateway.messages import anthropic_error_body
-from tether.gateway.proxy import CallHandle, ClientGone, Proxy, StreamSession
+from tether.gateway.proxy import Proxy
 from tether.gateway.rollouts import (
     COMPLETED,
     FAILED,
@@ -56,6 +57,7 @@ from tether.gateway.rollouts import (
 )
 from tether.gateway.routing import ReplicaPool
 from tether.gateway.sessions import Sessions
+from tether.gateway.stream import StreamSession
 
 log = logging.getLogger(__name__)
 refused_log = logging.getLogger("tether.gateway.refused")
