@@ -1,7 +1,7 @@
 """How many tokens a call may generate, as pure functions: the gateway's default when the client names
 no limit, and the cap that keeps prompt + output inside the served context (Claude Code sends
 `max_tokens: 32000` whatever its prompt and the model; vLLM answers 400 to a limit above its
-max_model_len). proxy.py applies them to every API; a route that translates another API (Gemini's
+max_model_len). forwarding.py applies them to every API; a route that translates another API (Gemini's
 `generationConfig.maxOutputTokens`) calls `decide_max_tokens` the same way.
 
 Knowing the prompt length without paying for it. The served context length comes from vLLM's

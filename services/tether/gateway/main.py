@@ -14,14 +14,15 @@ import gc
 import json
 import logging
 import socket
-from collections.abc import Awaitable, Iterator
-from typing import ClassVar, TypeVar
+from collections.abc import Awaitable, Coroutine, Iterator
+from typing import Any, ClassVar, TypeVar
 
 import grpc
 import redis.asyncio as aioredis
 import uvicorn
 from pydantic import Field, field_validator, model_validator
 from redis.exceptions import RedisError
+from starlette.types import ASGIApp
 
 from tether.common import broker, replicas
 from tether.common.grpc_server import Health, cancel_until_done, run_until_signal, start_server
@@ -293,6 +294,31 @@ class GatewayServer:
         self._stopped = False
 
     async def start(self) -> None:
+        """Bind, connect to Redis, build the call path, then serve gRPC and HTTP; health turns
+        SERVING only once calls are accepted."""
+        s = self.s
+        keys = s.keys()
+        sock = self._bind_http()
+        await self._open_redis(keys)
+        self._build_call_path(keys)
+        app = self._app()
+        self._health_task = asyncio.create_task(self._watch_replicas(keys))
+        await self._start_grpc()
+        await self._serve_http(app, sock)
+        assert self.health is not None
+        # SERVING only once calls are accepted: a supervisor waits on it for each replica.
+        await self.health.set(await self._redis_ok())
+        log.info(
+            "gateway HTTP on %s:%d (agents use %s/v1), gRPC GatewayControl on %s:%d, vLLM at %s",
+            s.gateway_host,
+            self.http_port,
+            self.public_url,
+            s.gateway_host,
+            self.grpc_port,
+            ", ".join(s.replica_urls),
+        )
+
+    def _bind_http(self) -> socket.socket:
         s = self.s
         sock = _bind(s.gateway_host, s.gateway_port, s.gateway_reuse_port)
         self.http_port = sock.getsockname()[1]
@@ -302,11 +328,14 @@ class GatewayServer:
             log.warning(
                 "gateway listens on %s without TETHER_ADMIN_TOKEN: anyone can create rollouts", s.gateway_host
             )
+        return sock
 
+    async def _open_redis(self, keys: broker.Keys) -> None:
+        """Redis, the admission gate as the run state has it, and the call path's recorder."""
+        s = self.s
         # Blocking pool: past its size a command waits for a connection instead of failing (redis-py's
         # default pool raises at 100). The call path pipelines (recorder.Batcher) and needs few.
         self.redis = broker.connect(s.redis_url, max_connections=64, pool_timeout_s=30)
-        keys = s.keys()
         # A gateway (re)started mid-run records calls with the version inference serves, not 0 until
         # the scheduler's next push (0 would make every call look stale to the staleness bound).
         # A count of trace partitions other than the run's is refused (PartitionMismatch: main exits
@@ -324,6 +353,10 @@ class GatewayServer:
         self.recorder = Recorder(self.redis, s.redis_url, keys)
         with contextlib.suppress(RedisError, OSError):  # loaded on first use when Redis is not up yet
             await self.recorder.start()
+
+    def _build_call_path(self, keys: broker.Keys) -> None:
+        """The replicas, the rollout registry, the sessions and the proxy that carries each call."""
+        s = self.s
         self.pool = ReplicaPool([Replica(url, self._upstream(url)) for url in s.replica_urls])
         self.rollouts = RolloutRegistry(
             self.redis,
@@ -356,21 +389,26 @@ class GatewayServer:
             guided=GuidedCheck(
                 s.upstream_model or s.served_model, s.guided, s.guided_tolerance, s.guided_timeout_s
             ),
-            quotas=Quotas(
-                self.recorder.batch,
-                keys,
-                Limits(s.rollout_max_request_bytes, s.rollout_max_concurrent, s.rollout_tokens_per_minute),
-                Limits(
-                    s.deployment_max_request_bytes,
-                    s.deployment_max_concurrent,
-                    s.deployment_tokens_per_minute,
-                ),
-                s.retry_after_s,
-                s.quota_slot_ttl_s,
-                self.redis.script_load,
-            ),
+            quotas=self._quotas(keys),
         )
-        app = create_app(
+
+    def _quotas(self, keys: broker.Keys) -> Quotas:
+        s = self.s
+        return Quotas(
+            self.recorder.batch,
+            keys,
+            Limits(s.rollout_max_request_bytes, s.rollout_max_concurrent, s.rollout_tokens_per_minute),
+            Limits(
+                s.deployment_max_request_bytes, s.deployment_max_concurrent, s.deployment_tokens_per_minute
+            ),
+            s.retry_after_s,
+            s.quota_slot_ttl_s,
+            self.redis.script_load,
+        )
+
+    def _app(self) -> ASGIApp:
+        s = self.s
+        return create_app(
             proxy=self.proxy,
             rollouts=self.rollouts,
             sessions=self.sessions,
@@ -385,28 +423,35 @@ class GatewayServer:
             access=s.access_log,
             cors_origins=s.cors_origin_list,
         )
+
+    async def _watch_replicas(self, keys: broker.Keys) -> None:
+        """Replica health, and with replica discovery the replica set the scheduler publishes."""
+        s = self.s
         if s.replica_discovery:
-            self._health_task = asyncio.create_task(
-                self.pool.follow(
-                    lambda: replicas.current(self.redis, keys),
-                    self._upstream,
-                    s.health_check_s,
-                    s.health_timeout_s,
-                )
+            await self.pool.follow(
+                lambda: replicas.current(self.redis, keys),
+                self._upstream,
+                s.health_check_s,
+                s.health_timeout_s,
             )
         else:
-            self._health_task = asyncio.create_task(self.pool.watch(s.health_check_s, s.health_timeout_s))
+            await self.pool.watch(s.health_check_s, s.health_timeout_s)
 
+    async def _start_grpc(self) -> None:
         def register(server: grpc.aio.Server) -> list[str]:
             gateway_pb2_grpc.add_GatewayControlServicer_to_server(
                 GatewayControlServicer(self.admission), server
             )
             return [SERVICE_NAME]
 
+        s = self.s
         self.grpc_server, self.health, self.grpc_port = await start_server(
             s.gateway_grpc_port, register, s.gateway_host, s.metrics_port
         )
 
+    async def _serve_http(self, app: ASGIApp, sock: socket.socket) -> None:
+        """uvicorn on the bound socket, in its own task; returns once it accepts connections."""
+        s = self.s
         # uvicorn formats an access-log line per request whenever its logger has a handler anywhere up
         # the tree (ours: the root's), even with access_log off: cut it loose.
         logging.getLogger("uvicorn.access").propagate = False
@@ -428,17 +473,6 @@ class GatewayServer:
                 self._http_task.result()
                 raise RuntimeError("HTTP server stopped during startup")
             await asyncio.sleep(0.01)
-        # SERVING only once calls are accepted: a supervisor waits on it for each replica.
-        await self.health.set(await self._redis_ok())
-        log.info(
-            "gateway HTTP on %s:%d (agents use %s/v1), gRPC GatewayControl on %s:%d, vLLM at %s",
-            s.gateway_host,
-            self.http_port,
-            self.public_url,
-            s.gateway_host,
-            self.grpc_port,
-            ", ".join(s.replica_urls),
-        )
 
     def _upstream(self, url: str) -> UpstreamClient:
         s = self.s
@@ -532,7 +566,7 @@ def tune_gc() -> None:
     gc.set_threshold(20_000, 50, 100)
 
 
-def run(coro) -> None:
+def run(coro: Coroutine[Any, Any, None]) -> None:
     """Run on uvloop when installed (uvicorn[standard] brings it): the loop is much of a call's cost."""
     try:
         import uvloop

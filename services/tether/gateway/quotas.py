@@ -3,7 +3,7 @@ rollout key and each deployment key, shared through Redis by every gateway repli
 
 A call over a limit is refused before anything else happens to it (before it is parsed, admitted or
 sent; a stream before its first byte): 429 with `Retry-After` in the route's error shape (OpenAI's
-`rate_limit_error`, Anthropic's `rate_limit_error`, Google's `RESOURCE_EXHAUSTED`; app.py picks it),
+`rate_limit_error`, Anthropic's `rate_limit_error`, Google's `RESOURCE_EXHAUSTED`; edge.py picks it),
 or 413 `request_too_large` for a body over the key's size limit (sending the same body again cannot
 pass, and SDKs retry a 429 by themselves). A refused call is not recorded: it never reached the
 model, and a trace of it would only be one more error trace for the merger to drop.

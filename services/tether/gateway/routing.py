@@ -29,8 +29,8 @@ closed once none is left. An empty set drains every replica: calls then fail at 
 pool runs on the event loop without awaiting in between, and the routed list is replaced, never
 changed in place, so a `pick` or a health check always sees one consistent list.
 
-Who may call: proxy.py (pick, mark_down), main.py (the health-check loop: `watch` or `follow`),
-app.py (status, export_metrics).
+Who may call: forwarding.py (pick, mark_down, remember), proxy.py (remembered), main.py (the health-check
+loop: `watch` or `follow`), app.py (export_metrics), routers/ops.py (status).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ recorded in that session and publishes, once per call, {session, call_id, rollou
 trace_entry_id, rewarded_at} on the stream `<namespace>:session-rewards` (Keys.session_rewards),
 which the merger turns into samples when `session_training` is on (docs/merging.md).
 
-Who may call: app.py (the rewards route), proxy.py (identify).
+Who may call: routers/sessions.py (the rewards route), proxy.py (identify).
 """
 
 from __future__ import annotations

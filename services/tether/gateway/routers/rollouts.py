@@ -1,0 +1,95 @@
+"""The rollout lifecycle a harness (or the agent worker) drives: create a rollout, read it, complete
+or fail it, and reward one of its calls. The work is the registry's (rollouts.py); these routes read
+the key and the body and answer JSON.
+
+Creating, and finishing or reading without the rollout's own key, need the admin token when one is
+configured (RolloutRegistry.require_admin / authorize). A call can be rewarded under the admin-facing
+path (/v1/rollouts/{id}/calls/{call_id}/reward) or by a harness that holds only its base URL and key
+(/v1/calls/{call_id}/reward, also under /rollouts/{rollout_id}/v1): the key names the rollout.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from starlette.responses import Response
+
+from tether.gateway.capture import load_json_object
+from tether.gateway.edge import bearer, json_response
+from tether.gateway.rollouts import COMPLETED, FAILED, NewRollout, parse_create, parse_reason, parse_reward
+from tether.gateway.routers.state import state
+
+router = APIRouter()
+
+
+def client_urls(root_url: str, served_model: str, new: NewRollout) -> dict:
+    """What a new rollout's harness is handed: its key and one base URL per kind of client. OpenAI
+    clients take a base URL that ends in /v1; Anthropic's and Google's SDKs (Claude Code, Gemini CLI)
+    append /v1/... or /v1beta/... themselves, so theirs is the root form."""
+    rollout_root = f"{root_url}/rollouts/{new.rollout_id}"
+    return {
+        "rollout_id": new.rollout_id,
+        "api_key": new.api_key,
+        "base_url": root_url + "/v1",
+        "rollout_base_url": f"{rollout_root}/v1",
+        "anthropic_base_url": root_url,
+        "rollout_anthropic_base_url": rollout_root,
+        "gemini_base_url": root_url,
+        "model": served_model,
+    }
+
+
+@router.post("/v1/rollouts", status_code=201)
+async def create_rollout(request: Request) -> Response:
+    gw = state(request)
+    await gw.rollouts.require_admin(bearer(request))
+    req = parse_create(load_json_object(await gw.body(request)), gw.default_group_size)
+    new = await gw.rollouts.create(req)
+    return json_response(client_urls(gw.root_url, gw.served_model, new), 201)
+
+
+@router.get("/v1/rollouts/{rollout_id}")
+async def get_rollout(rollout_id: str, request: Request) -> Response:
+    gw = state(request)
+    await gw.rollouts.authorize(rollout_id, bearer(request), open_without_admin=True)
+    return json_response(await gw.rollouts.get(rollout_id))
+
+
+@router.post("/v1/rollouts/{rollout_id}/complete")
+async def complete_rollout(rollout_id: str, request: Request) -> Response:
+    gw = state(request)
+    await gw.rollouts.authorize(rollout_id, bearer(request), open_without_admin=False)
+    body = load_json_object(await gw.body(request), allow_nan=True)
+    return json_response(await gw.rollouts.finish(rollout_id, COMPLETED, reward=parse_reward(body)))
+
+
+@router.post("/v1/rollouts/{rollout_id}/calls/{call_id}/reward")
+async def reward_call(rollout_id: str, call_id: str, request: Request) -> Response:
+    gw = state(request)
+    await gw.rollouts.authorize(
+        rollout_id, await gw.key_of(request, rollout_id, admin_ok=True), open_without_admin=False
+    )
+    return await _reward_call(rollout_id, call_id, request)
+
+
+async def _reward_call(rollout_id: str, call_id: str, request: Request) -> Response:
+    gw = state(request)
+    body = load_json_object(await gw.body(request), allow_nan=True)
+    return json_response(await gw.rollouts.reward_call(rollout_id, call_id, parse_reward(body)))
+
+
+# The same for a harness that holds only its base URL and key: the key names the rollout.
+@router.post("/v1/calls/{call_id}/reward")
+@router.post("/rollouts/{path_rollout}/v1/calls/{call_id}/reward")
+async def reward_own_call(call_id: str, request: Request, path_rollout: str | None = None) -> Response:
+    gw = state(request)
+    key = await gw.key_of(request, path_rollout)
+    return await _reward_call(await gw.rollouts.authenticate(key, path_rollout), call_id, request)
+
+
+@router.post("/v1/rollouts/{rollout_id}/fail")
+async def fail_rollout(rollout_id: str, request: Request) -> Response:
+    gw = state(request)
+    await gw.rollouts.authorize(rollout_id, bearer(request), open_without_admin=False)
+    raw = await gw.body(request)
+    reason = parse_reason(load_json_object(raw, allow_nan=True)) if raw.strip() else ""
+    return json_response(await gw.rollouts.finish(rollout_id, FAILED, reason=reason))

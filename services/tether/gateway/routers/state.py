@@ -1,0 +1,69 @@
+"""The gateway's parts the FastAPI routers reach, as one object on `app.state.gateway` (set by
+`create_app`): each route takes it from its request (`state(request)`), as vLLM's routers take their
+handlers from `request.app.state`; a router module holds no state of its own, so one module serves
+every app built (tests build several).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from tether.gateway.admission import Admission
+from tether.gateway.apis import Api, GeminiApi, MessagesApi
+from tether.gateway.edge import api_key, read_body
+from tether.gateway.proxy import Proxy
+from tether.gateway.rollouts import RolloutRegistry
+from tether.gateway.routing import ReplicaPool
+from tether.gateway.sessions import Sessions
+
+
+@dataclass
+class RouteState:
+    proxy: Proxy
+    rollouts: RolloutRegistry
+    sessions: Sessions
+    admission: Admission
+    pool: ReplicaPool
+    redis_ping: Callable[[], Awaitable[Any]]
+    served_model: str
+    root_url: str  # the public URL without a trailing slash
+    default_group_size: int
+    max_body_bytes: int
+    retry_after_s: int
+    created: int  # the model card's `created`: when this app was built
+    apis: dict[str, Api]  # the call routes' APIs by path under /v1 ("/chat/completions" -> ChatApi)
+    messages_api: MessagesApi
+    gemini_api: GeminiApi
+    openapi_spec: bytes = field(default=b"", repr=False)
+
+    async def resolve_key(self, keys: tuple[str, ...], sessions_ok: bool, admin_ok: bool = False) -> str:
+        """The first of several keys one request sent that the gateway knows (a client may carry a
+        stale Bearer from its environment beside the right x-api-key); the first one if none is."""
+        for key in keys:
+            if (sessions_ok and self.sessions.session_of(key) is not None) or (
+                admin_ok and self.rollouts.is_admin(key)
+            ):
+                return key
+            if await self.rollouts.owner(key) is not None:
+                return key
+        return keys[0]
+
+    async def key_of(
+        self, request: Request, path_rollout: str | None = None, admin_ok: bool = False
+    ) -> str | None:
+        """The request's key (edge.api_key); of several, the first the gateway knows."""
+        key = api_key(request)
+        return await self.resolve_key(key, path_rollout is None, admin_ok) if isinstance(key, tuple) else key
+
+    async def body(self, request: Request) -> bytes:
+        """The request's body, 413 over the gateway's limit."""
+        return await read_body(request, self.max_body_bytes)
+
+
+def state(request: Request) -> RouteState:
+    """The gateway's parts, for a route of the app `create_app` built."""
+    return request.app.state.gateway
