@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import orjson
 from redis.exceptions import RedisError
@@ -17,12 +17,22 @@ from tether.gateway import metrics as m
 from tether.gateway.apis import Relay
 from tether.gateway.call import CLIENT_GONE, Call
 from tether.gateway.capture import WEIGHT_VERSIONS_CHUNK, ApiError
+from tether.gateway.forwarding import Forwarder
+from tether.gateway.traces import TraceWriter
 from tether.gateway.upstream import Aborted, Exchange, UpstreamError
 
-if TYPE_CHECKING:
-    from tether.gateway.proxy import Proxy
-
 log = logging.getLogger(__name__)
+
+
+class StreamOwner(Protocol):
+    """What a stream needs of the proxy that opened it (proxy.Proxy): where its finishing task waits,
+    the exchange's and the trace's writers, and the call's release."""
+
+    finishing: set[asyncio.Task]
+    traces: TraceWriter
+    forwarder: Forwarder
+
+    def release(self, call: Call) -> None: ...
 
 
 class StreamSession:
@@ -31,7 +41,7 @@ class StreamSession:
     by `finish()` (or `finish_soon()` where the caller cannot wait), whether the stream ended, failed,
     or the client went away."""
 
-    def __init__(self, proxy: Proxy, call: Call, ex: Exchange, first: bytes, relay: Relay) -> None:
+    def __init__(self, proxy: StreamOwner, call: Call, ex: Exchange, first: bytes, relay: Relay) -> None:
         self.proxy = proxy
         self.call = call
         self.ex = ex
