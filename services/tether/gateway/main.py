@@ -13,6 +13,7 @@ import contextlib
 import gc
 import json
 import logging
+import math
 import socket
 from collections.abc import Awaitable, Coroutine, Iterator
 from typing import Any, ClassVar, TypeVar
@@ -463,7 +464,7 @@ class GatewayServer:
             http="httptools",
             proxy_headers=False,
             log_level=s.log_level.lower(),
-            timeout_graceful_shutdown=s.shutdown_grace_s,
+            timeout_graceful_shutdown=math.ceil(s.shutdown_grace_s),  # uvicorn waits whole seconds
             timeout_keep_alive=30,
         )
         self._uvicorn = _Uvicorn(config)

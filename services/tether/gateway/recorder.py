@@ -18,7 +18,7 @@ import collections
 import logging
 import socket
 import ssl
-from typing import Any
+from typing import Any, cast
 from urllib.parse import parse_qs, unquote, urlsplit
 
 import orjson
@@ -107,13 +107,13 @@ class RespConnection(asyncio.Protocol):
         self._buf = bytearray()
         self._loop = asyncio.get_running_loop()
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a socket connection's: a Transport
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         err = RedisConnectionError(f"redis connection lost: {exc!r}" if exc else "redis connection closed")
         while self.pending:
@@ -219,9 +219,9 @@ class Batcher:
             # Every caller waits on the same attempt and takes its result. (Waiting on it and then
             # reading self._conn spun forever: a finished future is awaited without yielding, so the
             # opener never got to store the connection.)
-            conn = await asyncio.shield(self._connecting)
-            if not conn.closed:
-                return conn
+            opened: RespConnection = await asyncio.shield(self._connecting)
+            if not opened.closed:
+                return opened
 
     async def _open(self) -> RespConnection:
         try:

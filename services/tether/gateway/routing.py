@@ -36,6 +36,7 @@ loop: `watch` or `follow`), app.py (export_metrics), routers/ops.py (status).
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 from collections.abc import Awaitable, Callable
@@ -353,11 +354,14 @@ class ReplicaPool:
             "draining": len(self.draining),
         }
 
+    def _count(self, state: str) -> float:
+        return float(self.counts()[state])
+
     def export_metrics(self) -> None:
         """Serve this pool's gauges (the process's one pool): per-replica ones follow the pool."""
         self._exported = True
         for state in ("up", "down", "joining", "draining"):
-            m.REPLICAS.labels(state).set_function(lambda s=state: self.counts()[s])
+            m.REPLICAS.labels(state).set_function(functools.partial(self._count, state))
         for r in self.replicas:
             self._export(r)
 

@@ -9,7 +9,7 @@ import math
 import grpc
 
 from tether.gateway.admission import Admission
-from tether.v1 import gateway_pb2, gateway_pb2_grpc
+from tether.v1 import gateway_pb2, gateway_pb2_grpc, types_pb2
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["GatewayControl"].full_name
 
@@ -24,7 +24,9 @@ class GatewayControlServicer(gateway_pb2_grpc.GatewayControlServicer):
     def __init__(self, admission: Admission) -> None:
         self.admission = admission
 
-    async def PauseAdmission(self, request, context):
+    async def PauseAdmission(
+        self, request: gateway_pb2.PauseAdmissionRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.AdmissionStatus:
         timeout = request.drain_timeout_s
         if not math.isfinite(timeout) or timeout < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "drain_timeout_s must be finite and >= 0")
@@ -32,11 +34,15 @@ class GatewayControlServicer(gateway_pb2_grpc.GatewayControlServicer):
         # in_flight > 0 in the answer tells the caller the drain timed out.
         return admission_status(self.admission)
 
-    async def ResumeAdmission(self, request, context):
+    async def ResumeAdmission(
+        self, request: gateway_pb2.ResumeAdmissionRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.AdmissionStatus:
         if request.weight_version < 0:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "weight_version must be >= 0")
         self.admission.resume(request.weight_version)
         return admission_status(self.admission)
 
-    async def GetAdmission(self, request, context):
+    async def GetAdmission(
+        self, request: types_pb2.Empty, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.AdmissionStatus:
         return admission_status(self.admission)

@@ -19,6 +19,7 @@ import collections
 import logging
 import socket
 import ssl
+from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -207,8 +208,8 @@ class _Conn(asyncio.Protocol):
 
     # --- asyncio.Protocol ----------------------------------------------------------------------
 
-    def connection_made(self, transport) -> None:
-        self.transport = transport
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # a socket connection's: a Transport
         sock = transport.get_extra_info("socket")
         if sock is not None:
             try:
@@ -229,7 +230,7 @@ class _Conn(asyncio.Protocol):
             ex._fail(ConnectionBroken(f"invalid HTTP from upstream: {exc}"))
             self.drop()
 
-    def connection_lost(self, exc) -> None:
+    def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._cancel_timer()
         ex, self.ex = self.ex, None
