@@ -192,6 +192,21 @@ _VALID: list[tuple[type, dict[str, Any]]] = [
             "max_output_tokens": 4,
         },
     ),
+    (
+        bodies.GenerateContentBody,
+        {
+            "contents": [
+                {
+                    "role": "user",
+                    "parts": [{"text": "a"}, {"inlineData": {"mimeType": "image/png", "data": "x"}}],
+                },
+                {"role": "model", "parts": [{"functionCall": {"name": "f", "args": {}}}]},
+            ],
+            "generationConfig": {"maxOutputTokens": 3, "responseMimeType": "application/json", "topK": 2},
+            "toolConfig": {"functionCallingConfig": {"mode": "ANY", "allowedFunctionNames": ["f"]}},
+            "tools": [{"functionDeclarations": [{"name": "f", "parameters": {"type": "OBJECT"}}]}],
+        },
+    ),
     (bodies.CreateRolloutRequest, {"task_id": "t", "group_id": "g", "group_size": 2, "metadata": {}}),
     (bodies.RewardRequest, {"reward": 0.5}),
 ]
@@ -254,3 +269,33 @@ def test_the_valid_examples_are_valid():
     for kind, valid in _VALID:
         assert jsonschema.Draft202012Validator(_schema_of(kind)).is_valid(valid), kind
         bodies.validate(valid, kind)
+
+
+def test_camel_keys_rewrite_the_declared_objects_only():
+    sent = {
+        "contents": [{"role": "user", "parts": [{"inline_data": {"mime_type": "image/png", "data": "x"}}]}],
+        "generation_config": {"max_output_tokens": 5, "response_json_schema": {"snake_key": {}}},
+        "tools": [{"function_declarations": [{"name": "f", "parameters_json_schema": {"a_b": 1}}]}],
+    }
+    body = bodies.camel_keys(sent, bodies.GenerateContentBody)
+    assert body["contents"][0]["parts"][0] == {"inlineData": {"mimeType": "image/png", "data": "x"}}
+    assert body["generationConfig"] == {"maxOutputTokens": 5, "responseJsonSchema": {"snake_key": {}}}
+    decl = body["tools"][0]["functionDeclarations"][0]
+    assert decl == {"name": "f", "parametersJsonSchema": {"a_b": 1}}  # a schema's keys are data
+    assert "generation_config" in sent and "inline_data" in sent["contents"][0]["parts"][0]  # as sent
+    plain = {"contents": [{"parts": [{"text": "hi"}]}]}
+    assert bodies.camel_keys(plain, bodies.GenerateContentBody) is plain  # nothing to rewrite: shared
+    both = bodies.camel({"max_output_tokens": 1, "maxOutputTokens": 2})
+    assert both == {"maxOutputTokens": 2}  # camelCase wins
+
+
+def test_a_gemini_part_holds_one_payload():
+    one = {"contents": [{"parts": [{"text": "hi", "thought": True}]}]}
+    assert bodies.validate(one, bodies.GenerateContentBody).contents[0].parts[0].payload == "text"
+    two = {"contents": [{"parts": [{"text": "hi", "inlineData": {}}]}]}
+    assert refusal(two, bodies.GenerateContentBody).param == "contents.0.parts.0"
+    odd = {"contents": [{"parts": [{"executableCode": {}}]}]}
+    err = refusal(odd, bodies.GenerateContentBody)
+    assert (err.param, err.code) == ("contents.0.parts.0.executableCode", "unsupported_parameter")
+    audio = {"contents": [{"parts": [{"inlineData": {"mimeType": "audio/wav", "data": "x"}}]}]}
+    assert refusal(audio, bodies.GenerateContentBody).param == "contents.0.parts.0.inlineData.mimeType"

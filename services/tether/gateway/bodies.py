@@ -26,7 +26,8 @@ API's (rollouts.py, sessions.py) and openapi.py. No I/O.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union
+from types import UnionType
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import msgspec
 from msgspec import Meta, Struct
@@ -731,8 +732,289 @@ class ResponsesBody(Struct, kw_only=True):
             raise unsupported(["background"], "responses are answered in the request (no background mode)")
 
 
+# --- Google's Gemini API --------------------------------------------------------------------------
+# Field names are camelCase, as Google's JSON writes them; its API also reads the proto's snake_case
+# names (the google-genai Python SDK sends those inside parts, tools and configs): `camel_keys`
+# rewrites them before validation, in the objects these types declare (not inside schemas or args).
+
+GEMINI_PAYLOADS = ("text", "inlineData", "fileData", "functionCall", "functionResponse")
+
+
+class GeminiBlob(Struct, kw_only=True):
+    """inlineData: an image as base64 (only images can be forwarded to the model)."""
+
+    mimeType: Annotated[Any, Meta(extra_json_schema={"type": "string", "pattern": "^image/"})] = msgspec.UNSET
+    data: Annotated[Any, Meta(extra_json_schema={"type": "string", "minLength": 1})] = msgspec.UNSET
+
+
+class GeminiFileData(Struct, kw_only=True):
+    """fileData: an image by http(s) or data: URL (no file storage here)."""
+
+    mimeType: Annotated[Any, Meta(extra_json_schema={"type": "string", "pattern": "^image/"})] = msgspec.UNSET
+    fileUri: Annotated[Any, Meta(extra_json_schema={"type": "string"})] = msgspec.UNSET
+
+
+class GeminiFunctionCall(Struct, kw_only=True):
+    name: NonEmpty
+    args: dict[str, Any] | None = None
+    id: NonEmpty | None = None
+
+
+class GeminiFunctionResponse(Struct, kw_only=True):
+    name: NonEmpty
+    response: dict[str, Any] = {}
+    id: NonEmpty | None = None
+    parts: Annotated[Any, Meta(description="refused: send images as parts next to the functionResponse")] = (
+        None
+    )
+
+    def __post_init__(self) -> None:
+        if self.parts:
+            raise refused("parts", "send images as parts next to the functionResponse", True)
+
+
+class GeminiPart(Struct, kw_only=True, forbid_unknown_fields=True):
+    """Google's Part is a oneof: exactly one payload, with bookkeeping of Google's model (or of
+    Gemini CLI) beside it."""
+
+    text: str | None = None
+    inlineData: GeminiBlob | None = None
+    fileData: GeminiFileData | None = None
+    functionCall: GeminiFunctionCall | None = None
+    functionResponse: GeminiFunctionResponse | None = None
+    thought: Loose = None
+    thoughtSignature: Ignored = None
+    partMetadata: Ignored = None
+    mediaResolution: Ignored = None
+    callIndex: Ignored = None
+
+    @property
+    def payload(self) -> str:
+        return next(k for k in GEMINI_PAYLOADS if getattr(self, k) is not None)
+
+    def __post_init__(self) -> None:
+        if sum(getattr(self, k) is not None for k in GEMINI_PAYLOADS) != 1:
+            raise ValueError("must hold exactly one of " + ", ".join(GEMINI_PAYLOADS))
+        blob = self.inlineData or self.fileData
+        if blob is not None:
+            kind = self.payload
+            mime = None if blob.mimeType is msgspec.UNSET else blob.mimeType
+            if not isinstance(mime, str) or not mime.startswith("image/"):
+                raise refused(
+                    f"{kind}.mimeType", f"'{mime}' (only images can be forwarded to the model)", True
+                )
+            if isinstance(blob, GeminiBlob) and not (isinstance(blob.data, str) and blob.data):
+                raise refused("inlineData.data", "must be a non-empty base64 string")
+            uri = getattr(blob, "fileUri", None)
+            if isinstance(blob, GeminiFileData) and not (
+                isinstance(uri, str) and uri.startswith(("http://", "https://", "data:"))
+            ):
+                raise refused("fileData.fileUri", "only http(s) or data: URLs (no file storage here)", True)
+
+
+_ROLES = ("user", "model", "function")  # "function": the older role of functionResponse turns
+
+
+class GeminiContent(Struct, kw_only=True):
+    """A turn; Google takes one without a role as the user's."""
+
+    parts: list[GeminiPart]
+    role: Annotated[Any, Meta(extra_json_schema={"enum": [*_ROLES, *_FALSY]})] = None
+
+    def __post_init__(self) -> None:
+        if self.role and self.role not in _ROLES:
+            raise refused("role", "must be 'user' or 'model'")
+
+
+class GeminiSystemInstruction(Struct, kw_only=True):
+    parts: list[GeminiPart]
+    role: Loose = None
+
+
+class GeminiFunctionDeclaration(Struct, kw_only=True):
+    name: NonEmpty
+    description: Loose = None
+    parameters: Annotated[dict[str, Any], Meta(description="Google's OpenAPI-subset Schema")] | None = None
+    parametersJsonSchema: dict[str, Any] | None = None
+
+
+class GeminiTool(Struct, kw_only=True):
+    """Function declarations; any other tool (googleSearch, codeExecution, urlContext, ...) is Google's
+    to run: dropped, and recorded."""
+
+    functionDeclarations: list[GeminiFunctionDeclaration] | None = None
+
+
+_MODES = ("AUTO", "ANY", "NONE", "VALIDATED", "MODE_UNSPECIFIED")
+
+
+class GeminiFunctionCallingConfig(Struct, kw_only=True):
+    mode: Annotated[Any, Meta(extra_json_schema={"enum": [*_MODES, *_FALSY]})] = None
+    allowedFunctionNames: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode and self.mode not in _MODES:
+            raise refused("mode", "must be one of AUTO, ANY, NONE, VALIDATED")
+
+
+class GeminiToolConfig(Struct, kw_only=True):
+    functionCallingConfig: GeminiFunctionCallingConfig | None = None
+
+
+class GeminiThinkingConfig(Struct, kw_only=True):
+    thinkingBudget: int | None = None
+    includeThoughts: bool | None = None
+    thinkingLevel: Ignored = None
+
+
+class GeminiGenerationConfig(Struct, kw_only=True):
+    """Any other field is refused unless null (`NULL_EXTRAS`)."""
+
+    temperature: Number | None = None
+    topP: Number | None = None
+    topK: int | None = None
+    seed: int | None = None
+    presencePenalty: Number | None = None
+    frequencyPenalty: Number | None = None
+    maxOutputTokens: OutputLimit | None = None
+    candidateCount: Choices | None = None
+    stopSequences: list[str] | None = None
+    responseMimeType: Literal["text/plain", "application/json"] | None = None
+    responseSchema: Annotated[dict[str, Any], Meta(description="Google's OpenAPI-subset Schema")] | None = (
+        None
+    )
+    responseJsonSchema: dict[str, Any] | None = None
+    thinkingConfig: GeminiThinkingConfig | None = None
+    responseModalities: Annotated[
+        Any,
+        Meta(extra_json_schema={"anyOf": [{"type": "array", "items": {"const": "TEXT"}}, {"type": "null"}]}),
+    ] = None
+    # Hints about Google's own serving with nothing to do for a text model here.
+    enableEnhancedCivicAnswers: Ignored = None
+    mediaResolution: Ignored = None
+    audioTimestamp: Ignored = None
+    routingConfig: Ignored = None
+    modelSelectionConfig: Ignored = None
+
+    def __post_init__(self) -> None:
+        modalities = self.responseModalities
+        if modalities is not None and (
+            not isinstance(modalities, list) or any(m != "TEXT" for m in modalities)
+        ):
+            raise refused("responseModalities", "the served model writes text only", True)
+
+
+NO_CACHE = "no context cache here; send the whole conversation in 'contents'"
+
+
+class GenerateContentBody(Struct, kw_only=True):
+    """Google's GenerateContentRequest (gemini.parse_generate_request); the model and whether to stream
+    are in the path. Any other field is refused unless null (`NULL_EXTRAS`)."""
+
+    contents: Annotated[list[GeminiContent], Meta(min_length=1)]
+    systemInstruction: str | GeminiSystemInstruction | None = None
+    tools: list[GeminiTool] | None = None
+    toolConfig: GeminiToolConfig | None = None
+    generationConfig: GeminiGenerationConfig | None = None
+    cachedContent: Annotated[
+        Any,
+        Meta(extra_json_schema={"type": "null", "description": "no context cache here: refused unless null"}),
+    ] = None
+    # Google-side policy, billing and storage knobs; `model` is in the path (a body may repeat it, as
+    # countTokens' generateContentRequest does).
+    safetySettings: Ignored = None
+    labels: Ignored = None
+    serviceTier: Ignored = None
+    store: Ignored = None
+    model: Ignored = None
+
+    def __post_init__(self) -> None:
+        if self.cachedContent is not None:
+            raise unsupported(["cachedContent"], NO_CACHE)
+
+
+class GeminiCountTokensBody(Struct, kw_only=True):
+    """countTokens: contents, or a whole generateContentRequest."""
+
+    contents: Annotated[list[GeminiContent], Meta(min_length=1)] | None = None
+    generateContentRequest: GenerateContentBody | None = None
+
+    def __post_init__(self) -> None:
+        if self.generateContentRequest is not None and self.contents is not None:
+            raise refused("contents", "must not be given with 'generateContentRequest'")
+        if self.generateContentRequest is None and self.contents is None:
+            raise refused("contents", "is required (or 'generateContentRequest')")
+
+
+def camel(obj: dict[str, Any]) -> dict[str, Any]:
+    """Field names as lowerCamelCase (a new dict if any changes; camelCase wins where both are given)."""
+    if not any("_" in k for k in obj):
+        return obj
+    out: dict[str, Any] = {}
+    for key, value in obj.items():
+        if "_" in key:
+            head, *rest = key.split("_")
+            out[head + "".join(w[:1].upper() + w[1:] for w in rest)] = value
+    for key, value in obj.items():
+        if "_" not in key:
+            out[key] = value
+    return out
+
+
+def _nested(kind: type) -> dict[str, tuple[type, bool]]:
+    """The fields of a Struct that hold Structs: name -> (the Struct, whether a list of them)."""
+    out: dict[str, tuple[type, bool]] = {}
+    for f in msgspec.structs.fields(kind):
+        for arm in _arms(f.type):
+            many = get_origin(arm) is list
+            for inner in _arms(get_args(arm)[0]) if many else [arm]:
+                if isinstance(inner, type) and issubclass(inner, Struct):
+                    out[f.encode_name] = (inner, many)
+    return out
+
+
+def _arms(tp: Any) -> list[Any]:
+    """The members of a union (Annotated unwrapped), or the type itself."""
+    if get_origin(tp) is Annotated:
+        return _arms(get_args(tp)[0])
+    if get_origin(tp) in (Union, UnionType):
+        return [a for arm in get_args(tp) for a in _arms(arm)]
+    return [tp]
+
+
+_NESTED: dict[type, dict[str, tuple[type, bool]]] = {}
+
+
+def camel_keys(value: Any, kind: type) -> Any:
+    """`value` with the field names of every object `kind` declares (at any depth) camelCased; shared
+    where nothing changes, so the body as sent stays as sent."""
+    if not isinstance(value, dict):
+        return value
+    out = camel(value)
+    nested = _NESTED.get(kind)
+    if nested is None:
+        nested = _NESTED[kind] = _nested(kind)
+    for name, (inner, many) in nested.items():
+        field = out.get(name)
+        if many and isinstance(field, list):
+            new: Any = [camel_keys(x, inner) for x in field]
+            changed = any(a is not b for a, b in zip(new, field, strict=True))
+        else:
+            new = camel_keys(field, inner)
+            changed = new is not field
+        if changed:
+            out = dict(out) if out is value else out
+            out[name] = new
+    return out
+
+
 # Bodies whose unknown fields are accepted when null (and refused otherwise, before validation).
-NULL_EXTRAS: tuple[type[Struct], ...] = (ResponsesBody,)
+NULL_EXTRAS: tuple[type[Struct], ...] = (
+    ResponsesBody,
+    GenerateContentBody,
+    GeminiGenerationConfig,
+    GeminiCountTokensBody,
+)
 
 
 # --- what the routes answer ---------------------------------------------------------------------------

@@ -19,7 +19,6 @@ from typing import Any
 import orjson
 
 from tether.gateway import bodies, gemini
-from tether.gateway.capture import MAX_CHOICES, MAX_OUTPUT_TOKENS
 
 Schema = dict[str, Any]
 
@@ -237,7 +236,7 @@ def _gemini_routes(b: _Builder) -> None:
                 GOOGLE,
                 ok,
                 _CALL_ERRORS,
-                _gemini_request(),
+                bodies.GenerateContentBody,
                 _GOOGLE_SECURITY,
                 stream=method == gemini.STREAM_GENERATE,
             )
@@ -248,7 +247,7 @@ def _gemini_routes(b: _Builder) -> None:
             GOOGLE,
             bodies.TotalTokens,
             _CALL_ERRORS,
-            _gemini_count_request(),
+            bodies.GeminiCountTokensBody,
             _GOOGLE_SECURITY,
         )
         b.both(f"{prefix}/models/{{model}}:countTokens", "post", count, [_GEMINI_MODEL])
@@ -448,175 +447,3 @@ def served_routes(app: Any) -> set[tuple[str, str]]:
 def documented_routes(doc: Schema) -> set[tuple[str, str]]:
     methods = {"get", "put", "post", "delete", "options", "head", "patch", "trace"}
     return {(m.upper(), path) for path, item in doc["paths"].items() for m in item if m in methods}
-
-
-# --- not yet declared as types (gemini.py still parses by hand) ---------------------------------------
-
-_NON_EMPTY = {"type": "string", "minLength": 1}
-_ANY = {"description": "any value: read only when it has the expected type"}
-_FORWARDED = {"description": "forwarded to vLLM as sent (vLLM's own 400 names a bad value)"}
-_NUMBER = {"type": "number"}
-_STREAM = {"type": ["boolean", "null"]}
-_STRINGS = {"type": "array", "items": {"type": "string"}}
-_FALSY: list[Any] = [None, False, 0, "", [], {}]
-
-
-def _nullable(schema: Schema) -> Schema:
-    return {"anyOf": [schema, {"type": "null"}]}
-
-
-def _int(minimum: int, maximum: int | None = None, description: str = "") -> Schema:
-    out: Schema = {"type": "integer", "minimum": minimum}
-    if maximum is not None:
-        out["maximum"] = maximum
-    if description:
-        out["description"] = description
-    return out
-
-
-_OUTPUT_LIMIT = _nullable(
-    _int(
-        1,
-        MAX_OUTPUT_TOKENS,
-        "an output limit above the served context is lowered to it (docs/gateway.md, Output limits)",
-    )
-)
-_CHOICES = _nullable(_int(1, MAX_CHOICES, "choices per call; each is recorded"))
-
-
-def _gemini_request() -> Schema:
-    """Google's GenerateContentRequest (gemini.parse_generate_request), camelCase (snake_case names
-    are read too); unknown fields are refused unless null."""
-    part = {
-        "anyOf": [
-            {
-                "type": "object",
-                "required": ["text"],
-                "properties": {"text": {"type": "string"}, "thought": _ANY},
-            },
-            {
-                "type": "object",
-                "required": ["inlineData"],
-                "properties": {
-                    "inlineData": {
-                        "type": "object",
-                        "required": ["mimeType", "data"],
-                        "properties": {
-                            "mimeType": {"type": "string", "pattern": "^image/"},
-                            "data": _NON_EMPTY,
-                        },
-                    }
-                },
-            },
-            {
-                "type": "object",
-                "required": ["functionCall"],
-                "properties": {
-                    "functionCall": {
-                        "type": "object",
-                        "required": ["name"],
-                        "properties": {
-                            "name": _NON_EMPTY,
-                            "args": _nullable(_OBJECT),
-                            "id": _nullable(_NON_EMPTY),
-                        },
-                    }
-                },
-            },
-            {
-                "type": "object",
-                "required": ["functionResponse"],
-                "properties": {
-                    "functionResponse": {
-                        "type": "object",
-                        "required": ["name"],
-                        "properties": {"name": _NON_EMPTY, "response": _OBJECT, "id": _nullable(_NON_EMPTY)},
-                    }
-                },
-            },
-        ]
-    }
-    content = {
-        "type": "object",
-        "required": ["parts"],
-        "properties": {
-            "role": {"enum": ["user", "model", "function", *_FALSY]},
-            "parts": {"type": "array", "items": part},
-        },
-    }
-    config_props: Schema = {
-        "temperature": _nullable(_NUMBER),
-        "topP": _nullable(_NUMBER),
-        "topK": _nullable({"type": "integer"}),
-        "seed": _nullable({"type": "integer"}),
-        "presencePenalty": _nullable(_NUMBER),
-        "frequencyPenalty": _nullable(_NUMBER),
-        "maxOutputTokens": _OUTPUT_LIMIT,
-        "candidateCount": _CHOICES,
-        "stopSequences": _nullable(_STRINGS),
-        "responseMimeType": _nullable({"enum": ["text/plain", "application/json"]}),
-        "responseSchema": _nullable(_OBJECT),
-        "responseJsonSchema": _nullable(_OBJECT),
-        "thinkingConfig": _nullable(
-            {
-                "type": "object",
-                "properties": {
-                    "thinkingBudget": _nullable({"type": "integer"}),
-                    "includeThoughts": {"type": ["boolean", "null"]},
-                },
-            }
-        ),
-        "responseModalities": _nullable({"type": "array", "items": {"const": "TEXT"}}),
-    }
-    for name in sorted(gemini._CONFIG_IGNORED):
-        config_props[name] = {"description": "accepted, with no effect here"}
-    assert set(config_props) == gemini._CONFIG_KNOWN
-    properties: Schema = {
-        "contents": {"type": "array", "minItems": 1, "items": content},
-        "systemInstruction": _nullable(
-            {
-                "anyOf": [
-                    {"type": "string"},
-                    {
-                        "type": "object",
-                        "required": ["parts"],
-                        "properties": {"parts": {"type": "array", "items": part}},
-                    },
-                ]
-            }
-        ),
-        "tools": _nullable({"type": "array", "items": _OBJECT}),
-        "toolConfig": _nullable({"type": "object"}),
-        "generationConfig": _nullable(
-            {"type": "object", "properties": config_props, "additionalProperties": {"type": "null"}}
-        ),
-        "cachedContent": {"type": "null", "description": "no context cache here: refused unless null"},
-    }
-    for name in sorted(gemini._IGNORED):
-        properties.setdefault(name, {"description": "accepted, with no effect here"})
-    assert set(properties) == gemini._KNOWN
-    return {
-        "type": "object",
-        "required": ["contents"],
-        "properties": properties,
-        "additionalProperties": {"type": "null"},
-    }
-
-
-def _gemini_count_request() -> Schema:
-    request = _gemini_request()
-    return {
-        "anyOf": [
-            {
-                **request,
-                "required": ["contents"],
-                "properties": {"contents": request["properties"]["contents"]},
-            },
-            {
-                "type": "object",
-                "required": ["generateContentRequest"],
-                "properties": {"generateContentRequest": request, "contents": {"type": "null"}},
-            },
-        ],
-        "description": "contents, or a whole generateContentRequest",
-    }
