@@ -1,11 +1,12 @@
 """The gateway's body types (tether.gateway.bodies): how a validation error names the field, the error
 shapes against their own schemas, and the property the fuzzing relies on: whatever a type's generated
-schema calls invalid, the type refuses too (so that the document never promises more than the parsers
+schema calls invalid, the parser validating by it refuses too (so that the document never promises more than the parsers
 accept). The parsers built on these types are tested in test_gateway_apis.py and test_gateway_gemini.py;
 the document in test_gateway_openapi.py."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import jsonschema
@@ -16,6 +17,13 @@ from hypothesis import strategies as st
 
 from tether.gateway import bodies
 from tether.gateway.bodies import ApiError
+from tether.gateway.capture import parse_chat_request, parse_completion_request
+from tether.gateway.gemini import parse_generate_request
+from tether.gateway.messages import parse_messages_request
+from tether.gateway.responses import parse_responses_request
+from tether.gateway.rollouts import parse_create, parse_reward
+
+MODEL = "tether-policy"
 
 
 def refusal(body: dict[str, Any], kind: type, **kw: Any) -> ApiError:
@@ -210,6 +218,23 @@ _VALID: list[tuple[type, dict[str, Any]]] = [
     (bodies.CreateRolloutRequest, {"task_id": "t", "group_id": "g", "group_size": 2, "metadata": {}}),
     (bodies.RewardRequest, {"reward": 0.5}),
 ]
+
+
+def _raw(body: Any) -> bytes:
+    return json.dumps(body).encode()  # any int (orjson writes 64 bits at most; the parsers refuse more)
+
+
+# The parser that validates by each type (with what it checks before: unknown fields allowed only as
+# null, a message item's default type).
+PARSERS = {
+    bodies.ChatCompletionRequest: lambda b: parse_chat_request(_raw(b), MODEL),
+    bodies.CompletionRequest: lambda b: parse_completion_request(_raw(b), MODEL),
+    bodies.MessagesBody: lambda b: parse_messages_request(_raw(b), MODEL),
+    bodies.ResponsesBody: lambda b: parse_responses_request(_raw(b), MODEL),
+    bodies.GenerateContentBody: lambda b: parse_generate_request(_raw(b), MODEL, MODEL, False),
+    bodies.CreateRolloutRequest: lambda b: parse_create(b, 1),
+    bodies.RewardRequest: parse_reward,
+}
 ODD = st.one_of(
     st.none(),
     st.booleans(),
@@ -262,13 +287,14 @@ def test_what_the_schema_refuses_the_type_refuses(data):
     if jsonschema.Draft202012Validator(schema).is_valid(body):
         return
     with pytest.raises(ApiError):
-        bodies.validate(body, kind)
+        PARSERS[kind](body)
 
 
 def test_the_valid_examples_are_valid():
     for kind, valid in _VALID:
         assert jsonschema.Draft202012Validator(_schema_of(kind)).is_valid(valid), kind
         bodies.validate(valid, kind)
+        PARSERS[kind](valid)
 
 
 def test_camel_keys_rewrite_the_declared_objects_only():
@@ -299,3 +325,20 @@ def test_a_gemini_part_holds_one_payload():
     assert (err.param, err.code) == ("contents.0.parts.0.executableCode", "unsupported_parameter")
     audio = {"contents": [{"parts": [{"inlineData": {"mimeType": "audio/wav", "data": "x"}}]}]}
     assert refusal(audio, bodies.GenerateContentBody).param == "contents.0.parts.0.inlineData.mimeType"
+
+
+@pytest.mark.parametrize(
+    ("raw", "maybe"),
+    [
+        (b'{"generation_config": {}}', True),
+        (b'{"contents": [{"parts": [{"inline_data" : {}}]}]}', True),
+        (b'{"name": "get_weather", "args": ["a_b"]}', False),  # underscores in values only
+        (b'{"text": "say \\"hi\\""}', True),  # an escape: maybe
+        (b'{"contents": []}', False),
+    ],
+)
+def test_snake_keys_says_when_camel_keys_has_work(raw, maybe):
+    assert bodies.snake_keys(raw) is maybe
+    if not maybe:  # then camelCasing would change nothing
+        body = json.loads(raw)
+        assert bodies.camel_keys(body, bodies.GenerateContentBody) is body

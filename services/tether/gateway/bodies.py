@@ -419,7 +419,7 @@ class AnthropicTool(Struct, kw_only=True):
         return not self.type or self.type == "custom"
 
     def __post_init__(self) -> None:
-        if self.custom and not (isinstance(self.name, str) and self.name):
+        if (not self.type or self.type == "custom") and not (isinstance(self.name, str) and self.name):
             raise refused("name", "must be a non-empty string")
 
 
@@ -793,8 +793,19 @@ class GeminiPart(Struct, kw_only=True, forbid_unknown_fields=True):
         return next(k for k in GEMINI_PAYLOADS if getattr(self, k) is not None)
 
     def __post_init__(self) -> None:
-        if sum(getattr(self, k) is not None for k in GEMINI_PAYLOADS) != 1:
+        held = (
+            (self.text is not None)
+            + (self.inlineData is not None)
+            + (self.fileData is not None)
+            + (self.functionCall is not None)
+            + (self.functionResponse is not None)
+        )
+        if held != 1:
             raise ValueError("must hold exactly one of " + ", ".join(GEMINI_PAYLOADS))
+        if self.inlineData is not None or self.fileData is not None:
+            self._check_image()
+
+    def _check_image(self) -> None:
         blob = self.inlineData or self.fileData
         if blob is not None:
             kind = self.payload
@@ -948,7 +959,7 @@ class GeminiCountTokensBody(Struct, kw_only=True):
 
 def camel(obj: dict[str, Any]) -> dict[str, Any]:
     """Field names as lowerCamelCase (a new dict if any changes; camelCase wins where both are given)."""
-    if not any("_" in k for k in obj):
+    if "_" not in "".join(obj):
         return obj
     out: dict[str, Any] = {}
     for key, value in obj.items():
@@ -959,6 +970,16 @@ def camel(obj: dict[str, Any]) -> dict[str, Any]:
         if "_" not in key:
             out[key] = value
     return out
+
+
+# A key with an underscore in JSON text: a string followed by a colon (no string value can be).
+_SNAKE_KEY = re.compile(rb'"[^"\\]*_[^"\\]*"\s*:')
+
+
+def snake_keys(raw: bytes) -> bool:
+    """Whether the JSON text `raw` may hold a snake_case key (one with an escape in it: maybe), so
+    that `camel_keys` has anything to do."""
+    return b"\\" in raw or _SNAKE_KEY.search(raw) is not None
 
 
 def _nested(kind: type) -> dict[str, tuple[type, bool]]:
@@ -996,6 +1017,8 @@ def camel_keys(value: Any, kind: type) -> Any:
         nested = _NESTED[kind] = _nested(kind)
     for name, (inner, many) in nested.items():
         field = out.get(name)
+        if field is None:
+            continue
         if many and isinstance(field, list):
             new: Any = [camel_keys(x, inner) for x in field]
             changed = any(a is not b for a, b in zip(new, field, strict=True))

@@ -488,7 +488,7 @@ def parse_generate_request(raw: bytes, served_model: str, path_model: str, strea
     the path) and translate it to a chat completions body."""
     check_path_model(path_model, served_model)
     sent = load_json_object(raw)
-    body = bodies.camel_keys(sent, GenerateContentBody)
+    body = bodies.camel_keys(sent, GenerateContentBody) if bodies.snake_keys(raw) else sent
     _refuse_unknown(body)
     return _translate(sent, body, bodies.validate(body, GenerateContentBody), stream)
 
@@ -524,7 +524,7 @@ def parse_count_tokens_request(raw: bytes, served_model: str, path_model: str) -
     a generateContent call with the same contents (or the given `generateContentRequest`) would send."""
     check_path_model(path_model, served_model)
     sent = load_json_object(raw)
-    body = bodies.camel_keys(sent, GeminiCountTokensBody)
+    body = bodies.camel_keys(sent, GeminiCountTokensBody) if bodies.snake_keys(raw) else sent
     inner = body.get("generateContentRequest")
     if isinstance(inner, dict) and body.get("contents") is None:
         _refuse_unknown(inner)
@@ -538,6 +538,7 @@ def parse_count_tokens_request(raw: bytes, served_model: str, path_model: str) -
         )
     req = bodies.validate(body, GeminiCountTokensBody)
     if req.generateContentRequest is not None:
+        assert isinstance(inner, dict)  # what validated as the generateContentRequest
         translated = _translate(inner, inner, req.generateContentRequest, False)
     else:
         assert req.contents is not None  # one of the two, checked by GeminiCountTokensBody
