@@ -1,6 +1,7 @@
-"""Wire shapes of the gateway, as pure functions: OpenAI errors, parsing chat and completions
-requests, the body sent to vLLM, stripping vLLM-only fields from what the agent sees, capturing token
-ids and logprobs (whole responses and stream chunks), and building the Trace of a call.
+"""Wire shapes of the gateway, as pure functions: parsing chat and completions requests (validated by
+their types in bodies.py, where the error shapes are declared too), the body sent to vLLM, stripping
+vLLM-only fields from what the agent sees, capturing token ids and logprobs (whole responses and
+stream chunks), and building the Trace of a call.
 
 The translated APIs (Anthropic Messages in messages.py, OpenAI Responses in responses.py) build on the
 chat pieces here. No I/O: proxy.py calls these around the network, app.py only maps ApiError to a
@@ -11,12 +12,22 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 
 from tether.common.records import Trace, spans_cover
+from tether.gateway import bodies
+
+# Written once in bodies.py, with the body types; imported from here by the rest of the gateway.
+from tether.gateway.bodies import MAX_CHOICES as MAX_CHOICES
+from tether.gateway.bodies import MAX_OUTPUT_TOKENS as MAX_OUTPUT_TOKENS
+from tether.gateway.bodies import ApiError as ApiError
+from tether.gateway.bodies import error_body as error_body
+from tether.gateway.bodies import invalid as invalid
+from tether.gateway.bodies import unsupported as unsupported
 
 # Trace.api of each route.
 API_CHAT = "chat.completions"
@@ -33,60 +44,9 @@ _VLLM_NULL_CHOICE_FIELDS = ("prompt_logprobs", "routed_experts")
 # the choice of a whole response, and in one extra stream chunk of this `object` just before [DONE].
 WEIGHT_VERSIONS_FLAG = "return_weight_versions"
 WEIGHT_VERSIONS_CHUNK = "tether.weight_versions"
-# Bounds the gateway holds every API's requests to itself, so that no such request reaches vLLM or
-# the trace: an output limit above any served context (one that only exceeds this model's context is
-# lowered to it, limits.py), and choices per call (OpenAI's own bound on `n`; each choice is recorded).
-MAX_OUTPUT_TOKENS = 1 << 24
-MAX_CHOICES = 128
 # Nesting a request body may have (objects and arrays), well inside the 254 levels orjson writes.
 MAX_DEPTH = 128
 _ORJSON_DEPTH = 254
-
-
-class ApiError(Exception):
-    """An error answered to the client in OpenAI's shape: {"error": {message, type, param, code}}."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        type: str = "invalid_request_error",
-        code: str | None = None,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.code = code
-        self.param = param
-        self.headers = headers or {}
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.code, self.param)
-
-
-def error_body(message: str, type: str, code: str | None = None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-def unsupported(names: list[str], why: str = "") -> ApiError:
-    """400 naming the request fields this gateway does not support."""
-    names = sorted(names)
-    listed = ", ".join(f"'{n}'" for n in names)
-    noun = "parameter" if len(names) == 1 else "parameters"
-    return ApiError(
-        400,
-        f"Unsupported {noun} {listed}" + (f": {why}" if why else ""),
-        param=names[0],
-        code="unsupported_parameter",
-    )
-
-
-def invalid(param: str, message: str) -> ApiError:
-    """400 for a request field of the wrong shape, naming it."""
-    return ApiError(400, f"'{param}' {message}", param=param, code="invalid_value")
 
 
 def number_field(body: dict[str, Any], name: str, integer: bool = False) -> Any:
@@ -107,16 +67,12 @@ def bounded(value: Any, where: str, high: int) -> Any:
     return value
 
 
-def check_counts(body: dict[str, Any], limits: tuple[str, ...], choices: tuple[str, ...]) -> None:
-    """Output limits and choice counts of a chat or completions body, which otherwise go to vLLM as
-    sent: integers within the gateway's bounds, or null."""
-    for names, high in ((limits, MAX_OUTPUT_TOKENS), (choices, MAX_CHOICES)):
-        for name in names:
-            bounded(number_field(body, name, integer=True), name, high)
-
-
 def reject_unknown_fields(
-    body: dict[str, Any], known: set[str], hints: dict[str, str], why: str, null_is_absent: bool = False
+    body: dict[str, Any],
+    known: AbstractSet[str],
+    hints: dict[str, str],
+    why: str,
+    null_is_absent: bool = False,
 ) -> None:
     """400 naming every field outside `known` (a null one too, unless `null_is_absent`), with the
     hints for those that have one."""
@@ -221,22 +177,20 @@ def check_stream(body: dict[str, Any]) -> bool:
 
 
 def parse_chat_request(raw: bytes, served_model: str) -> ChatRequest:
-    """Validate just what the gateway relies on; vLLM validates the rest (its 4xx pass through)."""
+    """Validate just what the gateway relies on (bodies.ChatCompletionRequest); vLLM validates the
+    rest (its 4xx pass through)."""
     body = load_json_object(raw)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "'messages' must be a non-empty array", param="messages", code="invalid_messages")
+    req = bodies.validate(body, bodies.ChatCompletionRequest, _CHAT_CODES)
     check_model(body, served_model)
-    stream = check_stream(body)
-    if body.get("use_beam_search"):
-        raise unsupported(["use_beam_search"], "beam search does not report sampler logprobs")
-    check_counts(body, ("max_tokens", "max_completion_tokens"), ("n",))
     return ChatRequest(
         body=body,
-        stream=stream,
-        wants_logprobs=body.get("logprobs") is True,
-        wants_token_ids=body.get("return_token_ids") is True,
+        stream=req.stream is True,
+        wants_logprobs=req.logprobs is True,
+        wants_token_ids=req.return_token_ids is True,
     )
+
+
+_CHAT_CODES = {"messages": "invalid_messages", "stream": "invalid_stream"}
 
 
 def upstream_body(req: ChatRequest, upstream_model: str, max_tokens: int | None = None) -> bytes:
@@ -263,46 +217,16 @@ def upstream_chat_body(body: dict[str, Any], upstream_model: str, max_tokens: in
     return orjson.dumps(body)
 
 
-def _is_ids(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in value)
-    )
-
-
 def parse_completion_request(raw: bytes, served_model: str) -> ChatRequest:
-    """A /v1/completions request: one prompt (text or token ids) per call, since a trace records one
-    prompt. `logprobs` is the number of top logprobs (an int), as in OpenAI's legacy API."""
+    """A /v1/completions request (bodies.CompletionRequest): one prompt (text or token ids) per call."""
     body = load_json_object(raw)
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_ids(prompt[0])):
-        pass  # a batch of one
-    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) or _is_ids(p) for p in prompt):
-        raise unsupported(
-            ["prompt"],
-            f"a batch of {len(prompt)} prompts; send one prompt per request "
-            "(each call is recorded with its own prompt token ids)",
-        )
-    elif not (isinstance(prompt, str) and prompt) and not _is_ids(prompt):
-        raise invalid("prompt", "must be a non-empty string or a non-empty array of token ids (ints >= 0)")
+    req = bodies.validate(body, bodies.CompletionRequest, _CHAT_CODES)
     check_model(body, served_model)
-    stream = check_stream(body)
-    if body.get("echo"):
-        raise unsupported(["echo"], "echoed prompt tokens would be mixed into the sampled ones")
-    if body.get("use_beam_search"):
-        raise unsupported(["use_beam_search"], "beam search does not report sampler logprobs")
-    if body.get("prompt_embeds") is not None:
-        raise unsupported(["prompt_embeds"], "a prompt given as embeddings has no token ids to record")
-    logprobs = body.get("logprobs")
-    if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
-        raise invalid("logprobs", "must be null or an integer >= 0 (the number of top logprobs)")
-    check_counts(body, ("max_tokens",), ("n", "best_of"))
     return ChatRequest(
         body=body,
-        stream=stream,
-        wants_logprobs=logprobs is not None,
-        wants_token_ids=body.get("return_token_ids") is True,
+        stream=req.stream is True,
+        wants_logprobs=req.logprobs is not None,
+        wants_token_ids=req.return_token_ids is True,
     )
 
 

@@ -18,7 +18,8 @@ effect (recorded in Trace.adjustments "ignored"): safetySettings, labels, servic
 parts and thought signatures in the history, and the rest of thinkingConfig. Non-function tools
 (googleSearch, codeExecution, urlContext, ...) cannot run here: dropped, and recorded as
 "dropped_tools". cachedContent and any field that would change generation without a chat equivalent:
-400 naming it.
+400 naming it. The request's shape is bodies.GenerateContentBody's (countTokens':
+bodies.GeminiCountTokensBody): it validates the body, camelCased, and the translation reads it.
 """
 
 from __future__ import annotations
@@ -27,16 +28,27 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import orjson
 
+from tether.gateway import bodies
+from tether.gateway.bodies import (
+    GeminiContent,
+    GeminiCountTokensBody,
+    GeminiFunctionResponse,
+    GeminiGenerationConfig,
+    GeminiPart,
+    GeminiSystemInstruction,
+    GeminiThinkingConfig,
+    GeminiTool,
+    GeminiToolConfig,
+    GenerateContentBody,
+)
 from tether.gateway.capture import (
-    MAX_CHOICES,
-    MAX_OUTPUT_TOKENS,
     ApiError,
     Captured,
     StreamCapture,
     as_dict,
-    bounded,
     invalid,
     load_json_object,
     reject_unknown_fields,
@@ -49,39 +61,14 @@ STREAM_GENERATE = "streamGenerateContent"
 COUNT_TOKENS = "countTokens"
 METHODS = (GENERATE, STREAM_GENERATE)  # the calls (recorded); countTokens is not one
 
-_TRANSLATED = {"contents", "systemInstruction", "tools", "toolConfig", "generationConfig", "cachedContent"}
-# Accepted with no effect: Google-side policy, billing and storage knobs. `model` is in the path; a
-# body may repeat it (countTokens' generateContentRequest does).
-_IGNORED = {"safetySettings", "labels", "serviceTier", "store", "model"}
-_KNOWN = _TRANSLATED | _IGNORED
-_HINTS = {"cachedContent": "no context cache here; send the whole conversation in 'contents'"}
+# The request's fields are GenerateContentBody's (generationConfig's GeminiGenerationConfig's); those
+# accepted with no effect are their `Ignored` ones.
+_KNOWN = bodies.field_names(GenerateContentBody)
+_IGNORED = bodies.ignored_fields(GenerateContentBody)
+_HINTS = {"cachedContent": bodies.NO_CACHE}
 _WHY = "this gateway translates the Gemini API to chat completions"
-
-_CONFIG_TRANSLATED = {
-    "temperature",
-    "topP",
-    "topK",
-    "candidateCount",
-    "maxOutputTokens",
-    "stopSequences",
-    "seed",
-    "presencePenalty",
-    "frequencyPenalty",
-    "responseMimeType",
-    "responseSchema",
-    "responseJsonSchema",
-    "thinkingConfig",
-    "responseModalities",
-}
-# Hints about Google's own serving with nothing to do for a text model here.
-_CONFIG_IGNORED = {
-    "enableEnhancedCivicAnswers",
-    "mediaResolution",
-    "audioTimestamp",
-    "routingConfig",
-    "modelSelectionConfig",
-}
-_CONFIG_KNOWN = _CONFIG_TRANSLATED | _CONFIG_IGNORED
+_CONFIG_KNOWN = bodies.field_names(GeminiGenerationConfig)
+_CONFIG_IGNORED = bodies.ignored_fields(GeminiGenerationConfig)
 _CONFIG_HINTS = {
     "responseLogprobs": "logprobs are recorded in the trace, not returned on the Gemini API",
     "logprobs": "logprobs are recorded in the trace, not returned on the Gemini API",
@@ -89,9 +76,7 @@ _CONFIG_HINTS = {
     "imageConfig": "the served model writes text only",
     "audioTranscriptionConfig": "the served model writes text only",
 }
-# Keys a part may carry besides its payload: bookkeeping of Google's model (or of Gemini CLI).
-_PART_EXTRAS = {"thought", "thoughtSignature", "partMetadata", "mediaResolution", "callIndex"}
-_PAYLOADS = ("text", "inlineData", "fileData", "functionCall", "functionResponse")
+_camel = bodies.camel
 
 # HTTP status -> google.rpc.Code name, for Google's error shape.
 _STATUS = {
@@ -121,8 +106,11 @@ def gemini_status(status: int) -> str:
 
 
 def gemini_error_body(status: int, message: str) -> dict[str, Any]:
-    """Google's error shape: {"error": {"code": 400, "message": ..., "status": "INVALID_ARGUMENT"}}."""
-    return {"error": {"code": status, "message": message, "status": gemini_status(status)}}
+    """Google's error shape (bodies.GoogleError): {"error": {"code": 400, "message": ..., "status":
+    "INVALID_ARGUMENT"}}."""
+    error = bodies.GoogleError(bodies.GoogleErrorDetail(status, message, gemini_status(status)))
+    out: dict[str, Any] = msgspec.to_builtins(error)
+    return out
 
 
 def model_id(path_model: str) -> str:
@@ -174,43 +162,11 @@ class _Translation:
         self.pending: list[dict[str, Any]] = []  # the last model turn's calls: {"id", "name", "answered"}
 
 
-def _number(obj: dict[str, Any], key: str, where: str, integer: bool = False) -> Any:
-    value = obj.get(key)
-    if value is None:
-        return None
-    kinds = int if integer else int | float
-    if isinstance(value, bool) or not isinstance(value, kinds):
-        raise invalid(where, "must be an integer" if integer else "must be a number")
-    return value
-
-
-def _camel(obj: dict[str, Any]) -> dict[str, Any]:
-    """Field names as lowerCamelCase. Google's API parses proto JSON, which takes a field's proto name
-    too ("mime_type" for "mimeType"), and the google-genai Python SDK sends those inside parts, tools,
-    schemas and thinkingConfig. Where both are given, the camelCase one counts."""
-    if not any("_" in k for k in obj):
-        return obj
-    out: dict[str, Any] = {}
-    for key, value in obj.items():
-        if "_" in key:
-            head, *rest = key.split("_")
-            out[head + "".join(w[:1].upper() + w[1:] for w in rest)] = value
-    for key, value in obj.items():
-        if "_" not in key:
-            out[key] = value
-    return out
-
-
 def _raw_object(value: Any, where: str) -> dict[str, Any]:
     """A JSON object whose keys are data (a JSON Schema, property names), not Google field names."""
     if not isinstance(value, dict):
         raise invalid(where, "must be an object")
     return value
-
-
-def _object(value: Any, where: str) -> dict[str, Any]:
-    """A Google message object, its field names camelCased (`_camel`)."""
-    return _camel(_raw_object(value, where))
 
 
 def _list(value: Any, where: str) -> list[Any]:
@@ -226,38 +182,12 @@ def _texts(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
     return parts
 
 
-def _payload(part: dict[str, Any], where: str, t: _Translation) -> str:
-    """The one payload key of a part (Google's Part is a oneof), noting the extras it ignores."""
-    kinds = [k for k in _PAYLOADS if part.get(k) is not None]
-    other = [k for k in part if k not in _PAYLOADS and k not in _PART_EXTRAS]
-    if other:
-        raise unsupported(
-            [f"{where}.{k}" for k in other],
-            "parts may hold text, inlineData, fileData (images), functionCall or functionResponse",
-        )
-    if len(kinds) != 1:
-        raise invalid(where, "must hold exactly one of " + ", ".join(_PAYLOADS))
-    if part.get("thoughtSignature") is not None:
-        t.ignored.add("thoughtSignature")
-    return kinds[0]
-
-
-def _image(part: dict[str, Any], kind: str, where: str) -> dict[str, Any]:
-    blob = _object(part[kind], f"{where}.{kind}")
-    mime = blob.get("mimeType")
-    if not isinstance(mime, str) or not mime.startswith("image/"):
-        raise unsupported(
-            [f"{where}.{kind}.mimeType"], f"'{mime}' (only images can be forwarded to the model)"
-        )
-    if kind == "inlineData":
-        data = blob.get("data")
-        if not isinstance(data, str) or not data:
-            raise invalid(f"{where}.inlineData.data", "must be a non-empty base64 string")
-        return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{data}"}}
-    uri = blob.get("fileUri")
-    if not isinstance(uri, str) or not uri.startswith(("http://", "https://", "data:")):
-        raise unsupported([f"{where}.fileData.fileUri"], "only http(s) or data: URLs (no file storage here)")
-    return {"type": "image_url", "image_url": {"url": uri}}
+def _image(part: GeminiPart) -> dict[str, Any]:
+    if part.inlineData is not None:
+        blob = part.inlineData
+        return {"type": "image_url", "image_url": {"url": f"data:{blob.mimeType};base64,{blob.data}"}}
+    assert part.fileData is not None  # the part's payload, checked by GeminiPart
+    return {"type": "image_url", "image_url": {"url": part.fileData.fileUri}}
 
 
 def _tool_output(response: dict[str, Any]) -> str:
@@ -271,144 +201,105 @@ def _tool_output(response: dict[str, Any]) -> str:
     return orjson.dumps(response).decode()
 
 
-def _function_response(part: dict[str, Any], where: str, t: _Translation) -> dict[str, Any]:
-    fr = _object(part["functionResponse"], f"{where}.functionResponse")
-    name = fr.get("name")
-    if not isinstance(name, str) or not name:
-        raise invalid(f"{where}.functionResponse.name", "must be a non-empty string")
-    if fr.get("parts"):
-        raise unsupported(
-            [f"{where}.functionResponse.parts"], "send images as parts next to the functionResponse"
-        )
-    response = fr.get("response", {})
-    if not isinstance(response, dict):
-        raise invalid(f"{where}.functionResponse.response", "must be an object")
-    call_id = fr.get("id")
-    if call_id is not None and (not isinstance(call_id, str) or not call_id):
-        raise invalid(f"{where}.functionResponse.id", "must be a non-empty string")
+def _function_response(fr: GeminiFunctionResponse, where: str, t: _Translation) -> dict[str, Any]:
+    call_id = fr.id
     if call_id is None:
         # No id: the first unanswered call of that name in the model turn before (Google pairs them by
         # name and order), so that the tool message answers the call id the assistant message carries.
-        match = next((c for c in t.pending if c["name"] == name and not c["answered"]), None)
+        match = next((c for c in t.pending if c["name"] == fr.name and not c["answered"]), None)
         if match is None:
             raise invalid(
-                f"{where}.functionResponse", f"answers no functionCall '{name}' of the model turn before"
+                f"{where}.functionResponse", f"answers no functionCall '{fr.name}' of the model turn before"
             )
         call_id = match["id"]
     for c in t.pending:
         if c["id"] == call_id:
             c["answered"] = True
-    return {"role": "tool", "tool_call_id": call_id, "content": _tool_output(response)}
+    return {"role": "tool", "tool_call_id": call_id, "content": _tool_output(fr.response)}
 
 
-def _user_messages(parts: list[Any], where: str, t: _Translation) -> list[dict[str, Any]]:
+def _note(part: GeminiPart, t: _Translation) -> bool:
+    """Notes what a part carries that is ignored; whether it is a thought (left out of the prompt:
+    Google's API does not show the model its earlier thoughts either)."""
+    if part.thoughtSignature is not None:
+        t.ignored.add("thoughtSignature")
+    if part.text is not None and part.thought is True:
+        t.ignored.add("thought")
+        return True
+    return False
+
+
+def _user_messages(parts: list[GeminiPart], where: str, t: _Translation) -> list[dict[str, Any]]:
     """A user turn: functionResponse parts become tool messages, the rest user messages, in order."""
     out: list[dict[str, Any]] = []
     pending: list[dict[str, Any]] = []
-
-    def flush() -> None:
-        if pending:
-            out.append({"role": "user", "content": _texts(list(pending))})
-            pending.clear()
-
     for j, part in enumerate(parts):
-        at = f"{where}.{j}"
-        part = _object(part, at)
-        kind = _payload(part, at, t)
-        if kind == "text":
-            if not isinstance(part["text"], str):
-                raise invalid(f"{at}.text", "must be a string")
-            if part.get("thought") is True:
-                t.ignored.add("thought")
-                continue
-            pending.append({"type": "text", "text": part["text"]})
-        elif kind in ("inlineData", "fileData"):
-            pending.append(_image(part, kind, at))
-        elif kind == "functionResponse":
-            flush()
-            out.append(_function_response(part, at, t))
+        if _note(part, t):
+            continue
+        if part.text is not None:
+            pending.append({"type": "text", "text": part.text})
+        elif part.functionResponse is not None:
+            if pending:
+                out.append({"role": "user", "content": _texts(pending)})
+                pending = []
+            out.append(_function_response(part.functionResponse, f"{where}.{j}", t))
+        elif part.functionCall is not None:
+            raise invalid(f"{where}.{j}.functionCall", "only a 'model' turn may hold a functionCall")
         else:
-            raise invalid(f"{at}.{kind}", "only a 'model' turn may hold a functionCall")
-    flush()
+            pending.append(_image(part))
+    if pending:
+        out.append({"role": "user", "content": _texts(pending)})
     return out
 
 
-def _model_message(parts: list[Any], where: str, index: int, t: _Translation) -> dict[str, Any]:
+def _model_message(parts: list[GeminiPart], where: str, index: int, t: _Translation) -> dict[str, Any]:
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     t.pending = []
     for j, part in enumerate(parts):
-        at = f"{where}.{j}"
-        part = _object(part, at)
-        kind = _payload(part, at, t)
-        if kind == "text":
-            if not isinstance(part["text"], str):
-                raise invalid(f"{at}.text", "must be a string")
-            if part.get("thought") is True:
-                # Google's API does not show the model its earlier thoughts either (Gemini CLI keeps
-                # them out of the history it sends).
-                t.ignored.add("thought")
-                continue
-            texts.append(part["text"])
-        elif kind == "functionCall":
-            fc = _object(part["functionCall"], f"{at}.functionCall")
-            name, args, call_id = fc.get("name"), fc.get("args"), fc.get("id")
-            args = {} if args is None else args
-            if not isinstance(name, str) or not name:
-                raise invalid(f"{at}.functionCall.name", "must be a non-empty string")
-            if not isinstance(args, dict):
-                raise invalid(f"{at}.functionCall.args", "must be an object")
-            if call_id is None:
-                call_id = f"call_{index}_{len(calls)}"  # stable: the same history gives the same prompt
-            elif not isinstance(call_id, str) or not call_id:
-                raise invalid(f"{at}.functionCall.id", "must be a non-empty string")
+        if _note(part, t):
+            continue
+        if part.text is not None:
+            texts.append(part.text)
+        elif (fc := part.functionCall) is not None:
+            # Without an id, a stable one: the same history gives the same prompt.
+            call_id = fc.id if fc.id is not None else f"call_{index}_{len(calls)}"
+            arguments = orjson.dumps(fc.args or {}).decode()
             calls.append(
-                {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": name, "arguments": orjson.dumps(args).decode()},
-                }
+                {"id": call_id, "type": "function", "function": {"name": fc.name, "arguments": arguments}}
             )
-            t.pending.append({"id": call_id, "name": name, "answered": False})
+            t.pending.append({"id": call_id, "name": fc.name, "answered": False})
         else:
-            raise unsupported([f"{at}.{kind}"], "a 'model' turn may hold text and functionCall parts")
+            kind = part.payload
+            raise unsupported([f"{where}.{j}.{kind}"], "a 'model' turn may hold text and functionCall parts")
     msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
     if calls:
         msg["tool_calls"] = calls
     return msg
 
 
-def _chat_messages(contents: Any, t: _Translation) -> list[dict[str, Any]]:
-    if not isinstance(contents, list) or not contents:
-        raise invalid("contents", "must be a non-empty array")
+def _chat_messages(contents: list[GeminiContent], t: _Translation) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for i, content in enumerate(contents):
-        where = f"contents.{i}"
-        content = _object(content, where)
-        role = content.get("role") or "user"  # Google takes a single turn without a role as the user's
-        parts = _list(content.get("parts"), f"{where}.parts")
-        if role == "model":
-            out.append(_model_message(parts, f"{where}.parts", i, t))
-        elif role in ("user", "function"):  # "function": the older role of functionResponse turns
-            out.extend(_user_messages(parts, f"{where}.parts", t))
-        else:
-            raise invalid(f"{where}.role", "must be 'user' or 'model'")
+        if content.role == "model":
+            out.append(_model_message(content.parts, f"contents.{i}.parts", i, t))
+        else:  # user, function (the older role of functionResponse turns), or none
+            out.extend(_user_messages(content.parts, f"contents.{i}.parts", t))
     return out
 
 
-def _system(value: Any, t: _Translation) -> str | list[dict[str, Any]] | None:
-    if value is None:
-        return None
-    if isinstance(value, str):  # the REST API takes a Content; a bare string is a common shorthand
+def _system(
+    value: str | GeminiSystemInstruction | None, t: _Translation
+) -> str | list[dict[str, Any]] | None:
+    if value is None or isinstance(value, str):  # the REST API takes a Content; a bare string is a shorthand
         return value or None
-    content = _object(value, "systemInstruction")
     texts = []
-    for j, part in enumerate(_list(content.get("parts"), "systemInstruction.parts")):
-        at = f"systemInstruction.parts.{j}"
-        part = _object(part, at)
-        if _payload(part, at, t) != "text" or not isinstance(part["text"], str):
-            raise invalid(at, "must be a text part")
-        texts.append({"type": "text", "text": part["text"]})
+    for j, part in enumerate(value.parts):
+        if part.thoughtSignature is not None:
+            t.ignored.add("thoughtSignature")
+        if part.text is None:
+            raise invalid(f"systemInstruction.parts.{j}", "must be a text part")
+        texts.append({"type": "text", "text": part.text})
     return _texts(texts) if texts else None
 
 
@@ -459,53 +350,43 @@ def json_schema(schema: Any, where: str) -> dict[str, Any]:
     return out
 
 
-def _tools(tools: Any, adjustments: dict[str, Any]) -> list[dict[str, Any]]:
+def _tools(tools: list[GeminiTool], sent: list[Any], adjustments: dict[str, Any]) -> list[dict[str, Any]]:
+    """Chat functions for the function declarations; `sent`: the same tools as sent (camelCased), for
+    the kinds of tool only Google runs, which are dropped and recorded."""
     out: list[dict[str, Any]] = []
-    dropped: list[str] = []
-    for i, tool in enumerate(_list(tools, "tools")):
-        tool = _object(tool, f"tools.{i}")
-        for kind in tool:
-            if kind != "functionDeclarations" and tool[kind] is not None:
-                dropped.append(kind)  # googleSearch, codeExecution, urlContext...: Google runs those
-        for j, decl in enumerate(
-            _list(tool.get("functionDeclarations") or [], f"tools.{i}.functionDeclarations")
-        ):
-            where = f"tools.{i}.functionDeclarations.{j}"
-            decl = _object(decl, where)
-            name = decl.get("name")
-            if not isinstance(name, str) or not name:
-                raise invalid(f"{where}.name", "must be a non-empty string")
-            if decl.get("parametersJsonSchema") is not None:
-                params = _raw_object(decl["parametersJsonSchema"], f"{where}.parametersJsonSchema")
-            elif decl.get("parameters") is not None:
-                params = json_schema(decl["parameters"], f"{where}.parameters")
+    dropped = sorted(
+        {
+            kind
+            for tool in sent
+            for kind, value in tool.items()
+            if kind != "functionDeclarations" and value is not None
+        }
+    )
+    for i, tool in enumerate(tools):
+        for j, decl in enumerate(tool.functionDeclarations or ()):
+            if decl.parametersJsonSchema is not None:
+                params = decl.parametersJsonSchema
+            elif decl.parameters is not None:
+                params = json_schema(decl.parameters, f"tools.{i}.functionDeclarations.{j}.parameters")
             else:
                 params = {"type": "object", "properties": {}}
-            fn: dict[str, Any] = {"name": name, "parameters": params}
-            if isinstance(decl.get("description"), str):
-                fn["description"] = decl["description"]
+            fn: dict[str, Any] = {"name": decl.name, "parameters": params}
+            if isinstance(decl.description, str):
+                fn["description"] = decl.description
             out.append({"type": "function", "function": fn})
     if dropped:
-        adjustments["dropped_tools"] = sorted(set(dropped))
+        adjustments["dropped_tools"] = dropped
     return out
 
 
-def _tool_choice(config: Any, chat: dict[str, Any]) -> None:
+def _tool_choice(config: GeminiToolConfig, chat: dict[str, Any]) -> None:
     """toolConfig.functionCallingConfig -> chat's tool_choice (and strict functions for VALIDATED)."""
-    fcc = _object(
-        _object(config, "toolConfig").get("functionCallingConfig") or {}, "toolConfig.functionCallingConfig"
-    )
-    mode = fcc.get("mode") or "AUTO"
-    allowed = fcc.get("allowedFunctionNames")
-    if allowed is not None and (
-        not isinstance(allowed, list) or not all(isinstance(n, str) for n in allowed)
-    ):
-        raise invalid("toolConfig.functionCallingConfig.allowedFunctionNames", "must be an array of strings")
+    fcc = config.functionCallingConfig
+    mode = (fcc.mode if fcc is not None else None) or "AUTO"
+    allowed = fcc.allowedFunctionNames if fcc is not None else None
     if mode == "NONE":
         chat["tool_choice"] = "none"
         return
-    if mode not in ("AUTO", "ANY", "VALIDATED", "MODE_UNSPECIFIED"):
-        raise invalid("toolConfig.functionCallingConfig.mode", "must be one of AUTO, ANY, NONE, VALIDATED")
     tools = chat.get("tools")
     if not tools:
         return
@@ -532,55 +413,36 @@ def _tool_choice(config: Any, chat: dict[str, Any]) -> None:
             tool["function"]["strict"] = True
 
 
-def _generation_config(config: Any, chat: dict[str, Any], t: _Translation) -> bool:
-    """generationConfig onto the chat body; returns whether thoughts are to be returned."""
-    config = _object(config, "generationConfig")
-    extra = [k for k in config if k not in _CONFIG_KNOWN and config[k] is not None]
-    if extra:
-        notes = [_CONFIG_HINTS[k] for k in sorted(extra) if k in _CONFIG_HINTS]
-        raise unsupported([f"generationConfig.{k}" for k in extra], "; ".join(notes) or _WHY)
-    t.ignored.update(
-        f"generationConfig.{k}" for k in config if k in _CONFIG_IGNORED and config[k] is not None
-    )
-    for key, name in (
-        ("temperature", "temperature"),
-        ("topP", "top_p"),
-        ("presencePenalty", "presence_penalty"),
-        ("frequencyPenalty", "frequency_penalty"),
+def _generation_config(
+    config: GeminiGenerationConfig, sent: dict[str, Any], chat: dict[str, Any], t: _Translation
+) -> bool:
+    """generationConfig onto the chat body; returns whether thoughts are to be returned. `sent`: the
+    config as sent (camelCased), for the ignored fields."""
+    t.ignored.update(f"generationConfig.{k}" for k in _CONFIG_IGNORED if sent.get(k) is not None)
+    for name, value in (
+        ("temperature", config.temperature),
+        ("top_p", config.topP),
+        ("presence_penalty", config.presencePenalty),
+        ("frequency_penalty", config.frequencyPenalty),
+        ("top_k", config.topK),
+        ("seed", config.seed),
+        ("max_tokens", config.maxOutputTokens),
     ):
-        if (value := _number(config, key, f"generationConfig.{key}")) is not None:
+        if value is not None:
             chat[name] = value
-    for key, name in (("topK", "top_k"), ("seed", "seed")):
-        if (value := _number(config, key, f"generationConfig.{key}", integer=True)) is not None:
-            chat[name] = value
-    if (
-        value := _number(config, "maxOutputTokens", "generationConfig.maxOutputTokens", integer=True)
-    ) is not None:
-        chat["max_tokens"] = bounded(value, "generationConfig.maxOutputTokens", MAX_OUTPUT_TOKENS)
-    if (
-        value := _number(config, "candidateCount", "generationConfig.candidateCount", integer=True)
-    ) is not None:
-        if bounded(value, "generationConfig.candidateCount", MAX_CHOICES) > 1:
-            chat["n"] = value
-    stops = config.get("stopSequences")
-    if stops is not None:
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise invalid("generationConfig.stopSequences", "must be an array of strings")
-        if stops:
-            chat["stop"] = stops
-    modalities = config.get("responseModalities")
-    if modalities is not None and (not isinstance(modalities, list) or any(m != "TEXT" for m in modalities)):
-        raise unsupported(["generationConfig.responseModalities"], "the served model writes text only")
+    if config.candidateCount is not None and config.candidateCount > 1:
+        chat["n"] = config.candidateCount
+    if config.stopSequences:
+        chat["stop"] = config.stopSequences
     _response_format(config, chat)
-    return _thinking(config.get("thinkingConfig"), chat, t)
+    return _thinking(config.thinkingConfig, chat, t)
 
 
-def _response_format(config: dict[str, Any], chat: dict[str, Any]) -> None:
-    mime = config.get("responseMimeType")
-    schema = config.get("responseJsonSchema")
-    where: str | None = "generationConfig.responseJsonSchema"
-    if schema is None and config.get("responseSchema") is not None:
-        schema, where = json_schema(config["responseSchema"], "generationConfig.responseSchema"), None
+def _response_format(config: GeminiGenerationConfig, chat: dict[str, Any]) -> None:
+    mime = config.responseMimeType
+    schema = config.responseJsonSchema
+    if schema is None and config.responseSchema is not None:
+        schema = json_schema(config.responseSchema, "generationConfig.responseSchema")
     if mime in (None, "text/plain"):
         if schema is not None:
             raise invalid(
@@ -588,66 +450,68 @@ def _response_format(config: dict[str, Any], chat: dict[str, Any]) -> None:
                 "must be 'application/json' when a response schema is given",
             )
         return
-    if mime != "application/json":
-        raise unsupported(
-            ["generationConfig.responseMimeType"], f"'{mime}' (use text/plain or application/json)"
-        )
     if schema is None:
         chat["response_format"] = {"type": "json_object"}
         return
-    if where is not None:
-        schema = _raw_object(schema, where)
     chat["response_format"] = {"type": "json_schema", "json_schema": {"name": "response", "schema": schema}}
 
 
-def _thinking(config: Any, chat: dict[str, Any], t: _Translation) -> bool:
+def _thinking(config: GeminiThinkingConfig | None, chat: dict[str, Any], t: _Translation) -> bool:
     """thinkingBudget 0 turns thinking off in chat templates that read `enable_thinking` (Qwen3 and
     alike; others ignore it); a budget is not enforced as a token cap, and thinkingLevel has no
     template equivalent. includeThoughts returns the reasoning vLLM parsed out, as thought parts."""
     if config is None:
         return False
-    config = _object(config, "generationConfig.thinkingConfig")
-    budget = _number(config, "thinkingBudget", "generationConfig.thinkingConfig.thinkingBudget", integer=True)
-    if budget == 0:
+    if config.thinkingBudget == 0:
         chat["chat_template_kwargs"] = {"enable_thinking": False}
-    elif budget is not None:
+    elif config.thinkingBudget is not None:
         t.ignored.add("generationConfig.thinkingConfig.thinkingBudget")
-    if config.get("thinkingLevel") is not None:
+    if config.thinkingLevel is not None:
         t.ignored.add("generationConfig.thinkingConfig.thinkingLevel")
-    include = config.get("includeThoughts")
-    if include is not None and not isinstance(include, bool):
-        raise invalid("generationConfig.thinkingConfig.includeThoughts", "must be a boolean")
-    return include is True
+    return config.includeThoughts is True
+
+
+def _refuse_unknown(body: dict[str, Any]) -> None:
+    """Unknown fields, at the top and in generationConfig, refused unless null: every one named at
+    once, with the hints there are."""
+    reject_unknown_fields(body, _KNOWN, _HINTS, _WHY, null_is_absent=True)
+    config = body.get("generationConfig")
+    if isinstance(config, dict):
+        extra = [k for k in config if k not in _CONFIG_KNOWN and config[k] is not None]
+        if extra:
+            notes = [_CONFIG_HINTS[k] for k in sorted(extra) if k in _CONFIG_HINTS]
+            raise unsupported([f"generationConfig.{k}" for k in extra], "; ".join(notes) or _WHY)
 
 
 def parse_generate_request(raw: bytes, served_model: str, path_model: str, stream: bool) -> GeminiRequest:
-    """Validate a GenerateContentRequest (the model and streaming come from the path) and translate it
-    to a chat completions body."""
+    """Validate a GenerateContentRequest (bodies.GenerateContentBody; the model and streaming come from
+    the path) and translate it to a chat completions body."""
     check_path_model(path_model, served_model)
-    body = load_json_object(raw)
-    return _translate(body, stream)
+    sent = load_json_object(raw)
+    body = bodies.camel_keys(sent, GenerateContentBody) if bodies.snake_keys(raw) else sent
+    _refuse_unknown(body)
+    return _translate(sent, body, bodies.validate(body, GenerateContentBody), stream)
 
 
-def _translate(sent: dict[str, Any], stream: bool) -> GeminiRequest:
-    body = _camel(sent)
-    reject_unknown_fields(body, _KNOWN, _HINTS, _WHY, null_is_absent=True)
-    if body.get("cachedContent") is not None:
-        raise unsupported(["cachedContent"], _HINTS["cachedContent"])
+def _translate(
+    sent: dict[str, Any], body: dict[str, Any], req: GenerateContentBody, stream: bool
+) -> GeminiRequest:
+    """`sent`: the body as sent (recorded); `body`: camelCased; `req`: validated."""
     t = _Translation()
     adjustments: dict[str, Any] = {}
     t.ignored.update(k for k in _IGNORED if k != "model" and body.get(k) is not None)
-    messages = _chat_messages(body.get("contents"), t)
-    system = _system(body.get("systemInstruction"), t)
+    messages = _chat_messages(req.contents, t)
+    system = _system(req.systemInstruction, t)
     if system is not None:
         messages.insert(0, {"role": "system", "content": system})
     chat: dict[str, Any] = {"messages": messages, "stream": stream}
-    if body.get("tools") is not None and (tools := _tools(body["tools"], adjustments)):
+    if req.tools is not None and (tools := _tools(req.tools, body["tools"], adjustments)):
         chat["tools"] = tools
-    if body.get("toolConfig") is not None:
-        _tool_choice(body["toolConfig"], chat)
+    if req.toolConfig is not None:
+        _tool_choice(req.toolConfig, chat)
     include_thoughts = False
-    if body.get("generationConfig") is not None:
-        include_thoughts = _generation_config(body["generationConfig"], chat, t)
+    if req.generationConfig is not None:
+        include_thoughts = _generation_config(req.generationConfig, body["generationConfig"], chat, t)
     if t.ignored:
         adjustments["ignored"] = sorted(t.ignored)
     return GeminiRequest(
@@ -656,16 +520,15 @@ def _translate(sent: dict[str, Any], stream: bool) -> GeminiRequest:
 
 
 def parse_count_tokens_request(raw: bytes, served_model: str, path_model: str) -> dict[str, Any]:
-    """countTokens: the body for vLLM's /tokenize of the chat messages a generateContent call with the
-    same contents (or the given `generateContentRequest`) would send."""
+    """countTokens (bodies.GeminiCountTokensBody): the body for vLLM's /tokenize of the chat messages
+    a generateContent call with the same contents (or the given `generateContentRequest`) would send."""
     check_path_model(path_model, served_model)
-    body = _camel(load_json_object(raw))
+    sent = load_json_object(raw)
+    body = bodies.camel_keys(sent, GeminiCountTokensBody) if bodies.snake_keys(raw) else sent
     inner = body.get("generateContentRequest")
-    if inner is not None:
-        if body.get("contents") is not None:
-            raise invalid("contents", "must not be given with 'generateContentRequest'")
-        body = _object(inner, "generateContentRequest")
-    elif set(body) - {"contents"}:
+    if isinstance(inner, dict) and body.get("contents") is None:
+        _refuse_unknown(inner)
+    elif set(body) - {"contents", "generateContentRequest"}:
         reject_unknown_fields(
             body,
             {"contents"},
@@ -673,12 +536,17 @@ def parse_count_tokens_request(raw: bytes, served_model: str, path_model: str) -
             "countTokens takes 'contents' or 'generateContentRequest'",
             null_is_absent=True,
         )
-    req = _translate(body, False)
-    out = {"messages": req.chat["messages"], "add_generation_prompt": True}
-    if "tools" in req.chat:
-        out["tools"] = req.chat["tools"]
-    if "chat_template_kwargs" in req.chat:
-        out["chat_template_kwargs"] = req.chat["chat_template_kwargs"]
+    req = bodies.validate(body, GeminiCountTokensBody)
+    if req.generateContentRequest is not None:
+        assert isinstance(inner, dict)  # what validated as the generateContentRequest
+        translated = _translate(inner, inner, req.generateContentRequest, False)
+    else:
+        assert req.contents is not None  # one of the two, checked by GeminiCountTokensBody
+        translated = _translate(body, body, GenerateContentBody(contents=req.contents), False)
+    out = {"messages": translated.chat["messages"], "add_generation_prompt": True}
+    for key in ("tools", "chat_template_kwargs"):  # both change the rendered prompt
+        if key in translated.chat:
+            out[key] = translated.chat[key]
     return out
 
 

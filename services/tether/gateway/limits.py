@@ -82,7 +82,7 @@ def applied_max_tokens(decision: MaxTokens, context_len: int | None, prompt_len:
 
 def client_limit(value: Any) -> tuple[bool, int | None]:
     """(the gateway may decide, the client's limit) for a request's raw limit field. The parsers
-    refuse a value that is not a positive integer (capture.check_counts); one that gets here anyway
+    refuse a value that is not a positive integer (the body types in bodies.py); one that gets here anyway
     is left untouched."""
     if value is None:
         return True, None

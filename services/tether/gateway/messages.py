@@ -24,8 +24,9 @@ earlier assistant turns (their signatures are Anthropic's; the gateway never emi
 defines them, vLLM cannot) -> "dropped_tools". Headers such as `anthropic-beta` are not read at all.
 
 What does not map (400, naming it): documents, server tool results, a tool_choice naming a dropped tool,
-and any request field not in `_TRANSLATED` or `_IGNORED` (an unknown field may change generation, so it
-is refused rather than silently lost).
+and any request field bodies.MessagesBody does not declare (an unknown field may change generation, so
+it is refused rather than silently lost). The request's shape is that type's: it validates the body and
+the translation reads it.
 """
 
 from __future__ import annotations
@@ -34,63 +35,51 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import orjson
 
+from tether.gateway import bodies
+from tether.gateway.bodies import (
+    AnthropicAssistantMessage,
+    AnthropicImage,
+    AnthropicRedactedThinking,
+    AnthropicSystemMessage,
+    AnthropicSystemText,
+    AnthropicText,
+    AnthropicThinking,
+    AnthropicTool,
+    AnthropicToolChoice,
+    AnthropicToolChoiceAny,
+    AnthropicToolChoiceAuto,
+    AnthropicToolChoiceNone,
+    AnthropicToolResult,
+    AnthropicToolUse,
+    AnthropicUrlSource,
+    MessagesBody,
+    MessagesCountTokensBody,
+)
 from tether.gateway.capture import (
-    MAX_OUTPUT_TOKENS,
     ApiError,
     Captured,
     StreamCapture,
     as_dict,
     check_model,
-    check_stream,
-    invalid,
     load_json_object,
-    number_field,
     reject_unknown_fields,
     unsupported,
 )
 
-# Request fields that are translated, and those accepted but with no effect here.
-_TRANSLATED = {
-    "model",
-    "messages",
-    "max_tokens",
-    "system",
-    "stop_sequences",
-    "stream",
-    "temperature",
-    "top_p",
-    "top_k",
-    "tools",
-    "tool_choice",
-    "thinking",
-    "output_config",
-}
-# Accepted with no effect: routing, caching, attribution and context-editing hints of Anthropic's service.
-_IGNORED = {
-    "metadata",
-    "service_tier",
-    "cache_control",
-    "inference_geo",
-    "speed",
-    "diagnostics",
-    "user_profile_id",
-    "workspace_id",
-    "context_management",
-}
-_KNOWN = _TRANSLATED | _IGNORED
+# The request's fields are MessagesBody's; those it accepts with no effect are its `Ignored` ones.
+_KNOWN = bodies.field_names(MessagesBody)
+_IGNORED = bodies.ignored_fields(MessagesBody)
 _UNSUPPORTED_HINTS = {
     "container": "no code-execution containers here",
     "mcp_servers": "the gateway does not call MCP servers",
 }
-# Anthropic custom tools carry no type or this one; every other type names a server (or Anthropic-defined)
-# tool, which only Anthropic's service can run or describe.
-_CUSTOM_TOOL = "custom"
+_WHY = "this gateway translates Messages to chat completions"
 # Blocks of earlier assistant turns that are Anthropic's own reasoning record (signed or encrypted).
-_DROPPED_BLOCKS = ("thinking", "redacted_thinking")
+_DROPPED_BLOCKS = {AnthropicThinking: "thinking", AnthropicRedactedThinking: "redacted_thinking"}
 _THINKING_ON: dict[Any, bool] = {"enabled": True, "adaptive": True, "disabled": False}
-_OUTPUT_CONFIG = {"format", "effort"}
 
 _ERROR_TYPES = {
     400: "invalid_request_error",
@@ -110,8 +99,10 @@ def anthropic_error_type(status: int) -> str:
 
 
 def anthropic_error_body(status: int, message: str) -> dict[str, Any]:
-    """Anthropic's error shape: {"type": "error", "error": {"type": ..., "message": ...}}."""
-    return {"type": "error", "error": {"type": anthropic_error_type(status), "message": message}}
+    """Anthropic's error shape (bodies.AnthropicError): {"type": "error", "error": {type, message}}."""
+    detail = bodies.AnthropicErrorDetail(anthropic_error_type(status), message)
+    out: dict[str, Any] = msgspec.to_builtins(bodies.AnthropicError("error", detail))
+    return out
 
 
 # --- request: Anthropic -> chat ------------------------------------------------------------------
@@ -126,318 +117,206 @@ class MessagesRequest:
     stop_sequences: list[str] = field(default_factory=list)
 
 
-def _text_of(block: dict[str, Any], where: str) -> str:
-    text = block.get("text")
-    if not isinstance(text, str):
-        raise invalid(f"{where}.text", "must be a string")
-    return text
+Part = dict[str, Any]
 
 
-def _parts(texts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+def _parts(texts: list[Part]) -> str | list[Part]:
     """One text part as a plain string (what most chat templates expect), several as a list."""
     if len(texts) == 1 and texts[0]["type"] == "text":
-        return texts[0]["text"]
+        return str(texts[0]["text"])
     return texts
 
 
-def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
-    source = block.get("source")
-    if not isinstance(source, dict):
-        raise invalid(f"{where}.source", "must be an object")
-    if source.get("type") == "base64":
-        media, data = source.get("media_type"), source.get("data")
-        if not isinstance(media, str) or not isinstance(data, str):
-            raise invalid(f"{where}.source", "needs string 'media_type' and 'data'")
-        return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
-    if source.get("type") == "url" and isinstance(source.get("url"), str):
-        return {"type": "image_url", "image_url": {"url": source["url"]}}
-    raise unsupported([f"{where}.source.type"], f"image source '{source.get('type')}' (use base64 or url)")
+def _part(block: AnthropicText | AnthropicImage) -> Part:
+    if isinstance(block, AnthropicText):
+        return {"type": "text", "text": block.text}
+    source = block.source
+    url = (
+        source.url
+        if isinstance(source, AnthropicUrlSource)
+        else f"data:{source.media_type};base64,{source.data}"
+    )
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
-def _system(system: Any, where: str = "system") -> str | list[dict[str, Any]] | None:
-    if system is None:
-        return None
-    if isinstance(system, str):
+def _system(system: str | list[AnthropicSystemText] | None) -> str | list[Part] | None:
+    if system is None or isinstance(system, str):
         return system
-    if not isinstance(system, list):
-        raise invalid(where, "must be a string or an array of text blocks")
-    texts = []
-    for i, block in enumerate(system):
-        if not isinstance(block, dict) or block.get("type") != "text":
-            raise invalid(f"{where}.{i}", "must be a text block")
-        texts.append({"type": "text", "text": _text_of(block, f"{where}.{i}")})
+    texts = [{"type": "text", "text": block.text} for block in system]
     return _parts(texts) if texts else None
 
 
-def _tool_result_content(content: Any, where: str) -> str | list[dict[str, Any]]:
+def _tool_result_content(content: str | list[AnthropicText | AnthropicImage] | None) -> str | list[Part]:
     if content is None:
         return ""
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise invalid(where, "must be a string or an array of content blocks")
-    parts: list[dict[str, Any]] = []
-    for j, block in enumerate(content):
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            parts.append({"type": "text", "text": _text_of(block, f"{where}.{j}")})
-        elif kind == "image":
-            parts.append(_image_part(block, f"{where}.{j}"))
-        else:
-            raise unsupported([f"{where}.{j}.type"], f"tool_result content block '{kind}'")
-    if not parts:
-        return ""
-    return _parts(parts)
+    return _parts([_part(block) for block in content]) if content else ""
 
 
-def _user_messages(content: list[Any], where: str) -> list[dict[str, Any]]:
+def _user_messages(content: list[AnthropicText | AnthropicImage | AnthropicToolResult]) -> list[Part]:
     """A user turn: tool_result blocks become tool messages, the rest user messages, in order."""
-    out: list[dict[str, Any]] = []
-    pending: list[dict[str, Any]] = []
-
-    def flush() -> None:
+    out: list[Part] = []
+    pending: list[Part] = []
+    for block in content:
+        if not isinstance(block, AnthropicToolResult):
+            pending.append(_part(block))
+            continue
         if pending:
-            out.append({"role": "user", "content": _parts(list(pending))})
-            pending.clear()
-
-    for j, block in enumerate(content):
-        at = f"{where}.{j}"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind == "text":
-            pending.append({"type": "text", "text": _text_of(block, at)})
-        elif kind == "image":
-            pending.append(_image_part(block, at))
-        elif kind == "tool_result":
-            flush()
-            call_id = block.get("tool_use_id")
-            if not isinstance(call_id, str) or not call_id:
-                raise invalid(f"{at}.tool_use_id", "must be a non-empty string")
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": call_id,
-                    "content": _tool_result_content(block.get("content"), f"{at}.content"),
-                }
-            )
-        elif kind is None:
-            raise invalid(at, "must be a content block object with a 'type'")
-        else:
-            raise unsupported([f"{at}.type"], f"content block '{kind}' in a user message")
-    flush()
+            out.append({"role": "user", "content": _parts(pending)})
+            pending = []
+        out.append(
+            {
+                "role": "tool",
+                "tool_call_id": block.tool_use_id,
+                "content": _tool_result_content(block.content),
+            }
+        )
+    if pending:
+        out.append({"role": "user", "content": _parts(pending)})
     return out
 
 
-def _assistant_message(content: list[Any], where: str, dropped: dict[str, int]) -> dict[str, Any] | None:
+def _assistant_message(content: list[Any], dropped: dict[str, int]) -> Part | None:
     """The chat message of an assistant turn; None when it held only dropped blocks."""
     texts: list[str] = []
-    calls: list[dict[str, Any]] = []
-    for j, block in enumerate(content):
-        at = f"{where}.{j}"
-        kind = block.get("type") if isinstance(block, dict) else None
-        if kind in _DROPPED_BLOCKS:
-            dropped[kind] = dropped.get(kind, 0) + 1
-        elif kind == "text":
-            texts.append(_text_of(block, at))
-        elif kind == "tool_use":
-            call_id, name, args = block.get("id"), block.get("name"), block.get("input", {})
-            if not isinstance(call_id, str) or not call_id:
-                raise invalid(f"{at}.id", "must be a non-empty string")
-            if not isinstance(name, str) or not name:
-                raise invalid(f"{at}.name", "must be a non-empty string")
-            if not isinstance(args, dict):
-                raise invalid(f"{at}.input", "must be an object")
-            calls.append(
-                {
-                    "id": call_id,
-                    "type": "function",
-                    "function": {"name": name, "arguments": orjson.dumps(args).decode()},
-                }
-            )
-        elif kind is None:
-            raise invalid(at, "must be a content block object with a 'type'")
+    calls: list[Part] = []
+    for block in content:
+        if isinstance(block, AnthropicText):
+            texts.append(block.text)
+        elif isinstance(block, AnthropicToolUse):
+            fn = {"name": block.name, "arguments": orjson.dumps(block.input).decode()}
+            calls.append({"id": block.id, "type": "function", "function": fn})
         else:
-            raise unsupported([f"{at}.type"], f"content block '{kind}' in an assistant message")
+            kind = _DROPPED_BLOCKS[type(block)]
+            dropped[kind] = dropped.get(kind, 0) + 1
     if not texts and not calls and content:
         return None
-    msg: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
+    msg: Part = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
     if calls:
         msg["tool_calls"] = calls
     return msg
 
 
-def _chat_messages(messages: Any, dropped: dict[str, int]) -> list[dict[str, Any]]:
-    if not isinstance(messages, list) or not messages:
-        raise invalid("messages", "must be a non-empty array")
-    out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
-        where = f"messages.{i}"
-        if not isinstance(m, dict):
-            raise invalid(where, "must be an object")
-        role, content = m.get("role"), m.get("content")
-        if role not in ("user", "assistant", "system"):
-            raise invalid(f"{where}.role", "must be 'user', 'assistant' or 'system'")
-        if role == "system":
+def _chat_messages(messages: list[Any], dropped: dict[str, int]) -> list[Part]:
+    out: list[Part] = []
+    for m in messages:
+        if isinstance(m, AnthropicSystemMessage):
             # In place, not hoisted into the leading system prompt: the agent put it where the model
             # should read it, and moving it would change every later prompt's prefix.
-            out.append({"role": "system", "content": _system(content, f"{where}.content") or ""})
-            continue
-        if isinstance(content, str):
-            out.append({"role": role, "content": content})
-            continue
-        if not isinstance(content, list):
-            raise invalid(f"{where}.content", "must be a string or an array of content blocks")
-        if role == "user":
-            out.extend(_user_messages(content, f"{where}.content"))
-        elif (msg := _assistant_message(content, f"{where}.content", dropped)) is not None:
-            out.append(msg)
+            out.append({"role": "system", "content": _system(m.content) or ""})
+        elif isinstance(m.content, str):
+            out.append(
+                {
+                    "role": "user" if isinstance(m, bodies.AnthropicUserMessage) else "assistant",
+                    "content": m.content,
+                }
+            )
+        elif isinstance(m, AnthropicAssistantMessage):
+            if (msg := _assistant_message(m.content, dropped)) is not None:
+                out.append(msg)
+        else:
+            out.extend(_user_messages(m.content))
     return out
 
 
-def _tools(tools: Any, dropped: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _tools(tools: list[AnthropicTool], dropped: list[Part]) -> list[Part]:
     """Custom tools as chat functions; server tools are left out and listed in `dropped`."""
-    if not isinstance(tools, list):
-        raise invalid("tools", "must be an array")
     out = []
-    for i, tool in enumerate(tools):
-        if not isinstance(tool, dict):
-            raise invalid(f"tools.{i}", "must be an object")
-        kind = tool.get("type") or _CUSTOM_TOOL
-        if kind != _CUSTOM_TOOL:
-            dropped.append({"type": kind, "name": tool.get("name")})
+    for tool in tools:
+        if not tool.custom:
+            dropped.append({"type": tool.type, "name": tool.name})
             continue
-        name = tool.get("name")
-        if not isinstance(name, str) or not name:
-            raise invalid(f"tools.{i}.name", "must be a non-empty string")
-        schema = tool.get("input_schema", {"type": "object"})
-        if not isinstance(schema, dict):
-            raise invalid(f"tools.{i}.input_schema", "must be an object")
-        fn: dict[str, Any] = {"name": name, "parameters": schema}
-        if isinstance(tool.get("description"), str):
-            fn["description"] = tool["description"]
-        if isinstance(tool.get("strict"), bool):
-            fn["strict"] = tool["strict"]  # vLLM then holds the arguments to input_schema
+        schema = {"type": "object"} if tool.input_schema is msgspec.UNSET else tool.input_schema
+        fn: Part = {"name": tool.name, "parameters": schema}
+        if isinstance(tool.description, str):
+            fn["description"] = tool.description
+        if isinstance(tool.strict, bool):
+            fn["strict"] = tool.strict  # vLLM then holds the arguments to input_schema
         out.append({"type": "function", "function": fn})
     return out
 
 
-def _tool_choice(choice: Any) -> tuple[Any, bool | None]:
+def _tool_choice(choice: AnthropicToolChoice) -> tuple[Any, bool | None]:
     """Chat's tool_choice and parallel_tool_calls for Anthropic's tool_choice."""
-    if not isinstance(choice, dict):
-        raise invalid("tool_choice", "must be an object with a 'type'")
-    kind = choice.get("type")
-    parallel = False if choice.get("disable_parallel_tool_use") is True else None
-    if kind == "auto":
+    parallel = False if choice.disable_parallel_tool_use is True else None
+    if isinstance(choice, AnthropicToolChoiceAuto):
         return "auto", parallel
-    if kind == "any":
+    if isinstance(choice, AnthropicToolChoiceAny):
         return "required", parallel
-    if kind == "none":
+    if isinstance(choice, AnthropicToolChoiceNone):
         return "none", None
-    if kind == "tool":
-        name = choice.get("name")
-        if not isinstance(name, str) or not name:
-            raise invalid("tool_choice.name", "must be a non-empty string")
-        return {"type": "function", "function": {"name": name}}, parallel
-    raise invalid("tool_choice.type", "must be one of 'auto', 'any', 'tool', 'none'")
+    return {"type": "function", "function": {"name": choice.name}}, parallel
 
 
-def _thinking(thinking: Any, ignored: set[str]) -> bool | None:
+def _thinking(thinking: bodies.AnthropicThinkingConfig | None, ignored: set[str]) -> bool | None:
     """The template's enable_thinking for Anthropic's `thinking`, None to leave the template's default.
     A thinking type this gateway does not know yet is a hint, not an error: Claude Code sends whatever
     its own release knows."""
     if thinking is None:
         return None
-    if not isinstance(thinking, dict):
-        raise invalid("thinking", "must be an object with a 'type'")
-    if thinking.get("budget_tokens") is not None:
+    if thinking.budget_tokens is not None:
         ignored.add("thinking.budget_tokens")  # a template switch has no budget
-    kind = thinking.get("type")
-    enable = _THINKING_ON.get(kind) if isinstance(kind, str) else None
+    enable = _THINKING_ON.get(thinking.type) if isinstance(thinking.type, str) else None
     if enable is None:
         ignored.add("thinking")
     return enable
 
 
 def _uses_cache_control(body: dict[str, Any]) -> bool:
-    """Whether any system block, tool or content block (tool_result contents too) carries cache_control."""
+    """Whether any system block, tool or content block (tool_result contents too) carries cache_control.
+    Read from the body as sent: the blocks' types leave cache_control out."""
     blocks: list[Any] = []
     for key in ("system", "tools"):
         if isinstance(body.get(key), list):
             blocks += body[key]
-    for m in body["messages"] if isinstance(body.get("messages"), list) else ():
-        content = m.get("content") if isinstance(m, dict) else None
+    for m in body["messages"]:
+        content = m.get("content")
         if isinstance(content, list):
             blocks += content
-            blocks += [
-                part
-                for b in content
-                if isinstance(b, dict) and isinstance(b.get("content"), list)
-                for part in b["content"]
-            ]
-    return any(isinstance(b, dict) and "cache_control" in b for b in blocks)
+            blocks += [part for b in content if isinstance(b.get("content"), list) for part in b["content"]]
+    return any("cache_control" in b for b in blocks if isinstance(b, dict))
 
 
-def _response_format(config: Any, ignored: set[str]) -> dict[str, Any] | None:
+def _response_format(config: bodies.AnthropicOutputConfig, ignored: set[str]) -> Part | None:
     """output_config: `format` (a JSON schema) maps to chat's response_format; `effort` is a hint
     with no chat equivalent for most models, so it is ignored."""
-    if not isinstance(config, dict):
-        raise invalid("output_config", "must be an object")
-    if extra := sorted(set(config) - _OUTPUT_CONFIG):
-        raise unsupported(
-            [f"output_config.{k}" for k in extra], "this gateway translates Messages to chat completions"
-        )
-    if config.get("effort") is not None:
+    if config.effort is not None:
         ignored.add("output_config.effort")
-    fmt = config.get("format")
-    if fmt is None:
+    if config.format is None:
         return None
-    if (
-        not isinstance(fmt, dict)
-        or fmt.get("type") != "json_schema"
-        or not isinstance(fmt.get("schema"), dict)
-    ):
-        raise invalid("output_config.format", "must be {'type': 'json_schema', 'schema': {...}}")
-    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": config.format.schema}}
 
 
 def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
-    """Validate an Anthropic Messages request and translate it to a chat completions body."""
+    """Validate an Anthropic Messages request (bodies.MessagesBody) and translate it to a chat
+    completions body."""
     body = load_json_object(raw)
     check_model(body, served_model)
-    reject_unknown_fields(
-        body, _KNOWN, _UNSUPPORTED_HINTS, "this gateway translates Messages to chat completions"
-    )
-    stream = check_stream(body)
-    max_tokens = number_field(body, "max_tokens", integer=True)
-    if max_tokens is None or not 1 <= max_tokens <= MAX_OUTPUT_TOKENS:
-        raise invalid("max_tokens", f"is required and must be an integer from 1 to {MAX_OUTPUT_TOKENS}")
+    reject_unknown_fields(body, _KNOWN, _UNSUPPORTED_HINTS, _WHY)  # every unknown one named at once
+    return _translate(body, bodies.validate(body, MessagesBody))
+
+
+def _translate(body: dict[str, Any], req: MessagesBody) -> MessagesRequest:
     ignored = {k for k in body if k in _IGNORED}
     if _uses_cache_control(body):
         ignored.add("cache_control")
     dropped_blocks: dict[str, int] = {}
-    dropped_tools: list[dict[str, Any]] = []
-
-    messages = _chat_messages(body.get("messages"), dropped_blocks)
-    system = _system(body.get("system"))
-    if system is not None:
+    dropped_tools: list[Part] = []
+    messages = _chat_messages(req.messages, dropped_blocks)
+    if (system := _system(req.system)) is not None:
         messages.insert(0, {"role": "system", "content": system})
-    chat: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens, "stream": stream}
-    for name in ("temperature", "top_p"):
-        if (value := number_field(body, name)) is not None:
+    stream = req.stream is True
+    chat: dict[str, Any] = {"messages": messages, "max_tokens": req.max_tokens, "stream": stream}
+    for name, value in (("temperature", req.temperature), ("top_p", req.top_p), ("top_k", req.top_k)):
+        if value is not None:
             chat[name] = value
-    if (top_k := number_field(body, "top_k", integer=True)) is not None:
-        chat["top_k"] = top_k
-    stops = body.get("stop_sequences")
-    if stops is not None:
-        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
-            raise invalid("stop_sequences", "must be an array of strings")
-        if stops:
-            chat["stop"] = stops
-    if body.get("tools") is not None:
-        tools = _tools(body["tools"], dropped_tools)
-        if tools:
-            chat["tools"] = tools
-    if body.get("tool_choice") is not None:
-        choice, parallel = _tool_choice(body["tool_choice"])
+    if req.stop_sequences:
+        chat["stop"] = req.stop_sequences
+    if req.tools is not None and (tools := _tools(req.tools, dropped_tools)):
+        chat["tools"] = tools
+    if req.tool_choice is not None:
+        choice, parallel = _tool_choice(req.tool_choice)
         if isinstance(choice, dict) and choice["function"]["name"] in {t.get("name") for t in dropped_tools}:
             raise unsupported(
                 ["tool_choice.name"],
@@ -447,13 +326,10 @@ def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
             chat["tool_choice"] = choice
         if parallel is not None and "tools" in chat:
             chat["parallel_tool_calls"] = parallel
-    if (
-        body.get("output_config") is not None
-        and (fmt := _response_format(body["output_config"], ignored)) is not None
-    ):
+    if req.output_config is not None and (fmt := _response_format(req.output_config, ignored)) is not None:
         chat["response_format"] = fmt
     adjustments: dict[str, Any] = {}
-    if (enable := _thinking(body.get("thinking"), ignored)) is not None:
+    if (enable := _thinking(req.thinking, ignored)) is not None:
         chat["chat_template_kwargs"] = {"enable_thinking": enable}
         adjustments["chat_template_kwargs"] = {"enable_thinking": enable}
     if ignored:
@@ -463,16 +339,17 @@ def parse_messages_request(raw: bytes, served_model: str) -> MessagesRequest:
     if dropped_blocks:
         adjustments["dropped_blocks"] = dropped_blocks
     return MessagesRequest(
-        body=body, stream=stream, chat=chat, adjustments=adjustments, stop_sequences=list(stops or [])
+        body=body, stream=stream, chat=chat, adjustments=adjustments, stop_sequences=req.stop_sequences or []
     )
 
 
 def parse_count_tokens_request(raw: bytes, served_model: str) -> dict[str, Any]:
-    """`/v1/messages/count_tokens`: the body for vLLM's /tokenize of the same chat messages."""
+    """`/v1/messages/count_tokens` (bodies.MessagesCountTokensBody): the body for vLLM's /tokenize of
+    the same chat messages."""
     body = load_json_object(raw)
-    body.setdefault("max_tokens", 1)
-    body.pop("stream", None)
-    req = parse_messages_request(orjson.dumps(body), served_model)
+    check_model(body, served_model)
+    reject_unknown_fields(body, _KNOWN, _UNSUPPORTED_HINTS, _WHY)
+    req = _translate(body, bodies.validate(body, MessagesCountTokensBody))
     out = {"messages": req.chat["messages"], "add_generation_prompt": True}
     for key in ("tools", "chat_template_kwargs"):  # both change the rendered prompt
         if key in req.chat:

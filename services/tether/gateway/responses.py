@@ -43,84 +43,43 @@ from typing import Any
 
 import orjson
 
+from tether.gateway import bodies
+from tether.gateway.bodies import (
+    ResponsesBody,
+    ResponsesContent,
+    ResponsesCustomToolCall,
+    ResponsesCustomToolCallOutput,
+    ResponsesFunctionCall,
+    ResponsesFunctionCallOutput,
+    ResponsesInputImage,
+    ResponsesItem,
+    ResponsesJsonObjectFormat,
+    ResponsesJsonSchemaFormat,
+    ResponsesMessage,
+    ResponsesRefusal,
+    ResponsesTextConfig,
+    ResponsesTool,
+)
 from tether.gateway.capture import (
-    MAX_OUTPUT_TOKENS,
     ApiError,
     Captured,
     StreamCapture,
     as_dict,
-    bounded,
     check_model,
-    check_stream,
-    invalid,
     load_json_object,
-    number_field,
     reject_unknown_fields,
-    unsupported,
 )
 
-_TRANSLATED = {
-    "model",
-    "input",
-    "instructions",
-    "max_output_tokens",
-    "temperature",
-    "top_p",
-    "stream",
-    "tools",
-    "tool_choice",
-    "parallel_tool_calls",
-    "text",
-    "top_logprobs",
-    "include",
-    "reasoning",
-    "previous_response_id",
-    "conversation",
-    "background",
-}
-# Accepted with no effect: bookkeeping this gateway does not keep (it stores nothing) and hints of
-# OpenAI's service (caching, attribution, Codex's session and turn ids).
-_IGNORED = {
-    "store",
-    "metadata",
-    "user",
-    "truncation",
-    "service_tier",
-    "prompt_cache_key",
-    "safety_identifier",
-    "stream_options",
-    "prompt_cache_retention",
-    "client_metadata",
-}
-_KNOWN = _TRANSLATED | _IGNORED
+# The request's fields are ResponsesBody's; those it accepts with no effect are its `Ignored` ones.
+_KNOWN = bodies.field_names(ResponsesBody)
+_IGNORED = bodies.ignored_fields(ResponsesBody)
 _UNSUPPORTED_HINTS = {
     "prompt": "stored prompts live on OpenAI's servers; send 'instructions' and 'input'",
     "max_tool_calls": "hosted tool calls are not available",
     "context_management": "send the whole conversation in 'input'",
 }
-_NO_STATE = "this gateway stores no responses or conversations; send the whole conversation in 'input'"
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
-# History items that are the record of something only OpenAI's service ran or can read: reasoning (its
-# encrypted_content), hosted tool calls, remote compaction. vLLM gets the conversation without them.
-_DROPPED_ITEMS = {
-    "reasoning",
-    "compaction",
-    "compaction_summary",
-    "web_search_call",
-    "file_search_call",
-    "image_generation_call",
-    "code_interpreter_call",
-    "computer_call",
-    "computer_call_output",
-    "local_shell_call",
-    "local_shell_call_output",
-    "mcp_call",
-    "mcp_list_tools",
-    "mcp_approval_request",
-    "mcp_approval_response",
-    "tool_search_call",
-    "tool_search_output",
-}
+_DROPPED_ITEMS = {kind: str(kind.__struct_config__.tag) for kind in bodies.DROPPED_ITEM_TYPES}
 # The one string argument a freeform (custom) tool's text travels in as a chat function call.
 CUSTOM_INPUT = "input"
 
@@ -148,119 +107,77 @@ class ResponsesRequest:
 # --- request: Responses -> chat ------------------------------------------------------------------
 
 
-def _content_part(part: Any, where: str) -> dict[str, Any] | None:
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind in ("input_text", "output_text", "text"):
-        text = part.get("text")
-        if not isinstance(text, str):
-            raise invalid(f"{where}.text", "must be a string")
-        return {"type": "text", "text": text}
-    if kind == "refusal":
-        refusal = part.get("refusal")
-        return {"type": "text", "text": refusal} if isinstance(refusal, str) else None
-    if kind == "input_image":
-        url = part.get("image_url")
-        if not isinstance(url, str) or not url:
-            raise unsupported(
-                [f"{where}.file_id"], "images must be given by 'image_url' (no file storage here)"
-            )
-        image: dict[str, Any] = {"url": url}
-        if isinstance(part.get("detail"), str):
-            image["detail"] = part["detail"]
-        return {"type": "image_url", "image_url": image}
-    if kind is None:
-        raise invalid(where, "must be a content part object with a 'type'")
-    raise unsupported([f"{where}.type"], f"content part '{kind}'")
+Part = dict[str, Any]
 
 
-def _content(content: Any, where: str) -> str | list[dict[str, Any]]:
+def _content(content: ResponsesContent) -> str | list[Part]:
     if isinstance(content, str):
         return content
-    if not isinstance(content, list):
-        raise invalid(where, "must be a string or an array of content parts")
-    parts = [p for i, part in enumerate(content) if (p := _content_part(part, f"{where}.{i}")) is not None]
+    parts: list[Part] = []
+    for part in content:
+        if isinstance(part, ResponsesInputImage):
+            image: Part = {"url": part.image_url}
+            if isinstance(part.detail, str):
+                image["detail"] = part.detail
+            parts.append({"type": "image_url", "image_url": image})
+        elif isinstance(part, ResponsesRefusal):
+            if isinstance(part.refusal, str):
+                parts.append({"type": "text", "text": part.refusal})
+        else:
+            parts.append({"type": "text", "text": part.text})
     if len(parts) == 1 and parts[0]["type"] == "text":
-        return parts[0]["text"]
+        return str(parts[0]["text"])
     return parts
 
 
-def _text_only(content: str | list[dict[str, Any]]) -> str:
+def _text_only(content: str | list[Part]) -> str:
     if isinstance(content, str):
         return content
     return "".join(p.get("text", "") for p in content if p.get("type") == "text")
 
 
-def _function_output(output: Any, where: str) -> str | list[dict[str, Any]]:
-    if isinstance(output, str):
-        return output
-    if isinstance(output, list):
-        return _content(output, where)
-    raise invalid(where, "must be a string or an array of content parts")
-
-
-def _call(call_id: Any, name: str, arguments: str) -> dict[str, Any]:
+def _call(call_id: Any, name: str, arguments: str) -> Part:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def _item_call(item: ResponsesItem, names: dict[tuple[str | None, str], str]) -> Part | None:
+    """The chat tool call of a call item, None for any other."""
+    if isinstance(item, ResponsesFunctionCall):
+        namespace = item.namespace if isinstance(item.namespace, str) else None
+        return _call(item.call_id, names.get((namespace, item.name), item.name), item.arguments)
+    if isinstance(item, ResponsesCustomToolCall):
+        arguments = orjson.dumps({CUSTOM_INPUT: item.input}).decode()
+        return _call(item.call_id, names.get((None, item.name), item.name), arguments)
+    return None
+
+
 def _input_messages(
-    items: Any, names: dict[tuple[str | None, str], str], dropped: dict[str, int]
-) -> list[dict[str, Any]]:
+    items: str | list[ResponsesItem], names: dict[tuple[str | None, str], str], dropped: dict[str, int]
+) -> list[Part]:
     """Chat messages for the input items; `names` maps (namespace, name) of a call to its chat function,
     `dropped` counts the items left out, by type."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
-    if not isinstance(items, list) or not items:
-        raise invalid("input", "must be a non-empty string or a non-empty array of input items")
-    out: list[dict[str, Any]] = []
+    out: list[Part] = []
     after_assistant = False  # the last item kept was an assistant message or a call: calls join it
-    for i, item in enumerate(items):
-        where = f"input.{i}"
-        if not isinstance(item, dict):
-            raise invalid(where, "must be an object")
-        kind = item.get("type", "message")
-        if not isinstance(kind, str):
-            raise invalid(f"{where}.type", "must be a string")
-        call: dict[str, Any] | None = None
-        if kind in _DROPPED_ITEMS:
+    for item in items:
+        if (kind := _DROPPED_ITEMS.get(type(item))) is not None:
             dropped[kind] = dropped.get(kind, 0) + 1
             continue
-        if kind == "message":
-            role = item.get("role")
-            if role not in ("user", "assistant", "system", "developer"):
-                raise invalid(f"{where}.role", "must be one of 'user', 'assistant', 'system', 'developer'")
-            content = _content(item.get("content"), f"{where}.content")
-            if role == "assistant":
+        if isinstance(item, ResponsesMessage):
+            content = _content(item.content)
+            if item.role == "assistant":
                 out.append({"role": "assistant", "content": _text_only(content)})
             else:
                 # Chat templates know system, not developer: the two mean the same here.
-                out.append({"role": "system" if role == "developer" else role, "content": content})
-            after_assistant = role == "assistant"
+                out.append({"role": "system" if item.role == "developer" else item.role, "content": content})
+            after_assistant = item.role == "assistant"
             continue
-        if kind == "function_call":
-            call_id = _required(item, where, "call_id", "name")
-            name: str = item["name"]  # _required checked it is a non-empty string
-            args = item.get("arguments")
-            if not isinstance(args, str):
-                raise invalid(f"{where}.arguments", "must be a string (JSON)")
-            namespace = ns if isinstance(ns := item.get("namespace"), str) else None
-            call = _call(call_id, names.get((namespace, name), name), args)
-        elif kind == "custom_tool_call":
-            call_id = _required(item, where, "call_id", "name")
-            name, text = item["name"], item.get("input")
-            if not isinstance(text, str):
-                raise invalid(f"{where}.input", "must be a string")
-            call = _call(call_id, names.get((None, name), name), orjson.dumps({CUSTOM_INPUT: text}).decode())
-        elif kind in ("function_call_output", "custom_tool_call_output"):
-            call_id = _required(item, where, "call_id")
-            out.append(
-                {
-                    "role": "tool",
-                    "tool_call_id": call_id,
-                    "content": _function_output(item.get("output"), f"{where}.output"),
-                }
-            )
-        else:
-            raise unsupported([f"{where}.type"], f"input item '{kind}'")
+        if isinstance(item, ResponsesFunctionCallOutput | ResponsesCustomToolCallOutput):
+            out.append({"role": "tool", "tool_call_id": item.call_id, "content": _content(item.output)})
+            after_assistant = False
+            continue
+        call = _item_call(item, names)
         if call is not None:
             # Calls of one turn join the assistant message they follow.
             last = out[-1] if out else None
@@ -274,29 +191,21 @@ def _input_messages(
     return out
 
 
-def _required(item: dict[str, Any], where: str, *names: str) -> Any:
-    """The first of `names` after checking each is a non-empty string."""
-    for name in names:
-        if not isinstance(item.get(name), str) or not item[name]:
-            raise invalid(f"{where}.{name}", "must be a non-empty string")
-    return item[names[0]]
-
-
-def _function(name: str, tool: dict[str, Any], parameters: Any) -> dict[str, Any]:
-    fn: dict[str, Any] = {"name": name, "parameters": parameters or {"type": "object"}}
-    if isinstance(tool.get("description"), str):
-        fn["description"] = tool["description"]
-    if isinstance(tool.get("strict"), bool):
-        fn["strict"] = tool["strict"]
+def _function(name: str, tool: ResponsesTool) -> Part:
+    fn: Part = {"name": name, "parameters": tool.parameters or {"type": "object"}}
+    if isinstance(tool.description, str):
+        fn["description"] = tool.description
+    if isinstance(tool.strict, bool):
+        fn["strict"] = tool.strict
     return {"type": "function", "function": fn}
 
 
-def _custom_function(name: str, tool: dict[str, Any]) -> dict[str, Any]:
+def _custom_function(name: str, tool: ResponsesTool) -> Part:
     """A freeform tool as a function of one string: chat templates and tool parsers only know JSON
     arguments. Its grammar (e.g. Codex's apply_patch Lark grammar) goes into the description, where the
     model can read what the text must look like; nothing enforces it."""
-    description = tool.get("description") if isinstance(tool.get("description"), str) else ""
-    fmt = f if isinstance(f := tool.get("format"), dict) else {}
+    description = tool.description if isinstance(tool.description, str) else ""
+    fmt = tool.format if isinstance(tool.format, dict) else {}
     if fmt.get("type") == "grammar" and isinstance(fmt.get("definition"), str):
         syntax = fmt.get("syntax") if isinstance(fmt.get("syntax"), str) else "grammar"
         description = (
@@ -314,7 +223,7 @@ def _custom_function(name: str, tool: dict[str, Any]) -> dict[str, Any]:
     return {"type": "function", "function": fn}
 
 
-def _tools(tools: Any, dropped: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, ClientTool]]:
+def _tools(tools: list[ResponsesTool], dropped: list[Part]) -> tuple[list[Part], dict[str, ClientTool]]:
     """Chat functions for function tools, the members of namespace tools and freeform tools, and what
     each chat name stands for where it is not a plain function. Tools only OpenAI's service can run
     (web search, file search, code interpreter, MCP, local shell, ...) are listed in `dropped`.
@@ -322,88 +231,55 @@ def _tools(tools: Any, dropped: list[dict[str, Any]]) -> tuple[list[dict[str, An
     A namespace member keeps its own name unless another tool has it too, then it becomes
     `{namespace}__{name}`: the model sees flat names either way, and the mapping back depends only on the
     request's tool list, so every turn of an agent renders the same tool names."""
-    if not isinstance(tools, list):
-        raise invalid("tools", "must be an array")
-    members: list[tuple[str, dict[str, Any], str | None, str]] = []  # (where, tool, namespace, kind)
-    for i, tool in enumerate(tools):
-        where = f"tools.{i}"
-        if not isinstance(tool, dict):
-            raise invalid(where, "must be an object")
-        kind = tool.get("type")
-        if kind == "namespace":
-            namespace = _required(tool, where, "name")
-            if not isinstance(tool.get("tools"), list):
-                raise invalid(f"{where}.tools", "must be an array")
-            for j, member in enumerate(tool["tools"]):
-                if not isinstance(member, dict):
-                    raise invalid(f"{where}.tools.{j}", "must be an object")
-                if member.get("type") in ("function", "custom"):
-                    members.append((f"{where}.tools.{j}", member, namespace, member["type"]))
+    members: list[tuple[ResponsesTool, str | None]] = []  # (tool, namespace)
+    for tool in tools:
+        if tool.type == "namespace":
+            for member in tool.tools or ():
+                if member.type in ("function", "custom"):
+                    members.append((member, tool.name))
                 else:
-                    dropped.append(
-                        {"type": member.get("type"), "name": member.get("name"), "namespace": namespace}
-                    )
-        elif kind in ("function", "custom"):
-            members.append((where, tool, None, kind))
+                    dropped.append({"type": member.type, "name": member.name, "namespace": tool.name})
+        elif tool.type in ("function", "custom"):
+            members.append((tool, None))
         else:
-            dropped.append({"type": kind, "name": tool.get("name")})
+            dropped.append({"type": tool.type, "name": tool.name})
     counts: dict[str, int] = {}
-    for where, tool, _, _ in members:
-        name = _required(tool, where, "name")
-        counts[name] = counts.get(name, 0) + 1
+    for tool, _ in members:
+        counts[tool.name] = counts.get(tool.name, 0) + 1
     out, client = [], {}
-    for _, tool, namespace, kind in members:
-        name = tool["name"]
+    for tool, namespace in members:
+        name = tool.name
         chat_name = f"{namespace}__{name}" if namespace is not None and counts[name] > 1 else name
-        custom = kind == "custom"
+        custom = tool.type == "custom"
         if namespace is not None or custom:
             client[chat_name] = ClientTool(name, namespace, custom)
-        out.append(
-            _custom_function(chat_name, tool)
-            if custom
-            else _function(chat_name, tool, tool.get("parameters"))
-        )
+        out.append(_custom_function(chat_name, tool) if custom else _function(chat_name, tool))
     return out, client
 
 
 def _tool_choice(choice: Any, names: dict[tuple[str | None, str], str]) -> Any:
-    if choice in ("auto", "none", "required"):
+    if isinstance(choice, str):  # auto, none, required
         return choice
-    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
-        name = choice.get("name")
-        if not isinstance(name, str) or not name:
-            raise invalid("tool_choice.name", "must be a non-empty string")
-        return {"type": "function", "function": {"name": names.get((None, name), name)}}
-    if isinstance(choice, dict):
-        raise unsupported(["tool_choice.type"], f"tool_choice '{choice.get('type')}'")
-    raise invalid("tool_choice", "must be 'auto', 'none', 'required' or {'type': 'function', 'name': ...}")
+    return {"type": "function", "function": {"name": names.get((None, choice.name), choice.name)}}
 
 
-def _response_format(text: Any) -> dict[str, Any] | None:
-    if not isinstance(text, dict):
-        raise invalid("text", "must be an object")
-    fmt = text.get("format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise invalid("text.format", "must be an object")
-    kind = fmt.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
+def _response_format(text: ResponsesTextConfig) -> Part | None:
+    fmt = text.format
+    if isinstance(fmt, ResponsesJsonObjectFormat):
         return {"type": "json_object"}
-    if kind == "json_schema":
-        if not isinstance(fmt.get("schema"), dict):
-            raise invalid("text.format.schema", "must be an object")
-        schema = {"name": fmt.get("name") or "response", "schema": fmt["schema"]}
-        for key in ("strict", "description"):
-            if fmt.get(key) is not None:
-                schema[key] = fmt[key]
-        return {"type": "json_schema", "json_schema": schema}
-    raise invalid("text.format.type", "must be 'text', 'json_object' or 'json_schema'")
+    if not isinstance(fmt, ResponsesJsonSchemaFormat):  # none, or text
+        return None
+    schema = {"name": fmt.name or "response", "schema": fmt.schema}
+    for key, value in (("strict", fmt.strict), ("description", fmt.description)):
+        if value is not None:
+            schema[key] = value
+    return {"type": "json_schema", "json_schema": schema}
 
 
-def _check_fields(body: dict[str, Any]) -> None:
+def parse_responses_request(raw: bytes, served_model: str) -> ResponsesRequest:
+    """Validate a Responses request (bodies.ResponsesBody) and translate it to a chat completions body."""
+    body = load_json_object(raw)
+    check_model(body, served_model)
     reject_unknown_fields(
         body,
         _KNOWN,
@@ -411,70 +287,51 @@ def _check_fields(body: dict[str, Any]) -> None:
         "this gateway translates Responses to chat completions",
         null_is_absent=True,
     )
-    if body.get("previous_response_id") is not None:
-        raise unsupported(["previous_response_id"], _NO_STATE)
-    if body.get("conversation") is not None:
-        raise unsupported(["conversation"], _NO_STATE)
-    if body.get("background"):
-        raise unsupported(["background"], "responses are answered in the request (no background mode)")
+    # An input item without a type is a message (OpenAI's default), validated as one.
+    items = bodies.with_default_tags(body.get("input"))
+    req = bodies.validate(body if items is body.get("input") else {**body, "input": items}, ResponsesBody)
+    return _translate(body, req)
 
 
-def parse_responses_request(raw: bytes, served_model: str) -> ResponsesRequest:
-    """Validate a Responses request and translate it to a chat completions body."""
-    body = load_json_object(raw)
-    check_model(body, served_model)
-    _check_fields(body)
-    stream = check_stream(body)
+def _translate(body: dict[str, Any], req: ResponsesBody) -> ResponsesRequest:
     ignored = {k for k in body if k in _IGNORED and body[k] is not None}
-    dropped_tools: list[dict[str, Any]] = []
-    tools, client_tools = _tools(body["tools"], dropped_tools) if body.get("tools") is not None else ([], {})
+    dropped_tools: list[Part] = []
+    tools, client_tools = _tools(req.tools, dropped_tools) if req.tools is not None else ([], {})
     names = {(t.namespace, t.name): chat_name for chat_name, t in client_tools.items()}
     dropped_items: dict[str, int] = {}
-    messages = _input_messages(body.get("input"), names, dropped_items)
-    instructions = body.get("instructions")
-    if instructions is not None:
-        if not isinstance(instructions, str):
-            raise invalid("instructions", "must be a string")
-        messages.insert(0, {"role": "system", "content": instructions})
+    messages = _input_messages(req.input, names, dropped_items)
+    if req.instructions is not None:
+        messages.insert(0, {"role": "system", "content": req.instructions})
+    stream = req.stream is True
     chat: dict[str, Any] = {"messages": messages, "stream": stream}
-    max_tokens = number_field(body, "max_output_tokens", integer=True)
-    if bounded(max_tokens, "max_output_tokens", MAX_OUTPUT_TOKENS) is not None:
-        chat["max_tokens"] = max_tokens
-    for name in ("temperature", "top_p"):
-        if (value := number_field(body, name)) is not None:
+    for name, value in (
+        ("max_tokens", req.max_output_tokens),
+        ("temperature", req.temperature),
+        ("top_p", req.top_p),
+    ):
+        if value is not None:
             chat[name] = value
     if tools:
         chat["tools"] = tools
-    if body.get("tool_choice") is not None:
-        choice = _tool_choice(body["tool_choice"], names)
+    if req.tool_choice is not None:
+        choice = _tool_choice(req.tool_choice, names)
         if "tools" in chat or choice == "none":
             chat["tool_choice"] = choice
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None:
-        if not isinstance(parallel, bool):
-            raise invalid("parallel_tool_calls", "must be a boolean")
-        if "tools" in chat:
-            chat["parallel_tool_calls"] = parallel
-    if body.get("text") is not None and (fmt := _response_format(body["text"])) is not None:
+    if req.parallel_tool_calls is not None and "tools" in chat:
+        chat["parallel_tool_calls"] = req.parallel_tool_calls
+    if req.text is not None and (fmt := _response_format(req.text)) is not None:
         chat["response_format"] = fmt
-    reasoning = body.get("reasoning")
-    if reasoning is not None:
-        if not isinstance(reasoning, dict):
-            raise invalid("reasoning", "must be an object")
-        if reasoning.get("effort") is not None:
-            chat["reasoning_effort"] = reasoning["effort"]
+    if req.reasoning is not None:
+        if req.reasoning.get("effort") is not None:
+            chat["reasoning_effort"] = req.reasoning["effort"]
         # Summaries of reasoning are written by OpenAI's service; the reasoning itself stays in the tokens.
-        ignored.update(f"reasoning.{k}" for k, v in reasoning.items() if k != "effort" and v is not None)
-    include = body.get("include")
-    if include is not None and (
-        not isinstance(include, list) or not all(isinstance(x, str) for x in include)
-    ):
-        raise invalid("include", "must be an array of strings")
-    wants_logprobs = LOGPROBS_INCLUDE in (include or ())
-    if any(x != LOGPROBS_INCLUDE for x in include or ()):
+        ignored.update(f"reasoning.{k}" for k, v in req.reasoning.items() if k != "effort" and v is not None)
+    include = req.include or []
+    wants_logprobs = LOGPROBS_INCLUDE in include
+    if any(x != LOGPROBS_INCLUDE for x in include):
         ignored.add("include")  # e.g. reasoning.encrypted_content: there is no encrypted reasoning here
-    if (top := number_field(body, "top_logprobs", integer=True)) is not None:
-        chat["top_logprobs"] = top
+    if req.top_logprobs is not None:
+        chat["top_logprobs"] = req.top_logprobs
     adjustments: dict[str, Any] = {}
     if ignored:
         adjustments["ignored"] = sorted(ignored)

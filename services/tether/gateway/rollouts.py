@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-import math
 import secrets
 import time
 import uuid
@@ -36,11 +35,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import orjson
 import redis.asyncio as aioredis
 
 from tether.common import broker
 from tether.common.records import RecordError, RolloutEvent, TrainingOutcome
+from tether.gateway import bodies
 from tether.gateway.admission import Admission
 from tether.gateway.capture import ApiError
 from tether.gateway.recorder import IN_FLIGHT, Batcher
@@ -81,7 +82,6 @@ return {1, st, added}
 # How often a finish polls the count of calls in flight on other gateway replicas.
 _POLL_S = 0.02
 # The largest finite float32: rewards are trained on as fp32, where anything larger is inf.
-_FP32_MAX = 3.4028234663852886e38
 
 
 def unauthorized(message: str = "Missing or unknown API key") -> ApiError:
@@ -118,43 +118,25 @@ class CreateRequest:
 
 
 def parse_create(body: dict[str, Any], default_group_size: int) -> CreateRequest:
-    task_id, group_id = body.get("task_id"), body.get("group_id")
-    group_size = body.get("group_size", default_group_size)
-    metadata = body.get("metadata")
-    metadata = {} if metadata is None else metadata
-    for name, value in (("task_id", task_id), ("group_id", group_id)):
-        if not isinstance(value, str) or not value:
-            raise ApiError(422, f"'{name}' must be a non-empty string", param=name, code="invalid_value")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ApiError(422, "'group_size' must be an integer >= 1", param="group_size", code="invalid_value")
-    if not isinstance(metadata, dict):
-        raise ApiError(422, "'metadata' must be an object", param="metadata", code="invalid_value")
-    return CreateRequest(task_id, group_id, group_size, metadata)
+    """A create body (bodies.CreateRolloutRequest); 422 naming a bad field."""
+    req = bodies.validate(body, bodies.CreateRolloutRequest, status=422)
+    group_size = default_group_size if req.group_size is msgspec.UNSET else req.group_size
+    return CreateRequest(req.task_id, req.group_id, group_size, req.metadata or {})
 
 
 def parse_reward(body: dict[str, Any]) -> float:
-    """A finite number (within float32's range: rewards are fp32 from the merger on); bools, strings,
-    NaN and infinities are rejected (422)."""
-    value = body.get("reward")
-    bad = ApiError(
-        422, "'reward' must be a finite number (float32 range)", param="reward", code="invalid_reward"
-    )
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise bad
-    try:
-        reward = float(value)
-    except OverflowError:
-        raise bad from None
-    if not math.isfinite(reward) or abs(reward) > _FP32_MAX:
-        raise bad
-    return reward
+    """A finite number within float32's range (rewards are fp32 from the merger on;
+    bodies.RewardRequest): bools, strings, NaN and infinities are rejected (422)."""
+    return bodies.validate(body, bodies.RewardRequest, _REWARD_CODES, status=422).reward
+
+
+_REWARD_CODES = {"reward": "invalid_reward"}
 
 
 def parse_reason(body: dict[str, Any]) -> str:
-    reason = body.get("reason", "")
-    if not isinstance(reason, str):
-        raise ApiError(422, "'reason' must be a string", param="reason", code="invalid_value")
-    return reason
+    """A fail body's reason (bodies.FailRolloutRequest), "" when absent."""
+    reason = bodies.validate(body, bodies.FailRolloutRequest, status=422).reason
+    return "" if reason is msgspec.UNSET else reason
 
 
 # Estimators that need no group (tether.algorithms.advantages.BASELINE_ESTIMATORS; the gateway does not

@@ -25,9 +25,10 @@ import redis.asyncio as aioredis
 
 from tether.common import broker
 from tether.common.records import RecordError, SessionReward, Trace
+from tether.gateway import bodies
 from tether.gateway.capture import ApiError
 from tether.gateway.recorder import Recorder
-from tether.gateway.rollouts import parse_reward, unauthorized
+from tether.gateway.rollouts import unauthorized
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,8 @@ class Sessions:
         raise ApiError(403, "This key may not reward calls of this session", "permission_error", "forbidden")
 
     async def reward(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        call_id = body.get("call_id")
-        if not isinstance(call_id, str) or not call_id:
-            raise ApiError(422, "'call_id' must be a non-empty string", param="call_id", code="invalid_value")
-        reward = parse_reward(body)
+        req = bodies.validate(body, bodies.SessionRewardRequest, {"reward": "invalid_reward"}, status=422)
+        call_id, reward = req.call_id, req.reward
         stream = self.keys.traces(session_rollout_id(name, call_id))  # where the call was recorded
         entry = await self.r.get(self.keys.published(call_id, stream))
         trace = None
