@@ -16,9 +16,9 @@ from tether.gateway.app import ROUTERS
 GATEWAY = Path(__file__).resolve().parent.parent / "services" / "tether" / "gateway"
 MAX_FUNCTION_LINES = 100
 MAX_CLASS_LINES = 350
-# The hand-written JSON Schema, which the typed request models of issue 26 (point 1) replace: its
-# builders are over the limit until then. Nothing else may be.
-PENDING = {"openapi.py"}
+# Files excused from the limits: none since the typed bodies (gateway/bodies.py) replaced the hand-written
+# JSON Schema, whose builders were over them.
+PENDING: set[str] = set()
 
 
 def oversized(source: str, name: str) -> list[str]:
