@@ -78,7 +78,8 @@ def group_advantages(rewards: npt.ArrayLike, estimator: str = "grpo", eps: float
         adv = centered * (g / (g - 1))
     else:  # drgrpo, reinforce_pp_baseline
         adv = centered
-    return adv.astype(np.float32)
+    out: np.ndarray = adv.astype(np.float32)
+    return out
 
 
 def whiten(values: npt.ArrayLike, mask: npt.ArrayLike | None = None, eps: float = 1e-8) -> np.ndarray:

@@ -134,7 +134,7 @@ def publish_keys(keys: Keys, stream: str, record_id: str, index_list: str = "") 
     return out
 
 
-_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 async def publish_once(
@@ -376,7 +376,7 @@ def reported_lag(info: dict[str, Any]) -> int | None:
     return None if lag is None else int(lag)
 
 
-_lag_scripts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_lag_scripts: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 async def count_after(r: aioredis.Redis, stream: str, entry_id: str, cap: int = LAG_COUNT_CAP) -> int:

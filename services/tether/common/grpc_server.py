@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
-_RUNNING_TO_END: set[asyncio.Task] = set()
+_RUNNING_TO_END: set[asyncio.Task[object]] = set()
 
 TOKEN_ENV = "TETHER_SERVICE_TOKEN"
 TOKEN_FILE_ENV = "TETHER_SERVICE_TOKEN_FILE"

@@ -21,4 +21,4 @@ def tune_malloc(threshold_bytes: int = 128 * 1024) -> bool:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
-    return mallopt(M_MMAP_THRESHOLD, threshold_bytes) == 1
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold_bytes) == 1)

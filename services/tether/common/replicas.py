@@ -32,7 +32,8 @@ async def current(r: aioredis.Redis, keys: Keys) -> ReplicaSet | None:
     if raw is None:
         return None
     try:
-        return ReplicaSet.from_json(raw)
+        replicas: ReplicaSet = ReplicaSet.from_json(raw)
+        return replicas
     except RecordError:
         return None
 

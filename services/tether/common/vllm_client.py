@@ -22,11 +22,12 @@ class VLLMControl:
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def _post(self, path: str, **kw: Any) -> dict:
+    async def _post(self, path: str, **kw: Any) -> dict[str, Any]:
         resp = await self.http.post(path, **kw)
         if resp.status_code >= 400:
             raise VLLMError(f"POST {path} -> {resp.status_code}: {resp.text[:300]}")
-        return resp.json() if resp.content else {}
+        body: dict[str, Any] = resp.json() if resp.content else {}
+        return body
 
     async def healthy(self) -> bool:
         try:
@@ -38,7 +39,8 @@ class VLLMControl:
         resp = await self.http.get("/weight_info")
         if resp.status_code >= 400:
             raise VLLMError(f"GET /weight_info -> {resp.status_code}")
-        return resp.json().get("weight_version")
+        version: str | None = resp.json().get("weight_version")
+        return version
 
     async def pause(self, mode: str = "keep") -> None:
         await self._post("/pause", params={"mode": mode})

@@ -33,7 +33,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import orjson
@@ -282,7 +282,10 @@ class RolloutRegistry:
         if hit is not None and hit[1] > now:
             return hit[0]
         key = self.keys.api_key(api_key)
-        rollout_id = await (self.batch.call("GET", key) if self.batch is not None else self.r.get(key))
+        # The gateway's clients decode responses: a str or None.
+        rollout_id = cast(
+            "str | None", await (self.batch.call("GET", key) if self.batch is not None else self.r.get(key))
+        )
         self._key_cache.pop(api_key, None)
         if rollout_id is None:
             raise unauthorized()
@@ -415,7 +418,9 @@ class RolloutRegistry:
         out = await self.get(rollout_id)
         if status == COMPLETED:
             out["warning"] = complete_warning(
-                out["group_size"], out["calls"], await self.r.get(self.keys.merger_estimator)
+                out["group_size"],
+                out["calls"],
+                cast("str | None", await self.r.get(self.keys.merger_estimator)),
             )
         return out
 

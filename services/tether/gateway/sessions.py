@@ -19,7 +19,7 @@ import hmac
 import logging
 import re
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 
@@ -105,12 +105,12 @@ class Sessions:
         req = bodies.validate(body, bodies.SessionRewardRequest, {"reward": "invalid_reward"}, status=422)
         call_id, reward = req.call_id, req.reward
         stream = self.keys.traces(session_rollout_id(name, call_id))  # where the call was recorded
-        entry = await self.r.get(self.keys.published(call_id, stream))
+        entry = cast("str | None", await self.r.get(self.keys.published(call_id, stream)))  # decoded client
         trace = None
         if entry:
             items = await self.r.xrange(stream, min=entry, max=entry)
             try:
-                trace = Trace.from_json(items[0][1]["data"]) if items else None
+                trace = Trace.from_json(cast("dict[str, str]", items[0][1])["data"]) if items else None
             except RecordError as exc:  # not a trace this gateway can read: not one of its calls
                 log.warning("session reward for %s: %s", call_id, exc)
         if trace is None or trace.session != name:
@@ -120,6 +120,7 @@ class Sessions:
                 code="call_not_found",
                 param="call_id",
             )
+        assert entry is not None  # the trace was read from it
         record = SessionReward(
             session=name,
             call_id=call_id,
