@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the launcher (and what it imports) only where a command runs a stack
     from tether.common.records import RunState
+    from tether.launcher import Stack
 
 import argparse
 import json
@@ -27,7 +28,6 @@ from tether.cli.examples import (
     write_tasks,
 )
 from tether.cli.stack import on_stack, redis_down, replicas_flag, run_status
-from tether.launcher import Stack
 
 # Demo settings an example may set in its DEMO dict; a flag given on the command line wins.
 DEMO_DEFAULTS: dict[str, int | float] = {

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, cast
 from tether.cli.args import Subparsers
 from tether.cli.config import CONFIG_HELP, config_model, use_run_config
 from tether.cli.examples import prepare_calculator_model
-from tether.launcher import Stack
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the launcher (and what it imports) only where a command runs a stack
     from tether.common.records import RunState
+    from tether.launcher import Stack
 
 
 def stop_on_signals(stack: Stack) -> None:
