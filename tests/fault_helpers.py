@@ -52,14 +52,14 @@ FAULTS = [
 WINDOW = 4  # steps averaged at the start and at the end of the run for the reward comparison
 
 
-def _stack(work: Path) -> dict | None:
+def stack_json(work: Path) -> dict | None:
     try:
         return json.loads((work / ".tether" / "stack.json").read_text())
     except (OSError, ValueError):
         return None
 
 
-def _logs(run_dir: Path) -> str:
+def service_logs(run_dir: Path) -> str:
     return "\n".join(
         f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in (run_dir / "logs").glob("*.log")
     )
@@ -153,7 +153,7 @@ def demo_with_faults(
     r = None
     try:
         deadline = time.monotonic() + 1500
-        while (stack := _stack(work)) is None or "agent-0" not in stack["pids"]:
+        while (stack := stack_json(work)) is None or "agent-0" not in stack["pids"]:
             assert demo.poll() is None, out_path.read_text()
             assert time.monotonic() < deadline, "the stack did not come up"
             time.sleep(0.5)
@@ -164,7 +164,7 @@ def demo_with_faults(
         while pending and demo.poll() is None and time.monotonic() < deadline:
             name, at, phase = pending[0]
             state = _state(r, keys.run)
-            pids = (_stack(work) or stack)["pids"]
+            pids = (stack_json(work) or stack)["pids"]
             pid = pids[name]
             since = first_seen.setdefault((state.get("step"), state.get("status")), time.time())
             if (
@@ -177,7 +177,7 @@ def demo_with_faults(
                 kills.append((name, state["step"], pid))
                 pending.pop(0)
                 # The next fault only once this one's process is back (the launcher restarted it).
-                while demo.poll() is None and (_stack(work) or stack)["pids"][name] == pid:
+                while demo.poll() is None and (stack_json(work) or stack)["pids"][name] == pid:
                     time.sleep(0.1)
             time.sleep(0.02)
         assert not pending, f"run ended before every fault: {kills}, state {_state(r, keys.run)}"
@@ -190,7 +190,7 @@ def demo_with_faults(
         if r is not None:
             r.close()
     demo_out = out_path.read_text()
-    assert rc == 0, f"{demo_out[-3000:]}\n{_logs(run_dir)}"
+    assert rc == 0, f"{demo_out[-3000:]}\n{service_logs(run_dir)}"
     return FaultRun(work, run_dir, steps, list(faults), kills, time.monotonic() - started, demo_out)
 
 
@@ -200,7 +200,7 @@ def check_fault_run(run: FaultRun, learns: bool) -> dict:
     run_dir, steps, faults, kills, demo_out = run.run_dir, run.steps, run.faults, run.kills, run.out
     seconds = run.seconds
     # The launcher restarted each process it saw killed, once each, and nothing else.
-    final = _stack(run.work)
+    final = stack_json(run.work)
     assert final is not None
     restarts = {n: k for n, k in final["restarts"].items() if k}
     expected = {name: 1 for name, _, _ in faults}

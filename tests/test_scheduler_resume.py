@@ -12,11 +12,11 @@ import re
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import redis
 import torch
+from fault_helpers import service_logs, stack_json
 from stack_helpers import TETHER, alive
 
 from tether.common.broker import Keys
@@ -30,19 +30,6 @@ KILLS = [("rolling_out", 1), ("training", 2), ("pushing", 3)]
 
 def _run_state(r: redis.Redis, key: str) -> dict:
     return {k: json.loads(v) for k, v in r.hgetall(key).items()}
-
-
-def _stack(work: Path) -> dict | None:
-    try:
-        return json.loads((work / ".tether" / "stack.json").read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _logs(run_dir: Path) -> str:
-    return "\n".join(
-        f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in (run_dir / "logs").glob("*.log")
-    )
 
 
 @pytest.mark.parametrize("mode", ["colocated-sync", "disaggregated-async"])
@@ -76,7 +63,7 @@ def test_killed_scheduler_resumes_the_run(tmp_path, mode):
     r = None
     try:
         deadline = time.monotonic() + 1200
-        while (stack := _stack(tmp_path)) is None or "scheduler" not in stack["pids"]:
+        while (stack := stack_json(tmp_path)) is None or "scheduler" not in stack["pids"]:
             assert demo.poll() is None, (tmp_path / "demo.out").read_text()
             assert time.monotonic() < deadline, "the stack did not come up"
             time.sleep(0.5)
@@ -87,7 +74,7 @@ def test_killed_scheduler_resumes_the_run(tmp_path, mode):
         pending = list(KILLS)
         while pending and demo.poll() is None and time.monotonic() < deadline:
             state = _run_state(r, key)
-            pid = (_stack(tmp_path) or stack)["pids"]["scheduler"]
+            pid = (stack_json(tmp_path) or stack)["pids"]["scheduler"]
             status, at = pending[0]
             # Kill mid-step: rolling out once some of the step's groups are scored (the new scheduler
             # must still see them), training once the trainer has started (the step runs on regardless).
@@ -121,7 +108,7 @@ def test_killed_scheduler_resumes_the_run(tmp_path, mode):
         if r is not None:
             r.close()
     demo_out = (tmp_path / "demo.out").read_text()
-    assert rc == 0, f"{demo_out[-3000:]}\n{_logs(run_dir)}"
+    assert rc == 0, f"{demo_out[-3000:]}\n{service_logs(run_dir)}"
 
     # The launcher saw each death and started the scheduler again; each new one resumed the run.
     assert demo_out.count("scheduler exited with code -9; restarting it") == len(KILLS), demo_out

@@ -314,7 +314,7 @@ def test_the_step_guard_undoes_an_update_that_moves_too_far_and_makes_it_again_a
         return _flat(model) - _flat(base), metrics, model, opt
 
     plain, m_plain, _, _ = run(0.05)
-    half, _, half_model, half_opt = run(0.025)
+    half, _, _, half_opt = run(0.025)
     assert m_plain["step_guard_retries"] == 0.0 and math.isnan(m_plain["step_kl"])  # no guard: not measured
     # A bound above what the update moves: the same step, its KL measured.
     kept, m_kept, kept_model, _ = run(0.05, max_step_kl=10.0)

@@ -12,12 +12,11 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from tether.common.records import GroupResult
-from tether.scheduler.config import RunConfig
-from tether.scheduler.health import InferenceHealth
+from tether.scheduler.loop import ModeLoop
 from tether.scheduler.plan import (
     InFlight,
     arrive,
@@ -28,32 +27,13 @@ from tether.scheduler.plan import (
     restore_inflight,
     task_draws,
 )
-from tether.scheduler.rollouts import Rollouts
-from tether.scheduler.steps import STEP, Steps
-from tether.scheduler.store import InflightGroup, RunStore
+from tether.scheduler.steps import STEP
+from tether.scheduler.store import InflightGroup
 
 log = logging.getLogger(__name__)
 
 
-class AsyncLoop:
-    def __init__(
-        self,
-        cfg: RunConfig,
-        tasks: list[dict[str, Any]],
-        store: RunStore,
-        rollouts: Rollouts,
-        health: InferenceHealth,
-        steps: Steps,
-        stopped: Callable[[], bool],
-    ) -> None:
-        self.cfg = cfg
-        self.tasks = tasks
-        self.store = store
-        self.rollouts = rollouts
-        self.health = health
-        self.steps = steps
-        self.stopped = stopped
-
+class AsyncLoop(ModeLoop):
     async def restore(self) -> tuple[dict[str, int], str | None]:
         """After a restart: the groups dispatched and not used up by a finished step (dispatched again:
         publishing is idempotent, so only one lost between saving and dispatching goes out now), and

@@ -10,12 +10,10 @@ import dataclasses
 import itertools
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from tether.common.records import GroupResult
-from tether.scheduler.config import RunConfig
-from tether.scheduler.health import InferenceHealth
+from tether.scheduler.loop import ModeLoop
 from tether.scheduler.plan import (
     sync_group_ids,
     sync_take,
@@ -24,32 +22,12 @@ from tether.scheduler.plan import (
     top_up_draws,
     top_up_group_ids,
 )
-from tether.scheduler.rollouts import Rollouts
-from tether.scheduler.steps import STEP, Steps
-from tether.scheduler.store import RunStore
+from tether.scheduler.steps import STEP
 
 log = logging.getLogger(__name__)
 
 
-class SyncLoop:
-    def __init__(
-        self,
-        cfg: RunConfig,
-        tasks: list[dict[str, Any]],
-        store: RunStore,
-        rollouts: Rollouts,
-        health: InferenceHealth,
-        steps: Steps,
-        stopped: Callable[[], bool],
-    ) -> None:
-        self.cfg = cfg
-        self.tasks = tasks
-        self.store = store
-        self.rollouts = rollouts
-        self.health = health
-        self.steps = steps
-        self.stopped = stopped
-
+class SyncLoop(ModeLoop):
     async def run(self, start: int) -> None:
         """Steps `start` on; the task draws of the steps before are replayed, so a resumed run sees the
         same tasks as an uninterrupted one."""

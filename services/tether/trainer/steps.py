@@ -100,7 +100,9 @@ GUARD_RETRIES = Counter(
 )
 for _gauge in (ENTROPY, POLICY_KL, UPDATE_KL, GRAD_NORM):
     _gauge.set(math.nan)
-for _side in ("low", "high", "dual"):
+# Each side's label -> train_step's metric.
+CLIP_SIDES = {"low": "clip_low_fraction", "high": "clip_high_fraction", "dual": "dual_clip_fraction"}
+for _side in CLIP_SIDES:
     CLIPPED.labels(_side).set(math.nan)
 for _stat in ("mean", "min", "max"):
     RATIO.labels(_stat).set(math.nan)
@@ -118,10 +120,8 @@ def export_learning_health(metrics: dict[str, float]) -> None:
     POLICY_KL.set(metrics.get("policy_kl", nan))
     UPDATE_KL.set(metrics.get("step_kl", nan))
     GRAD_NORM.set(metrics.get("grad_norm", nan))
-    for side in ("low", "high", "dual"):
-        CLIPPED.labels(side).set(
-            metrics.get(f"{side}_clip_fraction" if side == "dual" else f"clip_{side}_fraction", nan)
-        )
+    for side, key in CLIP_SIDES.items():
+        CLIPPED.labels(side).set(metrics.get(key, nan))
     for stat in ("mean", "min", "max"):
         RATIO.labels(stat).set(metrics.get(f"ratio_{stat}", nan))
     GUARD_RETRIES.inc(metrics.get("step_guard_retries", 0.0))
