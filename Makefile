@@ -29,11 +29,17 @@ test-fast:
 	bash scripts/setup.sh --test
 	.venv/bin/pytest -ra -m "not slow and not full"
 
-# ruff on the whole tree; mypy on the files [tool.mypy] in pyproject.toml names.
+# ruff on the whole tree; mypy on the files [tool.mypy] in pyproject.toml names. mypy keeps its
+# incremental cache with the other caches (~/.cache/tether/mypy), where every checkout finds it: a fresh
+# clone then checks only what changed (mypy compares each file's hash, not its path or time), ~5 s
+# instead of ~65 s. ruff runs while mypy does; both must pass.
+MYPY_CACHE_DIR ?= $(HOME)/.cache/tether/mypy
+export MYPY_CACHE_DIR
+
 lint: setup
-	.venv/bin/ruff check .
-	.venv/bin/ruff format --check .
-	.venv/bin/mypy
+	.venv/bin/mypy & mypy=$$!; \
+	.venv/bin/ruff check . && .venv/bin/ruff format --check .; ruff=$$?; \
+	wait $$mypy; rc=$$?; [ $$ruff -eq 0 ] && [ $$rc -eq 0 ]
 
 protos:
 	.venv/bin/python scripts/gen_protos.py
