@@ -16,27 +16,40 @@ writes each rank's shard of the moments as it does for Adam.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+
+def _dtensor(t: torch.Tensor) -> DTensor | None:
+    """``t`` as a DTensor when it is one. torch.distributed.tensor is looked up, not imported: no tensor
+    can be a DTensor before something imported it (FSDP2 does), and importing it costs a trainer's
+    start-up seconds (it brings sympy)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return t if module is not None and isinstance(t, module.DTensor) else None
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+    d = _dtensor(t)
+    return d.to_local() if d is not None else t
 
 
 def _like(local: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     """`local` (a CPU tensor) as the same kind of tensor as `param`: a DTensor shard when it is one."""
-    if isinstance(param, DTensor):
-        return DTensor.from_local(
+    d = _dtensor(param)
+    if d is not None:
+        return type(d).from_local(
             local,
-            param.device_mesh,
-            param.placements,
+            d.device_mesh,
+            d.placements,
             run_check=False,
-            shape=param.shape,
-            stride=param.stride(),
+            shape=d.shape,
+            stride=d.stride(),
         )
     return local
 
