@@ -827,7 +827,8 @@ def learning_health() -> Dashboard:
         "tether-learning",
         "Tether / Learning health",
         "Whether the policy is still learning: the reward, the policy's entropy, how far each update moves "
-        "it, what the objective clipped, the gradient, and the step guard",
+        "it, what the objective clipped, the gradient, its responses' length, cuts and repetition, and "
+        "the step guard",
         (
             Panel(
                 "Reward",
@@ -884,6 +885,29 @@ def learning_health() -> Dashboard:
                 (
                     q("max(tether_run_zero_variance_fraction)", "same reward"),
                     q("max(tether_run_groups_filtered_fraction)", "filtered"),
+                ),
+                unit="percentunit",
+                min=0,
+                max=1,
+            ),
+            Panel(
+                "Response length",
+                "Tokens generated per response of the last step's completed rollouts, trained or not: mean "
+                "and 95th percentile (a length that keeps growing into the output limit is a policy "
+                "learning to ramble)",
+                (
+                    q("max(tether_run_response_length_mean)", "mean"),
+                    q("max(tether_run_response_length_p95)", "p95"),
+                ),
+                min=0,
+            ),
+            Panel(
+                "Cut and repetitive responses",
+                "Share of the last step's responses the output limit cut, and share that is degenerate "
+                "repetition (a short block looped to the end; docs/metrics.md)",
+                (
+                    q("max(tether_run_truncated_fraction)", "cut by the limit"),
+                    q("max(tether_run_repetition_rate)", "repetition"),
                 ),
                 unit="percentunit",
                 min=0,

@@ -14,7 +14,11 @@ from tether.common.records import RolloutEvent, SampleRecord, Trace
 from tether.merger.consumer import Merger, MergerConfig
 
 
-async def _record(r, keys, rollout_id, calls, group_id, reward, status="completed", group_size=2, meta=None):
+async def _record(
+    r, keys, rollout_id, calls, group_id, reward, status="completed", group_size=2, meta=None, cut=()
+):
+    """Record a rollout's calls and its final event; the calls numbered in ``cut`` were stopped by
+    their output limit (finish_reason "length", under max_tokens = their response's length)."""
     await r.hset(
         keys.rollout(rollout_id),
         mapping={"task_id": "t1", "group_id": group_id, "metadata": json.dumps(meta or {})},
@@ -32,6 +36,8 @@ async def _record(r, keys, rollout_id, calls, group_id, reward, status="complete
             weight_version=3,
             weight_spans=spans[0] if spans else [],
         )
+        if i in cut:
+            t.finish_reason, t.request = "length", {"max_tokens": len(response)}
         await broker.publish_once(
             r,
             keys,
@@ -426,6 +432,41 @@ async def test_group_deadline_resolves_partial_groups(redis_url):
     await r.aclose()
 
 
+@pytest.mark.parametrize("treatment", ["keep", "exclude", "penalty"])
+async def test_responses_cut_by_the_limit_through_the_service(redis_url, treatment):
+    """A group of three, one rollout cut by its output limit: kept, excluded (its reward still in the
+    baseline, its outcome says why) or punished (-1 on its reward before advantages)."""
+    r = broker.connect(redis_url)
+    keys = broker.Keys(f"t-{treatment}")
+    submitted = []
+
+    async def submit(group_id, samples, rollouts):
+        submitted.append(samples)
+
+    await _record(r, keys, "a", [([1], [2, 2], True)], "g", 1.0, group_size=3, cut=(0,))
+    await _record(r, keys, "b", [([1], [3], True)], "g", 1.0, group_size=3)
+    await _record(r, keys, "c", [([1], [4], True)], "g", 0.0, group_size=3)
+    cfg = MergerConfig(estimator="drgrpo", truncated_responses=treatment, overlong_buffer_tokens=1)
+    merger = Merger(r, keys, cfg, submit)
+    await _run_until(merger, lambda: asyncio.sleep(0, len(submitted) == 1))
+    adv = {s.rollout_id: s.advantages[-1] for s in submitted[0]}
+    [(_, result)] = await broker.read_all(r, keys.group_results)
+    assert result["rewards"] == [1.0, 1.0, 0.0] and result["cut_responses"] == 1
+    assert result["response_lengths"] == [2, 1, 1]
+    a_outcome = json.loads(await r.get(keys.rollout_training("a")))
+    if treatment == "keep":
+        assert adv == pytest.approx({"a": 1 / 3, "b": 1 / 3, "c": -2 / 3})
+        assert a_outcome["status"] == "trained"
+    elif treatment == "exclude":
+        assert adv == pytest.approx({"b": 1 / 3, "c": -2 / 3})  # a's reward is in the mean
+        assert (a_outcome["status"], a_outcome["reason"]) == ("will_not_train", "truncated")
+        assert result["truncated_excluded"] == 1 and merger.counts.untrainable_by_reason["truncated"] == 1
+    else:
+        assert adv == pytest.approx({"a": -1 / 3, "b": 2 / 3, "c": -1 / 3})  # returns 0, 1, 0
+        assert result["length_penalties"] == [-1.0, 0.0, 0.0]
+    await r.aclose()
+
+
 def test_settings_names_and_strip_tail_from_model_dir(tmp_path, monkeypatch):
     from tether.demo import testset
     from tether.demo.tiny import build_tokenizer as chatml_tokenizer
@@ -447,6 +488,9 @@ def test_settings_names_and_strip_tail_from_model_dir(tmp_path, monkeypatch):
         "TETHER_CALL_REWARDS": "true",
         "TETHER_TURN_DISCOUNT": "0.9",
         "TETHER_STRIP_TAIL": "[7, 8]",
+        "TETHER_TRUNCATED_RESPONSES": "penalty",
+        "TETHER_OVERLONG_BUFFER_TOKENS": "512",
+        "TETHER_OVERLONG_PENALTY": "0.5",
     }.items():
         monkeypatch.setenv(k, v)
     cfg = config_from_settings(MergerSettings())
@@ -463,6 +507,9 @@ def test_settings_names_and_strip_tail_from_model_dir(tmp_path, monkeypatch):
         group_timeout_s=30.0,
         call_rewards=True,
         turn_discount=0.9,
+        truncated_responses="penalty",
+        overlong_buffer_tokens=512,
+        overlong_penalty=0.5,
     )
     monkeypatch.setenv("TETHER_OVERLONG", "cut")
     with pytest.raises(ValueError):
@@ -507,6 +554,9 @@ def test_config_validation():
         {"max_prompt_len": 0},
         {"turn_discount": 1.5},
         {"group_timeout_s": -1},
+        {"truncated_responses": "drop"},
+        {"overlong_buffer_tokens": 0},
+        {"overlong_penalty": -1.0},
     ):
         with pytest.raises(ValidationError, match=f"(?m)^{next(iter(bad))}$"):
             MergerSettings(**base, **bad)

@@ -11,6 +11,8 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
+import pytest
 from fake_control import FakeGateway, FakeInference, FakeTrainer
 from prometheus_client import REGISTRY
 from test_scheduler_state import LAST_RECORD, _group_result
@@ -109,6 +111,51 @@ def test_a_step_record_carries_learning_health_and_counts_steps_that_trained_not
         _gauge("tether_run_zero_variance_fraction") == 0.5
         and _gauge("tether_run_untrained_steps_in_a_row") == 0.0
     )
+
+
+def test_a_step_record_carries_its_responses_length_cuts_and_repetition():
+    from tether.common.records import GroupResult
+    from tether.scheduler.report import RESPONSE_FIGURES, serve_record, step_summary
+
+    def group(
+        gid: str, lengths: list[int], cut: int, repetitive: int, outcome: str = "trained"
+    ) -> GroupResult:
+        return GroupResult.from_dict(
+            {
+                **_group_result(gid, outcome, [1.0, 0.0], 2, 10),
+                "response_lengths": lengths,
+                "cut_responses": cut,
+                "repetitive_responses": repetitive,
+            }
+        )
+
+    # Ten responses over two groups, one of them filtered (trained or not, every response counts).
+    results = [group("a", [10, 20, 30, 40], 1, 0), group("b", [50, 60, 70, 80, 90, 1000], 2, 1, "filtered")]
+    summary = step_summary(results)
+    assert summary["response_length_mean"] == 145.0  # 1450 / 10
+    assert summary["response_length_p95"] == pytest.approx(590.5)  # rank 8.55 of 0..9: 90 + 0.55 * 910
+    assert summary["truncated_fraction"] == 0.3 and summary["repetition_rate"] == 0.1
+    # Results from a merger that did not count responses (an older one): not measured, NaN.
+    old = GroupResult.from_dict(_group_result("c", "trained", [1.0, 0.0], 2, 10))
+    assert all(math.isnan(step_summary([old])[k]) for k in RESPONSE_FIGURES)
+    assert step_summary([old, *results])["response_length_mean"] == 145.0
+    # Serve mode reports them too, and every one is a field of the checked record and its gauge.
+    timing = {"push_seconds": 0.0, "paused_seconds": 0.0, "step_seconds": 1.0}
+    served = StepMetrics.from_dict(serve_record(4, 2, results, {}, timing, 1.0))
+    m.export_step(served)
+    for name in RESPONSE_FIGURES:
+        assert getattr(served, name) == summary[name] == _gauge(f"tether_run_{name}"), name
+
+
+def test_percentile_is_numpys_linear_percentile():
+    from tether.scheduler.report import percentile
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 7, 20, 101):
+        values = rng.integers(0, 5000, n).tolist()
+        for q in (0, 50, 90, 95, 100):
+            assert percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12), (n, q)
+    assert math.isnan(percentile([], 95))
 
 
 def test_the_phase_gauge_has_one_series_per_status_and_one_at_1():

@@ -188,6 +188,7 @@ def test_the_names_are_literal_types():
         ("MergerSettings", "advantage_estimator"),
         ("MergerSettings", "advantage_level"),
         ("MergerSettings", "side_calls"),
+        ("MergerSettings", "truncated_responses"),
         ("TrainerSettings", "loss_mode"),
         ("TrainerSettings", "kl_estimator"),
         ("TrainerSettings", "off_policy"),
@@ -209,7 +210,10 @@ def test_minimal_environment_starts(cls, clean_env):
 
 
 # Settings whose values other settings must allow (FSDP_OFFLOAD is refused without FSDP).
-NEEDS = {(TrainerSettings, "fsdp_offload"): {"TETHER_FSDP": "true"}}
+NEEDS = {
+    (TrainerSettings, "fsdp_offload"): {"TETHER_FSDP": "true"},
+    (MergerSettings, "truncated_responses"): {"TETHER_OVERLONG_BUFFER_TOKENS": "512"},
+}
 
 
 @pytest.mark.parametrize(
@@ -226,6 +230,28 @@ def test_a_bad_name_is_refused_naming_the_variable(cls, name, values, clean_env)
         cls()
     assert [e["loc"] for e in exc.value.errors()] == [(name,)]
     assert name in str(exc.value) and "'bogus'" in str(exc.value)
+
+
+def test_the_overlong_penalty_needs_a_buffer_and_takes_only_sound_values(clean_env):
+    for k, v in MINIMAL_ENV[MergerSettings].items():
+        clean_env.setenv(k, v)
+    clean_env.setenv("TETHER_TRUNCATED_RESPONSES", "penalty")
+    with pytest.raises(ValidationError, match="needs overlong_buffer_tokens"):
+        MergerSettings()
+    for name, bad in [
+        ("OVERLONG_BUFFER_TOKENS", "0"),
+        ("OVERLONG_PENALTY", "0"),
+        ("OVERLONG_PENALTY", "nan"),
+    ]:
+        clean_env.setenv("TETHER_OVERLONG_BUFFER_TOKENS", "512")
+        clean_env.setenv(f"TETHER_{name}", bad)
+        with pytest.raises(ValidationError) as exc:
+            MergerSettings()
+        assert [e["loc"] for e in exc.value.errors()] == [(name.lower(),)]
+        clean_env.delenv(f"TETHER_{name}")
+    clean_env.setenv("TETHER_OVERLONG_BUFFER_TOKENS", "512")
+    s = MergerSettings()
+    assert (s.truncated_responses, s.overlong_buffer_tokens, s.overlong_penalty) == ("penalty", 512, 1.0)
 
 
 # One Literal setting per service that has one, given to the real process.

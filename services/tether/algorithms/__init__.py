@@ -1,8 +1,10 @@
-"""The RL math as small pure functions: group advantages, loss normalisation, policy losses.
+"""The RL math as small pure functions: group advantages, loss normalisation, policy losses, reward
+shaping by response length.
 
 Modules (data-flow order): names (the math's named choices as Literal types: estimators, loss modes,
 KL estimators, off-policy modes; imported by the settings), advantages (numpy: one advantage per
-rollout of a group, the running baseline; used by the merger), losses (torch: loss normalisation, the
+rollout of a group, the running baseline; used by the merger), responses (plain Python: DAPO's soft
+overlong punishment, the degenerate-repetition check; used by the merger), losses (torch: loss normalisation, the
 PPO loss, off-policy weights; used by the trainer). No I/O, no config objects.
 
 Importing this package loads neither numpy nor torch: the names are plain Python, and a function is
@@ -24,6 +26,7 @@ from .names import (
     LOSS_MODES,
     OFF_POLICY_MODES,
     POLICY_LOSSES,
+    TRUNCATED_RESPONSES,
     AdvantageEstimator,
     AdvantageLevel,
     BaselineEstimator,
@@ -32,6 +35,7 @@ from .names import (
     LossMode,
     OffPolicyMode,
     PolicyLoss,
+    TruncatedResponses,
 )
 
 if TYPE_CHECKING:
@@ -52,6 +56,7 @@ if TYPE_CHECKING:
         token_weights,
         truncated_is_weights,
     )
+    from .responses import overlong_penalty, repetitive
 
 __all__ = [
     "ADVANTAGE_LEVELS",
@@ -62,6 +67,7 @@ __all__ = [
     "LOSS_MODES",
     "OFF_POLICY_MODES",
     "POLICY_LOSSES",
+    "TRUNCATED_RESPONSES",
     "AdvantageEstimator",
     "AdvantageLevel",
     "BaselineEstimator",
@@ -70,6 +76,7 @@ __all__ = [
     "LossMode",
     "OffPolicyMode",
     "PolicyLoss",
+    "TruncatedResponses",
     "aggregate",
     "cispo_token_loss",
     "discounted_call_rewards",
@@ -77,7 +84,9 @@ __all__ = [
     "gspo_token_loss",
     "kl_to_reference",
     "logprob_mismatch",
+    "overlong_penalty",
     "ppo_token_loss",
+    "repetitive",
     "running_baseline_advantages",
     "sequence_mean",
     "token_weights",
@@ -86,7 +95,7 @@ __all__ = [
 ]
 
 # Searched in this order; torch (losses) is imported only for a name the torch-free modules lack.
-_LAZY_MODULES = ("advantages", "losses")
+_LAZY_MODULES = ("advantages", "responses", "losses")
 
 
 def __getattr__(name: str) -> Any:

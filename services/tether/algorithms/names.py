@@ -35,6 +35,10 @@ OffPolicyMode = Literal["ppo", "tis", "mask"]
 # The policy objective (losses.py): PPO's clipped token ratio, GSPO's clipped sequence ratio, CISPO's
 # clipped and held importance weight on each token's log-probability.
 PolicyLoss = Literal["ppo", "gspo", "cispo"]
+# Responses cut by their output limit (responses.py, DAPO): trained as they are, kept out of training
+# (their reward still in the group's baseline: overlong filtering), or trained with the soft overlong
+# punishment added to their reward.
+TruncatedResponses = Literal["keep", "exclude", "penalty"]
 
 ESTIMATORS: tuple[GroupEstimator, ...] = get_args(GroupEstimator)
 BASELINE_ESTIMATORS: tuple[BaselineEstimator, ...] = get_args(BaselineEstimator)
@@ -44,3 +48,4 @@ LOSS_MODES: tuple[LossMode, ...] = get_args(LossMode)
 KL_ESTIMATORS: tuple[KLEstimator, ...] = get_args(KLEstimator)
 OFF_POLICY_MODES: tuple[OffPolicyMode, ...] = get_args(OffPolicyMode)
 POLICY_LOSSES: tuple[PolicyLoss, ...] = get_args(PolicyLoss)
+TRUNCATED_RESPONSES: tuple[TruncatedResponses, ...] = get_args(TruncatedResponses)

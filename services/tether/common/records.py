@@ -382,6 +382,15 @@ class MergedRollout(_Record):
     choice_branches: int = 0
     return_: float | None = None
     estimator: str | None = None
+    # Every response its recorded calls generated (each choice of an n > 1 call; errored calls have
+    # none), trained or not: tokens generated, how many the output limit cut (finish_reason "length")
+    # and how many are degenerate repetition (tether.algorithms.responses.repetitive).
+    response_lengths: list[int] = field(default_factory=list)
+    cut_responses: int = 0
+    repetitive_responses: int = 0
+    # DAPO's soft overlong punishment (merger.truncated_responses=penalty; 0 otherwise): added to the
+    # reward before advantages, never to ``reward`` itself.
+    length_penalty: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         out = _to_dict(self)
@@ -391,9 +400,9 @@ class MergedRollout(_Record):
 
 @dataclass
 class GroupResult(_Record):
-    """The merger's verdict on one group (Keys.group_results), read by the scheduler. Every field is
-    required: the scheduler's staleness bound reads ``min_weight_version`` (-1 when the group has no
-    samples), and a record without it must be refused, not trained as if fresh."""
+    """The merger's verdict on one group (Keys.group_results), read by the scheduler. Every field up to
+    ``min_weight_version`` is required: the scheduler's staleness bound reads it (-1 when the group has
+    no samples), and a record without it must be refused, not trained as if fresh."""
 
     group_id: str
     rollouts: int
@@ -413,10 +422,20 @@ class GroupResult(_Record):
     timed_out: bool
     finished_at: float
     estimator: str
-    outcome: str  # trained | filtered | too_few | eval (the scheduler reports "surplus": dynamic sampling)
+    outcome: str  # trained | filtered | too_few | eval | truncated (the scheduler reports "surplus")
     samples: int
     tokens: int
     min_weight_version: int
+    # Added later, with defaults so that a result written by an older merger still decodes (it reads as
+    # having measured nothing of this). The responses of the completed rollouts (MergedRollout's), the
+    # soft overlong punishment of each (one per entry of ``rewards``, which stay as reported: the
+    # advantages were taken of reward + penalty), and the rollouts kept out of training because the
+    # output limit cut one of their responses (merger.truncated_responses=exclude).
+    response_lengths: list[int] = field(default_factory=list)
+    cut_responses: int = 0
+    repetitive_responses: int = 0
+    length_penalties: list[float] = field(default_factory=list)
+    truncated_excluded: int = 0
 
 
 @dataclass
@@ -480,6 +499,13 @@ class StepMetrics(_Record):
     ratio_max: float | None = None
     step_kl: float | None = None
     step_guard_retries: float | None = None
+    # The responses of the step's completed rollouts, trained or not (scheduler/report.py): tokens
+    # generated per response (mean, 95th percentile), the share cut by the output limit, the share
+    # that is degenerate repetition.
+    response_length_mean: float | None = None
+    response_length_p95: float | None = None
+    truncated_fraction: float | None = None
+    repetition_rate: float | None = None
 
 
 @dataclass
@@ -580,6 +606,7 @@ UNTRAINABLE_REASONS = (
     "retried",  # a failed attempt another attempt replaced
     "late",  # it reported after its group was scored
     "eval",  # an evaluation rollout: scored, never trained
+    "truncated",  # the output limit cut one of its responses (merger.truncated_responses=exclude)
 )
 
 

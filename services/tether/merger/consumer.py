@@ -223,6 +223,7 @@ class Merger:
             cfg.estimator,
             cfg.advantage_level,
             cfg.filter_zero_variance,
+            cfg.truncated_responses,
         )
         outcome, samples = plan.outcome, list[SampleRecord]()
         if outcome == "trained":

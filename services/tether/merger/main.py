@@ -8,9 +8,9 @@ import re
 from typing import Any, ClassVar
 
 import grpc
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from tether.algorithms.names import AdvantageEstimator, AdvantageLevel
+from tether.algorithms.names import AdvantageEstimator, AdvantageLevel, TruncatedResponses
 from tether.common import broker
 from tether.common.grpc_server import channel, follow_health, run_until_signal, start_server
 from tether.common.logs import setup_logging
@@ -56,6 +56,21 @@ class MergerSettings(RedisSettings):
     side_call_patterns: list[str] = []
     baseline_alpha: float = Field(0.1, gt=0, le=1)  # running_baseline: EMA weight of a new reward
     session_training: bool = False  # rewarded record-only session calls become samples (running baseline)
+    # Responses cut by the output limit (DAPO): keep, exclude (no samples; reward still in the
+    # baseline) or penalty (the soft overlong punishment over the last overlong_buffer_tokens of each
+    # call's limit, times overlong_penalty, added to the reward).
+    truncated_responses: TruncatedResponses = "keep"
+    overlong_buffer_tokens: int | None = Field(None, gt=0)
+    overlong_penalty: float = Field(1.0, gt=0, allow_inf_nan=False)
+
+    @model_validator(mode="after")
+    def _penalty_has_a_buffer(self) -> MergerSettings:
+        if self.truncated_responses == "penalty" and self.overlong_buffer_tokens is None:
+            raise ValueError(
+                "truncated_responses=penalty needs overlong_buffer_tokens (L_cache: the last tokens of "
+                "a call's output limit over which the penalty grows from 0 to overlong_penalty)"
+            )
+        return self
 
     @field_validator("side_call_patterns")
     @classmethod
@@ -109,6 +124,9 @@ def config_from_settings(s: MergerSettings) -> MergerConfig:
         side_call_patterns=tuple(s.side_call_patterns),
         baseline_alpha=s.baseline_alpha,
         session_training=s.session_training,
+        truncated_responses=s.truncated_responses,
+        overlong_buffer_tokens=s.overlong_buffer_tokens or 1,
+        overlong_penalty=s.overlong_penalty,
     )
 
 

@@ -8,13 +8,15 @@ One rollout (its ``RolloutEvent`` and recorded ``Trace`` records):
 
 * ``merge_rollout``: the calls that can be trained on (``trace_to_call``; the others counted by
   reason), merged into sequences (``merge.merge_calls``), side calls left out (``sidecalls``), per-call
-  returns attached, the further choices of n > 1 calls added (``choice_branches``): a
+  returns attached, the further choices of n > 1 calls added (``choice_branches``), its responses'
+  lengths, cuts and repetition and its soft overlong punishment (``responses``): a
   ``MergedRollout``. ``unmerged_rollout`` is a failed rollout's (no sequences).
 
 One group (the ``MergedRollout`` records parked for it):
 
 * ``plan_group``: the members, the units of the baseline (rollouts, or sequences at sample level)
-  with their returns, the estimator, the verdict (``group_outcome``): a ``GroupPlan``.
+  with their returns, the estimator, the rollouts kept out for a cut response, the verdict
+  (``group_outcome``): a ``GroupPlan``.
 * ``group_samples``: a trained group's ``SampleRecord`` records, its advantage broadcast to every
   trainable token (``build_samples``); a running baseline's advantages are the caller's (they live
   in Redis, ``store.MergerStore.baseline_advantages``).
@@ -35,7 +37,12 @@ from typing import Any, cast
 import numpy as np
 
 from tether.algorithms.advantages import discounted_call_rewards, group_advantages
-from tether.algorithms.names import BASELINE_ESTIMATORS, AdvantageEstimator, AdvantageLevel
+from tether.algorithms.names import (
+    BASELINE_ESTIMATORS,
+    AdvantageEstimator,
+    AdvantageLevel,
+    TruncatedResponses,
+)
 from tether.common.records import (
     GroupResult,
     MergedRollout,
@@ -48,6 +55,7 @@ from tether.common.records import (
 )
 from tether.merger.merge import Call, MergeMode, MergeStats, OverlongPolicy, compact_mismatch, merge_calls
 from tether.merger.merge import Sequence as MergeSequence
+from tether.merger.responses import figures, length_penalty, rollout_responses
 from tether.merger.sidecalls import SideCallRule, side_call_exclusions, system_text
 
 MISMATCHES_PER_GROUP = 3  # examples kept in the group result
@@ -74,6 +82,9 @@ class MergerConfig:
     side_call_patterns: tuple[str, ...] = ()  # regexes over a sequence's system prompt: left out
     baseline_alpha: float = 0.1  # EMA weight of a new reward in the running baseline
     session_training: bool = False  # rewarded record-only session calls become samples (running baseline)
+    truncated_responses: TruncatedResponses = "keep"  # responses cut by the output limit (DAPO)
+    overlong_buffer_tokens: int = 1  # penalty: L_cache, the last tokens of a limit the penalty ramps over
+    overlong_penalty: float = 1.0  # penalty: its factor (the punishment of a cut response)
 
     @property
     def per_call_returns(self) -> bool:
@@ -283,9 +294,11 @@ def merge_rollout(
         seqs, calls, side = leave_out_side_calls(seqs, calls, traces, cfg.side_calls, side_patterns)
     merged = _merged(event, [merged_sequence(s) for s in seqs], stats, len(traces), dropped, side)
     merged.unused_call_rewards = unused
+    _count_responses(merged, traces, cfg)
     g: dict[str, float] = {}
     if cfg.per_call_returns and calls:
-        g = returns_to_go(calls, call_reward, event.reward, cfg.turn_discount)
+        outcome = None if event.reward is None else event.reward + merged.length_penalty
+        g = returns_to_go(calls, call_reward, outcome, cfg.turn_discount)
         merged.call_rewards = sum(c.call_id in call_reward for c in calls)
         _attach_returns(merged, seqs, g, [c.call_id for c in calls])
     branches = choice_branches(traces, calls)
@@ -298,6 +311,18 @@ def merge_rollout(
     if branches and merged.status == "empty":
         merged.status = event.status
     return merged
+
+
+def _count_responses(merged: MergedRollout, traces: Sequence[Trace], cfg: MergerConfig) -> None:
+    """Every response of the rollout's calls, trained or not, onto the merged rollout: lengths, cut,
+    repetitive; with ``truncated_responses=penalty`` its soft overlong punishment as well."""
+    found = list(rollout_responses(traces))
+    counted = figures(found)
+    merged.response_lengths = counted.lengths
+    merged.cut_responses = counted.cut
+    merged.repetitive_responses = counted.repetitive
+    if cfg.truncated_responses == "penalty":
+        merged.length_penalty = length_penalty(found, cfg.overlong_buffer_tokens, cfg.overlong_penalty)
 
 
 def _merged(
@@ -442,7 +467,7 @@ class GroupPlan:
     """A group as it will be scored: its members (sorted by rollout id), the completed ones with a
     reward (``scored``), the units of the baseline -- (rollout, None) per scored rollout, or (rollout,
     sequence index) per sequence at sample level -- with their returns, the estimator (a session
-    group's own, else the configured one) and the verdict."""
+    group's own, else the configured one), the verdict and the rollouts ``excluded`` from training."""
 
     group_id: str
     rollouts: list[MergedRollout]
@@ -450,7 +475,10 @@ class GroupPlan:
     units: list[tuple[MergedRollout, int | None]]
     returns: list[float]
     estimator: str
-    outcome: str  # trained | filtered | too_few | eval
+    outcome: str  # trained | filtered | too_few | eval | truncated
+    # Scored rollouts with a response cut by the output limit under truncated_responses=exclude: units
+    # of the baseline like the others, without samples (DAPO's overlong filtering).
+    excluded: frozenset[str] = frozenset()
 
     @property
     def running(self) -> bool:
@@ -468,9 +496,10 @@ class GroupPlan:
 
 
 def _return(x: MergedRollout, i: int | None) -> float:
-    """A unit's return: its own with per-call returns, else the rollout's reward."""
+    """A unit's return: its own with per-call returns (the soft overlong punishment is in it already),
+    else the rollout's reward plus that punishment (0 unless ``truncated_responses=penalty``)."""
     own = x.return_ if i is None else x.sequences[i].return_
-    return float(own if own is not None else cast(float, x.reward))
+    return float(own if own is not None else cast(float, x.reward) + x.length_penalty)
 
 
 def group_outcome(
@@ -495,9 +524,13 @@ def plan_group(
     estimator: str,
     level: AdvantageLevel = "rollout",
     filter_zero_variance: bool = True,
+    truncated: TruncatedResponses = "keep",
 ) -> GroupPlan:
     """The group's members and verdict (see ``GroupPlan``). ``estimator`` is the configured one; a
-    member that carries its own (a record-only session's ``running_baseline``) overrides it."""
+    member that carries its own (a record-only session's ``running_baseline``) overrides it. With
+    ``truncated="exclude"`` a scored rollout with a cut response stays a unit of the baseline but is
+    ``excluded`` from the samples (only in a group that trains: otherwise the group's verdict is the
+    reason); a group that would train only such rollouts is ``truncated``."""
     members = sorted(rollouts, key=lambda x: x.rollout_id)
     scored = [x for x in members if x.status == "completed" and x.reward is not None]
     units: list[tuple[MergedRollout, int | None]]
@@ -514,7 +547,12 @@ def plan_group(
         estimator in BASELINE_ESTIMATORS,
         filter_zero_variance,
     )
-    return GroupPlan(group_id, members, scored, units, returns, estimator, outcome)
+    excluded: frozenset[str] = frozenset()
+    if outcome == "trained" and truncated == "exclude":
+        excluded = frozenset(x.rollout_id for x in scored if x.cut_responses)
+        if len(excluded) == len(scored):
+            outcome = "truncated"
+    return GroupPlan(group_id, members, scored, units, returns, estimator, outcome, excluded)
 
 
 def group_samples(
@@ -522,7 +560,8 @@ def group_samples(
 ) -> list[SampleRecord]:
     """A trained group's samples: one advantage per unit (``group_advantages`` over the units' fp32
     returns, or ``baseline``: a running-baseline group's advantages, one per unit, which the caller
-    read from the baseline state), broadcast over every trainable token of the unit's sequences."""
+    read from the baseline state), broadcast over every trainable token of the unit's sequences. An
+    ``excluded`` rollout's reward is in the baseline; it gets no samples."""
     unit_returns = np.asarray(plan.returns, dtype=np.float32)
     if plan.running:
         if baseline is None:
@@ -540,6 +579,8 @@ def group_samples(
         rets.extend([g] * n)
     samples: list[SampleRecord] = []
     for x in plan.scored:
+        if x.rollout_id in plan.excluded:
+            continue
         advs, rets = per_rollout.get(x.rollout_id, ([], []))
         samples.extend(build_samples(x, advs, scale, rets))
     return samples
@@ -549,7 +590,8 @@ def group_result(
     plan: GroupPlan, outcome: str, samples: Sequence[SampleRecord], timed_out: bool, finished_at: float
 ) -> GroupResult:
     """The group's result (``Keys.group_results``): its accounting, and what it trained.
-    ``outcome`` is the plan's, or ``rejected`` when the trainer refused the group."""
+    ``outcome`` is the plan's, or ``rejected`` when the trainer refused the group. ``rewards`` are
+    the completed rollouts' as reported; ``length_penalties`` what the advantages added to each."""
     scored, members = plan.scored, plan.rollouts
     dropped: Counter[str] = Counter()
     for x in members:
@@ -578,13 +620,18 @@ def group_result(
         samples=len(samples),
         tokens=sum(len(s.token_ids) for s in samples),
         min_weight_version=min((s.weight_version for s in samples), default=-1),
+        response_lengths=[n for x in scored for n in x.response_lengths],
+        cut_responses=sum(x.cut_responses for x in scored),
+        repetitive_responses=sum(x.repetitive_responses for x in scored),
+        length_penalties=[float(x.length_penalty) for x in scored],
+        truncated_excluded=len(plan.excluded),
     )
 
 
-def untrainable_reason(rollout: MergedRollout, group_outcome: str) -> str | None:
+def untrainable_reason(rollout: MergedRollout, group_outcome: str, excluded: bool = False) -> str | None:
     """Why one merged rollout of a scored group will not train (``records.UNTRAINABLE_REASONS``), or
-    None when its group trained and it has samples. Its own state first (failed, no usable calls),
-    then the group's verdict."""
+    None when its group trained and it has samples. Its own state first (failed, no usable calls,
+    ``excluded`` for a response the output limit cut), then the group's verdict."""
     if rollout.status == "failed":
         return "failed"
     if group_outcome == "eval" or rollout.eval:
@@ -597,6 +644,8 @@ def untrainable_reason(rollout: MergedRollout, group_outcome: str) -> str | None
         if rollout.dropped_calls.get("error", 0) >= rollout.calls:
             return "calls_errored"
         return "no_trainable_calls"
+    if excluded:
+        return "truncated"
     if group_outcome == "trained":
         return None
     if group_outcome == "filtered":
@@ -614,7 +663,7 @@ def training_outcomes(
     per_rollout = Counter(s.rollout_id for s in samples)
     out = []
     for x in plan.rollouts:
-        reason = untrainable_reason(x, outcome)
+        reason = untrainable_reason(x, outcome, x.rollout_id in plan.excluded)
         if reason is None and not per_rollout[x.rollout_id]:
             reason = "no_trainable_calls"
         out.append(

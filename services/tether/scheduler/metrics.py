@@ -53,6 +53,10 @@ STEP_FIELDS: dict[str, str] = {
     "groups_filtered_fraction": "Share of the last step's groups filtered out (no reward variance, or too few)",
     "zero_variance_fraction": "Share of the last step's groups whose rollouts all got the same reward",
     "untrained_steps_in_a_row": "Steps in a row, up to the last, that trained nothing",
+    "response_length_mean": "Mean tokens generated per response of the last step's completed rollouts",
+    "response_length_p95": "95th percentile of the tokens generated per response in the last step",
+    "truncated_fraction": "Share of the last step's responses cut by their output limit",
+    "repetition_rate": "Share of the last step's responses that are degenerate repetition",
 }
 # A field whose name would break Prometheus's naming rules gets another gauge name (units spelled out).
 GAUGE_NAMES = {"tokens_per_s": "tokens_per_second"}

@@ -40,7 +40,7 @@ class Result(Protocol):
     @property
     def group_id(self) -> str: ...
     @property
-    def outcome(self) -> str: ...  # trained | filtered | too_few | eval
+    def outcome(self) -> str: ...  # trained | filtered | too_few | eval | truncated
     @property
     def min_weight_version(self) -> int: ...  # the version that sampled its oldest token; -1: none
 
@@ -385,6 +385,8 @@ def serve_should_train(trained: int, arriving: bool, groups_per_step: int) -> bo
 
 
 def serve_scored(results: Iterable[R]) -> list[R]:
-    """The results serve mode reports with its next step: the groups scored, trained or filtered (a
-    group with too few rollouts, or an evaluation, is no part of a step)."""
-    return [g for g in results if g.outcome in ("trained", "filtered")]
+    """The results serve mode reports with its next step: the groups scored, trained, filtered or left
+    with nothing to train because the output limit cut every rollout's response (``truncated``: its
+    cuts belong in the step's figures); a group with too few rollouts, or an evaluation, is no part of
+    a step."""
+    return [g for g in results if g.outcome in ("trained", "filtered", "truncated")]

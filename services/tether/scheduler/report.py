@@ -34,6 +34,36 @@ LEARNING_HEALTH = (
     "ratio_max",
     "step_kl",
 )
+# The responses of a step (`response_summary`): in its record, and each a tether_run_* gauge.
+RESPONSE_FIGURES = ("response_length_mean", "response_length_p95", "truncated_fraction", "repetition_rate")
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0-100) of `values`, interpolated linearly between the closest ranks (numpy's
+    default method); NaN for no values."""
+    if not values:
+        return NAN
+    ordered = sorted(values)
+    at = (len(ordered) - 1) * q / 100.0
+    low = math.floor(at)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
+
+
+def response_summary(results: Sequence[GroupResult]) -> dict[str, float]:
+    """The responses of one step's completed rollouts, trained or not (pure): tokens generated per
+    response (mean, 95th percentile), the share cut by the output limit, the share that is degenerate
+    repetition (the merger's count, tether.algorithms.responses.repetitive). NaN with no response (and
+    for groups from a merger that did not count them)."""
+    lengths = [n for g in results for n in g.response_lengths]
+    if not lengths:
+        return dict.fromkeys(RESPONSE_FIGURES, NAN)
+    return {
+        "response_length_mean": sum(lengths) / len(lengths),
+        "response_length_p95": percentile(lengths, 95),
+        "truncated_fraction": sum(g.cut_responses for g in results) / len(lengths),
+        "repetition_rate": sum(g.repetitive_responses for g in results) / len(lengths),
+    }
 
 
 def step_summary(results: Sequence[GroupResult]) -> dict[str, float]:
@@ -56,6 +86,7 @@ def step_summary(results: Sequence[GroupResult]) -> dict[str, float]:
         "generated_tokens": float(sum(g.generated_tokens for g in results)),
         "forks": float(sum(g.forks for g in results)),
         "sequences_per_rollout": (sum(g.sequences for g in results) / len(rewards)) if rewards else 0.0,
+        **response_summary(results),
     }
 
 
