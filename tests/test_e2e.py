@@ -73,6 +73,8 @@ def test_metrics_and_artifacts(demo):
     assert [m["weight_version"] for m in trained] == list(range(1, len(trained) + 1))
     assert "eval_reward" in metrics[-1] and 0.0 <= metrics[-1]["eval_reward"] <= 1.0
     assert (run_dir / "reward.png").stat().st_size > 1000
+    assert (run_dir / "learning.png").read_bytes().startswith(b"\x89PNG")
+    assert (run_dir / "learning.png").stat().st_size > 10_000
     assert (run_dir / "final-model" / "config.json").exists()
     assert list((run_dir / "final-model").glob("*.safetensors"))
     assert "run directory:" in stdout and "summary:" in stdout
