@@ -2,7 +2,9 @@
 adapter, trainer, merger, gateway, scheduler, agent worker) with the gateway killed with -9 while a
 step's calls are in flight, then checks the plumbing from the outside: metrics, weight versions, token
 provenance, the trace store, clean shutdown, and that the kill lost nothing (tests/fault_helpers.py;
-the fault matrix, tests/test_faults.py, kills every process in one run)."""
+the fault matrix, tests/test_faults.py, kills every process in one run). Every process's /metrics is
+scraped while the demo runs (tests/scrape_helpers.py): each metric the Learning health dashboard and
+the alert rules query must be among what they export."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import subprocess
 
 import pytest
 from fault_helpers import FAULTS, check_fault_run, demo_with_faults
+from scrape_helpers import scraping, unexported
 from stack_helpers import (
     alive,
     assert_samples_are_vllm_tokens,
@@ -20,6 +23,7 @@ from stack_helpers import (
     tether_demo,
     tether_jsonl,
 )
+from test_dashboards import gen  # scripts/dashboards.py, the dashboards' generator
 
 from tether.common.records import spans_cover
 
@@ -34,8 +38,17 @@ GATEWAY_KILLED = [f for f in FAULTS if f[0] == "gateway"]
 
 
 @pytest.fixture(scope="module")
-def fault_run(tmp_path_factory):
-    return demo_with_faults(tmp_path_factory.mktemp("demo"), GATEWAY_KILLED, steps=STEPS, eval_repeats=1)
+def scraped_run(tmp_path_factory):
+    """The demo, and the series names each of its processes exported (scraped every few seconds)."""
+    work = tmp_path_factory.mktemp("demo")
+    with scraping(work) as scraped:
+        run = demo_with_faults(work, GATEWAY_KILLED, steps=STEPS, eval_repeats=1)
+    return run, scraped
+
+
+@pytest.fixture(scope="module")
+def fault_run(scraped_run):
+    return scraped_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +91,18 @@ def test_metrics_and_artifacts(demo):
     assert (run_dir / "final-model" / "config.json").exists()
     assert list((run_dir / "final-model").glob("*.safetensors"))
     assert "run directory:" in stdout and "summary:" in stdout
+
+
+def test_every_metric_learning_health_and_the_alerts_query_is_exported(scraped_run):
+    """What the "Tether / Learning health" dashboard and every alert rule query, each with at least one
+    series in a scrape of the real run's processes (a labelled gauge none of whose label sets was
+    set would show none): a panel or alert on a metric nobody exports fails here."""
+    _, scraped = scraped_run
+    assert set(scraped) == {"gateway", "inference", "trainer", "merger", "scheduler", "agent-0"}
+    used = gen.dashboard_metrics("learning-health") | gen.alert_metrics()
+    assert len(used) >= 25
+    missing = unexported(used, scraped)
+    assert not missing, f"queried, never exported: {sorted(missing)}; scraped: {sorted(scraped)}"
 
 
 def test_the_policy_learns(demo):
