@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 
 import pytest
@@ -171,3 +172,61 @@ def test_disaggregated_async_respects_the_staleness_bound(tmp_path):
             i for i, x in enumerate(smp["loss_mask"]) if x
         ]
         assert smp["weight_version"] == min(v for v, _, _ in spans)
+
+
+# Dynamic sampling with groups of 2 at the calculator's starting reward (~0.3, each rollout 1 or 0): a
+# group's two rollouts agree (no signal: filtered) ~58% of the time, so a step's first three groups all
+# carry signal ~7% of the time and three steps in a row without a top-up are ~0.04% likely.
+DS_TASKS, DS_GROUP, DS_BOUND, DS_STEPS = 3, 2, 12, 3
+# Below any update's KL: the step guard undoes every step's first update and makes it again.
+TINY_STEP_KL = 1e-9
+
+
+def test_dynamic_sampling_and_the_step_guard_through_the_stack(tmp_path):
+    """A demo with dynamic sampling on and a step KL bound every update exceeds (docs/settings.md,
+    docs/trainer.md), set by a run config as a user sets them. A step whose groups were filtered
+    dispatches more until tasks-per-step carry signal (or the bound is reached), and the step's
+    groups add up; the step guard retries every trained step once, at half the learning rate, never
+    twice (the kept update may still be above the bound), and the run goes on on the kept weights
+    (the versions advance by one; vLLM serves what the trainer kept: the logprobs still match)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"scheduler: {{dynamic_sampling: true, dynamic_sampling_max_groups: {DS_BOUND}}}\n"
+        f"trainer: {{max_step_kl: {TINY_STEP_KL:.1e}, step_guard_lr_scale: 0.5}}\n"
+    )
+    shape = ["--steps", str(DS_STEPS), "--tasks-per-step", str(DS_TASKS), "--group-size", str(DS_GROUP)]
+    run_dir, _ = tether_demo(tmp_path, "--config", str(config), *shape, "--eval-repeats", "0")
+    steps = [m for m in jsonl((run_dir / "metrics.jsonl").read_text()) if "step" in m]
+    assert [m["step"] for m in steps] == list(range(DS_STEPS))  # the run finished every step
+    for m in steps:
+        dispatched = m["groups_dispatched"]
+        surplus = m.get("groups_surplus", 0.0)
+        assert dispatched == m["groups_trained"] + m["groups_filtered"] + surplus, m
+        assert m["rollouts"] == dispatched * DS_GROUP, m
+        assert DS_TASKS <= dispatched <= DS_BOUND, m
+        # Exactly tasks-per-step groups train, unless the bound ran out first.
+        assert m["groups_trained"] == DS_TASKS or dispatched == DS_BOUND, m
+        assert m["groups_trained"] <= DS_TASKS, m
+        if m["groups_filtered"]:
+            assert dispatched > DS_TASKS, m  # filtered groups were made up for
+        else:
+            assert dispatched == DS_TASKS, m  # nothing to make up for
+    assert any(m["groups_filtered"] for m in steps), f"no step filtered a group: {steps}"
+
+    trained = [m for m in steps if m["samples"] > 0]
+    assert trained
+    assert [m["weight_version"] for m in trained] == list(range(1, len(trained) + 1))
+    for m in trained:
+        assert m["step_guard_retries"] == 1.0, m  # once, never twice
+        assert math.isfinite(m["step_kl"]) and m["step_kl"] >= 0.0, m
+        assert m["logprob_abs_diff"] <= 1e-3, m  # vLLM serves the weights the guard kept
+    # The retried update is kept even where it is still above the bound: no second retry.
+    assert any(m["step_kl"] > TINY_STEP_KL for m in trained), trained
+    for m in steps:
+        if m["samples"] == 0:
+            assert m["step_guard_retries"] == 0.0 and math.isnan(m["step_kl"]), m
+    undone = re.findall(
+        r"step guard: .* made again at 0\.5 x the learning rate",
+        (run_dir / "logs" / "trainer.log").read_text(),
+    )
+    assert len(undone) == len(trained), undone
