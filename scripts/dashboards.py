@@ -1245,16 +1245,24 @@ def render() -> dict[Path, str]:
     return out
 
 
+def dashboard_metrics(*names: str) -> set[str]:
+    """Every metric name the panels of the dashboards `names` (all of them when none is named) select,
+    as a scrape shows it (histograms by the _bucket/_sum/_count series queried, counters with _total);
+    Prometheus's own `up` is left out."""
+    chosen = [d for d in dashboards() if not names or d.name in names]
+    if names and len(chosen) != len(set(names)):
+        raise KeyError(f"no dashboard among {sorted(set(names) - {d.name for d in chosen})}")
+    return set().union(*(p.metrics() for d in chosen for p in d.panels)) - PROMETHEUS_SERIES
+
+
+def alert_metrics() -> set[str]:
+    """Every metric name an alert rule selects, as dashboard_metrics gives them."""
+    return set().union(*(metric_names(a.expr) for a in ALERTS)) - PROMETHEUS_SERIES
+
+
 def used_metrics() -> set[str]:
-    """Every metric name a panel or an alert selects, as a scrape shows it (histograms by the
-    _bucket/_sum/_count series queried, counters with _total); Prometheus's own `up` is left out."""
-    names: set[str] = set()
-    for d in dashboards():
-        for p in d.panels:
-            names |= p.metrics()
-    for a in ALERTS:
-        names |= metric_names(a.expr)
-    return names - PROMETHEUS_SERIES
+    """Every metric name a panel or an alert selects (dashboard_metrics and alert_metrics)."""
+    return dashboard_metrics() | alert_metrics()
 
 
 def stale(files: dict[Path, str]) -> list[str]:

@@ -331,3 +331,68 @@ def test_every_used_metric_is_defined_by_the_services_or_vllm():
     assert not used & gen.PROMETHEUS_SERIES
     missing = used - defined_metrics() - VLLM_SERIES
     assert not missing, sorted(missing)
+
+
+# --- ... and a real run exports them (tests/test_e2e.py scrapes its demo with tests/scrape_helpers.py) --
+
+
+def test_the_queried_metrics_of_one_dashboard_and_of_the_alerts():
+    learning = gen.dashboard_metrics("learning-health")
+    assert {"tether_trainer_policy_entropy", "tether_trainer_step_guard_retries_total"} <= learning
+    assert learning < gen.dashboard_metrics() and gen.alert_metrics() <= gen.used_metrics()
+    assert "up" not in gen.alert_metrics()  # Prometheus's own: TetherTargetDown
+    with pytest.raises(KeyError, match="no-such-board"):
+        gen.dashboard_metrics("learning-health", "no-such-board")
+
+
+def test_a_queried_metric_no_scrape_holds_a_series_of_is_named():
+    """A made-up panel expression against real expositions (prometheus_client's): a metric no process
+    defines is named, and so is a labelled gauge that no label set was used of yet (HELP and TYPE
+    lines only); once one is, only the undefined one is left."""
+    from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+    from scrape_helpers import series_names, unexported
+
+    expr = (
+        "max by (side) (tether_trainer_clip_fraction) + sum(increase(tether_made_up_total[$__rate_interval]))"
+        " + max(tether_trainer_grad_norm) + sum(rate(tether_trainer_steps_total[$__rate_interval]))"
+    )
+    used = gen.metric_names(expr)
+    assert used == {
+        "tether_trainer_clip_fraction",
+        "tether_made_up_total",
+        "tether_trainer_grad_norm",
+        "tether_trainer_steps_total",
+    }
+    registry = CollectorRegistry()
+    clip = Gauge("tether_trainer_clip_fraction", "clipped", ["side"], registry=registry)
+    Gauge("tether_trainer_grad_norm", "norm", registry=registry)
+    trainer = CollectorRegistry()
+    Counter("tether_trainer_steps", "steps", registry=trainer)
+    scraped = {"trainer": series_names(generate_latest(registry).decode())}
+    scraped["other"] = series_names(generate_latest(trainer).decode())
+    assert unexported(used, scraped) == {"tether_trainer_clip_fraction", "tether_made_up_total"}
+    clip.labels(side="low").set(0.1)
+    scraped["trainer"] = series_names(generate_latest(registry).decode())
+    assert unexported(used, scraped) == {"tether_made_up_total"}
+
+
+def test_scraping_reads_each_process_the_stack_file_lists(tmp_path):
+    """scrape_helpers.scraping on a stack file naming a real /metrics server and a port nobody serves."""
+    from prometheus_client import CollectorRegistry, Gauge, start_http_server
+    from scrape_helpers import scraping
+    from stack_helpers import wait_for
+
+    registry = CollectorRegistry()
+    Gauge("tether_run_phase", "phase", ["phase"], registry=registry).labels(phase="training").set(1)
+    server, thread = start_http_server(0, addr="127.0.0.1", registry=registry)
+    url = f"http://127.0.0.1:{server.server_port}/metrics"
+    (tmp_path / ".tether").mkdir()
+    metrics = {"scheduler": url, "gone": "http://127.0.0.1:9/metrics"}
+    (tmp_path / ".tether" / "stack.json").write_text(json.dumps({"metrics": metrics}))
+    try:
+        with scraping(tmp_path, every_s=0.05) as seen:
+            wait_for(lambda: "scheduler" in seen, 10, "a scrape", every_s=0.05)
+    finally:
+        server.shutdown()
+        thread.join(10)
+    assert "tether_run_phase" in seen["scheduler"] and "gone" not in seen

@@ -2,16 +2,20 @@
 adapter, trainer, merger, gateway, scheduler, agent worker) with the gateway killed with -9 while a
 step's calls are in flight, then checks the plumbing from the outside: metrics, weight versions, token
 provenance, the trace store, clean shutdown, and that the kill lost nothing (tests/fault_helpers.py;
-the fault matrix, tests/test_faults.py, kills every process in one run)."""
+the fault matrix, tests/test_faults.py, kills every process in one run). Every process's /metrics is
+scraped while the demo runs (tests/scrape_helpers.py): each metric the Learning health dashboard and
+the alert rules query must be among what they export."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 
 import pytest
 from fault_helpers import FAULTS, check_fault_run, demo_with_faults
+from scrape_helpers import scraping, unexported
 from stack_helpers import (
     alive,
     assert_samples_are_vllm_tokens,
@@ -20,6 +24,7 @@ from stack_helpers import (
     tether_demo,
     tether_jsonl,
 )
+from test_dashboards import gen  # scripts/dashboards.py, the dashboards' generator
 
 from tether.common.records import spans_cover
 
@@ -34,8 +39,17 @@ GATEWAY_KILLED = [f for f in FAULTS if f[0] == "gateway"]
 
 
 @pytest.fixture(scope="module")
-def fault_run(tmp_path_factory):
-    return demo_with_faults(tmp_path_factory.mktemp("demo"), GATEWAY_KILLED, steps=STEPS, eval_repeats=1)
+def scraped_run(tmp_path_factory):
+    """The demo, and the series names each of its processes exported (scraped every few seconds)."""
+    work = tmp_path_factory.mktemp("demo")
+    with scraping(work) as scraped:
+        run = demo_with_faults(work, GATEWAY_KILLED, steps=STEPS, eval_repeats=1)
+    return run, scraped
+
+
+@pytest.fixture(scope="module")
+def fault_run(scraped_run):
+    return scraped_run[0]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +87,23 @@ def test_metrics_and_artifacts(demo):
     assert [m["weight_version"] for m in trained] == list(range(1, len(trained) + 1))
     assert "eval_reward" in metrics[-1] and 0.0 <= metrics[-1]["eval_reward"] <= 1.0
     assert (run_dir / "reward.png").stat().st_size > 1000
+    assert (run_dir / "learning.png").read_bytes().startswith(b"\x89PNG")
+    assert (run_dir / "learning.png").stat().st_size > 10_000
     assert (run_dir / "final-model" / "config.json").exists()
     assert list((run_dir / "final-model").glob("*.safetensors"))
     assert "run directory:" in stdout and "summary:" in stdout
+
+
+def test_every_metric_learning_health_and_the_alerts_query_is_exported(scraped_run):
+    """What the "Tether / Learning health" dashboard and every alert rule query, each with at least one
+    series in a scrape of the real run's processes (a labelled gauge none of whose label sets was
+    set would show none): a panel or alert on a metric nobody exports fails here."""
+    _, scraped = scraped_run
+    assert set(scraped) == {"gateway", "inference", "trainer", "merger", "scheduler", "agent-0"}
+    used = gen.dashboard_metrics("learning-health") | gen.alert_metrics()
+    assert len(used) >= 20  # 24 when written
+    missing = unexported(used, scraped)
+    assert not missing, f"queried, never exported: {sorted(missing)}; scraped: {sorted(scraped)}"
 
 
 def test_the_policy_learns(demo):
@@ -144,3 +172,77 @@ def test_disaggregated_async_respects_the_staleness_bound(tmp_path):
             i for i, x in enumerate(smp["loss_mask"]) if x
         ]
         assert smp["weight_version"] == min(v for v, _, _ in spans)
+
+
+# Dynamic sampling with groups of 2 at the calculator's starting reward (~0.3, each rollout 1 or 0): a
+# group's two rollouts agree (no signal: filtered) ~58% of the time, so a step's first three groups all
+# carry signal ~7% of the time and three steps in a row without a top-up are ~0.04% likely.
+DS_TASKS, DS_GROUP, DS_BOUND, DS_STEPS = 3, 2, 12, 3
+# Below any update's KL: the step guard undoes every step's first update and makes it again.
+TINY_STEP_KL = 1e-9
+
+
+def test_dynamic_sampling_and_the_step_guard_through_the_stack(tmp_path):
+    """A demo with dynamic sampling on and a step KL bound every update exceeds (docs/settings.md,
+    docs/trainer.md), set by a run config as a user sets them. A step whose groups were filtered
+    dispatches more until tasks-per-step carry signal (or the bound is reached), and the step's
+    groups add up; the step guard retries every trained step once, at half the learning rate, never
+    twice (the kept update may still be above the bound), and the run goes on on the kept weights
+    (the versions advance by one; vLLM serves what the trainer kept: the logprobs still match)."""
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"scheduler: {{dynamic_sampling: true, dynamic_sampling_max_groups: {DS_BOUND}}}\n"
+        f"trainer: {{max_step_kl: {TINY_STEP_KL:.1e}, step_guard_lr_scale: 0.5}}\n"
+    )
+    shape = ["--steps", str(DS_STEPS), "--tasks-per-step", str(DS_TASKS), "--group-size", str(DS_GROUP)]
+    run_dir, _ = tether_demo(tmp_path, "--config", str(config), *shape, "--eval-repeats", "0")
+    steps = [m for m in jsonl((run_dir / "metrics.jsonl").read_text()) if "step" in m]
+    assert [m["step"] for m in steps] == list(range(DS_STEPS))  # the run finished every step
+    check_dynamic_sampling(steps)
+    check_step_guard(steps, (run_dir / "logs" / "trainer.log").read_text())
+
+
+def check_dynamic_sampling(steps: list[dict]) -> None:
+    """Each step's groups add up, and a step tops up exactly when some of its groups were filtered."""
+    for m in steps:
+        dispatched = m["groups_dispatched"]
+        surplus = m.get("groups_surplus") or 0.0
+        assert dispatched == m["groups_trained"] + m["groups_filtered"] + surplus, m
+        assert m["rollouts"] == dispatched * DS_GROUP, m
+        assert DS_TASKS <= dispatched <= DS_BOUND, m
+        # Exactly tasks-per-step groups train, unless the bound ran out first.
+        assert m["groups_trained"] == DS_TASKS or dispatched == DS_BOUND, m
+        assert m["groups_trained"] <= DS_TASKS, m
+        if m["groups_filtered"]:
+            assert dispatched > DS_TASKS, m  # filtered groups were made up for
+        else:
+            assert dispatched == DS_TASKS, m  # nothing to make up for
+    assert any(m["groups_filtered"] for m in steps), f"no step filtered a group: {steps}"
+
+
+def check_step_guard(steps: list[dict], trainer_log: str) -> None:
+    """Every trained step's update was undone once and made again at half the rate, which moved the
+    policy less than the first try (the trainer's log says by how much); that one is kept, even above
+    the bound; the run trains on from it."""
+    trained = [m for m in steps if m["samples"] > 0]
+    assert trained
+    assert [m["weight_version"] for m in trained] == list(range(1, len(trained) + 1))
+    for m in trained:
+        assert m["step_guard_retries"] == 1.0, m  # once, never twice
+        assert math.isfinite(m["step_kl"]) and m["step_kl"] >= 0.0, m
+        assert m["logprob_abs_diff"] <= 1e-3, m  # vLLM serves the weights the guard kept
+    # The retried update is kept even where it is still above the bound: no second retry.
+    assert any(m["step_kl"] > TINY_STEP_KL for m in trained), trained
+    for m in steps:
+        if m["samples"] == 0:
+            assert m["step_guard_retries"] == 0.0 and math.isnan(m["step_kl"]), m
+    first_tries = [
+        float(kl)
+        for kl in re.findall(
+            r"step guard: the update moved the policy (\S+) from .* made again at 0\.5 x the learning rate",
+            trainer_log,
+        )
+    ]
+    assert len(first_tries) == len(trained), first_tries
+    for m, first in zip(trained, first_tries, strict=True):
+        assert first > TINY_STEP_KL and m["step_kl"] < first, (m, first)

@@ -21,6 +21,9 @@ FULL_ONLY = {
     "tests/test_e2e.py::test_disaggregated_async_respects_the_staleness_bound": (
         "a second demo, disaggregated-async (make test: the simulated runs of test_scheduler_plan.py)"
     ),
+    "tests/test_e2e.py::test_dynamic_sampling_and_the_step_guard_through_the_stack": (
+        "a third demo, dynamic sampling and the step guard on (make test: their loop and trainer tests)"
+    ),
     "tests/test_session_training.py::test_record_only_traffic_is_trained_in_serve_mode": "a stack in serve mode",
     "tests/test_scheduler_failures.py::test_demo_finishes_after_the_scheduler_exits_on_a_fatal_error": (
         "a demo whose scheduler fails (make test: the scheduler process's own failure tests)"

@@ -158,6 +158,10 @@ class Stack:
     redis_data: str = ""
     model_dir: str = ""
     addresses: dict[str, str] = field(default_factory=dict)
+    # Each process's Prometheus scrape URL, by process name (stack.json's `metrics`): every service
+    # and agent worker serves /metrics on a port of its own (TETHER_METRICS_PORT), the gateway on
+    # its HTTP port (each replica on its own metrics port, with several).
+    metrics: dict[str, str] = field(default_factory=dict)
     stopped: bool = False
     # Where `tether down` and the cli find the stack; None: nowhere (a bench's or a test's own stack).
     state_file: Path | None = STATE_FILE
@@ -315,6 +319,7 @@ class Stack:
                     "model_dir": self.model_dir,
                     "namespace": self.namespace,
                     "addresses": self.addresses,
+                    "metrics": self.metrics,
                     "service_token_file": self.service_token_file,
                     "pids": {p.name: p.popen.pid for p in self.procs},
                     "restarts": {p.name: p.restarts for p in self.procs},
@@ -408,16 +413,22 @@ def start_stack(
         "vllm_url": f"http://{a['vllm']}",
         **{k: v for k, v in a.items() if k not in ("gateway", "vllm")},
     }
+    scrape = {name: metrics_port(stack, name) for name in ("inference", "trainer", "merger", "scheduler")}
     stack.write_state()
     stack.start(
         "inference",
         "tether.inference",
-        {**(serving_env or {}), **inference_wiring(stack, model_dir, ports["inference"], ports["vllm"])},
+        {
+            **(serving_env or {}),
+            **inference_wiring(stack, model_dir, ports["inference"], ports["vllm"]),
+            **scrape["inference"],
+        },
     )
     stack.start(
         "trainer",
         "tether.trainer",
         {
+            **scrape["trainer"],
             "TETHER_TRAINER_GRPC_PORT": str(ports["trainer"]),
             "TETHER_MODEL_DIR": str(model_dir),
             "TETHER_CHECKPOINT_DIR": str(stack.run_dir / "checkpoints"),
@@ -429,6 +440,7 @@ def start_stack(
         "merger",
         "tether.merger",
         {
+            **scrape["merger"],
             "TETHER_MERGER_GRPC_PORT": str(ports["merger"]),
             "TETHER_TRAINER_ADDRESS": a["trainer"],
             "TETHER_MODEL_DIR": str(model_dir),
@@ -449,6 +461,7 @@ def start_stack(
         "scheduler",
         "tether.scheduler",
         {
+            **scrape["scheduler"],
             "TETHER_SCHEDULER_GRPC_PORT": str(ports["scheduler"]),
             "TETHER_GATEWAY_CONTROL_ADDRESS": ",".join(controls),
             "TETHER_INFERENCE_ADDRESS": a["inference"],
@@ -463,6 +476,14 @@ def start_stack(
     stack.write_state()
 
 
+def metrics_port(stack: Stack, name: str) -> dict[str, str]:
+    """A free port for process `name`'s /metrics: its TETHER_METRICS_PORT (kept across its restarts),
+    its scrape URL recorded in `stack.metrics`."""
+    port = free_port()
+    stack.metrics[name] = f"http://127.0.0.1:{port}/metrics"
+    return {"TETHER_METRICS_PORT": str(port)}
+
+
 def start_gateways(
     stack: Stack, n: int, port: int, env: dict[str, str], first_grpc_port: int | None = None
 ) -> list[str]:
@@ -472,18 +493,21 @@ def start_gateways(
     the shared port's /metrics would reach any one of them). The first is named "gateway", the others
     "gateway-1" ...; each is supervised and restarted like every process. Returns the control
     addresses; `stack.addresses` gains them (gateway_grpc: the first; gateway_controls and
-    gateway_metrics: every replica's, comma-separated, with several)."""
+    gateway_metrics: every replica's, comma-separated, with several), `stack.metrics` each one's
+    scrape URL (the shared port's /metrics with one replica)."""
     if n < 1:
         raise StackError("--gateway-replicas must be at least 1")
     controls, metrics = [], []
     for i in range(n):
+        name = "gateway" if i == 0 else f"gateway-{i}"
         grpc_port = first_grpc_port if i == 0 and first_grpc_port else free_port()
         own = {"TETHER_GATEWAY_PORT": str(port), "TETHER_GATEWAY_GRPC_PORT": str(grpc_port)}
         if n > 1:
-            metrics_port = free_port()
-            own |= {"TETHER_GATEWAY_REUSE_PORT": "true", "TETHER_METRICS_PORT": str(metrics_port)}
-            metrics.append(f"http://127.0.0.1:{metrics_port}/metrics")
-        stack.start("gateway" if i == 0 else f"gateway-{i}", "tether.gateway", {**env, **own})
+            own |= {"TETHER_GATEWAY_REUSE_PORT": "true", **metrics_port(stack, name)}
+            metrics.append(stack.metrics[name])
+        else:
+            stack.metrics[name] = f"http://127.0.0.1:{port}/metrics"
+        stack.start(name, "tether.gateway", {**env, **own})
         controls.append(f"127.0.0.1:{grpc_port}")
     stack.addresses["gateway_url"] = f"http://127.0.0.1:{port}"
     stack.addresses["gateway_grpc"] = controls[0]
@@ -520,6 +544,7 @@ def start_agents(stack: Stack, fn_spec: str, concurrency: int, workers: int = 1)
             f"agent-{i}",
             "tether.agents",
             {
+                **metrics_port(stack, f"agent-{i}"),
                 "TETHER_AGENT_FN": fn_spec,
                 "TETHER_GATEWAY_URL": stack.addresses["gateway_url"],
                 "TETHER_AGENT_CONCURRENCY": str(concurrency),

@@ -1,5 +1,5 @@
-"""`tether demo`: an example agent trained end to end on CPU, its progress followed, its rewards
-plotted and summed up (summary.json).
+"""`tether demo`: an example agent trained end to end on CPU, its progress followed, its rewards and
+learning health plotted (reward.png, learning.png) and summed up (summary.json).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from tether.cli.examples import (
     prepare_example_model,
     write_tasks,
 )
+from tether.cli.plots import plot_learning, plot_rewards
 from tether.cli.stack import on_stack, redis_down, replicas_flag, run_status
 
 # Demo settings an example may set in its DEMO dict; a flag given on the command line wins.
@@ -77,33 +78,6 @@ def read_metrics(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_rewards(metrics: list[dict], out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [m for m in metrics if "step" in m]
-    xs = [m["step"] for m in steps]
-    ys = [m["reward_mean"] for m in steps]
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(xs, ys, ".-", alpha=0.5, label="reward (step mean)")
-    if len(ys) >= 2:
-        avg = [sum(ys[max(0, i - 9) : i + 1]) / len(ys[max(0, i - 9) : i + 1]) for i in range(len(ys))]
-        ax.plot(xs, avg, "-", lw=2, label="10-step moving average")
-    for m in metrics:
-        if "eval_reward" in m:
-            ax.axhline(m["eval_reward"], color="green", ls="--", label=f"final eval {m['eval_reward']:.2f}")
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-
-
 def summarize(metrics: list[dict]) -> dict:
     steps = [m for m in metrics if "step" in m]
     rewards = [m["reward_mean"] for m in steps if isinstance(m.get("reward_mean"), float | int)]
@@ -140,7 +114,7 @@ DEMO_SCHEDULING: dict[str, str | int] = {
 
 def cmd_demo(args: argparse.Namespace) -> int:
     """`tether demo`: the example's warm-started model trained end to end on its tasks, with a progress
-    bar; then the reward plot and the summary in the run directory."""
+    bar; then the reward and learning-health plots and the summary in the run directory."""
     from tether.launcher import Stack
 
     try:
@@ -251,9 +225,11 @@ def follow_run(stack: Stack, steps: int, quiet: bool) -> tuple[str, RunState | N
 
 
 def report_demo(args: argparse.Namespace, cfg: dict, run_dir: Path, started: float) -> None:
-    """reward.png and summary.json in the run directory, and the summary's line."""
+    """reward.png, learning.png and summary.json in the run directory, and the summary's line."""
     metrics = read_metrics(run_dir / "metrics.jsonl")
-    plot_rewards(metrics, run_dir / "reward.png", f"{args.example} agent, seed {args.seed}, lr {cfg['lr']:g}")
+    title = f"{args.example} agent, seed {args.seed}, lr {cfg['lr']:g}"
+    plot_rewards(metrics, run_dir / "reward.png", title)
+    plot_learning(metrics, run_dir / "learning.png", f"learning health: {title}")
     s = summarize(metrics)
     s["example"] = args.example
     s["seconds"] = round(time.time() - started, 1)
