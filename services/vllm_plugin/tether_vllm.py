@@ -34,6 +34,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from http import HTTPStatus
 from pathlib import PurePosixPath
 from typing import Any
 
@@ -171,10 +172,10 @@ def wrap_completions(serving: Any) -> None:
     serving.completion_stream_generator = stream_generator
 
 
-def _error(message: str, err_type: str, status_code: int) -> Any:
+def _error(message: str, err_type: str, status: HTTPStatus) -> Any:
     from vllm.entrypoints.serve import create_error_response
 
-    return create_error_response(message=message, err_type=err_type, status_code=status_code)
+    return create_error_response(message=message, err_type=err_type, status_code=status)
 
 
 async def _swap_in_version(models: Any, request: Any, base_model_name: str | None) -> Any:
@@ -192,7 +193,7 @@ async def _swap_in_version(models: Any, request: Any, base_model_name: str | Non
                 f"adapter {name!r} is already loaded from {request.lora_path!r}: load a new version "
                 "from a new path (Tether's adapters keep one path per version)",
                 "InvalidUserInput",
-                400,
+                HTTPStatus.BAD_REQUEST,
             )
         lora = LoRARequest(
             lora_name=name,
@@ -205,7 +206,7 @@ async def _swap_in_version(models: Any, request: Any, base_model_name: str | Non
         try:
             await models.engine_client.add_lora(lora)
         except Exception as exc:  # vLLM's own loader answers 500 with the message; so do we
-            return _error(str(exc), "InternalServerError", 500)
+            return _error(str(exc), "InternalServerError", HTTPStatus.INTERNAL_SERVER_ERROR)
         models.lora_requests[name] = lora
         log.info("tether plugin: adapter %r now %s (id %d)", name, request.lora_path, lora.lora_int_id)
         return f"Success: LoRA adapter '{name}' added successfully."
