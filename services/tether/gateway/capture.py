@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from tether.common.records import Trace, spans_cover
+from tether.common.records import AdapterSpan, Trace, spans_cover
 from tether.gateway import bodies
 
 # Written once in bodies.py, with the body types; imported from here by the rest of the gateway.
@@ -326,12 +326,41 @@ def weight_spans(value: Any) -> list[list[int]]:
     return out
 
 
+def adapter_spans(value: Any) -> list[AdapterSpan]:
+    """Which adapter served each of the plugin's spans of one choice (its "adapter" and
+    "adapter_version"; a span without them was served by the base model: ""), neighbours with the same
+    adapter joined. [] when the spans are absent or malformed, as for `weight_spans`."""
+    if not isinstance(value, list) or not value:
+        return []
+    out: list[AdapterSpan] = []
+    for span in value:
+        try:
+            name, version = span.get("adapter", ""), span.get("adapter_version", "")
+            start, end = int(span["start"]), int(span["end"])
+        except (AttributeError, TypeError, KeyError, ValueError):
+            return []
+        if not isinstance(name, str) or not isinstance(version, str):
+            return []
+        last = out[-1] if out else None
+        if last is not None and (last.adapter, last.version, last.end) == (name, version, start):
+            last.end = end
+        else:
+            out.append(AdapterSpan(adapter=name, version=version, start=start, end=end))
+    return out
+
+
 @dataclass
 class ChoiceTokens:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
     weight_spans: list[list[int]] = field(default_factory=list)  # [[version, start, end], ...]
+    adapter_spans: list[AdapterSpan] = field(default_factory=list)
+
+    def take_spans(self, value: Any) -> None:
+        """The plugin's spans of this choice: which weights, and which adapter, sampled its tokens."""
+        self.weight_spans = weight_spans(value)
+        self.adapter_spans = adapter_spans(value)
 
 
 @dataclass
@@ -368,7 +397,7 @@ def capture_response(resp: dict[str, Any]) -> Captured:
         c.token_ids = _ids(choice.get("token_ids"))
         c.logprobs = _logprob_values(choice.get("logprobs"))
         c.finish_reason = choice.get("finish_reason")
-        c.weight_spans = weight_spans(choice.get("weight_versions"))
+        c.take_spans(choice.get("weight_versions"))
     return cap
 
 
@@ -384,7 +413,7 @@ def capture_completion_response(resp: dict[str, Any]) -> Captured:
         c.token_ids = _ids(choice.get("token_ids"))
         c.logprobs = _completion_logprob_values(choice.get("logprobs"))
         c.finish_reason = choice.get("finish_reason")
-        c.weight_spans = weight_spans(choice.get("weight_versions"))
+        c.take_spans(choice.get("weight_versions"))
     return cap
 
 
@@ -413,9 +442,7 @@ class StreamCapture:
         """The plugin's extra chunk (never relayed to the client): each choice's spans."""
         for choice in chunk.get("choices") or ():
             if isinstance(choice, dict) and isinstance(choice.get("index"), int):
-                self.captured.choice(choice["index"]).weight_spans = weight_spans(
-                    choice.get("weight_versions")
-                )
+                self.captured.choice(choice["index"]).take_spans(choice.get("weight_versions"))
 
     def _feed_choice(self, pos: int, choice: dict[str, Any]) -> None:
         c = self.captured.choice(int(choice.get("index", pos)))
@@ -491,6 +518,7 @@ def build_trace(
         trace.response_logprobs = first.logprobs
         trace.finish_reason = first.finish_reason
         trace.weight_spans = _checked_spans(first)
+        trace.adapter_spans = _checked_adapters(first)
         trace.extra_choices = [
             {
                 "index": i,
@@ -498,6 +526,7 @@ def build_trace(
                 "logprobs": c.logprobs,
                 "finish_reason": c.finish_reason,
                 "weight_spans": _checked_spans(c),
+                "adapter_spans": [a.to_dict() for a in _checked_adapters(c)],
             }
             for i in indices[1:]
             for c in (captured.choices[i],)
@@ -510,6 +539,11 @@ def build_trace(
 
 def _checked_spans(c: ChoiceTokens) -> list[list[int]]:
     return c.weight_spans if c.weight_spans and spans_cover(c.weight_spans, len(c.token_ids)) else []
+
+
+def _checked_adapters(c: ChoiceTokens) -> list[AdapterSpan]:
+    spans = [(a.adapter, a.start, a.end) for a in c.adapter_spans]
+    return c.adapter_spans if spans and spans_cover(spans, len(c.token_ids)) else []
 
 
 # vLLM's error types (exception_handling/error_response.py) for errors the request caused.
