@@ -352,3 +352,31 @@ async def test_a_run_logs_each_step_and_its_evaluation_to_its_trackers(redis_url
     # The evaluation at the step after the last.
     assert [(e.step, e.value) for e in events.Scalars("eval_reward")] == [(2, lines[2]["eval_reward"])]
     assert run.reporter.trackers.pool is None
+
+
+class _Built(Exception):
+    pass
+
+
+async def test_the_scheduler_hands_its_run_the_trackers_and_the_run_config(redis_url, tmp_path, monkeypatch):
+    from tether.scheduler import main as scheduler_main
+
+    config = tmp_path / "run.yaml"
+    config.write_text("scheduler:\n  trackers: tensorboard\ntrainer:\n  lr: 1.0e-6\n")
+    monkeypatch.setenv("TETHER_CONFIG", str(config))
+    built: list[RunConfig] = []
+
+    def capture(r, keys, cfg, stubs, tasks):
+        built.append(cfg)
+        raise _Built
+
+    monkeypatch.setattr(scheduler_main, "Run", capture)
+    s = scheduler_main.SchedulerSettings(
+        scheduler_grpc_port=0, gateway_control_address="127.0.0.1:1", inference_address="127.0.0.1:1",
+        trainer_address="127.0.0.1:1", run_id="trk", run_dir=str(tmp_path), redis_url=redis_url,
+    )  # fmt: skip
+    with pytest.raises(_Built):
+        await scheduler_main.amain(s)
+    [cfg] = built
+    assert cfg.trackers == ("tensorboard",) and cfg.config_file["trainer"] == {"lr": 1e-6}
+    assert cfg.tracker_config()["run"]["run_id"] == "trk"

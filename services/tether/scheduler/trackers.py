@@ -267,18 +267,14 @@ CLASSES: dict[str, type[WandbTracker | MlflowTracker | TensorBoardTracker]] = {
 
 class Trackers:
     """The chosen trackers of a run, behind one worker thread (module docstring). `start` opens them with
-    the run's configuration, `log` hands each a record, `close` ends them (idempotent). With no tracker
-    chosen every call does nothing."""
+    the run's configuration, `log` hands each a record (nothing before `start` or after `close`), `close`
+    ends them (idempotent; `start` opens them again). With no tracker chosen every call does nothing."""
 
     def __init__(self, trackers: list[Tracker]) -> None:
         self.trackers = trackers
         self.warned: set[str] = set()
         self.opened: set[str] = set()
-        self.pool = (
-            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tether-trackers")
-            if trackers
-            else None
-        )
+        self.pool: concurrent.futures.ThreadPoolExecutor | None = None  # from `start` to `close`
 
     @classmethod
     def chosen(cls, names: tuple[str, ...], run_dir: Path, run_id: str) -> Trackers:
@@ -287,8 +283,13 @@ class Trackers:
 
     def start(self, config: Mapping[str, Any]) -> None:
         """Open every tracker with the run's configuration (secrets redacted)."""
-        if self.pool is not None:
-            self.pool.submit(self._open_all, redact(config))
+        if not self.trackers:
+            return
+        if self.pool is None:
+            self.pool = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="tether-trackers"
+            )
+        self.pool.submit(self._open_all, redact(config))
 
     def log(self, record: Mapping[str, Any], step: int | None = None) -> None:
         """Hand every opened tracker the record's figures at `step` (default: the record's own), with
