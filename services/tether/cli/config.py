@@ -30,6 +30,7 @@ FLAG_SETTINGS = {
     "max_staleness": "TETHER_MAX_STALENESS",
     "sleep_level": "TETHER_SLEEP_LEVEL",
     "example": "TETHER_AGENT_FN",
+    "tracker": "TETHER_TRACKERS",
 }
 
 

@@ -28,7 +28,7 @@ from tether.cli.examples import (
     write_tasks,
 )
 from tether.cli.plots import plot_learning, plot_rewards
-from tether.cli.stack import on_stack, redis_down, replicas_flag, run_status
+from tether.cli.stack import on_stack, redis_down, replicas_flag, run_status, tracker_env, tracker_flag
 
 # Demo settings an example may set in its DEMO dict; a flag given on the command line wins.
 DEMO_DEFAULTS: dict[str, int | float] = {
@@ -121,6 +121,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         config, explicit = use_run_config(args)
         args.example = args.example or config.get("example") or DEFAULT_EXAMPLE
         cfg = demo_settings(args, config)
+        trackers = tracker_env(args, config)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -140,7 +141,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     started = time.time()
     rc = on_stack(
         stack,
-        lambda: run_demo(stack, args, cfg, model_dir, n_tasks),
+        lambda: run_demo(stack, args, cfg, model_dir, n_tasks, trackers),
         say="\ninterrupted: stopping the stack",
     )
     if rc:
@@ -149,7 +150,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_demo(stack: Stack, args: argparse.Namespace, cfg: dict, model_dir: Path, n_tasks: int) -> int:
+def run_demo(
+    stack: Stack,
+    args: argparse.Namespace,
+    cfg: dict,
+    model_dir: Path,
+    n_tasks: int,
+    trackers: dict[str, str] | None = None,
+) -> int:
     """Start the stack and the example's agent workers, then follow the run to its end; StackError
     unless it ended done."""
     from tether.launcher import StackError, start_agents, start_stack
@@ -171,6 +179,7 @@ def run_demo(stack: Stack, args: argparse.Namespace, cfg: dict, model_dir: Path,
             "TETHER_MODE": args.mode,
             "TETHER_MAX_STALENESS": str(args.max_staleness),
             "TETHER_SLEEP_LEVEL": str(args.sleep_level),
+            **(trackers or {}),
         },
         gateway_replicas=args.gateway_replicas,
     )
@@ -275,4 +284,5 @@ def add_demo(sub: Subparsers) -> None:
     demo.add_argument("--run-dir")
     demo.add_argument("--quiet", action="store_true")
     replicas_flag(demo)
+    tracker_flag(demo)
     demo.set_defaults(fn=cmd_demo)

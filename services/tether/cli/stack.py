@@ -112,6 +112,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     try:
         config, explicit = use_run_config(args)
+        trackers = tracker_env(args, config)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -138,6 +139,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             scheduler_env={
                 "TETHER_RUN_ID": run_dir.name,
                 "TETHER_GROUPS_PER_STEP": str(args.groups_per_step),
+                **trackers,
             },
             serving_env=serving_env(args),
             gateway_replicas=args.gateway_replicas,
@@ -213,6 +215,38 @@ def replicas_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def tracker_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tracker",
+        action="append",
+        metavar="NAME",
+        help="log every step record to an experiment tracker: wandb, mlflow or tensorboard (repeat the "
+        "flag or comma-separate; written under the run directory by default: docs/trackers.md); "
+        "default: the run config's scheduler.trackers",
+    )
+
+
+def tracker_env(args: argparse.Namespace, config: dict) -> dict[str, str]:
+    """TETHER_TRACKERS for the scheduler when --tracker was given ({} otherwise: the run config's
+    choice stands). ValueError, before anything starts, for an unknown tracker or one whose package is
+    not installed (flags or run config)."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from tether.scheduler.trackers import TrackerNames, missing
+
+    given = ",".join(args.tracker or [])
+    try:
+        names = TypeAdapter(TrackerNames).validate_python(
+            given or (config.get("scheduler") or {}).get("trackers", ())
+        )
+    except ValidationError as exc:
+        raise ValueError(f"--tracker: {'; '.join(e['msg'] for e in exc.errors())}") from None
+    problem = missing(names)
+    if problem:
+        raise ValueError(problem)
+    return {"TETHER_TRACKERS": ",".join(names)} if given else {}
+
+
 def add_up(sub: Subparsers) -> None:
     up = sub.add_parser("up", help="start the stack for agents you run yourself")
     up.add_argument(
@@ -248,6 +282,7 @@ def add_up(sub: Subparsers) -> None:
         "--vllm-arg=--enable-prefix-caching",
     )
     replicas_flag(up)
+    tracker_flag(up)
     up.set_defaults(fn=cmd_up)
 
 

@@ -4,7 +4,7 @@ refuse a bad value at start-up), the gRPC stubs it calls (Stubs) and its tasks (
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -40,6 +40,18 @@ class RunConfig:
     # dynamic_sampling_max_groups a step (0 = 4 x tasks_per_step). The async modes always train P such.
     dynamic_sampling: bool = False
     dynamic_sampling_max_groups: int = 0
+    # Experiment trackers (tether.scheduler.trackers) and the run config file's contents (TETHER_CONFIG),
+    # which they are given as the run's configuration beside these fields.
+    trackers: tuple[str, ...] = ()
+    config_file: dict[str, Any] = field(default_factory=dict)
+
+    def tracker_config(self) -> dict[str, Any]:
+        """What the trackers record as the run's config/params: these fields under `run`, and the run
+        config file's sections and keys."""
+        run = {k: str(v) if isinstance(v, Path) else v for k, v in vars(self).items()}
+        for k in ("trackers", "config_file"):
+            run.pop(k)
+        return {"run": run, **self.config_file}
 
 
 @dataclass

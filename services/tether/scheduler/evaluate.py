@@ -55,5 +55,5 @@ class Evaluation:
         }
         await self.store.save(eval_record=record)
         run_metrics.export_eval(record["eval_reward"])
-        self.reporter.write(record)
+        self.reporter.write(record, step=self.store.state.next_step)
         return record

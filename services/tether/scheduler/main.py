@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import ClassVar
@@ -23,7 +24,14 @@ from tether.common import broker
 from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.retry import Retrying
-from tether.common.settings import RedisSettings, WeightPush, refused_settings_exit
+from tether.common.settings import (
+    CONFIG_ENV,
+    SETTINGS_REFUSED,
+    RedisSettings,
+    WeightPush,
+    read_run_config,
+    refused_settings_exit,
+)
 from tether.common.usage import exit_if_help
 from tether.scheduler import kube
 from tether.scheduler.config import RunConfig, SchedulingMode, Stubs, load_tasks
@@ -32,6 +40,7 @@ from tether.scheduler.gateways import ControlChannels, GatewayReplicas, check_sp
 from tether.scheduler.metrics import follow_broker
 from tether.scheduler.run import Run
 from tether.scheduler.servicer import SchedulerServicer
+from tether.scheduler.trackers import TrackerNames, missing
 from tether.v1 import (
     gateway_pb2_grpc,
     inference_pb2_grpc,
@@ -80,6 +89,9 @@ class SchedulerSettings(RedisSettings):
     # With a metrics port: how often the tether_broker_* gauges (stream lengths, consumer-group lag and
     # pending entries) are read from Redis.
     broker_metrics_interval_s: float = Field(5.0, gt=0)
+    # Experiment trackers that get every step record (docs/trackers.md): wandb, mlflow, tensorboard,
+    # comma-separated (a list in the run config); each needs its package (the `trackers` extra).
+    trackers: TrackerNames = ()
 
     @field_validator("gateway_control_address")
     @classmethod
@@ -136,6 +148,8 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
         weight_push=s.weight_push,
         dynamic_sampling=s.dynamic_sampling,
         dynamic_sampling_max_groups=s.dynamic_sampling_max_groups,
+        trackers=s.trackers,
+        config_file=read_run_config(os.environ[CONFIG_ENV]) if os.environ.get(CONFIG_ENV) else {},
     )
     tasks = load_tasks(Path(s.tasks_file)) if s.tasks_file else []
     keys = s.keys()
@@ -175,6 +189,10 @@ def main() -> None:
     with refused_settings_exit("scheduler"):
         s = SchedulerSettings()
         k = kube.KubeSettings()
+    problem = missing(s.trackers)
+    if problem:  # a package the image or venv lacks: starting again cannot help
+        print(f"tether.scheduler: refusing to start: {problem}", file=sys.stderr)
+        sys.exit(SETTINGS_REFUSED)
     setup_logging("scheduler", s.log_level)
     try:
         with refused_settings_exit("scheduler"):

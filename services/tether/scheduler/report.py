@@ -18,6 +18,7 @@ from tether.common import broker
 from tether.common.records import GroupResult, RecordError, RunState, StepMetrics
 from tether.scheduler import metrics as run_metrics
 from tether.scheduler.plan import staleness
+from tether.scheduler.trackers import Trackers
 
 log = logging.getLogger(__name__)
 
@@ -169,17 +170,29 @@ def serve_record(
 
 
 class Reporter:
-    """Writes a run's records: metrics.jsonl in the run directory, the run gauges, the metrics stream."""
+    """Writes a run's records: metrics.jsonl in the run directory, the run gauges, the metrics stream,
+    and the experiment trackers chosen (tether.scheduler.trackers), which get every record
+    metrics.jsonl gets."""
 
-    def __init__(self, r: Any, keys: broker.Keys, run_id: str, run_dir: Path) -> None:
+    def __init__(
+        self, r: Any, keys: broker.Keys, run_id: str, run_dir: Path, trackers: Trackers | None = None
+    ) -> None:
         self.r = r
         self.keys = keys
         self.run_id = run_id
         self.run_dir = run_dir
+        self.trackers = trackers or Trackers([])
 
-    def write(self, record: dict[str, Any]) -> None:
+    def write(self, record: dict[str, Any], step: int | None = None) -> None:
+        """Append the record to metrics.jsonl and hand it to the trackers, at `step` (a record without
+        a step of its own, the evaluation's, gives the step it came after)."""
         with open(self.run_dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
+        self.trackers.log(record, step)
+
+    def close(self) -> None:
+        """The end of the run: the trackers write what they hold and close (idempotent)."""
+        self.trackers.close()
 
     async def report(self, record: dict[str, Any]) -> None:
         """A finished training step: metrics.jsonl, the gauges, and the metrics stream (once per step
@@ -214,7 +227,7 @@ class Reporter:
             await self.report(record)
         evaluated = state.eval_record
         if evaluated and not any("eval_reward" in m for m in lines):
-            self.write(evaluated)
+            self.write(evaluated, step=state.next_step)
 
     def export_resumed(self, state: RunState) -> None:
         """The run gauges of a resumed run: its status, its last finished step's record and its

@@ -67,6 +67,7 @@ from tether.scheduler.serve import ServeLoop
 from tether.scheduler.steps import Steps
 from tether.scheduler.store import RunStore
 from tether.scheduler.sync_loop import SyncLoop
+from tether.scheduler.trackers import Trackers
 from tether.v1 import gateway_pb2
 
 # RunConfig, Stubs and VERSION are imported from here by the callers that build a Run.
@@ -109,7 +110,9 @@ class Run:
             cfg.drain_timeout_s,
             cfg.sleep_level,
         )
-        self.reporter = Reporter(r, keys, cfg.run_id, cfg.run_dir)
+        self.reporter = Reporter(
+            r, keys, cfg.run_id, cfg.run_dir, Trackers.chosen(cfg.trackers, cfg.run_dir, cfg.run_id)
+        )
         self.steps = Steps(self.store, self.rollouts, self.pusher, self.reporter, cfg.mode)
         parts = (self.store, self.rollouts, self.health, self.steps)
         self.sync_loop = SyncLoop(cfg, tasks, *parts, self.stopped)
@@ -237,12 +240,17 @@ class Run:
         """Serve-only mode (`tether up`): train and push every time `groups_per_step` groups were
         scored (tether.scheduler.serve)."""
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        step = await self.start_run()
-        await self.serve_loop.run(step, groups_per_step, linger_s)
+        self.reporter.trackers.start(self.cfg.tracker_config())
+        try:
+            step = await self.start_run()
+            await self.serve_loop.run(step, groups_per_step, linger_s)
+        finally:
+            self.reporter.close()
 
     async def run(self) -> None:
         """Train, evaluate, keep the final model; a failure is saved in the run state and raised."""
         self.cfg.run_dir.mkdir(parents=True, exist_ok=True)
+        self.reporter.trackers.start(self.cfg.tracker_config())
         try:
             await self.train()
             if self.state.status == "stopped":
@@ -264,3 +272,5 @@ class Run:
         except Exception as exc:
             await self.save_state(status="error", error=repr(exc))
             raise
+        finally:
+            self.reporter.close()
