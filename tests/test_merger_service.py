@@ -310,7 +310,9 @@ async def test_group_result_accounting_rejections_and_mismatch_stream(redis_url)
     await r.aclose()
 
 
-async def test_calls_not_served_by_the_rollouts_adapter_are_refused_counted_and_never_trained(redis_url):
+async def test_calls_not_served_by_the_rollouts_adapter_are_refused_counted_and_never_trained(
+    redis_url, caplog
+):
     """Issue 28: rollouts expecting adapter "a", with a call served by adapter "b", one by the base model
     and one that says nothing planted among calls "a" served: the planted ones are refused by reason,
     in the group result, the merger's counts and its Prometheus counter, and none of their tokens
@@ -355,6 +357,8 @@ async def test_calls_not_served_by_the_rollouts_adapter_are_refused_counted_and_
     assert sorted(s.call_ids[0] for s in streamed) == ["a-c0", "b-c0"]
     for k in reasons:
         assert merger.counts.dropped_by_reason[k] == 1 and dropped_metric(k) - before[k] == 1
+    assert "rollout a: calls its adapter did not provably serve were refused" in caplog.text
+    assert "rollout b: calls its adapter" not in caplog.text
     await r.aclose()
 
 
