@@ -1189,6 +1189,21 @@ ALERTS = (
         " policy has collapsed (see the Learning health dashboard).",
     ),
     Alert(
+        # The merger creates these reasons' series at 0 when it starts (merger/metrics.py): a series born
+        # at its first refusal, at 1, would read a rate of 0 there.
+        "TetherWrongAdapter",
+        "sum by (reason) (\n"
+        '  rate(tether_merger_calls_dropped_total{reason=~"wrong_adapter|base_model|unattributed"}[5m])\n'
+        ") > 0",
+        "0m",
+        "critical",
+        "Calls not served by their run's adapter",
+        "The merger refused calls for attribution ({{ $labels.reason }}, {{ $value | humanize }} a second"
+        " over 5 minutes): their rollouts expect an adapter that did not serve every token (another"
+        " adapter, the base model, or no record of who served them). They are never trained; check which"
+        " adapter the gateway asks for and that vLLM loaded it (docs/runs.md).",
+    ),
+    Alert(
         "TetherNothingTrained",
         "tether_run_untrained_steps_in_a_row >= 5",
         "0m",

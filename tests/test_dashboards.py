@@ -293,6 +293,7 @@ def test_every_alert_is_complete_and_tested_both_ways():
         "TetherPolicyKLSpike",
         "TetherRewardCollapse",
         "TetherNothingTrained",
+        "TetherWrongAdapter",
     }
     for r in rules:
         assert re.fullmatch(r"\d+[smh]", r["for"]), r["alert"]

@@ -414,6 +414,17 @@ def test_bad_reward_is_422(gw, rdb, raw):
     assert rdb.hget(gw.keys.rollout(rollout["rollout_id"]), "status") == "running"
 
 
+def test_the_event_names_the_adapter_its_rollout_metadata_expects(gw, rdb):
+    """The merger's attribution check reads RolloutEvent.adapter: the rollout metadata's "adapter"."""
+    for meta, adapter in (({"adapter": "run-a", "eval": False}, "run-a"), ({}, "")):
+        rollout = gw.new_rollout(metadata=meta)
+        rid, key = rollout["rollout_id"], rollout["api_key"]
+        resp = gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0}, headers=bearer(key))
+        assert resp.status_code == 200, resp.text
+        [(_, event)] = events(rdb, gw.keys, rid)
+        assert event["adapter"] == adapter
+
+
 def test_complete_publishes_event_once_then_409(gw, rdb):
     rollout = gw.new_rollout(task_id="task-9", group_size=4)
     rid, key = rollout["rollout_id"], rollout["api_key"]

@@ -185,8 +185,11 @@ async def test_bad_event_goes_to_dead_letter(redis_url):
 # ---------------------------------------------------------------- options and accounting (issue 4)
 
 
-async def _publish_traces(r, keys, rollout_id, traces, group_id, reward, group_size=2, status="completed"):
-    """`traces`: dicts of Trace fields (extra keys such as "reward" are stored as they are)."""
+async def _publish_traces(
+    r, keys, rollout_id, traces, group_id, reward, group_size=2, status="completed", adapter=""
+):
+    """`traces`: dicts of Trace fields (extra keys such as "reward" are stored as they are); `adapter`
+    the one the rollout expects."""
     await r.hset(keys.rollout(rollout_id), mapping={"task_id": "t1", "group_id": group_id, "metadata": "{}"})
     for i, t in enumerate(traces):
         rec = {
@@ -210,6 +213,7 @@ async def _publish_traces(r, keys, rollout_id, traces, group_id, reward, group_s
         group_size=group_size,
         status=status,
         reward=reward,
+        adapter=adapter,
     )
     await broker.publish_once(r, keys, keys.rollout_events, f"final:{rollout_id}", ev.to_dict())
 
@@ -303,6 +307,58 @@ async def test_group_result_accounting_rejections_and_mismatch_stream(redis_url)
     assert rec["group_id"] == "g" and rec["rollout_id"] == "a" and rec["call_id"] == "a-c6"
     text = format_mismatch(rec, lambda ids: " ".join(f"w{i}" for i in ids))
     assert "- expected: w2 w3" in text and "+ got:      w50 w51" in text and "rollout a" in text
+    await r.aclose()
+
+
+async def test_calls_not_served_by_the_rollouts_adapter_are_refused_counted_and_never_trained(
+    redis_url, caplog
+):
+    """Issue 28: rollouts expecting adapter "a", with a call served by adapter "b", one by the base model
+    and one that says nothing planted among calls "a" served: the planted ones are refused by reason,
+    in the group result, the merger's counts and its Prometheus counter, and none of their tokens
+    reaches the trainer or the samples stream; the others train."""
+    from prometheus_client import REGISTRY
+
+    reasons = ("wrong_adapter", "base_model", "unattributed")
+
+    def dropped_metric(reason):
+        return REGISTRY.get_sample_value("tether_merger_calls_dropped_total", {"reason": reason}) or 0.0
+
+    before = {k: dropped_metric(k) for k in reasons}
+    r = broker.connect(redis_url)
+    keys = broker.Keys("t")
+    submitted = []
+
+    async def submit(group_id, samples, rollouts):
+        submitted.append(samples)
+
+    def span(adapter, start, end):
+        return {"adapter": adapter, "version": "1" if adapter else "", "start": start, "end": end}
+
+    good = [T([1, 2], [3, 4], adapter_spans=[span("a", 0, 2)])]
+    planted = [
+        T([60], [61, 62], adapter_spans=[span("a", 0, 1), span("b", 1, 2)]),
+        T([70], [71], adapter_spans=[span("", 0, 1)]),
+        T([80], [81]),
+    ]
+    await _publish_traces(r, keys, "a", good + planted, "g", 1.0, adapter="a")
+    await _publish_traces(
+        r, keys, "b", [T([1, 2], [7], adapter_spans=[span("a", 0, 1)])], "g", 0.0, adapter="a"
+    )
+    merger = Merger(r, keys, MergerConfig(), submit)
+    await _run_until(merger, await _results(r, keys, 1))
+    (res,) = [rec for _, rec in await broker.read_all(r, keys.group_results)]
+    assert res["outcome"] == "trained" and res["dropped_calls"] == dict.fromkeys(reasons, 1)
+    assert res["samples"] == 2 and res["sequences"] == 2
+    (samples,) = submitted
+    streamed = [SampleRecord.from_dict(rec) for _, rec in await broker.read_all(r, keys.samples)]
+    for s in samples + streamed:
+        assert not set(s.token_ids) & {60, 61, 62, 70, 71, 80, 81}
+    assert sorted(s.call_ids[0] for s in streamed) == ["a-c0", "b-c0"]
+    for k in reasons:
+        assert merger.counts.dropped_by_reason[k] == 1 and dropped_metric(k) - before[k] == 1
+    assert "rollout a: calls its adapter did not provably serve were refused" in caplog.text
+    assert "rollout b: calls its adapter" not in caplog.text
     await r.aclose()
 
 

@@ -312,6 +312,19 @@ def test_gateway_reads_attempts_from_metadata():
     assert attempts_of({"attempt": "x", "max_attempts": 3}) == (0, 1)
 
 
+def test_gateway_reads_the_expected_adapter_from_metadata():
+    from tether.gateway.rollouts import adapter_of
+
+    assert adapter_of({"adapter": "run-a"}) == "run-a"
+    assert adapter_of({}) == adapter_of({"adapter": None}) == ""
+    assert adapter_of({"adapter": 7}) == "7"  # checked against, never silently dropped
+    ev = EXAMPLES[RolloutEvent]
+    assert RolloutEvent.from_dict(ev).adapter == ""  # an event written before adapters: no check
+    assert RolloutEvent.from_dict({**ev, "adapter": "run-a"}).adapter == "run-a"
+    with pytest.raises(RecordError, match="adapter"):
+        RolloutEvent.from_dict({**ev, "adapter": 7})
+
+
 # ---------------------------------------------------------------- SampleRecord <-> tether.v1.Sample
 
 

@@ -300,8 +300,11 @@ class RolloutEvent(_Record):
     """A rollout reached a final state ("completed" with a reward, or "failed"); published by the
     gateway once per rollout on Keys.rollout_events, consumed by the merger. ``attempt`` (0-based) and
     ``max_attempts`` say whether a failed attempt will be retried in its slot; ``eval`` marks an
-    evaluation rollout (scored, never trained). All three come from the rollout's metadata at
-    creation (the agent worker and the scheduler set them)."""
+    evaluation rollout (scored, never trained); ``adapter`` is the LoRA adapter the rollout's run
+    trains (the model name its agents use): the merger refuses every call that adapter did not serve
+    (``score.call_attribution``; "" = none expected, nothing checked). All four come from the
+    rollout's metadata at creation (the agent worker and the scheduler set them; ``adapter`` is the
+    metadata's "adapter")."""
 
     rollout_id: str
     task_id: str
@@ -313,6 +316,7 @@ class RolloutEvent(_Record):
     attempt: int = 0
     max_attempts: int = 1
     eval: bool = False
+    adapter: str = ""
 
     @property
     def retried(self) -> bool:

@@ -1,7 +1,8 @@
 """The rollout registry in Redis: create a rollout with its own API key, resolve keys on every call,
 reward single calls while the rollout runs, and finish a rollout exactly once (completed with a
 reward, or failed), publishing its RolloutEvent after its in-flight calls are recorded (with the
-attempt, max_attempts and eval of the rollout's metadata, so that the merger reads no rollout hash).
+attempt, max_attempts, eval and adapter of the rollout's metadata, so that the merger reads no rollout
+hash).
 
 Redis layout (see common.broker.Keys): hash Keys.rollout(id) with task_id, group_id, group_size,
 status (running | completed | failed), created_at, metadata (JSON), key_sha256 (its key's digest),
@@ -184,6 +185,14 @@ def attempts_of(metadata: dict[str, Any]) -> tuple[int, int]:
         return int(metadata.get("attempt", 0)), int(metadata.get("max_attempts", 1))
     except (TypeError, ValueError):
         return 0, 1
+
+
+def adapter_of(metadata: dict[str, Any]) -> str:
+    """The adapter a rollout's calls must be served by (its metadata's "adapter", set by whoever runs
+    it), "" for none. Any other value than a string or null is kept as its text: the merger then
+    refuses what it cannot attribute rather than check nothing."""
+    value = metadata.get("adapter")
+    return "" if value is None else str(value)
 
 
 def _state(
@@ -406,6 +415,7 @@ class RolloutRegistry:
             attempt=attempt,
             max_attempts=max_attempts,
             eval=bool(meta.get("eval")),
+            adapter=adapter_of(meta),
         )
         if int(res[0]) < 0:
             # Finished before. Its event is published now if the first finish could not do it (Redis

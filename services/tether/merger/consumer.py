@@ -78,6 +78,13 @@ def log_merge(merged: MergedRollout, max_seq_len: int | None) -> None:
             if "missing_token_ids" in untrainable
             else "",
         )
+    if untrainable.keys() & set(score.ATTRIBUTION_REASONS):
+        log.warning(
+            "rollout %s: calls its adapter did not provably serve were refused, never trained: is the "
+            "gateway asking for the run's adapter, and vLLM serving it through Tether's plugin? "
+            "(docs/runs.md, Attribution)",
+            rid,
+        )
     if merged.truncated:
         log.warning(
             "rollout %s: %d sequence(s) truncated to max_seq_len=%s (trained, flagged)",

@@ -16,6 +16,7 @@ from prometheus_client import Counter as PromCounter
 from prometheus_client import Gauge, Histogram
 
 from tether.common.records import MergedRollout, SampleRecord, TrainingOutcome
+from tether.merger.score import ATTRIBUTION_REASONS
 
 ROLLOUTS = PromCounter("tether_merger_rollouts_total", "Rollout events processed", ["status"])
 GROUPS = PromCounter("tether_merger_groups_total", "Groups resolved", ["outcome"])
@@ -50,6 +51,10 @@ TRUNCATED = PromCounter(
     "Sequences cut to max_seq_len (overlong=truncate); still trained, flagged",
 )
 DROPPED = PromCounter("tether_merger_calls_dropped_total", "Calls not trained on", ["reason"])
+# The attribution refusals' series exist from the start, at 0: the TetherWrongAdapter alert takes their
+# rate, and a series born at its first refusal (at 1) reads a rate of 0 there.
+for _reason in ATTRIBUTION_REASONS:
+    DROPPED.labels(_reason)
 TOKENS = PromCounter("tether_merger_tokens_total", "Tokens of emitted samples", ["kind"])
 MERGE_SECONDS = Histogram("tether_merger_merge_seconds", "Time to load and merge one rollout")
 RETRIED = PromCounter("tether_merger_rollouts_retried_total", "Failed rollout attempts that were retried")

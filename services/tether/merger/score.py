@@ -44,9 +44,11 @@ from tether.algorithms.names import (
     TruncatedResponses,
 )
 from tether.common.records import (
+    AdapterSpan,
     GroupResult,
     MergedRollout,
     MergedSequence,
+    RecordError,
     RolloutEvent,
     SampleRecord,
     Trace,
@@ -94,16 +96,64 @@ class MergerConfig:
 # ---------------------------------------------------------------- traces -> merge input
 
 
-def trace_to_call(trace: Trace) -> tuple[Call | None, str | None]:
+# Why a call is refused when its rollout expects an adapter (RolloutEvent.adapter; docs/runs.md,
+# "Attribution"), most alarming first: a token served by another adapter, by the base model, or a
+# response whose spans do not say who served every token.
+ATTRIBUTION_REASONS = ("wrong_adapter", "base_model", "unattributed")
+
+
+def attribution_refusal(spans: Sequence[AdapterSpan], n: int, adapter: str) -> str | None:
+    """None when ``spans`` say that ``adapter`` served every one of the n response tokens: each span
+    names it and lies in [0, n), and together they leave no token out. Otherwise the reason
+    (``ATTRIBUTION_REASONS``): any span of another adapter is ``wrong_adapter``, else any of the base
+    model ``base_model``, else ``unattributed`` (no spans, a gap, a span out of range). The span's
+    version is not looked at: a call served by an older version of the right adapter is staleness,
+    which the weight spans account for."""
+    served = {s.adapter for s in spans}
+    if served - {adapter, ""}:
+        return "wrong_adapter"
+    if "" in served:
+        return "base_model"
+    at = 0
+    for s in sorted(spans, key=lambda s: s.start):
+        if s.start < 0 or s.end > n or s.end <= s.start or s.start > at:
+            return "unattributed"
+        at = max(at, s.end)
+    return None if at == n else "unattributed"
+
+
+def call_attribution(trace: Trace, adapter: str) -> str | None:
+    """Why the call is refused for attribution to ``adapter`` (its response and every further choice
+    must be served by it; the worst reason of them), or None. One request carries one adapter, so a
+    choice served by another condemns the whole call. A further choice's spans that do not decode
+    say nothing: ``unattributed``."""
+    reasons = [attribution_refusal(trace.adapter_spans, len(trace.response_token_ids), adapter)]
+    for choice in trace.extra_choices:
+        try:
+            spans = [AdapterSpan.from_dict(x) for x in choice.get("adapter_spans") or ()]
+        except (RecordError, TypeError):
+            reasons.append("unattributed")
+            continue
+        reasons.append(attribution_refusal(spans, len(choice.get("token_ids") or ()), adapter))
+    return next((r for r in ATTRIBUTION_REASONS if r in reasons), None)
+
+
+def trace_to_call(trace: Trace, adapter: str = "") -> tuple[Call | None, str | None]:
     """A recorded call as merge input, or the reason it cannot be trained on.
 
     Text is never re-tokenised: a call without the engine's token ids (a harness that bypassed the
-    gateway, an upstream that is not vLLM, an API the gateway could not translate) is rejected.
+    gateway, an upstream that is not vLLM, an API the gateway could not translate) is rejected. With
+    ``adapter`` (the rollout's policy, ``RolloutEvent.adapter``) a call it did not provably serve, every
+    token of every choice, is rejected too (``call_attribution``); "" checks nothing.
     """
     if trace.status != "ok":
         return None, "error"
     if not trace.prompt_token_ids or not trace.response_token_ids:
         return None, "missing_token_ids"
+    if adapter:
+        refused = call_attribution(trace, adapter)
+        if refused is not None:
+            return None, refused
     if len(trace.response_logprobs) != len(trace.response_token_ids):
         return None, "missing_logprobs"
     try:
@@ -150,15 +200,16 @@ def call_weight_spans(spans: Any, n: int) -> tuple[tuple[int, int, int], ...]:
 
 
 def usable_calls(
-    traces: Sequence[Trace], call_rewards: bool
+    traces: Sequence[Trace], call_rewards: bool, adapter: str = ""
 ) -> tuple[list[Call], dict[str, float], Counter[str]]:
     """The traces that can be trained on as merge input, in call order; the rewards their traces carry
-    (only with ``call_rewards``); the others counted by reason (``trace_to_call``)."""
+    (only with ``call_rewards``); the others counted by reason (``trace_to_call``, which refuses the
+    calls ``adapter`` did not serve when one is expected)."""
     calls: list[Call] = []
     rewards: dict[str, float] = {}
     dropped: Counter[str] = Counter()
     for t in traces:
-        call, reason = trace_to_call(t)
+        call, reason = trace_to_call(t, adapter)
         if call is None:
             dropped[reason or "error"] += 1
             continue
@@ -273,7 +324,7 @@ def merge_rollout(
     group. With ``call_rewards`` a call's reward is the one posted to the gateway (``posted_rewards``),
     else a ``reward`` its trace carries, else 0; ``side_patterns`` are ``cfg.side_call_patterns``
     compiled."""
-    calls, call_reward, dropped = usable_calls(traces, cfg.call_rewards)
+    calls, call_reward, dropped = usable_calls(traces, cfg.call_rewards, event.adapter)
     unused = 0
     if cfg.call_rewards and posted_rewards:
         kept = {c.call_id for c in calls}
