@@ -1,0 +1,60 @@
+"""bench/learning's stability figure (issue 27: once the 10-step mean has reached 0.8, no 5-step mean may
+fall below 0.6) and how it reads a run's metrics.jsonl. No runs: the bench learns, tests do not."""
+
+from __future__ import annotations
+
+import importlib.machinery
+import importlib.util
+import json
+import math
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+LEARNING = Path(__file__).resolve().parent.parent / "bench" / "learning"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    loader = importlib.machinery.SourceFileLoader("bench_learning", str(LEARNING))
+    spec = importlib.util.spec_from_loader(loader.name, loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
+
+
+def test_a_dip_after_the_run_reached_0_8_is_its_lowest_5_step_mean(bench):
+    rewards = [0.5] * 10 + [0.9] * 10 + [0.2] * 3 + [0.9] * 10
+    # The 10-step mean first reaches 0.8 at step 17 (eight 0.9s); the window ending at step 22 is
+    # 0.9, 0.9, 0.2, 0.2, 0.2.
+    assert bench.low_after_reached(rewards) == pytest.approx(0.48)
+
+
+def test_a_dip_before_the_run_reached_0_8_does_not_count(bench):
+    rewards = [0.0] * 5 + [1.0] * 20
+    assert bench.low_after_reached(rewards) == pytest.approx(1.0)
+    assert bench.low_after_reached([0.1] * 30) is None
+
+
+@given(st.lists(st.floats(0, 1), min_size=10, max_size=80))
+def test_property_matches_the_definition(bench, rewards):
+    hit = next((i for i in range(9, len(rewards)) if sum(rewards[i - 9 : i + 1]) / 10 >= 0.8), None)
+    got = bench.low_after_reached(rewards)
+    if hit is None:
+        assert got is None
+        return
+    want = min(sum(rewards[j - 4 : j + 1]) / 5 for j in range(hit, len(rewards)))
+    assert got == pytest.approx(want)
+
+
+def test_step_rewards_are_read_in_step_order_without_nan(bench, tmp_path):
+    lines = [
+        {"step": 1, "reward_mean": 0.5},
+        {"step": 0, "reward_mean": 0.25},
+        {"eval_reward": 0.9},
+        {"step": 2, "reward_mean": math.nan},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    assert bench.step_rewards(tmp_path) == [0.25, 0.5]
