@@ -62,6 +62,19 @@ def gw(redis_port, vllm):
         yield g
 
 
+@pytest.fixture(autouse=True)
+def environment_restored():
+    """Every test leaves the process environment as it found it: code under test may set a variable
+    (the cli's `use_stack_token` exports the stack's token file for the worker it runs), and
+    monkeypatch.delenv of a variable that was absent records nothing to undo. A leaked
+    TETHER_SERVICE_TOKEN_FILE once made a later test's `tether up` take it for the user's own token."""
+    before = dict(os.environ)
+    yield
+    if os.environ != before:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 @pytest.fixture
 def clean_env(monkeypatch):
     """No TETHER_* variable of the caller's environment (settings tests set their own)."""
