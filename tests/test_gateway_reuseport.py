@@ -13,6 +13,7 @@ their own ports so that the test chooses which replica serves what.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -35,8 +36,24 @@ from tether.v1 import gateway_pb2, gateway_pb2_grpc, types_pb2
 
 ROLLOUTS = 24
 TURNS = 3
-# No keep-alive: every request opens its own connection, which the kernel hands to either replica.
-FRESH = httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0))
+
+
+class _Fresh:
+    """Every request on a connection of its own, which the kernel hands to either replica: a client
+    per request. (One client without keep-alive shared by 16 threads closed a socket another thread
+    was still reading: httpcore's ReadError, errno 9 EBADF, in a make test-all run.)"""
+
+    def post(self, url: str, **kw):  # type: ignore[no-untyped-def]
+        with httpx.Client(timeout=30) as client:
+            return client.post(url, **kw)
+
+    @contextlib.contextmanager
+    def stream(self, method: str, url: str, **kw):  # type: ignore[no-untyped-def]
+        with httpx.Client(timeout=30) as client, client.stream(method, url, **kw) as resp:
+            yield resp
+
+
+FRESH = _Fresh()
 
 
 @pytest.fixture(scope="module")
