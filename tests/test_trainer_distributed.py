@@ -118,3 +118,39 @@ def test_torchrun_service_with_two_ranks_matches_one_rank(tmp_path):
     assert float(diff.max()) < 1e-4
     assert float((diff > 1e-6).float().mean()) < 1e-3
     assert resp.metrics["loss"] == pytest.approx(metrics["loss"], abs=1e-6)
+
+
+async def test_a_cancelled_rank_command_holds_the_lock_until_its_broadcast_ends():
+    """Shutdown cancels the heartbeat task while its broadcast runs in a thread; the "stop" that
+    follows must not start before that broadcast ends (two broadcasts at once interleave on the wire:
+    a torchrun trainer's rank 1 once unpickled garbage at exit, make test-all Dec 6)."""
+    import asyncio
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from tether.trainer.steps import Trainer
+
+    trainer = SimpleNamespace(lock=asyncio.Lock())
+    running, overlaps, release = [0], [], threading.Event()
+
+    def broadcast(wait: bool) -> None:
+        running[0] += 1
+        overlaps.append(running[0])
+        if wait:
+            release.wait(5)
+        else:
+            time.sleep(0.01)
+        running[0] -= 1
+
+    heartbeat = asyncio.create_task(Trainer._rank_command(trainer, lambda: broadcast(True)))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    heartbeat.cancel()
+    stop = asyncio.create_task(Trainer._rank_command(trainer, lambda: broadcast(False)))  # type: ignore[arg-type]
+    await asyncio.sleep(0.05)
+    assert not stop.done() and overlaps == [1]  # "stop" waits for the heartbeat's broadcast
+    release.set()
+    await stop
+    with pytest.raises(asyncio.CancelledError):
+        await heartbeat
+    assert overlaps == [1, 1]

@@ -24,6 +24,7 @@ import os
 import signal
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -642,12 +643,23 @@ class Trainer:
         """Multi-rank: an idle collective now and then, so the other ranks' wait never times out."""
         while True:
             await asyncio.sleep(every_s)
-            async with self.lock:
-                await asyncio.to_thread(self.core.runner.heartbeat)
+            await self._rank_command(self.core.runner.heartbeat)
 
     async def stop_ranks(self) -> None:
+        try:
+            await self._rank_command(self.core.runner.stop)
+        except Exception as exc:  # a rank already gone: nothing left to stop
+            log.warning("could not tell the other ranks to stop: %r", exc)
+
+    async def _rank_command(self, command: Callable[[], None]) -> None:
+        """A command to the other ranks (a broadcast, in a thread) under the lock, run to its end even
+        when the caller is cancelled: the thread cannot be stopped, and had the lock been let go, the
+        next command's broadcast (shutdown's "stop" after the heartbeat task was cancelled) would
+        interleave with it on the wire, and the other ranks unpickle garbage."""
         async with self.lock:
+            sent = asyncio.ensure_future(asyncio.to_thread(command))
             try:
-                await asyncio.to_thread(self.core.runner.stop)
-            except Exception as exc:  # a rank already gone: nothing left to stop
-                log.warning("could not tell the other ranks to stop: %r", exc)
+                await asyncio.shield(sent)
+            except asyncio.CancelledError:
+                await sent
+                raise
