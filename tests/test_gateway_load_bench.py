@@ -3,23 +3,15 @@ reports, and the multi-turn bodies its sessions send. No timing: the bench measu
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parent.parent / "bench" / "gateway_load"
+from bench_helpers import load_bench
 
 
 @pytest.fixture(scope="module")
 def bench():
-    loader = importlib.machinery.SourceFileLoader("bench_gateway_load", str(BENCH))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_bench("gateway_load")
 
 
 def test_percentile_is_nearest_rank_below(bench):

@@ -3,26 +3,18 @@ fall below 0.6) and how it reads a run's metrics.jsonl. No runs: the bench learn
 
 from __future__ import annotations
 
-import importlib.machinery
-import importlib.util
 import json
 import math
-from pathlib import Path
 
 import pytest
+from bench_helpers import load_bench
 from hypothesis import given
 from hypothesis import strategies as st
-
-LEARNING = Path(__file__).resolve().parent.parent / "bench" / "learning"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    loader = importlib.machinery.SourceFileLoader("bench_learning", str(LEARNING))
-    spec = importlib.util.spec_from_loader(loader.name, loader)
-    module = importlib.util.module_from_spec(spec)
-    loader.exec_module(module)
-    return module
+    return load_bench("learning")
 
 
 def test_a_dip_after_the_run_reached_0_8_is_its_lowest_5_step_mean(bench):
