@@ -239,3 +239,65 @@ def test_a_chart_draws_gaps_and_escapes_its_title() -> None:
     svg = line_chart(HOSTILE, [("a", [1, 2, 3, 4], [0.0, 1.0, math.nan, 2.0])])
     assert HOSTILE not in svg and svg.count("<polyline") == 1 and svg.count("<circle") == 1
     assert "no data" in line_chart("empty", [("a", [1], [math.nan])])
+
+
+def test_tether_ui_serves_a_stopped_runs_directory_from_its_redis_data(tmp_path) -> None:
+    """`tether ui --run-dir` on a run whose stack is down: its metrics.jsonl, and its Redis append-only
+    file opened with an embedded Redis of the command's own (as `tether samples` does)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    from tether.common.net import free_port
+    from tether.common.redis_server import start_embedded_redis
+
+    run_dir = tmp_path / "up-1"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text(json.dumps(step_record(1, 0.5, 100.0)) + "\n")
+    port = free_port()
+    proc = start_embedded_redis(run_dir / "redis", port)
+    try:
+        asyncio.run(write_run(f"redis://127.0.0.1:{port}/0"))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    ui_port = free_port()
+    env = {**os.environ, "TETHER_ADMIN_TOKEN": ""}
+    cmd = [sys.executable, "-m", "tether.cli", "ui", "--run-dir", str(run_dir), "--namespace", NS]
+    ui = subprocess.Popen([*cmd, "--port", str(ui_port)], env=env, cwd=tmp_path)
+    try:
+        url = f"http://127.0.0.1:{ui_port}"
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                httpx.get(url, timeout=2)
+                break
+            except httpx.TransportError:
+                assert ui.poll() is None and time.monotonic() < deadline, "tether ui did not start"
+                time.sleep(0.2)
+        assert "Redis is not available" not in httpx.get(url).text
+        page = httpx.get(f"{url}/rollout/r1")
+        assert page.status_code == 200
+        assert [int(a["data-token-id"]) for a, _ in tokens_of(page.text)] == SAMPLE_IDS
+        assert "[11]" in page.text  # no tokenizer given: ids
+    finally:
+        ui.terminate()
+        ui.wait(10)
+
+
+def test_token_texts_come_from_the_models_tokenizer(tmp_path) -> None:
+    from tether.cli.web.store import tokenizer_decode
+    from tether.demo import tiny
+
+    tokenizer = tiny.build_tokenizer(["add", "seven"])
+    tokenizer.save_pretrained(tmp_path)
+    decode = tokenizer_decode(str(tmp_path))
+    assert decode is not None
+    ids = tokenizer.encode("seven", add_special_tokens=False)
+    assert [decode(i) for i in ids] == [tokenizer.decode([i]) for i in ids] and "seven" in "".join(
+        map(decode, ids)
+    )
+    assert tokenizer_decode(str(tmp_path / "none")) is None and tokenizer_decode(None) is None
