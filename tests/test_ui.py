@@ -301,3 +301,37 @@ def test_token_texts_come_from_the_models_tokenizer(tmp_path) -> None:
         map(decode, ids)
     )
     assert tokenizer_decode(str(tmp_path / "none")) is None and tokenizer_decode(None) is None
+
+
+def test_tether_samples_reopens_a_stopped_stacks_redis(tmp_path) -> None:
+    """The reader `tether ui` shares with `tether samples` (inspection.stack_redis): with the stack's
+    Redis down, the run's append-only file is opened by an embedded Redis and read."""
+    import subprocess
+    import sys
+
+    from tether.common.net import free_port
+    from tether.common.redis_server import start_embedded_redis
+
+    port = free_port()
+    proc = start_embedded_redis(tmp_path / "redis", port)
+    try:
+        asyncio.run(write_run(f"redis://127.0.0.1:{port}/0"))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    (tmp_path / ".tether").mkdir()
+    state = {
+        "redis_url": f"redis://127.0.0.1:{port}/0",
+        "redis_data": str(tmp_path / "redis"),
+        "namespace": NS,
+    }
+    (tmp_path / ".tether" / "stack.json").write_text(json.dumps(state))
+    out = subprocess.run(
+        [sys.executable, "-m", "tether.cli", "samples", "--rollout", "r1"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert [json.loads(line)["token_ids"] for line in out.splitlines()] == [SAMPLE_IDS]

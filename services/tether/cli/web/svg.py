@@ -4,7 +4,7 @@ is a gap in its line."""
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from html import escape
 
 COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd")
@@ -20,7 +20,7 @@ def _fmt(v: float) -> str:
     return f"{v:.3g}"
 
 
-def _paths(series: Sequence[Series], sx: object, sy: object) -> list[str]:
+def _paths(series: Sequence[Series], sx: Callable[[float], float], sy: Callable[[float], float]) -> list[str]:
     """One polyline per unbroken run of finite points, per series; a lone point as a dot."""
     out = []
     for i, (_, xs, ys) in enumerate(series):
@@ -30,7 +30,7 @@ def _paths(series: Sequence[Series], sx: object, sy: object) -> list[str]:
             if y is None or not math.isfinite(y):
                 runs.append([])
             else:
-                runs[-1].append(f"{sx(x):.1f},{sy(y):.1f}")  # type: ignore[operator]
+                runs[-1].append(f"{sx(x):.1f},{sy(y):.1f}")
         for run in runs:
             if len(run) == 1:
                 cx, cy = run[0].split(",")
