@@ -71,6 +71,10 @@ async def write_run(url: str) -> None:
         )  # fmt: skip
         for s in (sample, other):
             await broker.publish(r, keys.samples, s.to_dict())
+        # c2's prompt re-tokenised c1's response (11 -> 14): the merger's example of the fork.
+        fork = {"call_id": "c2", "expected_prefix": [1, 2, 3, 10, 11], "prompt": [1, 2, 3, 10, 14, 4, 5],
+                "diverge_at": 4, "response_start": 3, "group_id": "g1", "task_id": "t1", "time": 45.0}  # fmt: skip
+        await broker.publish(r, keys.mismatches, fork)
         for gid, rids, rewards, outcome, at in (
             ("g1", ["r1", "r2"], [1.0, 0.0], "trained", 50.0),
             ("g2", ["r3", "r4"], [1.0, 1.0], "filtered", 150.0),
@@ -155,6 +159,17 @@ def test_every_page_answers(run) -> None:
         assert client.get(path).status_code == 200, path
     calls = client.get("/rollout/r2").text
     assert "error (400)" in calls and "responses" in calls
+    assert "forked" not in calls and "forks:" not in calls
+
+
+def test_a_rollout_page_shows_the_calls_that_forked_with_their_token_diff(run) -> None:
+    page = TestClient(build_app(run, "test run")).get("/rollout/r1").text
+    assert page.count(">forked<") == 1
+    diff = page[page.index('class="diff"') :]
+    assert "call c2: prompt diverges at token 4 inside the previous response" in diff
+    assert (
+        "- expected: &lt;script&gt;" in diff and "[11]" in diff and "+ got:" in diff and "[14, 4, 5]" in diff
+    )
 
 
 def test_a_rollout_pages_tokens_are_what_tether_samples_prints(run, capsys) -> None:

@@ -134,9 +134,20 @@ def cmd_traces(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _dump_mismatches(redis_url: str, namespace: str, model_dir: str | None) -> int:
+async def mismatch_records(redis_url: str, namespace: str) -> list[dict]:
+    """The merger's prefix-mismatch examples (the calls that forked a sequence), oldest first: what
+    `tether samples --mismatches` prints and `tether ui` shows with their rollouts."""
     from tether.common import broker
     from tether.merger.consumer import mismatch_stream
+
+    r = broker.connect(redis_url)
+    try:
+        return [rec for _, rec in await broker.read_all(r, mismatch_stream(broker.Keys(namespace)))]
+    finally:
+        await r.aclose()
+
+
+async def _dump_mismatches(redis_url: str, namespace: str, model_dir: str | None) -> int:
     from tether.merger.merge import format_mismatch
 
     decode = None
@@ -148,17 +159,13 @@ async def _dump_mismatches(redis_url: str, namespace: str, model_dir: str | None
         def decode(ids: list[int]) -> str:
             return str(tokenizer.decode(ids, skip_special_tokens=False))
 
-    r = broker.connect(redis_url)
-    try:
-        rows = await broker.read_all(r, mismatch_stream(broker.Keys(namespace)))
-        for _, rec in rows:
-            if decode is None:
-                sys.stdout.write(json.dumps(rec) + "\n")
-            else:
-                sys.stdout.write(format_mismatch(rec, decode) + "\n\n")
-        return len(rows)
-    finally:
-        await r.aclose()
+    records = await mismatch_records(redis_url, namespace)
+    for rec in records:
+        if decode is None:
+            sys.stdout.write(json.dumps(rec) + "\n")
+        else:
+            sys.stdout.write(format_mismatch(rec, decode) + "\n\n")
+    return len(records)
 
 
 def sample_filter(rollout: str | None, group: str | None) -> Callable[[dict], bool]:

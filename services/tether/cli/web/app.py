@@ -80,7 +80,8 @@ def build_app(store: UiStore, source: str, admin_token: str | None = None) -> St
         outcome = (await store.outcomes([rid])).get(rid)
         if not traces and not samples and outcome is None:
             return HTMLResponse(pages.not_found(f"no rollout {rid} recorded in this run"), status_code=404)
-        return HTMLResponse(pages.rollout_page(rid, traces, samples, outcome, store.decode))
+        mismatches = await store.mismatches([t["call_id"] for t in traces if "call_id" in t])
+        return HTMLResponse(pages.rollout_page(rid, traces, samples, outcome, store.decode, mismatches))
 
     async def static(request: Request) -> Response:
         name = request.path_params["name"]

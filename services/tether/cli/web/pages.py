@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from html import escape
 from typing import Any
 from urllib.parse import quote
@@ -160,9 +160,10 @@ def step_page(
     return page(f"step {step['step']}", "".join(parts))
 
 
-def calls_table(traces: Sequence[dict]) -> str:
+def calls_table(traces: Sequence[dict], forked: Collection[Any] = ()) -> str:
     """A rollout's calls: API family, status (a refused call's HTTP status and error), timings, tokens,
-    weight versions, and what the gateway adjusted or a grammar guided."""
+    weight versions, what the gateway adjusted or a grammar guided, and whether it forked a new sequence
+    (its id in `forked`)."""
     rows = []
     for t in traces:
         rows.append(
@@ -185,6 +186,7 @@ def calls_table(traces: Sequence[dict]) -> str:
                 _json(t.get("adjustments")),
                 _e(", ".join(t.get("guided_by") or [])),
                 _e(t.get("error") or ""),
+                "forked" if t.get("call_id") in forked else "",
             ]
         )
     return table(
@@ -201,6 +203,7 @@ def calls_table(traces: Sequence[dict]) -> str:
             "adjustments",
             "guided by",
             "error / refusal",
+            "sequence",
         ],
         rows,
         "calls",
@@ -262,14 +265,30 @@ LEGEND = (
 )
 
 
+def mismatches_html(mismatches: Sequence[dict], decode: Callable[[int], str] | None) -> str:
+    """The retokenization diffs of the calls that forked a sequence, as `tether samples --mismatches`
+    writes them (tether.merger.merge.format_mismatch), escaped; token ids where there is no tokenizer."""
+    if not mismatches:
+        return ""
+    from tether.merger.merge import format_mismatch
+
+    def text(ids: list[int]) -> str:
+        return "".join(decode(i) for i in ids) if decode is not None else " ".join(f"[{i}]" for i in ids)
+
+    diffs = "".join(f'<pre class="diff">{_e(format_mismatch(m, text))}</pre>' for m in mismatches)
+    return f"<h2>forks: calls that continued no sequence ({len(mismatches)})</h2>{diffs}"
+
+
 def rollout_page(
     rollout_id: str,
     traces: Sequence[dict],
     samples: Sequence[dict],
     outcome: dict | None,
     decode: Callable[[int], str] | None,
+    mismatches: Sequence[dict] = (),
 ) -> str:
-    """A rollout: its calls, what became of it, and the samples built from them token by token."""
+    """A rollout: its calls, what became of it, the calls that forked a sequence (their token diffs),
+    and the samples built from the calls token by token."""
     by_id = {t.get("call_id"): t for t in traces}
     fate = (
         f"{outcome['status']}" + (f" ({outcome['reason']})" if outcome.get("reason") else "")
@@ -281,7 +300,8 @@ def rollout_page(
         + (f" · group {_e(outcome['group_id'])} ({_e(outcome.get('group_outcome', ''))})" if outcome else "")
         + "</p>",
         f"<h2>calls ({len(traces)})</h2>",
-        calls_table(traces),
+        calls_table(traces, {m.get("call_id") for m in mismatches}),
+        mismatches_html(mismatches, decode),
         f"<h2>samples ({len(samples)})</h2>",
         LEGEND if samples else "<p>no sample was trained from this rollout</p>",
     ]

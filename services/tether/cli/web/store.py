@@ -83,6 +83,15 @@ class UiStore:
             return []
         return await inspection.trace_records(self.redis_url, self.namespace, None, rollout_id)
 
+    async def mismatches(self, call_ids: Sequence[str]) -> list[dict]:
+        """The merger's prefix-mismatch examples of these calls (`tether samples --mismatches`'s
+        records): the calls whose prompt continued no sequence of their rollout, so forked one."""
+        if self.redis_url is None or not call_ids:
+            return []
+        wanted = set(call_ids)
+        records = await inspection.mismatch_records(self.redis_url, self.namespace)
+        return [rec for rec in records if rec.get("call_id") in wanted]
+
     async def outcomes(self, rollout_ids: Sequence[str]) -> dict[str, dict[str, Any]]:
         """The merger's TrainingOutcome of each rollout that has one (Keys.rollout_training)."""
         if self.redis_url is None or not rollout_ids:
