@@ -183,9 +183,10 @@ def test_a_rollout_pages_tokens_are_what_tether_samples_prints(run, capsys) -> N
     tokens = tokens_of(page[page.index('class="tokens"') :])
     assert [int(a["data-token-id"]) for a, _ in tokens] == printed[0]["token_ids"]
     assert [int(a["data-loss-mask"]) for a, _ in tokens] == printed[0]["loss_mask"]
-    kinds = [a["class"].split()[1] for a, _ in tokens]
+    kinds = [a["class"].split()[1] for a, _ in tokens]  # "tok KIND [vchange]"
     assert kinds == ["context"] * 3 + ["trained", "grammar", "masked", "masked", "trained", "trained"]
     assert [a["data-weight-version"] for a, _ in tokens if a["data-loss-mask"] == "1"] == ["0", "1", "1"]
+    assert [i for i, (a, _) in enumerate(tokens) if "vchange" in a["class"].split()] == [7]  # v0 -> v1
     assert "logprob -0.2500" in tokens[7][0]["title"]
 
 

@@ -211,7 +211,8 @@ def calls_table(traces: Sequence[dict], forked: Collection[Any] = ()) -> str:
 
 
 def tokens_html(sample: dict, calls: Sequence[dict], decode: Callable[[int], str] | None) -> str:
-    """A sample's tokens, one <span> each: its kind as class (tokens.KINDS), `data-token-id`,
+    """A sample's tokens, one <span> each: its kind as class (tokens.KINDS; "vchange" too where a trained
+    token was sampled by other weights than the trained token before it), `data-token-id`,
     `data-loss-mask`, `data-weight-version`, `data-logprob` and `data-advantage`, and a title with them
     (the hover). Its text is the token's (escaped), or its id without a tokenizer."""
     ids, mask = sample["token_ids"], sample["loss_mask"]
@@ -219,10 +220,13 @@ def tokens_html(sample: dict, calls: Sequence[dict], decode: Callable[[int], str
     logprobs, advantages = sample["rollout_logprobs"], sample["advantages"]
     spans = sample.get("weight_spans") or []
     out = []
+    last: int | None = None  # the version of the previous trained token
     for i, (tid, m) in enumerate(zip(ids, mask, strict=True)):
         lp = logprobs[i] if i < len(logprobs) else None
         adv = advantages[i] if i < len(advantages) else None
-        version = version_at(spans, i, sample["weight_version"]) if m else ""
+        version = version_at(spans, i, sample["weight_version"]) if m else None
+        cls = kinds[i] + (" vchange" if m and last is not None and version != last else "")
+        last = version if m else last
         text = decode(tid) if decode is not None else f"[{tid}]"
         title = f"#{i} id {tid} · {kinds[i]}" + (
             f" · logprob {lp:.4f} · advantage {adv:.4g} · weights v{version}"
@@ -230,8 +234,8 @@ def tokens_html(sample: dict, calls: Sequence[dict], decode: Callable[[int], str
             else ""
         )
         out.append(
-            f'<span class="tok {kinds[i]}" data-token-id="{int(tid)}" data-loss-mask="{int(m)}" '
-            f'data-weight-version="{_e(version)}" data-logprob="{_e("" if lp is None else lp)}" '
+            f'<span class="tok {cls}" data-token-id="{int(tid)}" data-loss-mask="{int(m)}" '
+            f'data-weight-version="{_e("" if version is None else version)}" data-logprob="{_e("" if lp is None else lp)}" '
             f'data-advantage="{_e("" if adv is None else adv)}" title="{_e(title)}">{_e(text)}</span>'
         )
     return f'<pre class="tokens">{"".join(out)}</pre>'
