@@ -351,3 +351,16 @@ def test_tether_samples_reopens_a_stopped_stacks_redis(tmp_path) -> None:
         check=True,
     ).stdout
     assert [json.loads(line)["token_ids"] for line in out.splitlines()] == [SAMPLE_IDS]
+
+
+def test_tether_ui_refuses_to_listen_beyond_loopback_without_a_token(monkeypatch, capsys) -> None:
+    from tether.cli import build_parser
+    from tether.cli.ui import open_refusal
+
+    monkeypatch.delenv("TETHER_ALLOW_OPEN_ADMIN", raising=False)
+    monkeypatch.delenv("TETHER_ADMIN_TOKEN", raising=False)
+    args = build_parser().parse_args(["ui", "--host", "0.0.0.0", "--run-dir", "nowhere"])
+    assert args.fn(args) == 2 and "TETHER_ADMIN_TOKEN" in capsys.readouterr().err
+    assert open_refusal("127.0.0.1", None) is None and open_refusal("0.0.0.0", "s3cret") is None
+    monkeypatch.setenv("TETHER_ALLOW_OPEN_ADMIN", "true")
+    assert open_refusal("0.0.0.0", None) is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -34,7 +35,25 @@ def _sources(
     return run_dir, url, namespace, args.model or state.get("model_dir"), f"stack run {run_dir} ({namespace})"
 
 
+def open_refusal(host: str, token: str | None) -> str | None:
+    """Why `tether ui` will not serve on `host` without an admin token, as the gateway will not: every
+    recorded call and sample would be readable beyond this machine. None where it may."""
+    from tether.common.net import is_loopback
+
+    if token or is_loopback(host) or os.environ.get("TETHER_ALLOW_OPEN_ADMIN", "").lower() in ("1", "true"):
+        return None
+    return (
+        f"--host {host} listens beyond loopback without an admin token: set TETHER_ADMIN_TOKEN (or "
+        "TETHER_ALLOW_OPEN_ADMIN=true to serve an open view on purpose)"
+    )
+
+
 def cmd_ui(args: argparse.Namespace) -> int:
+    token = os.environ.get("TETHER_ADMIN_TOKEN") or None
+    refusal = open_refusal(args.host, token)
+    if refusal:
+        print(f"error: {refusal}", file=sys.stderr)
+        return 2
     import uvicorn
 
     from tether.cli.web.app import build_app
@@ -43,7 +62,7 @@ def cmd_ui(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         run_dir, url, namespace, model_dir, source = _sources(args, stack)
         store = UiStore(run_dir, url, namespace, tokenizer_decode(model_dir))
-        app = build_app(store, source, os.environ.get("TETHER_ADMIN_TOKEN") or None)
+        app = build_app(store, source, token)
         print(f"tether ui: http://{args.host}:{args.port}/", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
