@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import json
 import math
+import re
 from html.parser import HTMLParser
 
 import pytest
@@ -157,6 +158,9 @@ def test_every_page_answers(run) -> None:
     assert "group g2" in filtered.text and "zero_variance" in filtered.text
     for path in ("/rollout/r1", "/rollout/r2", "/static/ui.css", "/static/ui.js"):
         assert client.get(path).status_code == 200, path
+    for path in ("/", "/step/1", "/rollout/r1", "/static/ui.css", "/static/ui.js"):  # nothing from elsewhere
+        text = client.get(path).text
+        assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//|url\(|@import""", text), path
     calls = client.get("/rollout/r2").text
     assert "error (400)" in calls and "responses" in calls
     assert "forked" not in calls and "forks:" not in calls
