@@ -1,5 +1,5 @@
 """`tether` commands: demo, up, down, eval, agent, agent-job, gateway, traces, samples, metrics,
-dead-letters, prepare-demo, health, config.
+dead-letters, ui, prepare-demo, health, config.
 
 The cli sits above every service: it starts them as processes (see tether.launcher) and reads the
 stack's Redis; nothing imports it. One module per group of commands, each adding its own to the parser:
@@ -11,6 +11,7 @@ stack's Redis; nothing imports it. One module per group of commands, each adding
     agents      agent, agent-job
     gateway     gateway
     inspection  traces, samples, metrics, dead-letters
+    ui          ui (its web app in tether.cli.web)
     config      config check, config values; the --config of up and demo
 
 Their top-level imports are the standard library's and each other's: a command imports what it needs
@@ -36,6 +37,7 @@ from tether.cli.examples import (
 from tether.cli.gateway import add_gateway
 from tether.cli.inspection import add_inspection
 from tether.cli.stack import add_down, add_up, serving_env
+from tether.cli.ui import add_ui
 
 # What scripts, benches and tests call by its old place (tether.cli was one module).
 __all__ = [
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_agents(sub)
     add_gateway(sub)
     add_inspection(sub)
+    add_ui(sub)
 
     from tether.common import health
 

@@ -15,14 +15,15 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from tether.cli.args import Subparsers
 from tether.cli.stack import stack_state
 
 
-async def _trace_keys(r: Any, namespace: str, given: int | None) -> Keys:
+async def trace_keys(r: Any, namespace: str, given: int | None) -> Keys:
     """The run's keys with its trace partitions: --trace-partitions, else the count the run's services
     recorded in Redis, else TETHER_TRACE_PARTITIONS (or its default)."""
     from tether.common.broker import DEFAULT_TRACE_PARTITIONS, Keys, recorded_trace_partitions
@@ -33,68 +34,98 @@ async def _trace_keys(r: Any, namespace: str, given: int | None) -> Keys:
     )
 
 
-async def _dump(stream_attr: str, redis_url: str, namespace: str, keys_filter: Callable[[dict], bool]) -> int:
+async def stream_records(
+    stream_attr: str, redis_url: str, namespace: str, keep: Callable[[dict], bool] = lambda rec: True
+) -> list[dict]:
+    """The records of one stream (a Keys attribute: "samples", "metrics", "group_results") that `keep`
+    keeps, oldest first, as the JSON objects they were written as (what `tether samples` and `tether
+    metrics` print, and `tether ui` shows)."""
     from tether.common import broker
 
     r = broker.connect(redis_url)
     try:
-        n = 0
-        for _, record in await broker.read_all(r, getattr(broker.Keys(namespace), stream_attr)):
-            if keys_filter(record):
-                sys.stdout.write(json.dumps(record) + "\n")
-                n += 1
-        return n
+        rows = await broker.read_all(r, getattr(broker.Keys(namespace), stream_attr))
+        return [record for _, record in rows if keep(record)]
     finally:
         await r.aclose()
 
 
-def _with_redis(args: argparse.Namespace, fn: Callable[[str, str], int]) -> int:
-    """Run fn(redis_url, namespace) against the stack's Redis; when the stack has stopped, open
-    its append-only file with a temporary embedded Redis (the trace store outlives the run)."""
+async def _dump(stream_attr: str, redis_url: str, namespace: str, keys_filter: Callable[[dict], bool]) -> int:
+    records = await stream_records(stream_attr, redis_url, namespace, keys_filter)
+    for record in records:
+        sys.stdout.write(json.dumps(record) + "\n")
+    return len(records)
+
+
+@contextmanager
+def stack_redis(redis_url: str | None, state: dict) -> Iterator[str]:
+    """The URL of the run's Redis: `redis_url`, else the stack's (`state`, stack.json's); when that is
+    down (or neither is given), a temporary embedded Redis on its append-only file (the trace store
+    outlives the run), stopped on leaving."""
     import redis
 
     from tether.common.broker import connect_sync
     from tether.common.net import free_port
     from tether.common.redis_server import start_embedded_redis
 
-    state = {} if args.redis_url else stack_state()
-    url = args.redis_url or state["redis_url"]
-    namespace = args.namespace or state.get("namespace", "tether")
-    try:
-        connect_sync(url).ping()
-    except (redis.ConnectionError, redis.exceptions.RedisClusterException):
-        if not state.get("redis_data"):
-            raise SystemExit(f"Redis at {url} is not reachable") from None
-        proc = start_embedded_redis(Path(state["redis_data"]), free_port())
+    url = redis_url or state.get("redis_url")
+    up = False
+    if url:
         try:
-            argv = [str(a) for a in cast("list[str]", proc.args)]
-            url = f"redis://127.0.0.1:{argv[argv.index('--port') + 1]}/0"
-            return fn(url, namespace)
-        finally:
-            proc.terminate()
-            proc.wait(10)
-    return fn(url, namespace)
+            up = bool(connect_sync(url).ping())
+        except (redis.ConnectionError, redis.exceptions.RedisClusterException):
+            pass
+    if url and up:
+        yield url
+        return
+    if not state.get("redis_data"):
+        raise SystemExit(f"Redis at {url} is not reachable")
+    proc = start_embedded_redis(Path(state["redis_data"]), free_port())
+    try:
+        argv = [str(a) for a in cast("list[str]", proc.args)]
+        yield f"redis://127.0.0.1:{argv[argv.index('--port') + 1]}/0"
+    finally:
+        proc.terminate()
+        proc.wait(10)
 
 
-async def dump_traces(redis_url: str, namespace: str, partitions: int | None, rollout_id: str | None) -> int:
-    """Every partition of the trace stream, oldest first; with `rollout_id`, its partition alone."""
+def _with_redis(args: argparse.Namespace, fn: Callable[[str, str], int]) -> int:
+    """Run fn(redis_url, namespace) against the stack's Redis (stack_redis)."""
+    state = {} if args.redis_url else stack_state()
+    namespace = args.namespace or state.get("namespace", "tether")
+    with stack_redis(args.redis_url, state) as url:
+        return fn(url, namespace)
+
+
+async def trace_records(
+    redis_url: str, namespace: str, partitions: int | None, rollout_id: str | None
+) -> list[dict]:
+    """Every partition of the trace stream, oldest first; with `rollout_id`, that rollout's calls alone
+    (what `tether traces` prints and `tether ui` shows)."""
     from tether.common import broker
 
     r = broker.connect(redis_url)
     try:
-        keys = await _trace_keys(r, namespace, partitions)
+        keys = await trace_keys(r, namespace, partitions)
         if rollout_id:
             rows = await broker.read_all(r, keys.traces(rollout_id))
         else:
             rows = await broker.read_traces(r, keys)
-        n = 0
-        for _, record in rows:
-            if not rollout_id or (isinstance(record, dict) and record.get("rollout_id") == rollout_id):
-                sys.stdout.write(json.dumps(record) + "\n")
-                n += 1
-        return n
+        return [
+            record
+            for _, record in rows
+            if not rollout_id or (isinstance(record, dict) and record.get("rollout_id") == rollout_id)
+        ]
     finally:
         await r.aclose()
+
+
+async def dump_traces(redis_url: str, namespace: str, partitions: int | None, rollout_id: str | None) -> int:
+    """Every partition of the trace stream, oldest first; with `rollout_id`, its partition alone."""
+    records = await trace_records(redis_url, namespace, partitions, rollout_id)
+    for record in records:
+        sys.stdout.write(json.dumps(record) + "\n")
+    return len(records)
 
 
 def cmd_traces(args: argparse.Namespace) -> int:
@@ -103,9 +134,20 @@ def cmd_traces(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _dump_mismatches(redis_url: str, namespace: str, model_dir: str | None) -> int:
+async def mismatch_records(redis_url: str, namespace: str) -> list[dict]:
+    """The merger's prefix-mismatch examples (the calls that forked a sequence), oldest first: what
+    `tether samples --mismatches` prints and `tether ui` shows with their rollouts."""
     from tether.common import broker
     from tether.merger.consumer import mismatch_stream
+
+    r = broker.connect(redis_url)
+    try:
+        return [rec for _, rec in await broker.read_all(r, mismatch_stream(broker.Keys(namespace)))]
+    finally:
+        await r.aclose()
+
+
+async def _dump_mismatches(redis_url: str, namespace: str, model_dir: str | None) -> int:
     from tether.merger.merge import format_mismatch
 
     decode = None
@@ -117,17 +159,24 @@ async def _dump_mismatches(redis_url: str, namespace: str, model_dir: str | None
         def decode(ids: list[int]) -> str:
             return str(tokenizer.decode(ids, skip_special_tokens=False))
 
-    r = broker.connect(redis_url)
-    try:
-        rows = await broker.read_all(r, mismatch_stream(broker.Keys(namespace)))
-        for _, rec in rows:
-            if decode is None:
-                sys.stdout.write(json.dumps(rec) + "\n")
-            else:
-                sys.stdout.write(format_mismatch(rec, decode) + "\n\n")
-        return len(rows)
-    finally:
-        await r.aclose()
+    records = await mismatch_records(redis_url, namespace)
+    for rec in records:
+        if decode is None:
+            sys.stdout.write(json.dumps(rec) + "\n")
+        else:
+            sys.stdout.write(format_mismatch(rec, decode) + "\n\n")
+    return len(records)
+
+
+def sample_filter(rollout: str | None, group: str | None) -> Callable[[dict], bool]:
+    """The samples `tether samples --rollout/--group` keeps (and `tether ui` shows)."""
+
+    def keep(rec: dict) -> bool:
+        return (not rollout or rec.get("rollout_id") == rollout) and (
+            not group or rec.get("group_id") == group
+        )
+
+    return keep
 
 
 def cmd_samples(args: argparse.Namespace) -> int:
@@ -138,11 +187,7 @@ def cmd_samples(args: argparse.Namespace) -> int:
         _with_redis(args, lambda url, ns: asyncio.run(_dump_mismatches(url, ns, model_dir)))
         return 0
 
-    def keep(rec: dict) -> bool:
-        return (not args.rollout or rec.get("rollout_id") == args.rollout) and (
-            not args.group or rec.get("group_id") == args.group
-        )
-
+    keep = sample_filter(args.rollout, args.group)
     _with_redis(args, lambda url, ns: asyncio.run(_dump("samples", url, ns, keep)))
     return 0
 
