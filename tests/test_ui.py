@@ -11,6 +11,7 @@ import json
 import math
 import re
 from html.parser import HTMLParser
+from pathlib import Path
 
 import pytest
 from starlette.testclient import TestClient
@@ -144,6 +145,22 @@ def tokens_of(html: str) -> list[tuple[dict, str]]:
     return parser.tokens
 
 
+def stopped_run(data: Path) -> int:
+    """`write_run`'s records in an embedded Redis whose append-only file is `data`, stopped again (a run
+    whose stack is down); the port it listened on."""
+    from tether.common.net import free_port
+    from tether.common.redis_server import start_embedded_redis
+
+    port = free_port()
+    proc = start_embedded_redis(data, port)
+    try:
+        asyncio.run(write_run(f"redis://127.0.0.1:{port}/0"))
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    return port
+
+
 def test_every_page_answers(run) -> None:
     client = TestClient(build_app(run, "test run"))
     runs = client.get("/")
@@ -272,18 +289,11 @@ def test_tether_ui_serves_a_stopped_runs_directory_from_its_redis_data(tmp_path)
     import httpx
 
     from tether.common.net import free_port
-    from tether.common.redis_server import start_embedded_redis
 
     run_dir = tmp_path / "up-1"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text(json.dumps(step_record(1, 0.5, 100.0)) + "\n")
-    port = free_port()
-    proc = start_embedded_redis(run_dir / "redis", port)
-    try:
-        asyncio.run(write_run(f"redis://127.0.0.1:{port}/0"))
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    stopped_run(run_dir / "redis")
     ui_port = free_port()
     env = {**os.environ, "TETHER_ADMIN_TOKEN": ""}
     cmd = [sys.executable, "-m", "tether.cli", "ui", "--run-dir", str(run_dir), "--namespace", NS]
@@ -329,16 +339,7 @@ def test_tether_samples_reopens_a_stopped_stacks_redis(tmp_path) -> None:
     import subprocess
     import sys
 
-    from tether.common.net import free_port
-    from tether.common.redis_server import start_embedded_redis
-
-    port = free_port()
-    proc = start_embedded_redis(tmp_path / "redis", port)
-    try:
-        asyncio.run(write_run(f"redis://127.0.0.1:{port}/0"))
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    port = stopped_run(tmp_path / "redis")
     (tmp_path / ".tether").mkdir()
     state = {
         "redis_url": f"redis://127.0.0.1:{port}/0",
