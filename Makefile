@@ -7,6 +7,10 @@
 
 # pytest exits 5 when it collected no tests: that is a failure here, never a pass.
 PYTEST = .venv/bin/pytest -ra --durations=30
+# `make test` runs its files on TEST_WORKERS pytest-xdist workers (tests/parallel.py says how it shares
+# them): two, the CI box's cores; the whole suite runs in one process (its Docker and cluster tests share
+# one engine and ports).
+TEST_WORKERS ?= 2
 NO_TESTS_FAIL = rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected" >&2; exit 1; fi; exit $$rc
 
 setup:
@@ -18,7 +22,7 @@ demo: setup
 test:
 	bash scripts/setup.sh --test
 	.venv/bin/python scripts/gen_protos.py --check
-	$(PYTEST) -m "not full"; $(NO_TESTS_FAIL)
+	$(PYTEST) -m "not full" -n $(TEST_WORKERS); $(NO_TESTS_FAIL)
 
 test-all:
 	bash scripts/setup.sh --test-all
@@ -27,7 +31,7 @@ test-all:
 
 test-fast:
 	bash scripts/setup.sh --test
-	.venv/bin/pytest -ra -m "not slow and not full"
+	.venv/bin/pytest -ra -m "not slow and not full" -n $(TEST_WORKERS)
 
 # ruff on the whole tree; mypy on the files [tool.mypy] in pyproject.toml names. mypy keeps its
 # incremental cache with the other caches (~/.cache/tether/mypy), where every checkout finds it: a fresh

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import parallel
 import pytest
 import redis
 import vllm_cpu
@@ -94,3 +95,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if full_only(item.nodeid):
             item.add_marker(pytest.mark.full)
+    strays = sorted(
+        {
+            item.nodeid.split("::", 1)[0]
+            for item in items
+            if "vllm_url" in item.fixturenames and parallel.unit_of(item.nodeid) != parallel.SHARED_VLLM_UNIT
+        }
+    )
+    if strays:
+        raise pytest.UsageError(
+            f"{', '.join(strays)} use vllm_url: add them to tests/parallel.py SHARED_VLLM"
+        )
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # each worker collects alike: the same order on each
+        order = parallel.long_first([parallel.unit_of(item.nodeid) for item in items])
+        items[:] = [items[i] for i in order]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`make test`'s workers take a file at a time, the shared vLLM-CPU's files together (parallel.py)."""
+    return parallel.scheduler(config, log)
