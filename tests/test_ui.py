@@ -369,3 +369,35 @@ def test_tether_ui_refuses_to_listen_beyond_loopback_without_a_token(monkeypatch
     assert open_refusal("127.0.0.1", None) is None and open_refusal("0.0.0.0", "s3cret") is None
     monkeypatch.setenv("TETHER_ALLOW_OPEN_ADMIN", "true")
     assert open_refusal("0.0.0.0", None) is None
+
+
+def test_healthz_alone_answers_without_the_token(run) -> None:
+    """The probes of compose's and the chart's ui call /healthz, which shows nothing of the run; every
+    other route still needs the token."""
+    client = TestClient(build_app(run, "test run", admin_token="s3cret"))
+    health = client.get("/healthz")
+    assert health.status_code == 200 and health.text == "ok" and "set-cookie" not in health.headers
+    for path in ("/", "/healthz/", "/static/ui.css", "/rollout/r1", "/step/1"):
+        assert client.get(path).status_code == 401, path
+
+
+def test_tether_ui_reads_the_redis_its_environment_names_without_a_stack(run, tmp_path, monkeypatch) -> None:
+    """Compose's and the chart's ui: no stack.json, the Redis and namespace from TETHER_REDIS_URL and
+    TETHER_NAMESPACE (the password stays off the command line); the metrics from the metrics stream.
+    An unreachable Redis is refused without printing its password."""
+    from contextlib import ExitStack
+
+    from tether.cli import build_parser
+    from tether.cli.ui import _sources
+    from tether.common.net import free_port
+
+    monkeypatch.chdir(tmp_path)  # no .tether/stack.json here
+    monkeypatch.setenv("TETHER_REDIS_URL", run.redis_url)
+    monkeypatch.setenv("TETHER_NAMESPACE", NS)
+    with ExitStack() as stack:
+        run_dir, url, namespace, _, _ = _sources(build_parser().parse_args(["ui"]), stack)
+    assert (run_dir, url, namespace) == (None, run.redis_url, NS)
+    monkeypatch.setenv("TETHER_REDIS_URL", f"redis://:hunter2@127.0.0.1:{free_port()}/0")
+    with ExitStack() as stack, pytest.raises(SystemExit) as refused:
+        _sources(build_parser().parse_args(["ui"]), stack)
+    assert "not reachable" in str(refused.value) and "hunter2" not in str(refused.value)

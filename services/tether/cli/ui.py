@@ -28,7 +28,9 @@ def _sources(
             url = stack.enter_context(stack_redis(args.redis_url, {"redis_data": str(data)}))
         namespace = args.namespace or f"tether-{given.name}"
         return given, url, namespace, args.model, f"run directory {given}"
-    state = stack_state()
+    # A Redis named here (compose's and the chart's ui: TETHER_REDIS_URL, as every service reads it)
+    # needs no stack.json; the view then reads the metrics stream.
+    state = {} if args.redis_url else stack_state()
     run_dir = Path(state["run_dir"]) if state.get("run_dir") else None
     url = stack.enter_context(stack_redis(args.redis_url, state))
     namespace = args.namespace or state.get("namespace", "tether")
@@ -76,7 +78,17 @@ def add_ui(sub: Subparsers) -> None:
     )
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ui.add_argument("--port", type=int, default=8900, help="default 8900")
-    ui.add_argument("--redis-url")
-    ui.add_argument("--namespace")
+    # Defaults from the environment every service reads (compose's x-redis-env, the chart's redisEnv):
+    # the URL holds the Redis password, which a command line would show to `ps` and `docker inspect`.
+    ui.add_argument(
+        "--redis-url",
+        default=os.environ.get("TETHER_REDIS_URL") or None,
+        help="the run's Redis (default: $TETHER_REDIS_URL, else the stack's)",
+    )
+    ui.add_argument(
+        "--namespace",
+        default=os.environ.get("TETHER_NAMESPACE") or None,
+        help="its key prefix (default: $TETHER_NAMESPACE, else the stack's)",
+    )
     ui.add_argument("--model", help="tokenizer directory for token texts (default: the stack's model)")
     ui.set_defaults(fn=cmd_ui)
