@@ -382,8 +382,8 @@ def test_healthz_alone_answers_without_the_token(run) -> None:
 
 
 def test_tether_ui_reads_the_redis_its_environment_names_without_a_stack(run, tmp_path, monkeypatch) -> None:
-    """Compose's and the chart's ui: no stack.json, the Redis and namespace from TETHER_REDIS_URL and
-    TETHER_NAMESPACE (the password stays off the command line); the metrics from the metrics stream.
+    """Compose's and the chart's ui: no stack.json, the Redis, namespace and tokenizer from
+    TETHER_REDIS_URL, TETHER_NAMESPACE and TETHER_MODEL_DIR (the password stays off the command line).
     An unreachable Redis is refused without printing its password."""
     from contextlib import ExitStack
 
@@ -394,9 +394,10 @@ def test_tether_ui_reads_the_redis_its_environment_names_without_a_stack(run, tm
     monkeypatch.chdir(tmp_path)  # no .tether/stack.json here
     monkeypatch.setenv("TETHER_REDIS_URL", run.redis_url)
     monkeypatch.setenv("TETHER_NAMESPACE", NS)
+    monkeypatch.setenv("TETHER_MODEL_DIR", str(tmp_path / "model"))
     with ExitStack() as stack:
-        run_dir, url, namespace, _, _ = _sources(build_parser().parse_args(["ui"]), stack)
-    assert (run_dir, url, namespace) == (None, run.redis_url, NS)
+        got = _sources(build_parser().parse_args(["ui"]), stack)
+    assert got[:4] == (None, run.redis_url, NS, str(tmp_path / "model"))
     monkeypatch.setenv("TETHER_REDIS_URL", f"redis://:hunter2@127.0.0.1:{free_port()}/0")
     with ExitStack() as stack, pytest.raises(SystemExit) as refused:
         _sources(build_parser().parse_args(["ui"]), stack)

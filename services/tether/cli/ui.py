@@ -90,5 +90,9 @@ def add_ui(sub: Subparsers) -> None:
         default=os.environ.get("TETHER_NAMESPACE") or None,
         help="its key prefix (default: $TETHER_NAMESPACE, else the stack's)",
     )
-    ui.add_argument("--model", help="tokenizer directory for token texts (default: the stack's model)")
+    ui.add_argument(
+        "--model",
+        default=os.environ.get("TETHER_MODEL_DIR") or None,
+        help="tokenizer directory for token texts (default: $TETHER_MODEL_DIR, else the stack's model)",
+    )
     ui.set_defaults(fn=cmd_ui)
