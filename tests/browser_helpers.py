@@ -46,7 +46,9 @@ def ui_server(cwd: Path, token: str) -> Iterator[str]:
     """`tether ui` run in `cwd` (where the stack ran: it reads .tether/stack.json, and opens the run's
     Redis data when the stack has stopped) behind the admin `token`; its base URL once /healthz answers."""
     port = free_port()
-    env = {**os.environ, "TETHER_ADMIN_TOKEN": token}
+    # Not a Redis, namespace or model of the caller's environment (the defaults of its flags): the stack's.
+    mine = ("TETHER_REDIS_URL", "TETHER_NAMESPACE", "TETHER_MODEL_DIR")
+    env = {**{k: v for k, v in os.environ.items() if k not in mine}, "TETHER_ADMIN_TOKEN": token}
     proc = subprocess.Popen([*TETHER, "ui", "--port", str(port)], cwd=cwd, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
