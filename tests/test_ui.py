@@ -161,6 +161,20 @@ def stopped_run(data: Path) -> int:
     return port
 
 
+def processes_in(folder: Path) -> list[int]:
+    """The processes whose working directory is `folder` (Linux's /proc)."""
+    import os
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and Path(os.readlink(proc / "cwd")) == folder:
+                found.append(int(proc.name))
+        except OSError:  # gone, or not ours to read
+            pass
+    return found
+
+
 def test_every_page_answers(run) -> None:
     client = TestClient(build_app(run, "test run"))
     runs = client.get("/")
@@ -316,6 +330,9 @@ def test_tether_ui_serves_a_stopped_runs_directory_from_its_redis_data(tmp_path)
     finally:
         ui.terminate()
         ui.wait(10)
+    # SIGTERM stopped the Redis it had opened the run's data with, too (redis-server's working
+    # directory is its data directory).
+    assert ui.returncode == 0 and processes_in(run_dir / "redis") == []
 
 
 def test_token_texts_come_from_the_models_tokenizer(tmp_path) -> None:

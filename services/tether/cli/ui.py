@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -61,13 +62,24 @@ def cmd_ui(args: argparse.Namespace) -> int:
     from tether.cli.web.app import build_app
     from tether.cli.web.store import UiStore, tokenizer_decode
 
-    with ExitStack() as stack:
-        run_dir, url, namespace, model_dir, source = _sources(args, stack)
-        store = UiStore(run_dir, url, namespace, tokenizer_decode(model_dir))
-        app = build_app(store, source, token)
-        print(f"tether ui: http://{args.host}:{args.port}/", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # uvicorn shuts down on SIGTERM, then raises it again: with the default action the process would die
+    # there, before the ExitStack stops the embedded Redis a stopped run's data was opened with (it runs
+    # in a session of its own and would outlive the view). As SystemExit it unwinds the stack.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        with ExitStack() as stack:
+            run_dir, url, namespace, model_dir, source = _sources(args, stack)
+            store = UiStore(run_dir, url, namespace, tokenizer_decode(model_dir))
+            app = build_app(store, source, token)
+            print(f"tether ui: http://{args.host}:{args.port}/", flush=True)
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def add_ui(sub: Subparsers) -> None:
