@@ -6,7 +6,8 @@
 # Usage: scripts/setup.sh [--test|--test-all]
 #   --test      also the test tools and oracle packages, and the three vendors' agent CLIs that
 #               `make test` runs (scripts/harnesses.sh core)
-#   --test-all  also every other harness (scripts/harnesses.sh all) and checkov's own virtualenv
+#   --test-all  also every other harness (scripts/harnesses.sh all), checkov's own virtualenv and
+#               Debian's chromium (apt-get; the browser test of `tether ui`)
 # Packages install with uv (from PyPI, into .venv first): it downloads and unpacks in parallel, several
 # times faster than pip on a cold cache. The independent phases run side by side, each logging to
 # .venv/setup-logs/PHASE.log; a table of the phases and their seconds ends the run.
@@ -122,6 +123,22 @@ phase_checkov() {
   echo installed > "$LOGS/checkov.state"
 }
 
+# Headless Chromium from Debian's packages (/usr/bin/chromium): tests/test_e2e.py drives `tether ui` in
+# it through playwright (.venv), which launches this binary and downloads no browser. Installed only
+# when absent; apt-get needs root (or sudo).
+phase_chromium() {
+  [ -x /usr/bin/chromium ] && return
+  echo "setup: installing Debian's chromium (apt-get)"
+  local sudo=()
+  [ "$(id -u)" != 0 ] && sudo=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  if ! "${sudo[@]}" apt-get install -y -q chromium; then
+    "${sudo[@]}" apt-get update -qq
+    "${sudo[@]}" apt-get install -y -q chromium
+  fi
+  echo installed > "$LOGS/chromium.state"
+}
+
 # The calculator model every demo and stack test serves (a 300-step warm start, cached by its code):
 # built here, while vLLM and the harnesses still download, rather than inside the first test.
 phase_model() {
@@ -168,9 +185,10 @@ start services
 start vllm
 [ "$WITH_TESTS" = 1 ] && start harnesses
 [ "$TIER" = test-all ] && start checkov
+[ "$TIER" = test-all ] && start chromium
 finish services
 start model
-for name in vllm harnesses checkov model; do
+for name in vllm harnesses checkov chromium model; do
   [ -n "${PID[$name]:-}" ] && finish "$name"
 done
 

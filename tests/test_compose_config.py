@@ -23,6 +23,7 @@ from compose_helpers import (
     compose_args,
     compose_env,
     config,
+    flag_value,
     hardening_problems,
     mounts,
     redis_problems,
@@ -113,8 +114,9 @@ def test_profiles_hold_the_services_they_promise(configs):
         "gateway",
         "scheduler",
         "agent",
+        "ui",
     }
-    assert {"inference", "trainer-gpu"} <= set(configs["gpu"]["services"])
+    assert {"inference", "trainer-gpu", "ui"} <= set(configs["gpu"]["services"])
     assert not {"inference-cpu", "trainer"} & set(configs["gpu"]["services"])
     assert set(configs["monitoring"]["services"]) == {"prometheus", "grafana"}
     # No Grafana image can be had offline: the host override (the compose test) leaves it out.
@@ -263,6 +265,7 @@ def test_host_network_ports_are_distinct_and_out_of_the_ephemeral_range(configs)
         "merger",
         "scheduler",
         "agent",
+        "ui",
         "prometheus",
     } <= set(seen.values())
 
@@ -289,6 +292,35 @@ def test_prometheus_loads_the_alert_rules_and_grafana_the_dashboards(configs):
     name = home.removeprefix(dashboards + "/")
     if (ROOT / "helm" / "tether" / "dashboards").is_dir():
         assert (ROOT / "helm" / "tether" / "dashboards" / name).is_file(), f"home dashboard {name} missing"
+
+
+@pytest.mark.parametrize("variant", ["cpu", "host cpu+monitoring"])
+def test_the_ui_is_behind_the_admin_token_on_loopback(configs, variant):
+    """`tether ui` gets the gateway's admin token (the same .env secret, required), reads the run's
+    Redis as the services do (TETHER_REDIS_URL, never on its command line, where `ps` would show the
+    password), is published on 127.0.0.1 only, and its healthcheck is the one route open without
+    the token."""
+    services = configs[variant]["services"]
+    ui, gateway, merger = services["ui"], services["gateway"], services["merger"]
+    env = ui["environment"]
+    assert (
+        env["TETHER_ADMIN_TOKEN"] == gateway["environment"]["TETHER_ADMIN_TOKEN"] == "test-tether_admin_token"
+    )
+    assert env["TETHER_REDIS_URL"] == merger["environment"]["TETHER_REDIS_URL"]
+    command = [str(w) for w in ui["command"]]
+    assert command[:2] == ["tether", "ui"] and "--redis-url" not in command
+    assert not any("test-redis_password" in w for w in command)
+    assert flag_value(command, "--namespace") == env["TETHER_NAMESPACE"]
+    assert ui["image"] == gateway["image"]  # the tether image holds the `tether` command
+    assert env["TETHER_MODEL_DIR"] == merger["environment"]["TETHER_MODEL_DIR"]  # --model: the tokenizer
+    port = int(flag_value(command, "--port"))
+    assert ui["healthcheck"]["test"][-1] == f"http://127.0.0.1:{port}/healthz"
+    for published in ui.get("ports") or []:
+        assert published["host_ip"] == "127.0.0.1" and int(published["target"]) == port, published
+    if variant == "cpu":
+        assert ui["ports"] and flag_value(command, "--host") == "0.0.0.0"
+    else:
+        assert ui["network_mode"] == "host" and flag_value(command, "--host") == "127.0.0.1"
 
 
 def test_no_secret_is_committed():

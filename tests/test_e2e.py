@@ -14,6 +14,7 @@ import re
 import subprocess
 
 import pytest
+from browser_helpers import ROLLOUT_ROWS_JS, SAMPLE_TOKENS_JS, browser, chromium, screenshot_dirs, ui_server
 from fault_helpers import FAULTS, check_fault_run, demo_with_faults
 from scrape_helpers import scraping, unexported
 from stack_helpers import (
@@ -141,6 +142,55 @@ def test_calls_carry_the_version_that_served_them(demo):
     # Synchronous mode: every call of a step is served by the version the previous step pushed.
     assert versions <= set(range(0, metrics[-1]["weight_version"] + 1))
     assert 0 in versions and len(versions) >= 2
+
+
+# How many of a step's trained rollouts the browser test opens, looking for one of two calls.
+MAX_LOOKS = 6
+
+
+def test_tether_ui_in_a_real_browser(demo, tmp_path):
+    """`tether ui` run where the demo ran (its stack stopped: the view opens the run's Redis data), behind
+    an admin token given once as ?token=, in headless Chromium: the run page, the last trained step's
+    page and the page of one of that step's trained rollouts (the most samples; two calls where one of
+    the first few has them) each answer 200 with no console error and no page error, and nothing
+    leaves the machine (every other host is blocked and recorded); every token of the rollout page
+    carries the token id and loss mask `tether samples --rollout` prints, sample by sample in order.
+    Screenshots of the three pages: tmp_path, and TETHER_UI_SCREENSHOTS when set (docs/images/ui-*.png
+    were made so)."""
+    executable = chromium()
+    work, run_dir, _ = demo
+    trained = [m for m in jsonl((run_dir / "metrics.jsonl").read_text()) if "step" in m and m["samples"] > 0]
+    step = trained[-1]["step"]
+    token = "ui-browser-test-token"
+    with ui_server(work, token) as url, browser(executable, url, screenshot_dirs(tmp_path)) as b:
+        b.visit(f"/?token={token}")  # the cookie it sets opens the pages that follow
+        b.screenshot("ui-run.png")
+        b.visit(f"/step/{step}")
+        b.screenshot("ui-step.png")
+        rows = b.page.eval_on_selector_all("table.rollouts tbody tr", ROLLOUT_ROWS_JS)
+        trained_rows = [r for r in rows if r["training"] == "trained"]
+        # The one with the most samples, and of those a correct one that called the calculator tool
+        # (two calls) where there is one among the first few: the screenshot shows more.
+        for row in sorted(trained_rows, key=lambda r: (r["samples"], r["reward"]), reverse=True)[:MAX_LOOKS]:
+            b.visit(f"/rollout/{row['rollout']}")
+            if b.page.locator("table.calls tbody tr").count() > 1:
+                break
+        rollout = row["rollout"]
+        b.page.hover("pre.tokens .tok.trained >> nth=0")  # the bar at the bottom shows its figures
+        b.screenshot("ui-rollout.png")
+        shown = b.page.eval_on_selector_all("section.sample", SAMPLE_TOKENS_JS)
+    for v in b.visits:
+        assert v.status == 200 and not v.console_errors and not v.page_errors, v
+    assert b.left_the_machine == []
+    printed = tether_jsonl(work, "samples", "--rollout", rollout)
+    assert printed and [s["rollout_id"] for s in printed] == [rollout] * len(printed)
+    expected = [
+        {"token_ids": [str(t) for t in s["token_ids"]], "loss_mask": [str(m) for m in s["loss_mask"]]}
+        for s in printed
+    ]
+    assert shown == expected
+    for name in ("ui-run.png", "ui-step.png", "ui-rollout.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG"), name
 
 
 def test_disaggregated_async_respects_the_staleness_bound(tmp_path):

@@ -252,3 +252,6 @@ def test_compose_mounts_the_run_config_into_every_tether_service():
         want = str(ROOT / "recipes" / f"{override.stem}.yaml")
         for name in ("inference", "trainer-gpu", "merger", "gateway", "scheduler", "agent"):
             assert mounts(services[name])["/config/run.yaml"]["source"] == want, (override.name, name)
+        # The ui decodes token texts with the recipe's model's tokenizer, as the merger reads it.
+        model_dir = services["merger"]["environment"]["TETHER_MODEL_DIR"]
+        assert services["ui"]["environment"]["TETHER_MODEL_DIR"] == model_dir != "/models/calculator/model"

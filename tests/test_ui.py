@@ -161,6 +161,20 @@ def stopped_run(data: Path) -> int:
     return port
 
 
+def processes_in(folder: Path) -> list[int]:
+    """The processes whose working directory is `folder` (Linux's /proc)."""
+    import os
+
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and Path(os.readlink(proc / "cwd")) == folder:
+                found.append(int(proc.name))
+        except OSError:  # gone, or not ours to read
+            pass
+    return found
+
+
 def test_every_page_answers(run) -> None:
     client = TestClient(build_app(run, "test run"))
     runs = client.get("/")
@@ -316,6 +330,9 @@ def test_tether_ui_serves_a_stopped_runs_directory_from_its_redis_data(tmp_path)
     finally:
         ui.terminate()
         ui.wait(10)
+    # SIGTERM stopped the Redis it had opened the run's data with, too (redis-server's working
+    # directory is its data directory).
+    assert ui.returncode == 0 and processes_in(run_dir / "redis") == []
 
 
 def test_token_texts_come_from_the_models_tokenizer(tmp_path) -> None:
@@ -369,3 +386,36 @@ def test_tether_ui_refuses_to_listen_beyond_loopback_without_a_token(monkeypatch
     assert open_refusal("127.0.0.1", None) is None and open_refusal("0.0.0.0", "s3cret") is None
     monkeypatch.setenv("TETHER_ALLOW_OPEN_ADMIN", "true")
     assert open_refusal("0.0.0.0", None) is None
+
+
+def test_healthz_alone_answers_without_the_token(run) -> None:
+    """The probes of compose's and the chart's ui call /healthz, which shows nothing of the run; every
+    other route still needs the token."""
+    client = TestClient(build_app(run, "test run", admin_token="s3cret"))
+    health = client.get("/healthz")
+    assert health.status_code == 200 and health.text == "ok" and "set-cookie" not in health.headers
+    for path in ("/", "/healthz/", "/static/ui.css", "/rollout/r1", "/step/1"):
+        assert client.get(path).status_code == 401, path
+
+
+def test_tether_ui_reads_the_redis_its_environment_names_without_a_stack(run, tmp_path, monkeypatch) -> None:
+    """Compose's and the chart's ui: no stack.json, the Redis, namespace and tokenizer from
+    TETHER_REDIS_URL, TETHER_NAMESPACE and TETHER_MODEL_DIR (the password stays off the command line).
+    An unreachable Redis is refused without printing its password."""
+    from contextlib import ExitStack
+
+    from tether.cli import build_parser
+    from tether.cli.ui import _sources
+    from tether.common.net import free_port
+
+    monkeypatch.chdir(tmp_path)  # no .tether/stack.json here
+    monkeypatch.setenv("TETHER_REDIS_URL", run.redis_url)
+    monkeypatch.setenv("TETHER_NAMESPACE", NS)
+    monkeypatch.setenv("TETHER_MODEL_DIR", str(tmp_path / "model"))
+    with ExitStack() as stack:
+        got = _sources(build_parser().parse_args(["ui"]), stack)
+    assert got[:4] == (None, run.redis_url, NS, str(tmp_path / "model"))
+    monkeypatch.setenv("TETHER_REDIS_URL", f"redis://:hunter2@127.0.0.1:{free_port()}/0")
+    with ExitStack() as stack, pytest.raises(SystemExit) as refused:
+        _sources(build_parser().parse_args(["ui"]), stack)
+    assert "not reachable" in str(refused.value) and "hunter2" not in str(refused.value)

@@ -18,6 +18,10 @@ FULL_ONLY = {
     "tests/test_faults.py::test_every_fault_in_one_run": "the fault matrix: every process killed in one run",
     "tests/test_scheduler_resume.py": "the scheduler killed in each phase of a step, in both modes",
     "tests/test_redis_cluster_demo.py": "a demo on a 3-master Redis Cluster",
+    "tests/test_e2e.py::test_tether_ui_in_a_real_browser": (
+        "Debian's Chromium (setup.sh --test-all) on `tether ui` over make test's demo (~20 s: the ui loads "
+        "the model's tokenizer through transformers, ~10 s; make test: tests/test_ui.py's pages)"
+    ),
     "tests/test_e2e.py::test_disaggregated_async_respects_the_staleness_bound": (
         "a second demo, disaggregated-async (make test: the simulated runs of test_scheduler_plan.py)"
     ),

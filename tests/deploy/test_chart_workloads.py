@@ -299,6 +299,8 @@ def test_probes_understand_rl_states(name):
                 }
             elif c["name"] == "gateway":
                 want = {k: "/health" for k in probes}
+            elif c["name"] == "ui":
+                want = {k: "/healthz" for k in probes}  # the one route open without the admin token
             elif c["name"] in GRPC_SERVICES:
                 want = {k: "grpc" for k in probes}
                 ports = {p["grpc"]["port"] for p in probes.values() if "grpc" in p}
@@ -418,3 +420,41 @@ def test_each_rank_advertises_its_own_dns_name_and_only_rank_zero_hosts(name):
         )
         conf = dict(kv.split("=", 1) for kv in args.get("rdzv-conf", "").split(","))
         assert conf.get("is_host") == ("1" if index == 0 else "0"), (index, conf)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_ui_is_behind_the_admin_token(name):
+    """`tether ui` (ui.enabled) gets the admin token from the Secret key the gateway's admin routes use,
+    never a literal; reads the run's Redis as the services do (TETHER_REDIS_URL from tether.redisEnv, not
+    on its command line); carries no service token (it talks no gRPC); and is a ClusterIP Service on
+    8900 for `kubectl port-forward`."""
+    render = chart.render(name)
+    uis = containers_named(name, "ui")
+    if not chart.effective_values(name)["ui"]["enabled"]:
+        assert uis == [] and not [o for o in render.objects if o["metadata"]["name"].endswith("-ui")]
+        return
+    [(where, ui, _)] = uis
+    gateway = containers_named(name, "gateway")[0][1]
+
+    def token(c: dict[str, Any]) -> dict[str, Any]:
+        [env] = [e for e in c["env"] if e["name"] == "TETHER_ADMIN_TOKEN"]
+        return env
+
+    assert token(ui) == token(gateway) and "value" not in token(ui), where
+    assert (
+        token(ui)["valueFrom"]["secretKeyRef"]["key"]
+        == chart.effective_values(name)["secrets"]["adminTokenKey"]
+    )
+    names = [e["name"] for e in ui["env"]]
+    assert "TETHER_SERVICE_TOKEN" not in names and {"TETHER_REDIS_URL", "TETHER_NAMESPACE"} <= set(names)
+    assert ui["command"][:2] == ["tether", "ui"] and "--redis-url" not in ui["command"]
+    assert ui["command"][ui["command"].index("--host") + 1] == "0.0.0.0"  # refused without the token
+    service = render.get("Service", f"{chart.FULLNAME}-ui")["spec"]
+    assert service["type"] == "ClusterIP" and [p["port"] for p in service["ports"]] == [8900]
+
+
+def test_the_ui_can_be_turned_off():
+    """ui.enabled false: no Deployment, Service or NetworkPolicy of the ui."""
+    values = chart.merge(chart.value_set("cpu-demo").values, {"ui": {"enabled": False}})
+    render = chart.render_values(values)
+    assert not [o for o in render.objects if o["metadata"]["name"].endswith("-ui")]

@@ -172,23 +172,10 @@ annotations:
 {{- toYaml $sc -}}
 {{- end -}}
 
-{{/* Environment every Tether container gets (compose's x-env). */}}
+{{/* Environment every Tether container gets (compose's x-env): tether.baseEnv, the service token
+and the mTLS files. */}}
 {{- define "tether.env" -}}
-- name: TETHER_LOG_LEVEL
-  value: {{ .Values.run.logLevel | quote }}
-- name: PYTHONUNBUFFERED
-  value: "1"
-- name: OMP_NUM_THREADS
-  value: "1"
-- name: TOKENIZERS_PARALLELISM
-  value: "false"
-- name: HF_HUB_OFFLINE
-  value: "1"
-{{- if .Values.runConfig }}
-{{- /* The run config (runConfig, a ConfigMap mounted at /config): each service reads its section. */}}
-- name: TETHER_CONFIG
-  value: /config/run.yaml
-{{- end }}
+{{ include "tether.baseEnv" . }}
 {{- /* Every gRPC call between the services carries it (tether.common.grpc_server); health is exempt. */}}
 - name: TETHER_SERVICE_TOKEN
   valueFrom:
@@ -205,6 +192,25 @@ annotations:
   value: /etc/tether/tls/ca.crt
 - name: TETHER_TLS_SERVER_NAME
   value: {{ .Values.tls.serverName | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* What a container that talks no gRPC gets too (compose's x-base-env: the ui). */}}
+{{- define "tether.baseEnv" -}}
+- name: TETHER_LOG_LEVEL
+  value: {{ .Values.run.logLevel | quote }}
+- name: PYTHONUNBUFFERED
+  value: "1"
+- name: OMP_NUM_THREADS
+  value: "1"
+- name: TOKENIZERS_PARALLELISM
+  value: "false"
+- name: HF_HUB_OFFLINE
+  value: "1"
+{{- if .Values.runConfig }}
+{{- /* The run config (runConfig, a ConfigMap mounted at /config): each service reads its section. */}}
+- name: TETHER_CONFIG
+  value: /config/run.yaml
 {{- end }}
 {{- end -}}
 

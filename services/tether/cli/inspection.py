@@ -57,6 +57,16 @@ async def _dump(stream_attr: str, redis_url: str, namespace: str, keys_filter: C
     return len(records)
 
 
+def _without_password(url: str | None) -> str | None:
+    """`url` with its password masked: it goes to logs (a container's, for compose's and the chart's ui)."""
+    from urllib.parse import urlsplit
+
+    if not url or "@" not in url:
+        return url
+    parts = urlsplit(url)
+    return parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]).geturl()
+
+
 @contextmanager
 def stack_redis(redis_url: str | None, state: dict) -> Iterator[str]:
     """The URL of the run's Redis: `redis_url`, else the stack's (`state`, stack.json's); when that is
@@ -79,7 +89,7 @@ def stack_redis(redis_url: str | None, state: dict) -> Iterator[str]:
         yield url
         return
     if not state.get("redis_data"):
-        raise SystemExit(f"Redis at {url} is not reachable")
+        raise SystemExit(f"Redis at {_without_password(url)} is not reachable")
     proc = start_embedded_redis(Path(state["redis_data"]), free_port())
     try:
         argv = [str(a) for a in cast("list[str]", proc.args)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
@@ -28,7 +29,9 @@ def _sources(
             url = stack.enter_context(stack_redis(args.redis_url, {"redis_data": str(data)}))
         namespace = args.namespace or f"tether-{given.name}"
         return given, url, namespace, args.model, f"run directory {given}"
-    state = stack_state()
+    # A Redis named here (compose's and the chart's ui: TETHER_REDIS_URL, as every service reads it)
+    # needs no stack.json; the view then reads the metrics stream.
+    state = {} if args.redis_url else stack_state()
     run_dir = Path(state["run_dir"]) if state.get("run_dir") else None
     url = stack.enter_context(stack_redis(args.redis_url, state))
     namespace = args.namespace or state.get("namespace", "tether")
@@ -59,13 +62,24 @@ def cmd_ui(args: argparse.Namespace) -> int:
     from tether.cli.web.app import build_app
     from tether.cli.web.store import UiStore, tokenizer_decode
 
-    with ExitStack() as stack:
-        run_dir, url, namespace, model_dir, source = _sources(args, stack)
-        store = UiStore(run_dir, url, namespace, tokenizer_decode(model_dir))
-        app = build_app(store, source, token)
-        print(f"tether ui: http://{args.host}:{args.port}/", flush=True)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # uvicorn shuts down on SIGTERM, then raises it again: with the default action the process would die
+    # there, before the ExitStack stops the embedded Redis a stopped run's data was opened with (it runs
+    # in a session of its own and would outlive the view). As SystemExit it unwinds the stack.
+    previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    try:
+        with ExitStack() as stack:
+            run_dir, url, namespace, model_dir, source = _sources(args, stack)
+            store = UiStore(run_dir, url, namespace, tokenizer_decode(model_dir))
+            app = build_app(store, source, token)
+            print(f"tether ui: http://{args.host}:{args.port}/", flush=True)
+            uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(0)
 
 
 def add_ui(sub: Subparsers) -> None:
@@ -76,7 +90,21 @@ def add_ui(sub: Subparsers) -> None:
     )
     ui.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     ui.add_argument("--port", type=int, default=8900, help="default 8900")
-    ui.add_argument("--redis-url")
-    ui.add_argument("--namespace")
-    ui.add_argument("--model", help="tokenizer directory for token texts (default: the stack's model)")
+    # Defaults from the environment every service reads (compose's x-redis-env, the chart's redisEnv):
+    # the URL holds the Redis password, which a command line would show to `ps` and `docker inspect`.
+    ui.add_argument(
+        "--redis-url",
+        default=os.environ.get("TETHER_REDIS_URL") or None,
+        help="the run's Redis (default: $TETHER_REDIS_URL, else the stack's)",
+    )
+    ui.add_argument(
+        "--namespace",
+        default=os.environ.get("TETHER_NAMESPACE") or None,
+        help="its key prefix (default: $TETHER_NAMESPACE, else the stack's)",
+    )
+    ui.add_argument(
+        "--model",
+        default=os.environ.get("TETHER_MODEL_DIR") or None,
+        help="tokenizer directory for token texts (default: $TETHER_MODEL_DIR, else the stack's model)",
+    )
     ui.set_defaults(fn=cmd_ui)

@@ -3,7 +3,8 @@
 
 With an admin token (TETHER_ADMIN_TOKEN, as the gateway's admin routes) every page needs it, as the
 gateway takes it ("Authorization: Bearer <token>", compared in constant time), or, for a browser, once
-as `?token=<token>`, which sets a cookie scoped to the app for the pages that follow."""
+as `?token=<token>`, which sets a cookie scoped to the app for the pages that follow. `/healthz` alone
+answers without it: the probes of compose and the chart call it, and it shows nothing of the run."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tether.cli.web.store import UiStore, groups_of_step
 
 COOKIE = "tether_ui_token"
 STATIC = {"ui.css": "text/css", "ui.js": "text/javascript"}
+HEALTH = "/healthz"
 NO_REDIS = "the run's Redis is not available: only the run directory's metrics.jsonl is shown"
 
 
@@ -37,6 +39,8 @@ class AdminToken(BaseHTTPMiddleware):
         self.token = token
 
     async def dispatch(self, request: Request, call_next: RequestResponseEndpoint) -> Response:
+        if request.url.path == HEALTH:
+            return await call_next(request)
         auth = request.headers.get("authorization", "")
         bearer = auth[7:] if auth.lower().startswith("bearer ") else None
         query = request.query_params.get("token")
@@ -90,6 +94,9 @@ def build_app(store: UiStore, source: str, admin_token: str | None = None) -> St
         text = resources.files("tether.cli.web").joinpath("static", name).read_text()
         return Response(text, media_type=STATIC[name])
 
+    async def healthz(request: Request) -> Response:
+        return PlainTextResponse("ok")
+
     middleware = [Middleware(AdminToken, token=admin_token)] if admin_token else []
     return Starlette(
         routes=[
@@ -97,6 +104,7 @@ def build_app(store: UiStore, source: str, admin_token: str | None = None) -> St
             Route("/step/{n:int}", step),
             Route("/rollout/{rollout_id}", rollout),
             Route("/static/{name}", static),
+            Route(HEALTH, healthz),
         ],
         middleware=middleware,
     )
