@@ -94,6 +94,7 @@ def test_a_step_record_carries_learning_health_and_counts_steps_that_trained_not
         {"untrained_steps_in_a_row": 4.0},
     )
     assert trained["zero_variance_fraction"] == 0.5 and trained["groups_filtered_fraction"] == 0.5
+    assert trained["group_ids"] == ["a", "b", "c", "d"]
     assert {k: trained[k] for k in LEARNING_HEALTH} == health and trained["step_guard_retries"] == 1.0
     assert trained["untrained_steps_in_a_row"] == 0.0  # it trained: the count starts again
     nothing = [_group_result("e", "filtered", [1.0, 1.0], 0, 0)]

@@ -276,6 +276,23 @@ def test_groups_of_a_step_are_those_finished_since_the_previous_step() -> None:
     assert groups_of_step(metrics, results, 3) == []
 
 
+def test_groups_of_a_step_are_those_its_record_names_when_it_names_them() -> None:
+    # An async step: "b" finished while step 1 trained, and step 2 trains it; "a" was resolved twice.
+    metrics = [
+        {**step_record(1, 0, 100.0), "group_ids": ["a"]},
+        {**step_record(2, 0, 200.0), "group_ids": ["c", "b"]},
+    ]
+    results = [
+        {"group_id": "a", "finished_at": 90.0, "samples": 1},
+        {"group_id": "b", "finished_at": 95.0},
+        {"group_id": "a", "finished_at": 99.0, "samples": 2},
+        {"group_id": "e", "finished_at": 150.0, "eval": True},
+        {"group_id": "c", "finished_at": 150.0},
+    ]
+    assert groups_of_step(metrics, results, 1) == [{"group_id": "a", "finished_at": 99.0, "samples": 2}]
+    assert [g["group_id"] for g in groups_of_step(metrics, results, 2)] == ["c", "b"]
+
+
 def test_token_kinds_without_calls_split_context_from_masked() -> None:
     assert token_kinds([1, 2, 3, 4, 5], [0, 1, 0, 1, 0], []) == [
         "context",

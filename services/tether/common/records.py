@@ -526,6 +526,8 @@ class StepMetrics(_Record):
     response_length_p95: float | None = None
     truncated_fraction: float | None = None
     repetition_rate: float | None = None
+    # The groups the record sums up (evaluation groups aside): `tether ui` links the step to them.
+    group_ids: list[str] | None = None
 
 
 @dataclass

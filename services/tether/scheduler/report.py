@@ -114,6 +114,8 @@ def step_record(
     return {
         "step": step,
         "weight_version": weight_version,
+        # The groups this record sums up, by id: `tether ui` links a step to exactly these.
+        "group_ids": [g.group_id for g in results if not g.eval],
         **summary,
         "logprob_abs_diff": metrics.get("logprob_abs_diff", NAN),
         "logprob_k3_kl": metrics.get("logprob_k3_kl", NAN),

@@ -19,16 +19,20 @@ from tether.cli import inspection
 
 
 def groups_of_step(metrics: Sequence[dict], results: Sequence[dict], step: int) -> list[dict]:
-    """The non-evaluation group results of `step` (pure): finished after the previous step record's
-    time and no later than this one's. [] for a step not in `metrics`."""
+    """The non-evaluation group results of `step` (pure): those its record names (`group_ids`, in its
+    order; a group's last result where it has several); for a record without them (a run before they
+    were recorded), those finished after the previous step record's time and no later than this one's.
+    [] for a step not in `metrics`."""
     steps = sorted((m for m in metrics if "step" in m), key=lambda m: m["step"])
     for i, record in enumerate(steps):
-        if record["step"] == step:
-            since = steps[i - 1]["time"] if i else float("-inf")
-            until = record["time"]
-            return [
-                g for g in results if not g.get("eval") and since < float(g.get("finished_at", 0)) <= until
-            ]
+        if record["step"] != step:
+            continue
+        if "group_ids" in record:
+            latest = {g["group_id"]: g for g in results if not g.get("eval")}
+            return [latest[gid] for gid in record["group_ids"] if gid in latest]
+        since = steps[i - 1]["time"] if i else float("-inf")
+        until = record["time"]
+        return [g for g in results if not g.get("eval") and since < float(g.get("finished_at", 0)) <= until]
     return []
 
 
