@@ -179,6 +179,14 @@ class Keys:
     def replicas(self) -> str:  # string: ReplicaSet JSON, the inference replicas discovered (scheduler)
         return f"{self.ns}:inference:replicas"
 
+    @property
+    def runs(self) -> str:  # hash: run id -> RunRecord JSON, the runs of this (base) namespace (gateway)
+        return f"{self.ns}:runs"
+
+    def run_key(self, digest: str) -> str:  # string: SHA-256 of a run's API key -> run id (gateway)
+        # In the registry's slot: a run's record and its key are written by one script.
+        return f"{self.ns}:run-key:{{{slot_tag(self.runs)}}}:{digest}"
+
     def streams(self) -> dict[str, str]:
         """Every stream, by its name without the namespace (the `stream` label of the broker gauges;
         one per trace partition, `traces:{p0}` ...)."""

@@ -6,7 +6,7 @@ rollout, parked in its group; a GroupResult is the merger's verdict on one group
 scheduler); a SampleRecord is exactly what the trainer consumed for one sequence; a StepMetrics is
 one training step's record (the metrics stream); a SessionReward is a reward for one record-only
 call; a TrainingOutcome is the merger's verdict on one rollout (trained, or why it never will be),
-read back by the gateway.
+read back by the gateway; a RunRecord is one run of the run registry (docs/runs.md).
 
 Decoding is strict: a field the record does not know, a required field that is missing, or a value
 of the wrong kind raises RecordError (a ValueError), never a silent default -- a renamed field must
@@ -668,6 +668,33 @@ class ReplicaSet(_Record):
     updated_at: float
 
 
+@dataclass
+class RunRecord(_Record):
+    """One run of a deployment (docs/runs.md): the run registry's entry, in the base namespace's hash
+    ``Keys.runs`` (run id -> this), written by the gateway's run routes (gateway/runs.py) and read by
+    them and `tether run`. ``namespace`` holds the run's own keys (``common.runs.run_namespace``);
+    ``adapter`` is the model name its agents call; ``config`` the run config as given; ``key_sha256`` the
+    digest of its API key (the key itself is never stored). The id and the status are checked here
+    with the registry's rules (``common.runs``): a record that breaks them does not decode."""
+
+    run_id: str
+    adapter: str
+    namespace: str
+    config: dict[str, Any]
+    status: str
+    created_at: float
+    updated_at: float
+    key_sha256: str
+
+    def __post_init__(self) -> None:
+        from tether.common.runs import RUN_ID_RULE, STATUSES, valid_run_id
+
+        if not valid_run_id(self.run_id):
+            raise RecordError("RunRecord", f"field 'run_id': {self.run_id!r} is not {RUN_ID_RULE}")
+        if self.status not in STATUSES:
+            raise RecordError("RunRecord", f"field 'status': {self.status!r} is none of {list(STATUSES)}")
+
+
 StepMetrics._omit_none = frozenset(f.name for f in fields(StepMetrics) if f.default is None)
 
 # Every record type that travels through Redis, by name (tests walk it).
@@ -685,6 +712,7 @@ RECORDS: tuple[type[_Record], ...] = (
     TrainingOutcome,
     InferenceReplica,
     ReplicaSet,
+    RunRecord,
 )
 
 

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, cast
 
 from pydantic import Field, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
@@ -108,17 +108,26 @@ def read_run_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise RunConfigError(f"{path}: not valid YAML: {exc}") from None
     if data is None:
         return {}
+    bad = run_config_problems(data)
+    if bad:
+        raise RunConfigError(f"{path}: " + "; ".join(bad))
+    return cast("dict[str, Any]", data)
+
+
+def run_config_problems(data: Any) -> list[str]:
+    """What is wrong with a run config's shape (a mapping of known sections, each a mapping of settings,
+    and run keys), one a line; [] when none. The settings themselves are checked by
+    `tether.runconfig.check`, which imports every service's settings class; a service that must not (the
+    gateway, which keeps runs' configs: docs/runs.md) checks this much."""
     if not isinstance(data, dict):
-        raise RunConfigError(f"{path}: a run config is a mapping of sections, not {type(data).__name__}")
+        return [f"a run config is a mapping of sections, not {type(data).__name__}"]
     bad = [f"{k}: unknown section" for k in data if k not in SECTIONS | RUN_KEYS]
     bad += [
         f"{k}: a section is a mapping of settings"
         for k, v in data.items()
         if k in SECTIONS and not isinstance(v, dict | None)
     ]
-    if bad:
-        raise RunConfigError(f"{path}: " + "; ".join(bad))
-    return data
+    return bad
 
 
 def section_problems(settings: type[BaseSettings], section: str, values: dict[str, Any]) -> list[str]:
