@@ -77,6 +77,7 @@ _CALLS = {"chat_completions", "completions", "messages", "responses"} | {
     f"gemini_{m}{s}" for m in ("generateContent", "streamGenerateContent") for s in ("", "_v1")
 }
 RECORDED = _CALLS | {f"{op}_for_rollout" for op in _CALLS}
+RUN_ROUTES = {"create_run", "list_runs", "get_run", "stop_run"}  # admin routes: the admin token
 CHECKS = [
     schemathesis.checks.not_a_server_error,
     status_code_conformance,
@@ -125,6 +126,7 @@ class Harness:
     fake: FakeVLLM
     rollout: dict = field(default_factory=dict)  # running throughout: the call routes' rollout
     call_id: str = ""  # one recorded call of it (the reward routes)
+    run_id: str = ""  # a registered run (the run routes)
     session: requests.Session = field(default_factory=lambda: _session())
     ok_calls: int = 0
 
@@ -161,6 +163,9 @@ def harness(redis_port, rdb):
         )
         assert resp.status_code == 200, resp.text
         h.call_id = resp.headers["x-tether-call-id"]
+        resp = gw.http.post("/v1/runs", json={"run_id": "fuzz", "config": {}}, headers=bearer(ADMIN))
+        assert resp.status_code == 201, resp.text
+        h.run_id = resp.json()["run_id"]
         yield h
         h.session.close()
 
@@ -193,7 +198,9 @@ def _setup(
         params["call_id"] = h.call_id
     if "model" in params and i % 2:
         params["model"] = MODEL
-    if op_id == "create_rollout":
+    if "run_id" in params and i % 2:
+        params["run_id"] = h.run_id
+    if op_id == "create_rollout" or op_id in RUN_ROUTES:
         key = ADMIN
     if "name" in params:
         params["name"] = SESSION

@@ -45,6 +45,7 @@ def test_every_served_route_is_documented_and_every_documented_one_served(gw):
     app = create_app(
         proxy=s.proxy,
         rollouts=s.rollouts,
+        runs=s.runs,
         sessions=s.sessions,
         admission=s.admission,
         pool=s.pool,
@@ -78,7 +79,7 @@ def test_each_documented_path_answers_in_its_familys_error_shape(gw):
         for method, op in item.items():
             if method != "post" or "401" not in op["responses"]:
                 continue
-            url = path.format(rollout_id="r-none", model=MODEL, call_id="call-x", name="none")
+            url = path.format(rollout_id="r-none", model=MODEL, call_id="call-x", name="none", run_id="none")
             resp = gw.http.post(url, content=b"{}")
             assert resp.status_code in {int(s) for s in op["responses"]}, (path, resp.status_code)
             ref = op["responses"][str(resp.status_code)]["content"]["application/json"]["schema"]["$ref"]
@@ -114,6 +115,12 @@ def test_each_documented_path_answers_in_its_familys_error_shape(gw):
         ("/v1/rollouts", {"task_id": "t", "group_id": "g", "group_size": 0}, False),
         ("/v1/rollouts/{rollout_id}/complete", {"reward": 1e39}, False),  # beyond float32
         ("/v1/rollouts/{rollout_id}/complete", {"reward": -0.5}, True),
+        ("/v1/runs", {"run_id": "calc-1", "config": {"trainer": {"lr": 1e-3}}, "adapter": "calc"}, True),
+        ("/v1/runs", {"run_id": "Calc", "config": {}}, False),
+        ("/v1/runs", {"run_id": "-calc", "config": {}}, False),
+        ("/v1/runs", {"run_id": "calc", "config": {"trainr": {}}}, False),
+        ("/v1/runs", {"run_id": "calc", "config": {"trainer": 1}}, False),
+        ("/v1/runs", {"run_id": "calc", "config": {}, "adapter": " x"}, False),
     ],
 )
 def test_the_schemas_agree_with_the_parsers(path, body, ok):

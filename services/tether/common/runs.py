@@ -69,6 +69,11 @@ def stop_target(run_id: str, current: str) -> str | None:
     return next_status(run_id, current, STOPPING)
 
 
+def takes_rollouts(status: str) -> bool:
+    """Whether a run in `status` may start rollouts: not once it is asked to stop, nor after."""
+    return status in (CREATED, RUNNING)
+
+
 def drains(status_before_stop: str) -> bool:
     """Whether a run stopped from this status has services to drain before it is `stopped`: only a
     running one (a `created` run never had any, so it is stopped at once)."""

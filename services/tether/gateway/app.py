@@ -31,10 +31,12 @@ from tether.gateway.proxy import Proxy
 from tether.gateway.rollouts import RolloutRegistry
 from tether.gateway.routers import chat, errors, gemini, messages, ops, responses
 from tether.gateway.routers import rollouts as rollout_routes
+from tether.gateway.routers import runs as run_routes
 from tether.gateway.routers import sessions as session_routes
 from tether.gateway.routers.calls import CallRoutes
 from tether.gateway.routers.state import RouteState
 from tether.gateway.routing import ReplicaPool
+from tether.gateway.runs import Runs
 from tether.gateway.sessions import Sessions
 
 # FastAPI tries routes in the order they were included.
@@ -43,6 +45,7 @@ ROUTERS = (
     messages.router,
     chat.router,
     rollout_routes.router,
+    run_routes.router,
     session_routes.router,
     ops.router,
     gemini.router,
@@ -53,6 +56,7 @@ def create_app(
     *,
     proxy: Proxy,
     rollouts: RolloutRegistry,
+    runs: Runs,
     sessions: Sessions,
     admission: Admission,
     pool: ReplicaPool,
@@ -70,6 +74,7 @@ def create_app(
     gw = RouteState(
         proxy=proxy,
         rollouts=rollouts,
+        runs=runs,
         sessions=sessions,
         admission=admission,
         pool=pool,

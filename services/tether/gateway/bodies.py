@@ -1175,3 +1175,68 @@ class CallReward(Struct):
     call_id: str
     reward: float
     replaced: bool
+
+
+# --- the run API (runs.py; docs/runs.md) ------------------------------------------------------------------
+
+RunStatus = Literal["created", "running", "stopping", "stopped", "failed"]  # common.runs.RunStatus
+
+
+class RunConfig(Struct, forbid_unknown_fields=True):
+    """A run config's shape (docs/recipes.md): one mapping per service section, and the run keys. The
+    settings inside a section are checked by `tether run create` (tether.runconfig), not here."""
+
+    gateway: dict[str, Any] | None = None
+    merger: dict[str, Any] | None = None
+    trainer: dict[str, Any] | None = None
+    scheduler: dict[str, Any] | None = None
+    kube: dict[str, Any] | None = None
+    inference: dict[str, Any] | None = None
+    agent: dict[str, Any] | None = None
+    model: Any = None
+    example: Any = None
+    description: Any = None
+
+
+class CreateRunRequest(Struct, kw_only=True, forbid_unknown_fields=True):
+    run_id: Annotated[
+        str,
+        Meta(
+            pattern="^[a-z0-9][a-z0-9-]*$",
+            min_length=1,
+            max_length=40,
+            description="a slug: lowercase letters, digits and '-'",
+        ),
+    ]
+    config: RunConfig
+    adapter: (
+        Annotated[
+            str,
+            Meta(
+                min_length=1,
+                max_length=200,
+                pattern=r"^\S(.*\S)?$",
+                description="the model name the run's agents call (default: the run id)",
+            ),
+        ]
+        | None
+    ) = None
+
+
+class Run(Struct, kw_only=True):
+    run_id: str
+    adapter: str
+    namespace: str
+    config: dict[str, Any]
+    status: RunStatus
+    created_at: float
+    updated_at: float
+    key_sha256: str
+
+
+class NewRun(Run, kw_only=True):
+    api_key: Annotated[str, Meta(description="the run's API key: shown here once, never stored")]
+
+
+class RunList(Struct):
+    runs: list[Run]

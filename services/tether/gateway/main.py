@@ -40,6 +40,7 @@ from tether.gateway.quotas import Limits, Quotas
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RolloutRegistry
 from tether.gateway.routing import Replica, ReplicaPool
+from tether.gateway.runs import Runs
 from tether.gateway.servicer import SERVICE_NAME, GatewayControlServicer
 from tether.gateway.sessions import Sessions, parse_deployment_keys
 from tether.gateway.upstream import UpstreamClient
@@ -370,6 +371,7 @@ class GatewayServer:
             finished_key_grace_s=s.finished_key_grace_s,
             finished_ttl_s=s.finished_rollout_ttl_s,
         )
+        self.runs = Runs(self.redis, keys)
         self.sessions = Sessions(
             parse_deployment_keys(s.deployment_keys), self.redis, keys, self.recorder, s.admin_token
         )
@@ -412,6 +414,7 @@ class GatewayServer:
         return create_app(
             proxy=self.proxy,
             rollouts=self.rollouts,
+            runs=self.runs,
             sessions=self.sessions,
             admission=self.admission,
             pool=self.pool,

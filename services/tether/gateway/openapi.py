@@ -33,7 +33,7 @@ _ADMIN_SECURITY: list[dict[str, list[str]]] = [
     {"adminToken": []},
     {},
 ]  # {}: a loopback gateway without an admin token
-_OWN: list[dict[str, list[str]]] = [{"rolloutKey": []}, {"adminToken": []}]
+_OWN: list[dict[str, list[str]]] = [{"rolloutKey": []}, {"adminToken": []}, {"runKey": []}]
 # What a call route may answer besides 200: the request's fault, the key's, the rollout's state,
 # admission paused (429), the upstream's (5xx: never expected from a healthy upstream).
 _CALL_ERRORS = (400, 401, 403, 404, 405, 409, 413, 422, 429, 502, 503, 504)
@@ -48,6 +48,11 @@ _SECURITY_SCHEMES: Schema = {
         "description": "a rollout's key (tr-...), or a deployment key",
     },
     "adminToken": {"type": "http", "scheme": "bearer", "description": "TETHER_ADMIN_TOKEN"},
+    "runKey": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "a run's API key (trk-...): its own run's rollouts only (docs/runs.md)",
+    },
     "deploymentKey": {
         "type": "http",
         "scheme": "bearer",
@@ -269,12 +274,12 @@ def _rollout_routes(b: _Builder) -> None:
     """The rollout API: create, look at, complete, fail."""
     create = Op(
         "create_rollout",
-        "Create a rollout and its key (admin)",
+        "Create a rollout and its key (admin; or a run's key: in its run)",
         OPENAI,
         bodies.NewRollout,
         _ROUTE_ERRORS,
         bodies.CreateRolloutRequest,
-        _ADMIN_SECURITY,
+        [*_ADMIN_SECURITY, {"runKey": []}],
         ok_status=201,
     )
     b.add("/v1/rollouts", "post", create)
@@ -312,6 +317,40 @@ def _rollout_routes(b: _Builder) -> None:
     for suffix, method, op in ops:
         b.add(f"/v1/rollouts/{{rollout_id}}{suffix}", method, op)
         b.paths[f"/v1/rollouts/{{rollout_id}}{suffix}"]["parameters"] = [_ROLLOUT_ID]
+
+
+_RUN_ID = _param("run_id", "a run's id (a slug; 400 for an id no run can have)")
+
+
+def _run_routes(b: _Builder) -> None:
+    """The run registry (admin): create, list, read, stop."""
+    create = Op(
+        "create_run",
+        "Create a run and its API key, shown once (admin)",
+        OPENAI,
+        bodies.NewRun,
+        _ROUTE_ERRORS,
+        bodies.CreateRunRequest,
+        _ADMIN_SECURITY,
+        ok_status=201,
+    )
+    b.add("/v1/runs", "post", create)
+    b.add(
+        "/v1/runs",
+        "get",
+        Op("list_runs", "Every run (admin)", OPENAI, bodies.RunList, _ROUTE_ERRORS, security=_ADMIN_SECURITY),
+    )
+    get = Op("get_run", "One run (admin)", OPENAI, bodies.Run, _ROUTE_ERRORS, security=_ADMIN_SECURITY)
+    b.add("/v1/runs/{run_id}", "get", get, [_RUN_ID])
+    stop = Op(
+        "stop_run",
+        "Stop a run: created or running -> stopping -> stopped; as it is when stopping or stopped (admin)",
+        OPENAI,
+        bodies.Run,
+        _ROUTE_ERRORS,
+        security=_ADMIN_SECURITY,
+    )
+    b.add("/v1/runs/{run_id}/stop", "post", stop, [_RUN_ID])
 
 
 def _reward_routes(b: _Builder) -> None:
@@ -389,6 +428,7 @@ def document(served_model: str, version: str = "1") -> Schema:
     _agent_routes(b)
     _gemini_routes(b)
     _rollout_routes(b)
+    _run_routes(b)
     _reward_routes(b)
     _operations(b)
     _, components = bodies.schemas(b.types)

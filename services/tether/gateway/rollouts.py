@@ -252,6 +252,23 @@ class RolloutRegistry:
         self._finish = r.register_script(_FINISH)
         self._reward_call = r.register_script(_REWARD_CALL)
 
+    def in_namespace(self, keys: broker.Keys) -> RolloutRegistry:
+        """The same registry over another namespace's keys: a run's (docs/runs.md). Without the call
+        path's pipelined connection: no call path records into a run's namespace yet."""
+        return RolloutRegistry(
+            self.r,
+            keys,
+            self.admission,
+            self.admin_token,
+            self.finish_wait_s,
+            self._key_cache_size,
+            None,
+            self.max_lifetime_s,
+            self.finished_key_grace_s,
+            self.finished_ttl_s,
+            self._clock,
+        )
+
     # --- auth ----------------------------------------------------------------------------------
 
     def is_admin(self, bearer: str | None) -> bool:

@@ -52,6 +52,12 @@ def run_exists(run_id: str) -> ApiError:
     return ApiError(409, f"run {run_id} exists already", "invalid_request_error", "run_exists")
 
 
+def run_takes_no_rollouts(run_id: str, status: str) -> ApiError:
+    return ApiError(
+        409, f"run {run_id} is {status}: it takes no new rollouts", "invalid_request_error", "run_status"
+    )
+
+
 def refused_transition(exc: rules.TransitionRefused) -> ApiError:
     return ApiError(409, str(exc), "invalid_request_error", "run_status")
 

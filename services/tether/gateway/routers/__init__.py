@@ -7,6 +7,7 @@ the request, hands it to the module that does the work, and answers in its famil
   responses  OpenAI Responses (call route), stored responses (404: none are stored)
   gemini     Google's Gemini API (call routes, matched by `{model}:{method}`), countTokens, models
   rollouts   the rollout lifecycle and per-call rewards
+  runs       the run registry (admin): create, list, read, stop runs
   sessions   record-only sessions' rewards
   ops        health, metrics, the OpenAPI document, HEAD probes
   errors     the FastAPI routes' exception handlers

@@ -3,7 +3,8 @@ or fail it, and reward one of its calls. The work is the registry's (rollouts.py
 the key and the body and answer JSON.
 
 Creating, and finishing or reading without the rollout's own key, need the admin token when one is
-configured (RolloutRegistry.require_admin / authorize). A call can be rewarded under the admin-facing
+configured (RolloutRegistry.require_admin / authorize). A run's API key (docs/runs.md) creates, reads,
+completes and fails its run's rollouts, in its run's namespace, and finds no other (404). A call can be rewarded under the admin-facing
 path (/v1/rollouts/{id}/calls/{call_id}/reward) or by a harness that holds only its base URL and key
 (/v1/calls/{call_id}/reward, also under /rollouts/{rollout_id}/v1): the key names the rollout.
 """
@@ -13,10 +14,20 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
+from tether.common.runs import takes_rollouts
 from tether.gateway.capture import load_json_object
 from tether.gateway.edge import bearer, json_response
-from tether.gateway.rollouts import COMPLETED, FAILED, NewRollout, parse_create, parse_reason, parse_reward
+from tether.gateway.rollouts import (
+    COMPLETED,
+    FAILED,
+    NewRollout,
+    RolloutRegistry,
+    parse_create,
+    parse_reason,
+    parse_reward,
+)
 from tether.gateway.routers.state import state
+from tether.gateway.runs import run_takes_no_rollouts
 
 router = APIRouter()
 
@@ -41,25 +52,45 @@ def client_urls(root_url: str, served_model: str, new: NewRollout) -> dict:
 @router.post("/v1/rollouts", status_code=201)
 async def create_rollout(request: Request) -> Response:
     gw = state(request)
-    await gw.rollouts.require_admin(bearer(request))
+    of_run = await gw.run_of(request)
+    if of_run is None:
+        await gw.rollouts.require_admin(bearer(request))
     req = parse_create(load_json_object(await gw.body(request)), gw.default_group_size)
-    new = await gw.rollouts.create(req)
+    if of_run is None:
+        new = await gw.rollouts.create(req)
+    else:  # in the run's namespace, its adapter the policy the merger holds its calls to
+        run, registry = of_run
+        if not takes_rollouts(run.status):
+            raise run_takes_no_rollouts(run.run_id, run.status)
+        req.metadata = {**req.metadata, "adapter": run.adapter}
+        new = await registry.create(req)
     return json_response(client_urls(gw.root_url, gw.served_model, new), 201)
+
+
+async def _registry(request: Request, rollout_id: str, open_without_admin: bool) -> RolloutRegistry:
+    """Where the rollout a request names is, once the request may reach it: a run's key reaches its
+    run's rollouts only (404 for any other: they are not in its namespace); any other key the base
+    namespace's, by its rules (RolloutRegistry.authorize)."""
+    gw = state(request)
+    of_run = await gw.run_of(request)
+    if of_run is not None:
+        return of_run[1]
+    await gw.rollouts.authorize(rollout_id, bearer(request), open_without_admin)
+    return gw.rollouts
 
 
 @router.get("/v1/rollouts/{rollout_id}")
 async def get_rollout(rollout_id: str, request: Request) -> Response:
-    gw = state(request)
-    await gw.rollouts.authorize(rollout_id, bearer(request), open_without_admin=True)
-    return json_response(await gw.rollouts.get(rollout_id))
+    registry = await _registry(request, rollout_id, open_without_admin=True)
+    return json_response(await registry.get(rollout_id))
 
 
 @router.post("/v1/rollouts/{rollout_id}/complete")
 async def complete_rollout(rollout_id: str, request: Request) -> Response:
     gw = state(request)
-    await gw.rollouts.authorize(rollout_id, bearer(request), open_without_admin=False)
+    registry = await _registry(request, rollout_id, open_without_admin=False)
     body = load_json_object(await gw.body(request), allow_nan=True)
-    return json_response(await gw.rollouts.finish(rollout_id, COMPLETED, reward=parse_reward(body)))
+    return json_response(await registry.finish(rollout_id, COMPLETED, reward=parse_reward(body)))
 
 
 @router.post("/v1/rollouts/{rollout_id}/calls/{call_id}/reward")
@@ -89,7 +120,7 @@ async def reward_own_call(call_id: str, request: Request, path_rollout: str | No
 @router.post("/v1/rollouts/{rollout_id}/fail")
 async def fail_rollout(rollout_id: str, request: Request) -> Response:
     gw = state(request)
-    await gw.rollouts.authorize(rollout_id, bearer(request), open_without_admin=False)
+    registry = await _registry(request, rollout_id, open_without_admin=False)
     raw = await gw.body(request)
     reason = parse_reason(load_json_object(raw, allow_nan=True)) if raw.strip() else ""
-    return json_response(await gw.rollouts.finish(rollout_id, FAILED, reason=reason))
+    return json_response(await registry.finish(rollout_id, FAILED, reason=reason))

@@ -12,12 +12,15 @@ from typing import Any
 
 from fastapi import Request
 
+from tether.common.keys import Keys
+from tether.common.records import RunRecord
 from tether.gateway.admission import Admission
 from tether.gateway.apis import Api, GeminiApi, MessagesApi
-from tether.gateway.edge import api_key, read_body
+from tether.gateway.edge import api_key, bearer, read_body
 from tether.gateway.proxy import Proxy
 from tether.gateway.rollouts import RolloutRegistry
 from tether.gateway.routing import ReplicaPool
+from tether.gateway.runs import Runs
 from tether.gateway.sessions import Sessions
 
 
@@ -25,6 +28,7 @@ from tether.gateway.sessions import Sessions
 class RouteState:
     proxy: Proxy
     rollouts: RolloutRegistry
+    runs: Runs
     sessions: Sessions
     admission: Admission
     pool: ReplicaPool
@@ -39,6 +43,19 @@ class RouteState:
     messages_api: MessagesApi
     gemini_api: GeminiApi
     openapi_spec: bytes = field(default=b"", repr=False)
+    _run_rollouts: dict[str, RolloutRegistry] = field(default_factory=dict, repr=False)
+
+    async def run_of(self, request: Request) -> tuple[RunRecord, RolloutRegistry] | None:
+        """For a request carrying a run's API key (Bearer): the run, and its rollouts (a registry over
+        the run's namespace, which holds no other run's: docs/runs.md); None for any other key."""
+        run = await self.runs.by_key(bearer(request))
+        if run is None:
+            return None
+        registry = self._run_rollouts.get(run.namespace)
+        if registry is None:
+            keys = Keys(run.namespace, self.rollouts.keys.trace_partitions)
+            registry = self._run_rollouts[run.namespace] = self.rollouts.in_namespace(keys)
+        return run, registry
 
     async def resolve_key(self, keys: tuple[str, ...], sessions_ok: bool, admin_ok: bool = False) -> str:
         """The first of several keys one request sent that the gateway knows (a client may carry a
