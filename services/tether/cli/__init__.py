@@ -1,5 +1,5 @@
 """`tether` commands: demo, up, down, eval, agent, agent-job, gateway, traces, samples, metrics,
-dead-letters, ui, prepare-demo, health, config.
+dead-letters, ui, prepare-demo, health, config, run.
 
 The cli sits above every service: it starts them as processes (see tether.launcher) and reads the
 stack's Redis; nothing imports it. One module per group of commands, each adding its own to the parser:
@@ -13,6 +13,7 @@ stack's Redis; nothing imports it. One module per group of commands, each adding
     inspection  traces, samples, metrics, dead-letters
     ui          ui (its web app in tether.cli.web)
     config      config check, config values; the --config of up and demo
+    runs        run create, run list, run status, run stop (through the gateway's admin routes)
 
 Their top-level imports are the standard library's and each other's: a command imports what it needs
 when it runs, so `tether health` (every few seconds in every container) loads nothing heavy.
@@ -36,6 +37,7 @@ from tether.cli.examples import (
 )
 from tether.cli.gateway import add_gateway
 from tether.cli.inspection import add_inspection
+from tether.cli.runs import add_runs
 from tether.cli.stack import add_down, add_up, serving_env
 from tether.cli.ui import add_ui
 
@@ -74,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Listed here for --help; main() hands `tether health ...` to tether.common.health before parsing.
     health.add_arguments(sub.add_parser("health", help="check one service's health (exit 0 = healthy)"))
     add_config(sub)
+    add_runs(sub)
     return p
 
 
