@@ -5,7 +5,7 @@ the gateway's error vocabulary; and a run's API key as an authority over its own
 from __future__ import annotations
 
 import orjson
-from gateway_helpers import ADMIN, assert_openai_error, bearer
+from gateway_helpers import ADMIN, InProcessGateway, assert_openai_error, bearer, gateway_settings
 
 from tether.common.keys import Keys, key_digest
 
@@ -132,3 +132,17 @@ def test_a_run_key_reaches_its_own_runs_rollouts_only(gw, rdb):
     assert_openai_error(resp, 409, "run_status")
     # A run key is no admin token: it cannot manage runs.
     assert_openai_error(gw.http.get("/v1/runs", headers=bearer(a["api_key"])), 403, "forbidden")
+
+
+def test_on_a_gateway_without_an_admin_token_a_run_key_is_still_no_admin(redis_port, vllm):
+    """Loopback without a token: anyone may use the run routes, except with a run's key (or a
+    rollout's), which is its own run's and nothing more."""
+    with InProcessGateway(gateway_settings(redis_port, vllm.url, admin_token=None)) as open_gw:
+        resp = open_gw.http.post("/v1/runs", json={"run_id": "open", "config": {}})
+        assert resp.status_code == 201, resp.text
+        key = resp.json()["api_key"]
+        assert open_gw.http.get("/v1/runs").status_code == 200
+        for method, path in (("get", "/v1/runs"), ("get", "/v1/runs/open"), ("post", "/v1/runs/open/stop")):
+            resp = open_gw.http.request(method, path, headers=bearer(key))
+            assert_openai_error(resp, 403, "forbidden")
+        assert open_gw.http.get("/v1/runs/open").json()["status"] == "created"

@@ -16,6 +16,7 @@ from tether.common.keys import Keys
 from tether.common.records import RunRecord
 from tether.gateway.admission import Admission
 from tether.gateway.apis import Api, GeminiApi, MessagesApi
+from tether.gateway.capture import ApiError
 from tether.gateway.edge import api_key, bearer, read_body
 from tether.gateway.proxy import Proxy
 from tether.gateway.rollouts import RolloutRegistry
@@ -44,6 +45,14 @@ class RouteState:
     gemini_api: GeminiApi
     openapi_spec: bytes = field(default=b"", repr=False)
     _run_rollouts: dict[str, RolloutRegistry] = field(default_factory=dict, repr=False)
+
+    async def require_admin(self, request: Request) -> None:
+        """The admin routes' check (RolloutRegistry.require_admin); on a gateway without an admin token,
+        a run's key is refused too, as a rollout's is: a key is its own run's and nothing more."""
+        token = bearer(request)
+        await self.rollouts.require_admin(token)
+        if not self.rollouts.admin_token and await self.runs.by_key(token) is not None:
+            raise ApiError(403, "A run's API key may not use this route", "permission_error", "forbidden")
 
     async def run_of(self, request: Request) -> tuple[RunRecord, RolloutRegistry] | None:
         """For a request carrying a run's API key (Bearer): the run, and its rollouts (a registry over
