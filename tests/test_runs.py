@@ -273,3 +273,34 @@ def test_a_record_that_does_not_decode_is_dead_lettered_and_left_out(redis_port,
         assert len(letters) == 2 and "RunRecord" in letters[0][1]["data"]
 
     _run(_with_runs(redis_port, body))
+
+
+async def check_the_registry(url: str) -> None:
+    """The store's Redis paths in one go (test_redis_cluster.py runs it on a cluster too): the create
+    script (record and key), a concurrent create of one id, the key lookup, a stop and a concurrent
+    status change under WATCH."""
+    r = broker.connect(url)
+    try:
+        runs = Runs(r, Keys(f"t{uuid.uuid4().hex[:8]}"))
+        results = await asyncio.gather(
+            *(runs.create("one", CONFIG) for _ in range(4)), return_exceptions=True
+        )
+        made = [x for x in results if not isinstance(x, Exception)]
+        assert len(made) == 1 and sum(isinstance(x, ApiError) and x.status == 409 for x in results) == 3
+        record, key = made[0]
+        assert await runs.by_key(key) == record == await runs.get("one")
+        await runs.set_status("one", "running")
+        stop, fail = await asyncio.gather(
+            runs.stop("one"), runs.set_status("one", "failed"), return_exceptions=True
+        )
+        assert (await runs.get("one")).status == "failed"
+        assert isinstance(stop, ApiError) or not isinstance(fail, Exception)
+        await runs.create("two", {})
+        assert (await runs.stop("two")).status == "stopped"
+        assert [x.run_id for x in await runs.list()] == ["one", "two"]
+    finally:
+        await r.aclose()
+
+
+async def test_the_registry_in_one_go(redis_port):
+    await check_the_registry(f"redis://127.0.0.1:{redis_port}/0")
