@@ -3,10 +3,12 @@ or fail it, and reward one of its calls. The work is the registry's (rollouts.py
 the key and the body and answer JSON.
 
 Creating, and finishing or reading without the rollout's own key, need the admin token when one is
-configured (RolloutRegistry.require_admin / authorize). A run's API key (docs/runs.md) creates, reads,
-completes and fails its run's rollouts, in its run's namespace, and finds no other (404). A call can be rewarded under the admin-facing
+configured (RolloutRegistry.require_admin / authorize). A call can be rewarded under the admin-facing
 path (/v1/rollouts/{id}/calls/{call_id}/reward) or by a harness that holds only its base URL and key
 (/v1/calls/{call_id}/reward, also under /rollouts/{rollout_id}/v1): the key names the rollout.
+
+A run's API key (docs/runs.md) creates, reads, completes and fails its own run's rollouts, in its run's
+namespace, and finds no other (404); the call rewards do not take it yet.
 """
 
 from __future__ import annotations
