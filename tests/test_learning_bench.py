@@ -50,3 +50,14 @@ def test_step_rewards_are_read_in_step_order_without_nan(bench, tmp_path):
     ]
     (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     assert bench.step_rewards(tmp_path) == [0.25, 0.5]
+
+
+def test_the_coding_example_must_rise_by_0_3_and_hold_after_0_8(bench):
+    """Issue 27's done-when for coding; the other examples keep issue 15's rise of 0.2 only."""
+    steady = {"reward_first5": 0.45, "reward_last10": 0.80, "low5_after_0.8": 0.7}
+    assert all(bench.passes(steady, 80, "coding").values())
+    assert not all(bench.passes({**steady, "reward_last10": 0.70}, 80, "coding").values())  # rise 0.25
+    dipped = {**steady, "low5_after_0.8": 0.5}
+    assert not all(bench.passes(dipped, 80, "coding").values())
+    assert all(bench.passes(dipped, 80, "search").values())  # the floor is coding's
+    assert all(bench.passes({**steady, "low5_after_0.8": None}, 80, "coding").values())  # never reached 0.8
