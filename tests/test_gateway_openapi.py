@@ -43,9 +43,7 @@ def test_document_is_valid_openapi_3_1():
 def test_every_served_route_is_documented_and_every_documented_one_served(gw):
     s = gw.server
     app = create_app(
-        proxy=s.proxy,
-        rollouts=s.rollouts,
-        runs=s.runs,
+        call_paths=s.call_paths,
         sessions=s.sessions,
         admission=s.admission,
         pool=s.pool,

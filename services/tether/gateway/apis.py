@@ -10,7 +10,7 @@ Google's Gemini API (gemini.py), which vLLM does not serve at all.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import orjson
 
@@ -55,6 +55,11 @@ class Api(Protocol):
     name: str  # Trace.api
     path: str  # the vLLM route it is forwarded to
 
+    @property
+    def upstream_model(self) -> str: ...  # the model vLLM is asked for
+
+    def retargeted(self, upstream_model: str) -> Api: ...  # the same, asking vLLM for another model
+
     def parse(self, raw: bytes) -> Any: ...  # with .body (recorded) and .stream
 
     def max_tokens(self, req: Any) -> Any: ...  # the client's output limit as sent (None: none)
@@ -95,11 +100,21 @@ class OpenAIRelay:
         return [b"data: " + orjson.dumps(err.body()) + b"\n\n"]
 
 
-class _OpenAIPassthrough:
+class _Models:
+    """The model name agents send (`served_model`) and the one vLLM is asked for (`upstream_model`)."""
+
     def __init__(self, served_model: str, upstream_model: str) -> None:
         self.served_model = served_model
         self.upstream_model = upstream_model
 
+    def retargeted(self, upstream_model: str) -> Self:
+        """The same API asking vLLM for another model: a run's adapter (docs/runs.md)."""
+        return (
+            self if upstream_model == self.upstream_model else type(self)(self.served_model, upstream_model)
+        )
+
+
+class _OpenAIPassthrough(_Models):
     def reply(self, req: ChatRequest, resp: dict[str, Any], captured: Captured) -> dict[str, Any]:
         strip_vllm_fields(resp, req.wants_logprobs, req.wants_token_ids)
         if self.upstream_model != self.served_model:
@@ -148,12 +163,8 @@ class CompletionsApi(_OpenAIPassthrough):
         )
 
 
-class MessagesApi:
+class MessagesApi(_Models):
     name, path = API_MESSAGES, CHAT_PATH
-
-    def __init__(self, served_model: str, upstream_model: str) -> None:
-        self.served_model = served_model
-        self.upstream_model = upstream_model
 
     def parse(self, raw: bytes) -> messages.MessagesRequest:
         return messages.parse_messages_request(raw, self.served_model)
@@ -180,12 +191,8 @@ class MessagesApi:
         return orjson.dumps({"model": self.upstream_model, **body})
 
 
-class ResponsesApi:
+class ResponsesApi(_Models):
     name, path = API_RESPONSES, CHAT_PATH
-
-    def __init__(self, served_model: str, upstream_model: str) -> None:
-        self.served_model = served_model
-        self.upstream_model = upstream_model
 
     def parse(self, raw: bytes) -> responses.ResponsesRequest:
         return responses.parse_responses_request(raw, self.served_model)
@@ -208,13 +215,9 @@ class ResponsesApi:
         return responses.ResponsesStream(req, self.served_model)
 
 
-class GeminiApi:
+class GeminiApi(_Models):
     """Google's generateContent. The model and whether to stream are in the path, not the body, so a
     route binds them per call (`call`); the bound object is the Api the proxy drives."""
-
-    def __init__(self, served_model: str, upstream_model: str) -> None:
-        self.served_model = served_model
-        self.upstream_model = upstream_model
 
     def call(self, path_model: str, method: str, sse: bool) -> GeminiCall:
         return GeminiCall(self, path_model, method == gemini.STREAM_GENERATE, sse)
@@ -233,6 +236,15 @@ class GeminiCall:
         self.path_model = path_model
         self.stream = stream
         self.sse = sse
+
+    @property
+    def upstream_model(self) -> str:
+        return self.api.upstream_model
+
+    def retargeted(self, upstream_model: str) -> GeminiCall:
+        if upstream_model == self.upstream_model:
+            return self
+        return GeminiCall(self.api.retargeted(upstream_model), self.path_model, self.stream, self.sse)
 
     def parse(self, raw: bytes) -> gemini.GeminiRequest:
         return gemini.parse_generate_request(raw, self.api.served_model, self.path_model, self.stream)

@@ -26,9 +26,8 @@ from tether.gateway import metrics as m
 from tether.gateway import openapi
 from tether.gateway.admission import Admission
 from tether.gateway.apis import GeminiApi, MessagesApi
+from tether.gateway.callpaths import CallPaths
 from tether.gateway.edge import MetricsMiddleware
-from tether.gateway.proxy import Proxy
-from tether.gateway.rollouts import RolloutRegistry
 from tether.gateway.routers import chat, errors, gemini, messages, ops, responses
 from tether.gateway.routers import rollouts as rollout_routes
 from tether.gateway.routers import runs as run_routes
@@ -36,7 +35,6 @@ from tether.gateway.routers import sessions as session_routes
 from tether.gateway.routers.calls import CallRoutes
 from tether.gateway.routers.state import RouteState
 from tether.gateway.routing import ReplicaPool
-from tether.gateway.runs import Runs
 from tether.gateway.sessions import Sessions
 
 # FastAPI tries routes in the order they were included.
@@ -54,9 +52,7 @@ ROUTERS = (
 
 def create_app(
     *,
-    proxy: Proxy,
-    rollouts: RolloutRegistry,
-    runs: Runs,
+    call_paths: CallPaths,
     sessions: Sessions,
     admission: Admission,
     pool: ReplicaPool,
@@ -69,12 +65,14 @@ def create_app(
     access: bool = False,
     cors_origins: list[str] | None = None,
 ) -> ASGIApp:
+    proxy = call_paths.base
     upstream_model = proxy.upstream_model
     messages_api = MessagesApi(served_model, upstream_model)
     gw = RouteState(
+        call_paths=call_paths,
         proxy=proxy,
-        rollouts=rollouts,
-        runs=runs,
+        rollouts=proxy.rollouts,
+        runs=call_paths.runs,
         sessions=sessions,
         admission=admission,
         pool=pool,
@@ -102,7 +100,15 @@ def create_app(
         _attach(app, router)
     _export_metrics(admission, pool)
     routes: ASGIApp = CallRoutes(
-        app, proxy, gw.apis, max_body_bytes, retry_after_s, gw.resolve_key, public_url, access, gw.gemini_api
+        app,
+        call_paths,
+        gw.apis,
+        max_body_bytes,
+        retry_after_s,
+        gw.resolve_key,
+        public_url,
+        access,
+        gw.gemini_api,
     )
     if cors_origins:
         # Around everything, so the call routes answer preflights and carry the headers too.

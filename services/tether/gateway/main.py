@@ -11,12 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import json
 import logging
 import math
 import socket
-from collections.abc import Awaitable, Coroutine, Iterator
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Coroutine, Iterator
+from typing import Any, ClassVar
 
 import grpc
 import redis.asyncio as aioredis
@@ -27,27 +26,29 @@ from starlette.types import ASGIApp
 
 from tether.common import broker, replicas
 from tether.common.grpc_server import Health, cancel_until_done, run_until_signal, start_server
+from tether.common.keys import Keys
 from tether.common.logs import setup_logging
 from tether.common.malloc import tune_malloc
 from tether.common.net import is_loopback
+from tether.common.records import RunRecord
 from tether.common.settings import RedisSettings, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.gateway.admission import Admission
 from tether.gateway.app import create_app
+from tether.gateway.callpaths import CallPaths, follow_admission, open_admission, read_redis
 from tether.gateway.guided import GuidedCheck, GuidedMode
 from tether.gateway.proxy import Proxy
 from tether.gateway.quotas import Limits, Quotas
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RolloutRegistry
 from tether.gateway.routing import Replica, ReplicaPool
-from tether.gateway.runs import Runs
+from tether.gateway.runs import Runs, rollout_key_prefix
 from tether.gateway.servicer import SERVICE_NAME, GatewayControlServicer
 from tether.gateway.sessions import Sessions, parse_deployment_keys
 from tether.gateway.upstream import UpstreamClient
 from tether.v1 import gateway_pb2_grpc
 
 log = logging.getLogger("tether.gateway")
-T = TypeVar("T")
 
 _LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 
@@ -222,39 +223,6 @@ def _bind(host: str, port: int, reuse_port: bool = False) -> socket.socket:
     return sock
 
 
-async def read_redis(what: str, read: Awaitable[T], fallback: T, timeout_s: float = 5.0) -> T:
-    """`read`'s answer, or `fallback` (logged, naming `what`) when Redis does not answer in time: a
-    gateway starts, and keeps serving, with Redis down; its Redis watch reads again."""
-    try:
-        return await asyncio.wait_for(read, timeout_s)
-    except (RedisError, OSError, TimeoutError) as exc:
-        log.warning("%s not read from Redis: %r", what, exc)
-        return fallback
-
-
-async def run_weight_version(r: aioredis.Redis, keys: broker.Keys, timeout_s: float = 5.0) -> int:
-    """The weight version inference serves, as the scheduler last wrote it in the run state
-    (RunState.weight_version); 0 when there is no run, or Redis does not answer yet (the scheduler's
-    ResumeAdmission at its start and after every push sets it then)."""
-    raw = await read_redis(
-        "the run state's weight version", r.hget(keys.run, "weight_version"), None, timeout_s
-    )
-    try:
-        version = int(json.loads(raw)) if raw else 0
-    except (ValueError, TypeError) as exc:
-        log.warning("the run state's weight version %r is not a number, starting at 0: %r", raw, exc)
-        return 0
-    if version:
-        log.info("starting at weight version %d (the run state's)", version)
-    return max(version, 0)
-
-
-async def run_admission_paused(r: aioredis.Redis, keys: broker.Keys, timeout_s: float = 5.0) -> bool:
-    """Whether the scheduler holds the run's gateways paused now (`Keys.admission`, written before its
-    pause reaches any replica: scheduler/gateways.py); False when Redis does not answer."""
-    return await read_redis("the admission state", r.get(keys.admission), None, timeout_s) == "paused"
-
-
 async def agree_partitions(r: aioredis.Redis, keys: broker.Keys, timeout_s: float = 5.0) -> bool:
     """broker.agree_trace_partitions: PartitionMismatch raised, False when Redis did not answer (the
     Redis watch checks again)."""
@@ -264,19 +232,6 @@ async def agree_partitions(r: aioredis.Redis, keys: broker.Keys, timeout_s: floa
         return True
 
     return await read_redis("the run's trace partitions", agree(), False, timeout_s)
-
-
-async def follow_admission(
-    admission: Admission, r: aioredis.Redis, keys: broker.Keys, every_s: float
-) -> None:
-    """Pause this replica when the run is paused and the scheduler's pause did not reach it (a pod
-    that was not in DNS yet when the pause went out). Resuming stays the scheduler's: its resume
-    carries the new weight version, and reaches every replica that DNS lists."""
-    while True:
-        await asyncio.sleep(every_s)
-        if not admission.paused and await run_admission_paused(r, keys, timeout_s=every_s):
-            log.warning("the run's gateways are paused and this replica was not: pausing it")
-            await admission.pause(0)
 
 
 class GatewayServer:
@@ -291,7 +246,7 @@ class GatewayServer:
         self.health: Health | None = None
         self._http_task: asyncio.Task | None = None
         self._health_task: asyncio.Task | None = None
-        self._admission_task: asyncio.Task | None = None
+        self._followers: list[asyncio.Task] = []  # each namespace's admission follower
         self._partitions_agreed = False
         self._stopped = False
 
@@ -338,26 +293,27 @@ class GatewayServer:
         # Blocking pool: past its size a command waits for a connection instead of failing (redis-py's
         # default pool raises at 100). The call path pipelines (recorder.Batcher) and needs few.
         self.redis = broker.connect(s.redis_url, max_connections=64, pool_timeout_s=30)
-        # A gateway (re)started mid-run records calls with the version inference serves, not 0 until
-        # the scheduler's next push (0 would make every call look stale to the staleness bound).
         # A count of trace partitions other than the run's is refused (PartitionMismatch: main exits
         # with SETTINGS_REFUSED): this replica would write calls to partitions the merger never reads.
         self._partitions_agreed = await agree_partitions(self.redis, keys)
-        self.admission = Admission(await run_weight_version(self.redis, keys))
-        # A replica that starts while the run is paused (a restart mid-push, a new pod) starts paused:
-        # the scheduler's resume opens it with the new weight version.
-        if await run_admission_paused(self.redis, keys):
-            log.info("starting paused: the run's gateways are paused")
-            await self.admission.pause(0)
-        self._admission_task = asyncio.create_task(
-            follow_admission(self.admission, self.redis, keys, s.admission_check_s)
-        )
+        self.admission = await self._admission(keys, resumes=False)
         self.recorder = Recorder(self.redis, s.redis_url, keys)
         with contextlib.suppress(RedisError, OSError):  # loaded on first use when Redis is not up yet
             await self.recorder.start()
 
+    async def _admission(self, keys: broker.Keys, resumes: bool) -> Admission:
+        """A namespace's admission gate (callpaths.open_admission), followed in Redis from now on."""
+        admission = await open_admission(self.redis, keys)
+        self._followers.append(
+            asyncio.create_task(
+                follow_admission(admission, self.redis, keys, self.s.admission_check_s, resumes)
+            )
+        )
+        return admission
+
     def _build_call_path(self, keys: broker.Keys) -> None:
-        """The replicas, the rollout registry, the sessions and the proxy that carries each call."""
+        """The replicas, the base namespace's rollout registry, sessions and proxy, and the runs'
+        call paths (opened on first use)."""
         s = self.s
         self.pool = ReplicaPool([Replica(url, self._upstream(url)) for url in s.replica_urls])
         self.rollouts = RolloutRegistry(
@@ -375,30 +331,49 @@ class GatewayServer:
         self.sessions = Sessions(
             parse_deployment_keys(s.deployment_keys), self.redis, keys, self.recorder, s.admin_token
         )
-        self.proxy = Proxy(
+        self.proxy = self._proxy(
+            self.rollouts, self.recorder, self.sessions, s.upstream_model or s.served_model
+        )
+        self.call_paths = CallPaths(self.proxy, self.runs, self._open_run)
+
+    async def _open_run(self, run: RunRecord) -> Proxy:
+        """A run's call path: the base one's parts over the run's namespace, its own admission gate
+        (resumed from Redis: the scheduler's GatewayControl holds the base one), vLLM asked for its
+        adapter, no deployment keys."""
+        keys = Keys(run.namespace, self.s.trace_partitions)
+        admission = await self._admission(keys, resumes=True)
+        recorder = self.recorder.in_namespace(keys)
+        rollouts = self.rollouts.in_namespace(keys, admission, recorder.batch, rollout_key_prefix(run.run_id))
+        sessions = Sessions({}, self.redis, keys, recorder, self.s.admin_token)
+        return self._proxy(rollouts, recorder, sessions, run.adapter)
+
+    def _proxy(
+        self, rollouts: RolloutRegistry, recorder: Recorder, sessions: Sessions, upstream: str
+    ) -> Proxy:
+        """The proxy of one namespace's call path (the registry's keys and admission gate)."""
+        s = self.s
+        return Proxy(
             pool=self.pool,
-            rollouts=self.rollouts,
-            sessions=self.sessions,
-            admission=self.admission,
-            recorder=self.recorder,
-            keys=keys,
+            rollouts=rollouts,
+            sessions=sessions,
+            admission=rollouts.admission,
+            recorder=recorder,
+            keys=rollouts.keys,
             served_model=s.served_model,
-            upstream_model=s.upstream_model or s.served_model,
+            upstream_model=upstream,
             admission_wait_s=s.admission_wait_s,
             retry_after_s=s.retry_after_s,
             max_retries=s.upstream_retries,
             retry_backoff_s=s.retry_backoff_s,
             default_max_tokens=s.default_max_tokens or None,
-            guided=GuidedCheck(
-                s.upstream_model or s.served_model, s.guided, s.guided_tolerance, s.guided_timeout_s
-            ),
-            quotas=self._quotas(keys),
+            guided=GuidedCheck(upstream, s.guided, s.guided_tolerance, s.guided_timeout_s),
+            quotas=self._quotas(rollouts.keys, recorder),
         )
 
-    def _quotas(self, keys: broker.Keys) -> Quotas:
+    def _quotas(self, keys: broker.Keys, recorder: Recorder) -> Quotas:
         s = self.s
         return Quotas(
-            self.recorder.batch,
+            recorder.batch,
             keys,
             Limits(s.rollout_max_request_bytes, s.rollout_max_concurrent, s.rollout_tokens_per_minute),
             Limits(
@@ -412,9 +387,7 @@ class GatewayServer:
     def _app(self) -> ASGIApp:
         s = self.s
         return create_app(
-            proxy=self.proxy,
-            rollouts=self.rollouts,
-            runs=self.runs,
+            call_paths=self.call_paths,
             sessions=self.sessions,
             admission=self.admission,
             pool=self.pool,
@@ -529,9 +502,10 @@ class GatewayServer:
             self._uvicorn.should_exit = True
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._http_task), self.s.shutdown_grace_s + 5)
-        await self.proxy.aclose()
+        await self.call_paths.aclose()
         # Cancelled until they end: a cancel can be lost inside a Redis read (cancel_until_done).
-        await cancel_until_done(*(t for t in (self._health_task, self._admission_task) if t is not None))
+        tasks = (self._health_task, *self._followers)
+        await cancel_until_done(*(t for t in tasks if t is not None))
         await self.pool.aclose()
         self.recorder.close()
         await self.redis.aclose()

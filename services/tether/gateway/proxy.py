@@ -47,6 +47,8 @@ class CountsTokens(Protocol):
 
     def count_tokens_body(self, raw: bytes) -> bytes: ...  # the /tokenize body for vLLM
 
+    def retargeted(self, upstream_model: str) -> CountsTokens: ...  # asking vLLM for another model
+
 
 class Proxy:
     def __init__(
@@ -113,6 +115,7 @@ class Proxy:
         """One call in `api`'s dialect. `path_rollout` comes from a /rollouts/{id}/v1/... path: the
         key must then belong to that rollout."""
         handle = handle or CallHandle()
+        api = api.retargeted(self.upstream_model)  # a run's call path asks for its adapter
         session = None if path_rollout is not None else self.sessions.session_of(api_key)
         if session is not None:
             assert api_key is not None  # a session has a key
@@ -253,7 +256,7 @@ class Proxy:
         call: nothing is recorded."""
         if path_rollout is not None or self.sessions.session_of(api_key) is None:
             await self.rollouts.authenticate(api_key, path_rollout)
-        body = api.count_tokens_body(raw)
+        body = api.retargeted(self.upstream_model).count_tokens_body(raw)
         return {"input_tokens": await self.forwarder.tokenize(body)}
 
     # --- non-streaming -------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import logging
 import socket
 import ssl
@@ -279,6 +280,12 @@ class Recorder:
         self.trace_maxlen = trace_maxlen
         self.marker_ttl_s = marker_ttl_s
         self._sha: str | None = None
+
+    def in_namespace(self, keys: broker.Keys) -> Recorder:
+        """The same connection and script, over another namespace's keys (a run's call path)."""
+        other = copy.copy(self)
+        other.keys = keys
+        return other
 
     async def start(self) -> None:
         self._sha = await self.r.script_load(_PUBLISH_ONCE)

@@ -46,6 +46,7 @@ from tether.gateway import bodies
 from tether.gateway.admission import Admission
 from tether.gateway.capture import ApiError
 from tether.gateway.recorder import IN_FLIGHT, Batcher
+from tether.gateway.runs import ROLLOUT_KEY_PREFIX
 
 log = logging.getLogger(__name__)
 
@@ -232,8 +233,10 @@ class RolloutRegistry:
         finished_key_grace_s: int = 300,
         finished_ttl_s: int = 7 * 24 * 3600,
         clock: Callable[[], float] = time.monotonic,
+        key_prefix: str = ROLLOUT_KEY_PREFIX,
     ) -> None:
         self.r = r
+        self.key_prefix = key_prefix  # how its rollouts' keys begin (runs.rollout_key_prefix)
         self.batch = batch  # key lookups of the call path, pipelined (plain redis-py without one)
         self.keys = keys
         self.admission = admission
@@ -252,21 +255,24 @@ class RolloutRegistry:
         self._finish = r.register_script(_FINISH)
         self._reward_call = r.register_script(_REWARD_CALL)
 
-    def in_namespace(self, keys: broker.Keys) -> RolloutRegistry:
-        """The same registry over another namespace's keys: a run's (docs/runs.md). Without the call
-        path's pipelined connection: no call path records into a run's namespace yet."""
+    def in_namespace(
+        self, keys: broker.Keys, admission: Admission, batch: Batcher | None, key_prefix: str
+    ) -> RolloutRegistry:
+        """The same registry over another namespace's keys (a run's: docs/runs.md), with that
+        namespace's call path's admission gate and connection, issuing keys that begin `key_prefix`."""
         return RolloutRegistry(
             self.r,
             keys,
-            self.admission,
+            admission,
             self.admin_token,
             self.finish_wait_s,
             self._key_cache_size,
-            None,
+            batch,
             self.max_lifetime_s,
             self.finished_key_grace_s,
             self.finished_ttl_s,
             self._clock,
+            key_prefix,
         )
 
     # --- auth ----------------------------------------------------------------------------------
@@ -362,7 +368,7 @@ class RolloutRegistry:
 
     async def create(self, req: CreateRequest) -> NewRollout:
         rollout_id = uuid.uuid4().hex
-        api_key = "tr-" + secrets.token_urlsafe(24)
+        api_key = self.key_prefix + secrets.token_urlsafe(24)
         digest = broker.key_digest(api_key)
         # The rollout first, then its key (two slots on a Redis Cluster, so no transaction): a key never
         # resolves to a rollout that does not exist; a failure in between leaves a rollout no one can call.

@@ -16,7 +16,7 @@ import dataclasses
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import redis.asyncio as aioredis
@@ -35,7 +35,24 @@ redis.call('SET', KEYS[2], ARGV[1])
 return 1
 """
 RUN_KEY_PREFIX = "trk-"  # a run's key, told apart from a rollout's (tr-) at a glance
+ROLLOUT_KEY_PREFIX = "tr-"  # a rollout's key; a run's rollout's carries its run: tr-<run id>.<secret>
+_RUN_MARK_END = "."  # in no run id and no secret (token_urlsafe), so a base rollout key has none
 MAX_ADAPTER = 200
+
+
+def rollout_key_prefix(run_id: str | None) -> str:
+    """How the keys of a namespace's rollouts begin: the base namespace's `tr-`, a run's
+    `tr-<run id>.`, so that a call's key names the call path it takes (docs/runs.md)."""
+    return ROLLOUT_KEY_PREFIX if run_id is None else f"{ROLLOUT_KEY_PREFIX}{run_id}{_RUN_MARK_END}"
+
+
+def run_of_rollout_key(api_key: str | None) -> str | None:
+    """The run a rollout key says it is of (its marker), None for a key without one. Only a claim: the
+    key is then looked up in that run's namespace, where a key with a forged marker is unknown."""
+    if not api_key or not api_key.startswith(ROLLOUT_KEY_PREFIX):
+        return None
+    run_id, sep, _ = api_key[len(ROLLOUT_KEY_PREFIX) :].partition(_RUN_MARK_END)
+    return run_id if sep and rules.valid_run_id(run_id) else None
 
 
 def invalid_run_id(run_id: str) -> ApiError:
@@ -124,7 +141,7 @@ class Runs:
         """The run (400 for an id no run can have, 404 for none)."""
         if not rules.valid_run_id(run_id):
             raise invalid_run_id(run_id)
-        record = await self._decoded(run_id, await self.r.hget(self.keys.runs, run_id))
+        record = await self.find(run_id)
         if record is None:
             raise run_not_found(run_id)
         return record
@@ -134,14 +151,19 @@ class Runs:
         found = [await self._decoded(k, v) for k, v in (await self.r.hgetall(self.keys.runs)).items()]
         return sorted((r for r in found if r is not None), key=lambda r: (r.created_at, r.run_id))
 
+    async def find(self, run_id: str) -> RunRecord | None:
+        """The run, None for none (an id no run can have included)."""
+        if not rules.valid_run_id(run_id):
+            return None
+        return await self._decoded(run_id, await self.r.hget(self.keys.runs, run_id))
+
     async def by_key(self, api_key: str | None) -> RunRecord | None:
         """The run an API key belongs to, None for a key of no run."""
         if not api_key or not api_key.startswith(RUN_KEY_PREFIX):
             return None
-        run_id = await self.r.get(self.keys.run_key(broker.key_digest(api_key)))
-        if run_id is None:
-            return None
-        return await self._decoded(run_id, await self.r.hget(self.keys.runs, run_id))
+        # The gateway's clients decode responses: a str or None.
+        run_id = cast("str | None", await self.r.get(self.keys.run_key(broker.key_digest(api_key))))
+        return None if run_id is None else await self.find(run_id)
 
     async def set_status(self, run_id: str, wanted: str) -> RunRecord:
         """Move the run to `wanted` where its status allows (409 otherwise; 404 for no run)."""

@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from tether.gateway import metrics as m
 from tether.gateway.apis import Api, GeminiApi, GeminiCall
 from tether.gateway.call import CallHandle, ClientGone
+from tether.gateway.callpaths import CallPaths
 from tether.gateway.capture import ApiError
 from tether.gateway.edge import (
     JSON_HEADERS,
@@ -38,7 +39,6 @@ from tether.gateway.edge import (
     send_error,
     too_large,
 )
-from tether.gateway.proxy import Proxy
 from tether.gateway.routers.gemini import match_call
 from tether.gateway.stream import StreamSession
 
@@ -51,7 +51,7 @@ class CallRoutes:
     def __init__(
         self,
         fallback: ASGIApp,
-        proxy: Proxy,
+        call_paths: CallPaths,
         apis: dict[str, Api],
         max_body_bytes: int,
         retry_after_s: int,
@@ -62,8 +62,7 @@ class CallRoutes:
     ) -> None:
         self.fallback = fallback
         self.gemini = gemini_api
-        self.proxy = proxy
-        self.rollouts = proxy.rollouts
+        self.call_paths = call_paths  # the proxy of each namespace: a call takes its key's
         self.resolve_key = resolve_key
         self.public_url = public_url.rstrip("/")
         self.access = access
@@ -154,7 +153,8 @@ class CallRoutes:
         if path_rollout is not None:
             return path_rollout
         for k in key if isinstance(key, tuple) else (key,):
-            owner = self.rollouts.cached_owner(k)
+            proxy = self.call_paths.cached(k)
+            owner = proxy.rollouts.cached_owner(k) if proxy is not None else None
             if owner is not None:
                 return owner
         return None
@@ -180,13 +180,14 @@ class CallRoutes:
                 )
             if isinstance(key, tuple):  # several keys sent: the first the gateway knows wins
                 key = await self.resolve_key(key, rollout_id is None)
+            proxy = await self.call_paths.of_key(key)
             try:
                 raw = await receive_body(receive, length, self.max_body_bytes)
             except ApiError as exc:  # over the limit: recorded for a known rollout all the same
-                await self.proxy.refuse(api, key, rollout_id, exc)
+                await proxy.refuse(api, key, rollout_id, exc)
                 raise
             watcher = asyncio.get_running_loop().create_task(_watch_disconnect(receive, handle))
-            out = await self.proxy.handle(api, key, raw, rollout_id, handle)
+            out = await proxy.handle(api, key, raw, rollout_id, handle)
         except BaseException as exc:
             if watcher is not None:
                 watcher.cancel()

@@ -51,7 +51,7 @@ def match_call(path: str) -> tuple[str, str, str, str | None] | None:
 async def gemini_models(request: Request, rollout_id: str | None = None) -> Response:
     gw = state(request)
     if rollout_id is not None:
-        await gw.rollouts.authenticate(await gw.key_of(request, rollout_id), rollout_id)
+        await gw.authenticate_path(request, rollout_id)
     return json_response({"models": [model_resource(gw.served_model)]})
 
 
@@ -60,7 +60,7 @@ async def gemini_models(request: Request, rollout_id: str | None = None) -> Resp
 async def gemini_model(model: str, request: Request, rollout_id: str | None = None) -> Response:
     gw = state(request)
     if rollout_id is not None:
-        await gw.rollouts.authenticate(await gw.key_of(request, rollout_id), rollout_id)
+        await gw.authenticate_path(request, rollout_id)
     check_path_model(model, gw.served_model)
     return json_response(model_resource(gw.served_model))
 
@@ -76,9 +76,7 @@ async def model_method(target: str, request: Request, rollout_id: str | None) ->
             "streamGenerateContent and countTokens",
             code="not_found",
         )
-    raw = await gw.body(request)
-    call = gw.gemini_api.call(model, method, False)
-    out = await gw.proxy.count_tokens(call, await gw.key_of(request, rollout_id), raw, rollout_id)
+    out = await gw.count_tokens(request, gw.gemini_api.call(model, method, False), rollout_id)
     return json_response({"totalTokens": out["input_tokens"]})
 
 

@@ -25,9 +25,7 @@ def call_apis(messages_api: MessagesApi) -> dict[str, Api]:
 
 async def count_tokens(request: Request, rollout_id: str | None) -> Response:
     gw = state(request)
-    key = await gw.key_of(request, rollout_id)
-    raw = await gw.body(request)
-    return json_response(await gw.proxy.count_tokens(gw.messages_api, key, raw, rollout_id))
+    return json_response(await gw.count_tokens(request, gw.messages_api, rollout_id))
 
 
 @router.post("/v1/messages/count_tokens")

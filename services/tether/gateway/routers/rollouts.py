@@ -7,8 +7,9 @@ configured (RolloutRegistry.require_admin / authorize). A call can be rewarded u
 path (/v1/rollouts/{id}/calls/{call_id}/reward) or by a harness that holds only its base URL and key
 (/v1/calls/{call_id}/reward, also under /rollouts/{rollout_id}/v1): the key names the rollout.
 
-A run's API key (docs/runs.md) creates, reads, completes and fails its own run's rollouts, in its run's
-namespace, and finds no other (404); the call rewards do not take it yet.
+A run's API key (docs/runs.md) creates, reads, completes and fails its own run's rollouts, and rewards
+their calls, in its run's namespace, and finds no other (404). A run's rollout key is looked up in its
+run's namespace only (callpaths.py): it reaches its own rollout as a base rollout's key does.
 """
 
 from __future__ import annotations
@@ -69,16 +70,21 @@ async def create_rollout(request: Request) -> Response:
     return json_response(client_urls(gw.root_url, gw.served_model, new), 201)
 
 
-async def _registry(request: Request, rollout_id: str, open_without_admin: bool) -> RolloutRegistry:
+async def _registry(
+    request: Request, rollout_id: str, open_without_admin: bool, key: str | None = None
+) -> RolloutRegistry:
     """Where the rollout a request names is, once the request may reach it: a run's key reaches its
-    run's rollouts only (404 for any other: they are not in its namespace); any other key the base
-    namespace's, by its rules (RolloutRegistry.authorize)."""
+    run's rollouts only (404 for any other: they are not in its namespace); any other key (the
+    Bearer's unless `key` says) the rollouts of its call path's namespace, by their rules
+    (RolloutRegistry.authorize): a run's rollout key its own rollout only."""
     gw = state(request)
     of_run = await gw.run_of(request)
     if of_run is not None:
         return of_run[1]
-    await gw.rollouts.authorize(rollout_id, bearer(request), open_without_admin)
-    return gw.rollouts
+    key = bearer(request) if key is None else key
+    registry = await gw.registry_of(key)
+    await registry.authorize(rollout_id, key, open_without_admin)
+    return registry
 
 
 @router.get("/v1/rollouts/{rollout_id}")
@@ -97,17 +103,16 @@ async def complete_rollout(rollout_id: str, request: Request) -> Response:
 
 @router.post("/v1/rollouts/{rollout_id}/calls/{call_id}/reward")
 async def reward_call(rollout_id: str, call_id: str, request: Request) -> Response:
-    gw = state(request)
-    await gw.rollouts.authorize(
-        rollout_id, await gw.key_of(request, rollout_id, admin_ok=True), open_without_admin=False
-    )
-    return await _reward_call(rollout_id, call_id, request)
+    key = await state(request).key_of(request, rollout_id, admin_ok=True)
+    registry = await _registry(request, rollout_id, False, key)
+    return await _reward_call(registry, rollout_id, call_id, request)
 
 
-async def _reward_call(rollout_id: str, call_id: str, request: Request) -> Response:
-    gw = state(request)
-    body = load_json_object(await gw.body(request), allow_nan=True)
-    return json_response(await gw.rollouts.reward_call(rollout_id, call_id, parse_reward(body)))
+async def _reward_call(
+    registry: RolloutRegistry, rollout_id: str, call_id: str, request: Request
+) -> Response:
+    body = load_json_object(await state(request).body(request), allow_nan=True)
+    return json_response(await registry.reward_call(rollout_id, call_id, parse_reward(body)))
 
 
 # The same for a harness that holds only its base URL and key: the key names the rollout.
@@ -116,7 +121,8 @@ async def _reward_call(rollout_id: str, call_id: str, request: Request) -> Respo
 async def reward_own_call(call_id: str, request: Request, path_rollout: str | None = None) -> Response:
     gw = state(request)
     key = await gw.key_of(request, path_rollout)
-    return await _reward_call(await gw.rollouts.authenticate(key, path_rollout), call_id, request)
+    registry = await gw.registry_of(key)
+    return await _reward_call(registry, await registry.authenticate(key, path_rollout), call_id, request)
 
 
 @router.post("/v1/rollouts/{rollout_id}/fail")

@@ -12,13 +12,13 @@ from typing import Any
 
 from fastapi import Request
 
-from tether.common.keys import Keys
 from tether.common.records import RunRecord
 from tether.gateway.admission import Admission
 from tether.gateway.apis import Api, GeminiApi, MessagesApi
+from tether.gateway.callpaths import CallPaths
 from tether.gateway.capture import ApiError
 from tether.gateway.edge import api_key, bearer, read_body
-from tether.gateway.proxy import Proxy
+from tether.gateway.proxy import CountsTokens, Proxy
 from tether.gateway.rollouts import RolloutRegistry
 from tether.gateway.routing import ReplicaPool
 from tether.gateway.runs import Runs
@@ -27,6 +27,7 @@ from tether.gateway.sessions import Sessions
 
 @dataclass
 class RouteState:
+    call_paths: CallPaths  # the base namespace's and each run's (proxy and rollouts: the base one's)
     proxy: Proxy
     rollouts: RolloutRegistry
     runs: Runs
@@ -44,7 +45,6 @@ class RouteState:
     messages_api: MessagesApi
     gemini_api: GeminiApi
     openapi_spec: bytes = field(default=b"", repr=False)
-    _run_rollouts: dict[str, RolloutRegistry] = field(default_factory=dict, repr=False)
 
     async def require_admin(self, request: Request) -> None:
         """The admin routes' check (RolloutRegistry.require_admin); on a gateway without an admin token,
@@ -55,16 +55,31 @@ class RouteState:
             raise ApiError(403, "A run's API key may not use this route", "permission_error", "forbidden")
 
     async def run_of(self, request: Request) -> tuple[RunRecord, RolloutRegistry] | None:
-        """For a request carrying a run's API key (Bearer): the run, and its rollouts (a registry over
-        the run's namespace, which holds no other run's: docs/runs.md); None for any other key."""
+        """For a request carrying a run's API key (Bearer): the run, and its rollouts (its call path's
+        registry, over the run's namespace, which holds no other run's: docs/runs.md); None for any
+        other key."""
         run = await self.runs.by_key(bearer(request))
         if run is None:
             return None
-        registry = self._run_rollouts.get(run.namespace)
-        if registry is None:
-            keys = Keys(run.namespace, self.rollouts.keys.trace_partitions)
-            registry = self._run_rollouts[run.namespace] = self.rollouts.in_namespace(keys)
-        return run, registry
+        return run, (await self.call_paths.of_run(run)).rollouts
+
+    async def registry_of(self, key: str | None) -> RolloutRegistry:
+        """The rollouts a rollout's key is looked up among: its run's for a run's rollout key, the base
+        namespace's for any other (callpaths.CallPaths.of_key)."""
+        return (await self.call_paths.of_key(key)).rollouts
+
+    async def count_tokens(
+        self, request: Request, api: CountsTokens, rollout_id: str | None
+    ) -> dict[str, Any]:
+        """A token-counting route (Proxy.count_tokens), on the call path of the request's key."""
+        key = await self.key_of(request, rollout_id)
+        raw = await self.body(request)
+        return await (await self.call_paths.of_key(key)).count_tokens(api, key, raw, rollout_id)
+
+    async def authenticate_path(self, request: Request, rollout_id: str) -> None:
+        """A /rollouts/{rollout_id}/... request's key must be that rollout's (401, 403 otherwise)."""
+        key = await self.key_of(request, rollout_id)
+        await (await self.registry_of(key)).authenticate(key, rollout_id)
 
     async def resolve_key(self, keys: tuple[str, ...], sessions_ok: bool, admin_ok: bool = False) -> str:
         """The first of several keys one request sent that the gateway knows (a client may carry a
@@ -74,7 +89,7 @@ class RouteState:
                 admin_ok and self.rollouts.is_admin(key)
             ):
                 return key
-            if await self.rollouts.owner(key) is not None:
+            if await (await self.registry_of(key)).owner(key) is not None:
                 return key
         return keys[0]
 

@@ -1,0 +1,259 @@
+"""A run's call path (docs/runs.md, "What works now"): calls made with a run's rollout key are served
+with the run's adapter as vLLM's model, recorded in the run's namespace, rewarded and completed there;
+the key finds its run without a Redis read once its call path is open; a forged run marker reaches
+nothing; one run's admission pauses alone; and a key of run A reaches nothing of run B or of the base
+namespace on any call route, answered in each API's own error shape. In-process gateway, vLLM
+look-alike."""
+
+from __future__ import annotations
+
+import time
+
+import orjson
+import pytest
+from fakes.vllm_openai import MODEL
+from gateway_helpers import (
+    ADMIN,
+    InProcessGateway,
+    assert_openai_error,
+    bearer,
+    gateway_settings,
+    trace_count,
+    traces,
+    wait_traces,
+)
+from test_gateway_apis import assert_anthropic_error
+from test_gateway_gemini import assert_google_error
+
+from tether.common.keys import Keys
+from tether.gateway.runs import run_of_rollout_key
+from tether.v1 import gateway_pb2
+
+ADMIN_H = bearer(ADMIN)
+MESSAGES = [{"role": "user", "content": "what is 3 + 4 ?"}]
+CONTENTS = [{"role": "user", "parts": [{"text": "what is 3 + 4 ?"}]}]
+# One call per route family: (path under the root, body, the family's error check).
+CALLS = {
+    "chat": ("/v1/chat/completions", {"model": MODEL, "messages": MESSAGES, "max_tokens": 8}),
+    "completions": ("/v1/completions", {"model": MODEL, "prompt": "what is 3 + 4 ?", "max_tokens": 8}),
+    "messages": ("/v1/messages", {"model": MODEL, "messages": MESSAGES, "max_tokens": 8}),
+    "responses": ("/v1/responses", {"model": MODEL, "input": "what is 3 + 4 ?", "max_output_tokens": 8}),
+    "gemini": (f"/v1beta/models/{MODEL}:generateContent", {"contents": CONTENTS}),
+}
+
+
+@pytest.fixture(scope="module")
+def gw(redis_port, vllm):
+    settings = gateway_settings(redis_port, vllm.url, admission_check_s=0.05, admission_wait_s=0.5)
+    with InProcessGateway(settings) as g:
+        yield g
+
+
+def _run(gw, run_id: str, **extra) -> dict:
+    resp = gw.http.post("/v1/runs", json={"run_id": run_id, "config": {}, **extra}, headers=ADMIN_H)
+    assert resp.status_code == 201, resp.text
+    made = resp.json()
+    made["keys"] = Keys(made["namespace"], gw.keys.trace_partitions)
+    return made
+
+
+def _rollout(gw, run: dict) -> dict:
+    body = {"task_id": "t", "group_id": f"g-{time.monotonic_ns()}"}
+    resp = gw.http.post("/v1/rollouts", json=body, headers=bearer(run["api_key"]))
+    assert resp.status_code == 201, resp.text
+    return resp.json()
+
+
+@pytest.fixture(scope="module")
+def runs(gw):
+    return _run(gw, "calls-a", adapter="adapter-a"), _run(gw, "calls-b", adapter="adapter-b")
+
+
+def _call(gw, family: str, key: str, prefix: str = ""):
+    path, body = CALLS[family]
+    return gw.http.post(prefix + path, json=body, headers=bearer(key))
+
+
+def _refused(resp, family: str, status: int) -> None:
+    """An answer in the family's own error shape: Anthropic's, Google's, or OpenAI's."""
+    if family in ("messages", "count_tokens"):
+        kind = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}[status]
+        assert_anthropic_error(resp, status, kind)
+    elif family in ("gemini", "gemini_count"):
+        rpc = {401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 429: "RESOURCE_EXHAUSTED"}[status]
+        assert_google_error(resp, status, rpc)
+    else:
+        assert_openai_error(resp, status)
+
+
+@pytest.mark.parametrize("family", sorted(CALLS))
+def test_a_run_rollouts_call_is_served_by_its_adapter_and_recorded_in_its_run(gw, rdb, vllm, runs, family):
+    run = runs[0]
+    rollout = _rollout(gw, run)
+    assert run_of_rollout_key(rollout["api_key"]) == run["run_id"]
+    base_traces = trace_count(rdb, gw.keys)
+    resp = _call(gw, family, rollout["api_key"])
+    assert resp.status_code == 200, resp.text
+    assert vllm.requests[-1]["model"] == "adapter-a"  # asked of vLLM; the agent still sees its model
+    assert resp.json().get("model", resp.json().get("modelVersion", MODEL)) == MODEL
+    [trace] = wait_traces(rdb, run["keys"], rollout["rollout_id"])
+    assert trace["status"] == "ok" and trace["call_id"] == resp.headers["x-tether-call-id"]
+    assert trace_count(rdb, gw.keys) == base_traces  # nothing in the base namespace
+    assert int(rdb.hget(run["keys"].rollout(rollout["rollout_id"]), "in_flight")) == 0
+
+
+def test_streamed_call_reward_and_complete_land_in_the_run(gw, rdb, vllm, runs):
+    run = runs[0]
+    rollout = _rollout(gw, run)
+    rid, key = rollout["rollout_id"], rollout["api_key"]
+    path, body = CALLS["chat"]
+    with gw.http.stream("POST", path, json={**body, "stream": True}, headers=bearer(key)) as resp:
+        assert resp.status_code == 200 and "[DONE]" in resp.read().decode()
+        streamed = resp.headers["x-tether-call-id"]
+    assert vllm.requests[-1]["model"] == "adapter-a"
+    plain = _call(gw, "chat", key).headers["x-tether-call-id"]
+    assert [t["call_id"] for t in wait_traces(rdb, run["keys"], rid, 2)] == [streamed, plain]
+
+    # Rewards: by the rollout's own key, and by the run's key on the admin-facing path.
+    resp = gw.http.post(f"/v1/calls/{streamed}/reward", json={"reward": 0.25}, headers=bearer(key))
+    assert resp.status_code == 200 and resp.json()["rollout_id"] == rid, resp.text
+    resp = gw.http.post(f"/rollouts/{rid}/v1/calls/{plain}/reward", json={"reward": 0.5}, headers=bearer(key))
+    assert resp.status_code == 200, resp.text
+    resp = gw.http.post(
+        f"/v1/rollouts/{rid}/calls/{plain}/reward", json={"reward": 1.0}, headers=bearer(run["api_key"])
+    )
+    assert resp.status_code == 200 and resp.json()["replaced"] is True, resp.text
+    assert rdb.hgetall(run["keys"].call_rewards(rid)) == {streamed: "0.25", plain: "1.0"}
+
+    # The rollout's own key reads and completes it: its event goes to the run's stream.
+    assert gw.http.get(f"/v1/rollouts/{rid}", headers=bearer(key)).json()["calls"] == 2
+    resp = gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0}, headers=bearer(key))
+    assert resp.status_code == 200 and resp.json()["calls"] == 2, resp.text
+    events = [orjson.loads(f["data"]) for _, f in rdb.xrange(run["keys"].rollout_events)]
+    assert [(e["adapter"], e["reward"]) for e in events if e["rollout_id"] == rid] == [("adapter-a", 1.0)]
+    assert rid not in str(rdb.xrange(gw.keys.rollout_events))
+    assert_openai_error(_call(gw, "chat", key), 401, "invalid_api_key")  # finished: its key makes no call
+
+
+def _hgets(rdb) -> int:
+    return rdb.info("commandstats").get("cmdstat_hget", {}).get("calls", 0)
+
+
+def test_the_run_of_a_key_is_read_once_per_process(gw, rdb, runs):
+    key = _rollout(gw, runs[1])["api_key"]
+    gw.server.call_paths._by_run.pop("calls-b", None)  # as on a replica that has not served run b yet
+    before = _hgets(rdb)
+    assert _call(gw, "chat", key).status_code == 200  # opens run b's call path: reads its record
+    opened = _hgets(rdb)
+    assert opened > before
+    for _ in range(3):
+        assert _call(gw, "chat", key).status_code == 200
+    assert _hgets(rdb) == opened  # the run registry (a hash) is not read per call
+
+
+FORGED = ("chat", "messages", "gemini", "responses", "completions")
+
+
+@pytest.mark.parametrize("family", FORGED)
+def test_a_forged_marker_reaches_no_run(gw, runs, family):
+    a, b = runs
+    key_a = _rollout(gw, a)["api_key"]
+    secret = key_a.partition(".")[2]
+    base_key = gw.new_rollout()["api_key"]
+    for forged in (
+        f"tr-{b['run_id']}.{secret}",  # run a's secret under run b's marker
+        f"tr-no-such-run.{secret}",
+        f"tr-{a['run_id']}.{base_key[3:]}",  # a base key with run a's marker
+        f"tr-{b['run_id']}.",
+    ):
+        _refused(_call(gw, family, forged), family, 401)
+    assert _call(gw, family, base_key).status_code == 200  # the base key itself still calls
+
+
+def test_a_run_key_reaches_nothing_of_another_run_nor_of_the_base(gw, rdb, runs):
+    a, b = runs
+    mine, theirs, base = _rollout(gw, a), _rollout(gw, b), gw.new_rollout()
+    key = mine["api_key"]
+    theirs_call = _call(gw, "chat", theirs["api_key"]).headers["x-tether-call-id"]
+    base_call = _call(gw, "chat", base["api_key"]).headers["x-tether-call-id"]
+    before = {k: trace_count(rdb, k) for k in (gw.keys, b["keys"])}
+    for other in (theirs["rollout_id"], base["rollout_id"]):
+        prefix = f"/rollouts/{other}"
+        for family in CALLS:  # another rollout in the path: 403, in the family's shape
+            _refused(_call(gw, family, key, prefix), family, 403)
+        _refused(
+            gw.http.post(
+                f"{prefix}/v1/messages/count_tokens", json=CALLS["messages"][1], headers=bearer(key)
+            ),
+            "count_tokens",
+            403,
+        )
+        _refused(
+            gw.http.post(
+                f"{prefix}/v1beta/models/{MODEL}:countTokens",
+                json={"contents": CONTENTS},
+                headers=bearer(key),
+            ),
+            "gemini_count",
+            403,
+        )
+        _refused(gw.http.get(f"{prefix}/v1beta/models", headers=bearer(key)), "gemini_count", 403)
+        for verb in ("", "/complete", "/fail"):  # the rollout routes: not its rollout
+            resp = gw.http.request(
+                "POST" if verb else "GET",
+                f"/v1/rollouts/{other}{verb}",
+                json={"reward": 0},
+                headers=bearer(key),
+            )
+            assert_openai_error(resp, 403, "forbidden")
+    for other, call_id in ((theirs["rollout_id"], theirs_call), (base["rollout_id"], base_call)):
+        resp = gw.http.post(f"/v1/calls/{call_id}/reward", json={"reward": 1}, headers=bearer(key))
+        assert_openai_error(resp, 404, "call_not_found")  # its own rollout has no such call
+        resp = gw.http.post(
+            f"/v1/rollouts/{other}/calls/{call_id}/reward", json={"reward": 1}, headers=bearer(key)
+        )
+        assert_openai_error(resp, 403, "forbidden")
+        resp = gw.http.post(
+            f"/v1/rollouts/{other}/calls/{call_id}/reward", json={"reward": 1}, headers=bearer(a["api_key"])
+        )
+        assert_openai_error(resp, 404)  # the run's key finds only its run's rollouts
+    assert {k: trace_count(rdb, k) for k in (gw.keys, b["keys"])} == before
+    assert not rdb.exists(b["keys"].call_rewards(theirs["rollout_id"]))
+    assert not rdb.exists(gw.keys.call_rewards(base["rollout_id"]))
+    for rollout, keys in ((theirs, b["keys"]), (base, gw.keys)):
+        assert rdb.hget(keys.rollout(rollout["rollout_id"]), "status") == "running"
+    assert len(traces(rdb, a["keys"], mine["rollout_id"])) == 0  # the refusals name other rollouts
+
+
+def test_one_runs_admission_pauses_alone(gw, rdb, runs):
+    a, b = runs
+    mine = _rollout(gw, a)
+    key_a, key_b, base_key = mine["api_key"], _rollout(gw, b)["api_key"], gw.new_rollout()["api_key"]
+    for key in (key_a, key_b):  # open both call paths
+        assert _call(gw, "chat", key).status_code == 200
+    rdb.set(a["keys"].admission, "paused")  # as run a's scheduler does before a push
+    try:
+        deadline = time.monotonic() + 5
+        while _call(gw, "messages", key_a).status_code != 429 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        for family in ("messages", "gemini", "chat"):
+            _refused(_call(gw, family, key_a), family, 429)
+        assert _call(gw, "chat", key_b).status_code == 200
+        assert _call(gw, "chat", base_key).status_code == 200
+    finally:
+        rdb.hset(a["keys"].run, "weight_version", "7")
+        rdb.delete(a["keys"].admission)  # as its resume does: the run state has the new version
+    deadline = time.monotonic() + 5
+    while (resp := _call(gw, "chat", key_a)).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert resp.status_code == 200
+    assert traces(rdb, a["keys"], mine["rollout_id"])[-1][1]["weight_version"] == 7
+
+    # The base namespace's pause (the scheduler's GatewayControl) leaves the runs' calls alone.
+    gw.control.PauseAdmission(gateway_pb2.PauseAdmissionRequest(drain_timeout_s=0))
+    try:
+        assert_openai_error(_call(gw, "chat", base_key), 429, "admission_paused")
+        assert _call(gw, "chat", key_a).status_code == 200
+    finally:
+        gw.resume(0)
+    assert _call(gw, "chat", base_key).status_code == 200
