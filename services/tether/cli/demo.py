@@ -38,6 +38,9 @@ DEMO_DEFAULTS: dict[str, int | float] = {
     "lr": 5e-4,
     "eval_repeats": 4,
     "concurrency": 32,
+    # DAPO's dynamic sampling (scheduler.dynamic_sampling): on where an example measured it steadier
+    # (docs/trainer.md, "Defaults, measured").
+    "dynamic_sampling": False,
 }
 
 
@@ -49,6 +52,7 @@ DEMO_CONFIG_KEYS = {
     "lr": ("trainer", "lr"),
     "eval_repeats": ("scheduler", "eval_repeats"),
     "concurrency": ("agent", "agent_concurrency"),
+    "dynamic_sampling": ("scheduler", "dynamic_sampling"),
 }
 
 
@@ -179,6 +183,7 @@ def run_demo(
             "TETHER_MODE": args.mode,
             "TETHER_MAX_STALENESS": str(args.max_staleness),
             "TETHER_SLEEP_LEVEL": str(args.sleep_level),
+            "TETHER_DYNAMIC_SAMPLING": "true" if cfg["dynamic_sampling"] else "false",
             **(trackers or {}),
         },
         gateway_replicas=args.gateway_replicas,
@@ -270,6 +275,12 @@ def add_demo(sub: Subparsers) -> None:
     demo.add_argument("--seed", type=int)
     demo.add_argument("--eval-repeats", type=int)
     demo.add_argument("--concurrency", type=int)
+    demo.add_argument(
+        "--dynamic-sampling",
+        action=argparse.BooleanOptionalAction,
+        help="colocated-sync: keep dispatching groups until tasks-per-step carry signal (DAPO; "
+        "scheduler.dynamic_sampling; default: the example's)",
+    )
     demo.add_argument(
         "--mode",
         choices=("colocated-sync", "colocated-async", "disaggregated-async"),
