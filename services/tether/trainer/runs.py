@@ -114,9 +114,11 @@ class RunStepRunner(StepRunner):
         run_id: str,
         adapter: str,
         adapters_root: Path,
+        folder: Path,
     ) -> None:
-        root = base.checkpoint_root / RUNS_DIR / run_id
-        super().__init__(base.model, base.engine, optimizer, base.cfg, base.d, root, ref_model=base.ref_model)
+        super().__init__(
+            base.model, base.engine, optimizer, base.cfg, base.d, folder, ref_model=base.ref_model
+        )
         self.run_id = run_id
         self.adapter = adapter
         self.adapter_name = peft_name(run_id)
@@ -241,7 +243,8 @@ class RunSet:
             from peft import set_peft_model_state_dict
 
             set_peft_model_state_dict(model, resume.state["adapter"], adapter_name=name)
-        runner = RunStepRunner(self.base, self.make_optimizer(resume), run_id, adapter, self.adapters_root)
+        optimizer = self.make_optimizer(resume)
+        runner = RunStepRunner(self.base, optimizer, run_id, adapter, self.adapters_root, folder)
         core = TrainerCore(
             runner,
             self.tokenizer,
