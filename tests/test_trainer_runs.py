@@ -20,7 +20,7 @@ from tether.common.records import SampleRecord
 from tether.trainer.distributed import Dist
 from tether.trainer.main import build, run_set, trainer_settings_record
 from tether.trainer.runs import adapter_problem, open_problem, peft_name, run_seed, version_dir
-from tether.trainer.steps import RunRefused, RunsUnavailable, Trainer, TrainerCore, UnknownRun
+from tether.trainer.steps import RunRefused, RunsUnavailable, Trainer, TrainerBroken, TrainerCore, UnknownRun
 from tether.trainer.weights import as_peft
 
 pytest.importorskip("peft")
@@ -196,6 +196,24 @@ def test_each_run_resumes_where_it_was_and_matches_an_uninterrupted_trainer(mode
     status = second.core_of("a").status()
     assert status["adapter_dir"] == str(tmp_path / "x" / "adapters" / "a-lora" / "3")
     assert status["run_id"] == "a" and status["adapter"] == "a-lora" and status["steps_done"] == 3
+
+
+def test_a_published_version_is_never_rewritten(model_dir, tmp_path):
+    """A second trainer (fresh checkpoints) publishing into the same ADAPTERS_DIR: its version 1 finds
+    the first one's folder and stops the run rather than replace what vLLM may serve."""
+    adapters = tmp_path / "adapters"
+    published = adapters / "calc" / "1"
+    for folder in ("first", "second"):
+        trainer = _trainer(model_dir, tmp_path / folder, adapters_dir=str(adapters))
+        trainer.runs.open("a", "calc")
+        _feed(trainer, "a", 1)
+        if folder == "first":
+            _train(trainer, "a", 1)
+            before = _files(published)
+        else:
+            with pytest.raises(TrainerBroken, match="never rewritten"):
+                _train(trainer, "a", 1)
+    assert _files(published) == before and sorted(p.name for p in (adapters / "calc").iterdir()) == ["1"]
 
 
 def test_run_decisions():
