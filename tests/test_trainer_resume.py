@@ -226,13 +226,11 @@ def test_killed_trainer_resumes_and_matches_an_uninterrupted_run(tmp_path):
     assert not list((tmp_path / "crashing" / "buffer").glob("*.group"))
 
 
-def _core(model_dir: Path, folder: Path, **overrides):
-    """A rank-0 trainer core built by the service's own build/resume path, in this process."""
-    from tether.trainer.distributed import Dist
-    from tether.trainer.main import TrainerSettings, build
-    from tether.trainer.steps import TrainerCore
+def trainer_settings(model_dir: Path, folder: Path, **overrides):  # type: ignore[no-untyped-def]
+    """The settings of an in-process trainer on the CPU: `model_dir`, checkpoints in `folder`."""
+    from tether.trainer.main import TrainerSettings
 
-    s = TrainerSettings(
+    return TrainerSettings(
         trainer_grpc_port=0,
         model_dir=str(model_dir),
         checkpoint_dir=str(folder),
@@ -240,6 +238,15 @@ def _core(model_dir: Path, folder: Path, **overrides):
         lr=0.01,
         **overrides,
     )
+
+
+def _core(model_dir: Path, folder: Path, **overrides):
+    """A rank-0 trainer core built by the service's own build/resume path, in this process."""
+    from tether.trainer.distributed import Dist
+    from tether.trainer.main import build
+    from tether.trainer.steps import TrainerCore
+
+    s = trainer_settings(model_dir, folder, **overrides)
     runner, tokenizer, resume = build(s, Dist())
     return TrainerCore(
         runner,

@@ -28,6 +28,7 @@ from tether.common.usage import exit_if_help
 from tether.trainer import attention, distributed, memory_plan, sequence_parallel, throughput, weights
 from tether.trainer.distributed import Dist, Offload
 from tether.trainer.offload import CPUOffloadOptimizer
+from tether.trainer.runs import RunSet
 from tether.trainer.servicer import TrainerServicer
 from tether.trainer.steps import PATHS, StepRunner, Trainer, TrainerCore
 from tether.trainer.train import (
@@ -132,6 +133,9 @@ class TrainerSettings(CommonSettings):
     lora_alpha: float = 16.0
     lora_dropout: float = 0.0
     lora_target_modules: str = "all-linear"  # or comma-separated module names
+    # Runs (OpenRun; trainer/runs.py) publish each version of their adapter to <adapters_dir>/<adapter>/
+    # <version>, where inference loads it; "" = <checkpoint_dir>/adapters.
+    adapters_dir: str = ""
     dist_heartbeat_s: float = 60.0
     dist_timeout_s: float = 1800.0
     seed: int = 0
@@ -368,10 +372,15 @@ def step_plan(
 
 
 def make_optimizer(
-    s: TrainerSettings, d: Dist, model: torch.nn.Module, resume: weights.Resume | None
+    s: TrainerSettings,
+    d: Dist,
+    model: torch.nn.Module,
+    resume: weights.Resume | None,
+    restore_rng: bool = True,
 ) -> torch.optim.Optimizer:
     """Adam over the trainable parameters (in CPU memory with FSDP_OFFLOAD=optimizer), its moments and
-    the RNG resumed from `resume`; the hyper-parameters are always today's settings."""
+    (`restore_rng`) the RNG resumed from `resume`; the hyper-parameters are always today's settings. A
+    run's optimizer leaves the RNG alone: the process's one RNG is the single policy's to resume."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer: torch.optim.Optimizer
     betas = (0.9, s.adam_beta2)
@@ -387,11 +396,45 @@ def make_optimizer(
         distributed.load_optimizer_state(model, optimizer, resume.state["optimizer"], d)
     for group in optimizer.param_groups:  # the moments resume; the hyper-parameters are today's settings
         group.update(lr=s.lr, betas=betas, weight_decay=s.weight_decay)
-    torch.set_rng_state(resume.state["rng"])
+    if restore_rng:
+        torch.set_rng_state(resume.state["rng"])
     log.info(
         "resumed from %s (version %d, %d steps done)", resume.path, resume.version, resume.state["steps_done"]
     )
     return optimizer
+
+
+def trainer_settings_record(s: TrainerSettings, d: Dist) -> dict[str, object]:
+    """The settings every checkpoint records (a resume checks its lora_rank)."""
+    return {
+        "lora_rank": s.lora_rank,
+        "loss_mode": s.loss_mode,
+        "off_policy": s.off_policy,
+        "world_size": d.world,
+    }
+
+
+def run_set(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer: PreTrainedTokenizerBase) -> RunSet:
+    """The runs beside the single policy (trainer/runs.py), reopened from the checkpoint directory.
+    Runs need LoRA (an adapter each on the one base model) and one rank (DDP registers the trainable
+    parameters once; a run's step changes them)."""
+    refusal = None
+    if not s.lora_rank:
+        refusal = "runs need LoRA adapters: this trainer has TETHER_LORA_RANK=0"
+    elif d.world > 1:
+        refusal = f"runs train on one rank only, and this trainer has {d.world}"
+    runs = RunSet(
+        runner,
+        tokenizer,
+        Path(s.adapters_dir or Path(s.checkpoint_dir) / "adapters"),
+        lambda resume: make_optimizer(s, d, runner.model, resume, restore_rng=False),
+        seed=s.seed,
+        keep=s.checkpoint_keep,
+        settings=trainer_settings_record(s, d),
+        refusal=refusal,
+    )
+    runs.reopen()
+    return runs
 
 
 def log_static_memory(model: torch.nn.Module, d: Dist) -> float:
@@ -536,12 +579,7 @@ async def amain(
         Path(s.checkpoint_dir),
         keep=s.checkpoint_keep,
         resumed=resume.state if resume else None,
-        settings={
-            "lora_rank": s.lora_rank,
-            "loss_mode": s.loss_mode,
-            "off_policy": s.off_policy,
-            "world_size": d.world,
-        },
+        settings=trainer_settings_record(s, d),
         keep_push_state=push,
     )
     health_box: list[Health] = []
@@ -550,7 +588,12 @@ async def amain(
         if health_box:
             await health_box[0].set(False)
 
-    trainer = Trainer(core, pusher=weight_pusher(s, d) if push else None, step_delay_s=s.test_step_delay_s)
+    trainer = Trainer(
+        core,
+        pusher=weight_pusher(s, d) if push else None,
+        step_delay_s=s.test_step_delay_s,
+        runs=run_set(s, d, runner, tokenizer),
+    )
     servicer = TrainerServicer(trainer, on_broken=not_serving)
 
     def register(server: grpc.aio.Server) -> list[str]:

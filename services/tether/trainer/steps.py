@@ -39,16 +39,18 @@ from tether.trainer.distributed import Dist
 from tether.trainer.train import StepConfig, train_step
 from tether.trainer.weights import (
     OPTIMIZER_DIR,
+    as_peft,
     checkpoint_name,
     merged_lora_state_dict,
     optimizer_staging,
-    save_checkpoint,
+    write_checkpoint,
 )
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from tether.trainer.nccl_push import PushReport
+    from tether.trainer.runs import RunSet
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +173,18 @@ class TrainerBroken(RuntimeError):
     (it resumes from that checkpoint)."""
 
 
+class UnknownRun(LookupError):
+    """NOT_FOUND: a run id this trainer has not opened (OpenRun)."""
+
+
+class RunRefused(ValueError):
+    """INVALID_ARGUMENT: a run that cannot be opened as asked (its id, its adapter)."""
+
+
+class RunsUnavailable(RuntimeError):
+    """FAILED_PRECONDITION: this trainer cannot hold runs (no LoRA, several ranks)."""
+
+
 # --- every rank -----------------------------------------------------------------------------------------
 
 
@@ -207,10 +221,19 @@ class StepRunner:
         self.cfg = cfg
         self.d = d
         self.lora = hasattr(model, "get_base_model")
+        # The peft adapter this runner trains ("default": the single policy's, as apply_lora names it).
+        self.adapter_name = "default"
         self.hf_model = distributed.hf_model(model)
         self.vocab_size = int(self.hf_model.config.vocab_size)
 
+    def activate(self) -> None:
+        """Make this runner's adapter the one that runs and trains (peft's set_adapter also leaves only
+        its parameters trainable); nothing to do while it already is, as without runs."""
+        if self.lora and as_peft(self.model).active_adapter != self.adapter_name:
+            as_peft(self.model).set_adapter(self.adapter_name)
+
     def run(self, samples: list[SampleRecord], version: int) -> StepOutput:
+        self.activate()
         metrics = train_step(
             self.engine,
             self.optimizer,
@@ -222,21 +245,41 @@ class StepRunner:
             ref_model=self.ref_model,
             device=self.d.device,
         )
-        if self.lora:
-            from peft import get_peft_model_state_dict
-
-            first = self.d.rank == 0
-            model_state = merged_lora_state_dict(self.model) if first else None
-            adapter = (
-                {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(self.model).items()}
-                if first
-                else None
-            )
-        else:
-            model_state, adapter = distributed.model_state(self.model, self.d), None
+        model_state, adapter = self.trained_state()
         optim = optimizer_staging(self.checkpoint_root, version + 1)
         distributed.save_optimizer(self.model, self.optimizer, optim)
         return StepOutput(metrics, model_state, optim, adapter)
+
+    def trained_state(self) -> tuple[dict[str, torch.Tensor] | None, dict[str, torch.Tensor] | None]:
+        """(the weights the checkpoint saves, the LoRA adapter's tensors) after a step: merged weights
+        and the adapter with LoRA (rank 0), the gathered weights under FSDP, else the model's own."""
+        if not self.lora:
+            return distributed.model_state(self.model, self.d), None
+        if self.d.rank != 0:
+            return None, None
+        return merged_lora_state_dict(self.model), self.adapter_state()
+
+    def adapter_state(self) -> dict[str, torch.Tensor]:
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.model, adapter_name=self.adapter_name)
+        return {k: v.detach().cpu().clone() for k, v in state.items()}
+
+    def save_weights(self, folder: Path, out: StepOutput, tokenizer: PreTrainedTokenizerBase) -> None:
+        """A checkpoint's weights: the HF model (full or merged weights) and the tokenizer, for vLLM."""
+        self.hf_model.save_pretrained(folder, safe_serialization=True, state_dict=out.model_state)
+        tokenizer.save_pretrained(folder)
+
+    def publish(self, checkpoint: Path, version: int) -> None:
+        """After the checkpoint of `version`: where else its weights go (a run's adapter directory)."""
+
+    def adapter_dir(self, version: int) -> str:
+        """Where `publish` puts `version`; "" when nothing is published beside the checkpoint."""
+        return ""
+
+    def describe(self, version: int) -> dict[str, Any]:
+        """What GetStatus adds for this runner's policy at `version` (a run's id and adapter)."""
+        return {}
 
     # Rank 0 side: each command is broadcast, then run here too.
     def step(self, samples: list[SampleRecord], version: int) -> StepOutput:
@@ -322,15 +365,17 @@ class StepRecord:
     metrics: dict[str, float]
     groups: list[str]
     replayed: bool = False
+    adapter_dir: str = ""  # a run's step: its adapter's directory of weight_version
 
     def to_state(self) -> dict[str, Any]:
-        return {
+        state = {
             "step": self.step,
             "weight_version": self.weight_version,
             "checkpoint_dir": self.checkpoint_dir,
             "metrics": dict(self.metrics),
             "groups": list(self.groups),
         }
+        return {**state, "adapter_dir": self.adapter_dir} if self.adapter_dir else state
 
 
 @dataclass
@@ -357,8 +402,11 @@ class TrainerCore:
         records_kept: int = 256,
         settings: dict[str, Any] | None = None,
         keep_push_state: bool = False,
+        gauges: bool = True,
     ) -> None:
         self.runner = runner
+        # The process's gauges follow the single policy's core only (a run's core counts its steps).
+        self.gauges = gauges
         self.tokenizer = tokenizer
         self.root = checkpoint_root
         self.keep = keep
@@ -385,8 +433,20 @@ class TrainerCore:
                 self.spool.remove(group_id)
             else:
                 self.groups[group_id] = (samples, rollouts)
+        self._set_gauges()
+
+    def _set_gauges(self, record: StepRecord | None = None) -> None:
+        """The buffer and version gauges, and with `record` the step's figures (the single policy's)."""
+        if not self.gauges:
+            return
         BUFFERED.set(len(self.groups))
         VERSION.set(self.version)
+        if record is None:
+            return
+        STALENESS.set(record.metrics.get("staleness_max", 0.0))
+        MFU.set(record.metrics.get("mfu", 0.0))
+        PEAK_MEMORY.set(record.metrics.get("peak_memory_gib", 0.0) * 2**30)
+        export_learning_health(record.metrics)
 
     # SubmitGroup
     def submit(self, group_id: str, samples: list[SampleRecord], rollouts: int) -> tuple[int, bool]:
@@ -403,7 +463,7 @@ class TrainerCore:
                 raise InvalidGroup(f"rollout {s.rollout_id}: {problem}")
         self.spool.add(group_id, samples, rollouts)
         self.groups[group_id] = (samples, rollouts)
-        BUFFERED.set(len(self.groups))
+        self._set_gauges()
         return len(self.groups), False
 
     # TrainStep, in three parts: plan (event loop), execute (worker thread), finish (event loop).
@@ -453,7 +513,7 @@ class TrainerCore:
                 self.dropped.append(gid)
                 self.consumed.add(gid)
                 self.spool.remove(gid)
-        BUFFERED.set(len(self.groups))
+        self._set_gauges()
 
     def execute(self, plan: StepPlan) -> StepRecord:
         """Train and write the checkpoint. Blocking; called with no other step in flight."""
@@ -474,7 +534,14 @@ class TrainerCore:
             "groups": float(len(plan.group_ids)),
             "groups_dropped": float(len(plan.drop_ids)),
         }
-        record = StepRecord(plan.step, version, str(path), metrics, plan.group_ids)
+        record = StepRecord(
+            plan.step,
+            version,
+            str(path),
+            metrics,
+            plan.group_ids,
+            adapter_dir=self.runner.adapter_dir(version),
+        )
         records = dict(self.records)
         records[plan.step] = record.to_state()
         floor = self.records_floor
@@ -499,16 +566,15 @@ class TrainerCore:
             "settings": self.settings,
         }
         try:
-            save_checkpoint(
-                self.runner.hf_model,
-                self.tokenizer,
+            write_checkpoint(
+                lambda folder: self.runner.save_weights(folder, out, self.tokenizer),
                 self.root,
                 version,
                 keep=self.keep,
-                state_dict=out.model_state,
                 trainer_state=state,
                 optimizer_dir=out.optimizer_dir,
             )
+            self.runner.publish(path, version)
         except Exception as exc:
             self.broken = f"checkpoint v{version} could not be written after the update: {exc!r}"
             raise TrainerBroken(self.broken) from exc
@@ -527,28 +593,32 @@ class TrainerCore:
         for gid in plan.group_ids + plan.drop_ids:
             self.groups.pop(gid, None)
             self.spool.remove(gid)
-        BUFFERED.set(len(self.groups))
         STEPS.inc()
         TOKENS.inc(record.metrics.get("tokens", 0.0))
-        VERSION.set(self.version)
-        STALENESS.set(record.metrics.get("staleness_max", 0.0))
         FLOPS.inc(record.metrics.get("model_flops", 0.0))
-        MFU.set(record.metrics.get("mfu", 0.0))
-        PEAK_MEMORY.set(record.metrics.get("peak_memory_gib", 0.0) * 2**30)
-        export_learning_health(record.metrics)
+        self._set_gauges(record)
 
     def checkpoint_dir(self) -> str:
         return str(self.root / checkpoint_name(self.version)) if self.version else ""
 
-    def push_state(self, version: int) -> dict[str, torch.Tensor]:
-        """The full weights of `version` under the HF names vLLM loads (rank 0), for path 2."""
+    def _check_current(self, version: int) -> None:
         if self.broken:
             raise TrainerBroken(self.broken)
         if version != self.version:
             raise NotReady(f"the trainer holds version {self.version}, not {version}")
+
+    def adapter_dir_at(self, version: int) -> str:
+        """A run's push: the directory of its adapter at `version`, the current one."""
+        self._check_current(version)
+        return self.runner.adapter_dir(version)
+
+    def push_state(self, version: int) -> dict[str, torch.Tensor]:
+        """The full weights of `version` under the HF names vLLM loads (rank 0), for path 2."""
+        self._check_current(version)
         if self.last_state is not None:
             return self.last_state
         if self.runner.lora:
+            self.runner.activate()  # runs may have trained their adapters since
             return merged_lora_state_dict(self.runner.model)
         if self.runner.d.fsdp:
             raise NotReady(
@@ -565,6 +635,7 @@ class TrainerCore:
             "steps_done": self.steps_done,
             "last_step": self.last_step,
             "checkpoint_dir": self.checkpoint_dir(),
+            **self.runner.describe(self.version),
         }
 
 
@@ -579,8 +650,11 @@ class Trainer:
     caller goes away: a restarted scheduler then gets the recorded result, never a second update).
     """
 
-    def __init__(self, core: TrainerCore, pusher: Any = None, step_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, core: TrainerCore, pusher: Any = None, step_delay_s: float = 0.0, runs: RunSet | None = None
+    ) -> None:
         self.core = core
+        self.runs = runs  # the runs beside the single policy (tether.trainer.runs); None: none
         self.pusher = pusher
         self.step_delay_s = step_delay_s  # tests: a slow step (TETHER_TEST_STEP_DELAY_S)
         self.lock = asyncio.Lock()  # one step, push (or rank command) at a time
@@ -592,10 +666,13 @@ class Trainer:
         max_groups: int,
         group_ids: list[str],
         drop_ids: list[str],
+        run_id: str = "",
     ) -> StepRecord:
-        """Plan, train (worker thread) and finish step `step`; the recorded result if it was trained."""
+        """Plan, train (worker thread) and finish step `step` of the single policy or run `run_id`; the
+        recorded result if it was trained. The runs' steps take turns with each other's under the lock."""
         async with self.lock:
-            plan = self.core.plan(step, min_groups, max_groups, group_ids, drop_ids)
+            core = self.core_of(run_id)
+            plan = core.plan(step, min_groups, max_groups, group_ids, drop_ids)
             if isinstance(plan, StepRecord):
                 log.info(
                     "step %d was already trained (version %d); returning its record",
@@ -607,23 +684,40 @@ class Trainer:
                 "training step %d on %d groups (version %d)",
                 plan.step,
                 len(plan.group_ids),
-                self.core.version,
+                core.version,
             )
             with STEP_SECONDS.time():
-                record = await asyncio.to_thread(self._execute, plan)
-            self.core.finish(plan, record)
+                record = await asyncio.to_thread(self._execute, core, plan)
+            core.finish(plan, record)
             log.info(
-                "step %d -> version %d: %s",
+                "%sstep %d -> version %d: %s",
+                f"run {run_id}: " if run_id else "",
                 step,
                 record.weight_version,
                 {k: round(v, 4) for k, v in record.metrics.items()},
             )
             return record
 
-    def _execute(self, plan: Any) -> StepRecord:
+    def _execute(self, core: TrainerCore, plan: Any) -> StepRecord:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
-        return self.core.execute(plan)
+        return core.execute(plan)
+
+    def core_of(self, run_id: str) -> TrainerCore:
+        """The single policy's core ("") or run `run_id`'s; UnknownRun for a run not opened."""
+        if not run_id:
+            return self.core
+        if self.runs is None:
+            raise UnknownRun(f"run {run_id!r} is not open on this trainer (it holds no runs)")
+        return self.runs.get(run_id)
+
+    async def open_run(self, run_id: str, adapter: str) -> TrainerCore:
+        """Open run `run_id` (its adapter added to the model: no step may run meanwhile)."""
+        if self.runs is None:
+            raise RunsUnavailable("this trainer holds no runs")
+        runs = self.runs
+        async with self.lock:
+            return await asyncio.to_thread(runs.open, run_id, adapter)
 
     async def push(self, version: int) -> PushReport:
         """Path 2: stream the weights of `version` into vLLM's workers, then drop vLLM's prefix cache.

@@ -22,6 +22,7 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -45,15 +46,15 @@ def checkpoint_name(version: int) -> str:
     return f"v{version:06d}"
 
 
-def _fsync_tree(folder: Path) -> None:
+def fsync_tree(folder: Path) -> None:
     for path in sorted(folder.rglob("*")):
         if path.is_file():
             with open(path, "rb") as f:
                 os.fsync(f.fileno())
-    _fsync_dir(folder)
+    fsync_dir(folder)
 
 
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -83,22 +84,39 @@ def save_checkpoint(
     `state_dict` replaces the model's own tensors (the full state of a sharded model, merged LoRA
     weights). `optimizer_dir`: the optimizer shards the ranks wrote (optimizer_staging), moved in.
     Keeps the newest `keep` versions (0 = keep all)."""
+
+    def write_model(folder: Path) -> None:
+        model.save_pretrained(folder, safe_serialization=True, state_dict=state_dict)
+        tokenizer.save_pretrained(folder)
+
+    return write_checkpoint(write_model, root, version, keep, trainer_state, optimizer_dir)
+
+
+def write_checkpoint(
+    write_weights: Callable[[Path], None],
+    root: Path,
+    version: int,
+    keep: int = 3,
+    trainer_state: dict[str, Any] | None = None,
+    optimizer_dir: Path | None = None,
+) -> Path:
+    """save_checkpoint with the weights written by `write_weights(folder)`: a model and its tokenizer,
+    or a run's LoRA adapter (tether.trainer.runs)."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / checkpoint_name(version)
     tmp = root / f".tmp-{checkpoint_name(version)}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
-    model.save_pretrained(tmp, safe_serialization=True, state_dict=state_dict)
-    tokenizer.save_pretrained(tmp)
+    write_weights(tmp)
     if optimizer_dir is not None:
         os.replace(optimizer_dir, tmp / OPTIMIZER_DIR)
     if trainer_state is not None:
         torch.save({"format": STATE_FORMAT, **trainer_state}, tmp / STATE_FILE)
-    _fsync_tree(tmp)
+    fsync_tree(tmp)
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     if keep > 0:
         for _, old in list_checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
@@ -138,11 +156,12 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def latest_resumable(root: Path) -> Resume | None:
-    """The newest complete checkpoint the trainer can resume from (one with a readable trainer state).
+def latest_resumable(root: Path, weights_file: str = "config.json") -> Resume | None:
+    """The newest complete checkpoint the trainer can resume from (one with a readable trainer state and
+    its `weights_file`: a run's checkpoints hold adapter_config.json instead of a model's config.json).
     Folders without one (written by inference tools, or by a trainer that predates resuming) are skipped."""
     for version, path in reversed(list_checkpoints(root)):
-        if not (path / STATE_FILE).is_file() or not (path / "config.json").is_file():
+        if not (path / STATE_FILE).is_file() or not (path / weights_file).is_file():
             log.warning("checkpoint %s has no trainer state; not resuming from it", path)
             continue
         try:
@@ -160,12 +179,17 @@ def latest_resumable(root: Path) -> Resume | None:
     return None
 
 
+def as_peft(model: torch.nn.Module) -> PeftModel:
+    """A LoRA model (apply_lora's) typed as the PeftModel it is."""
+    return cast("PeftModel", model)
+
+
 def merged_lora_state_dict(peft_model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The base model's state dict with every LoRA delta merged in, under the base model's own names,
     so inference loads a plain HF checkpoint. Out of place: the trained adapter is left untouched."""
     from peft.tuners.lora import LoraLayer
 
-    base = cast("PeftModel", peft_model).get_base_model()
+    base = as_peft(peft_model).get_base_model()
     deltas: dict[str, torch.Tensor] = {}
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):

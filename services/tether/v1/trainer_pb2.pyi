@@ -8,14 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SubmitGroupRequest(_message.Message):
-    __slots__ = ("group_id", "samples", "rollouts")
+    __slots__ = ("group_id", "samples", "rollouts", "run_id")
     GROUP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     ROLLOUTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     group_id: str
     samples: _containers.RepeatedCompositeFieldContainer[_types_pb2.Sample]
     rollouts: int
-    def __init__(self, group_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_types_pb2.Sample, _Mapping]]] = ..., rollouts: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, group_id: _Optional[str] = ..., samples: _Optional[_Iterable[_Union[_types_pb2.Sample, _Mapping]]] = ..., rollouts: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class SubmitGroupResponse(_message.Message):
     __slots__ = ("buffered_groups", "duplicate")
@@ -26,21 +28,23 @@ class SubmitGroupResponse(_message.Message):
     def __init__(self, buffered_groups: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("step", "min_groups", "max_groups", "group_ids", "drop_group_ids")
+    __slots__ = ("step", "min_groups", "max_groups", "group_ids", "drop_group_ids", "run_id")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MIN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUPS_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     DROP_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     step: int
     min_groups: int
     max_groups: int
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     drop_group_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step: _Optional[int] = ..., min_groups: _Optional[int] = ..., max_groups: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., drop_group_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    run_id: str
+    def __init__(self, step: _Optional[int] = ..., min_groups: _Optional[int] = ..., max_groups: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., drop_group_ids: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
-    __slots__ = ("step", "weight_version", "checkpoint_dir", "metrics", "replayed")
+    __slots__ = ("step", "weight_version", "checkpoint_dir", "metrics", "replayed", "adapter_dir")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -53,45 +57,71 @@ class TrainStepResponse(_message.Message):
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
     METRICS_FIELD_NUMBER: _ClassVar[int]
     REPLAYED_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_DIR_FIELD_NUMBER: _ClassVar[int]
     step: int
     weight_version: int
     checkpoint_dir: str
     metrics: _containers.ScalarMap[str, float]
     replayed: bool
-    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., replayed: _Optional[bool] = ...) -> None: ...
+    adapter_dir: str
+    def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., replayed: _Optional[bool] = ..., adapter_dir: _Optional[str] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("buffered_groups", "buffered_samples", "weight_version", "steps_done", "last_step", "checkpoint_dir")
+    __slots__ = ("buffered_groups", "buffered_samples", "weight_version", "steps_done", "last_step", "checkpoint_dir", "run_id", "adapter", "adapter_dir")
     BUFFERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
     STEPS_DONE_FIELD_NUMBER: _ClassVar[int]
     LAST_STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_DIR_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_DIR_FIELD_NUMBER: _ClassVar[int]
     buffered_groups: int
     buffered_samples: int
     weight_version: int
     steps_done: int
     last_step: int
     checkpoint_dir: str
-    def __init__(self, buffered_groups: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., weight_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., last_step: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ...) -> None: ...
+    run_id: str
+    adapter: str
+    adapter_dir: str
+    def __init__(self, buffered_groups: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., weight_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., last_step: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., run_id: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_dir: _Optional[str] = ...) -> None: ...
+
+class OpenRunRequest(_message.Message):
+    __slots__ = ("run_id", "adapter")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    adapter: str
+    def __init__(self, run_id: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+
+class RunStatusRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
 
 class PushWeightsRequest(_message.Message):
-    __slots__ = ("version",)
+    __slots__ = ("version", "run_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
     version: int
-    def __init__(self, version: _Optional[int] = ...) -> None: ...
+    run_id: str
+    def __init__(self, version: _Optional[int] = ..., run_id: _Optional[str] = ...) -> None: ...
 
 class PushWeightsResponse(_message.Message):
-    __slots__ = ("version", "buckets", "tensors", "bytes", "seconds")
+    __slots__ = ("version", "buckets", "tensors", "bytes", "seconds", "adapter_dir")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     BUCKETS_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     BYTES_FIELD_NUMBER: _ClassVar[int]
     SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_DIR_FIELD_NUMBER: _ClassVar[int]
     version: int
     buckets: int
     tensors: int
     bytes: int
     seconds: float
-    def __init__(self, version: _Optional[int] = ..., buckets: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
+    adapter_dir: str
+    def __init__(self, version: _Optional[int] = ..., buckets: _Optional[int] = ..., tensors: _Optional[int] = ..., bytes: _Optional[int] = ..., seconds: _Optional[float] = ..., adapter_dir: _Optional[str] = ...) -> None: ...

@@ -55,6 +55,16 @@ class TrainerStub:
                 request_serializer=tether_dot_v1_dot_trainer__pb2.PushWeightsRequest.SerializeToString,
                 response_deserializer=tether_dot_v1_dot_trainer__pb2.PushWeightsResponse.FromString,
                 _registered_method=True)
+        self.OpenRun = channel.unary_unary(
+                '/tether.v1.Trainer/OpenRun',
+                request_serializer=tether_dot_v1_dot_trainer__pb2.OpenRunRequest.SerializeToString,
+                response_deserializer=tether_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+                _registered_method=True)
+        self.GetRunStatus = channel.unary_unary(
+                '/tether.v1.Trainer/GetRunStatus',
+                request_serializer=tether_dot_v1_dot_trainer__pb2.RunStatusRequest.SerializeToString,
+                response_deserializer=tether_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -86,6 +96,28 @@ class TrainerServicer:
         vLLM's prefix cache. The caller pauses generation around it. FAILED_PRECONDITION when path 2 is off
         or `version` is not the trainer's current one; UNAVAILABLE when the push failed (vLLM keeps its
         previous version label, but may hold part of the new weights: load the checkpoint instead).
+
+        With `run_id` (a run's adapter, see OpenRun) nothing is streamed: the response names the adapter
+        directory of `version` (`adapter_dir`), which the inference side loads as that adapter's version.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def OpenRun(self, request, context):
+        """Open a run on this trainer: a LoRA adapter of its own on the one base model, its own optimizer,
+        step counter, buffer and checkpoints (under <checkpoint dir>/runs/<run_id>). Idempotent; the same
+        run_id with another adapter, or an adapter another run uses, is INVALID_ARGUMENT; a trainer without
+        LoRA (lora_rank 0) or with several ranks answers FAILED_PRECONDITION. A restarted trainer reopens
+        every run it had, each where its newest checkpoint left it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetRunStatus(self, request, context):
+        """GetStatus of one run (an empty run_id: the single policy, as GetStatus); NOT_FOUND for a run
+        this trainer has not opened.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,6 +145,16 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.PushWeights,
                     request_deserializer=tether_dot_v1_dot_trainer__pb2.PushWeightsRequest.FromString,
                     response_serializer=tether_dot_v1_dot_trainer__pb2.PushWeightsResponse.SerializeToString,
+            ),
+            'OpenRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenRun,
+                    request_deserializer=tether_dot_v1_dot_trainer__pb2.OpenRunRequest.FromString,
+                    response_serializer=tether_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
+            ),
+            'GetRunStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetRunStatus,
+                    request_deserializer=tether_dot_v1_dot_trainer__pb2.RunStatusRequest.FromString,
+                    response_serializer=tether_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -223,6 +265,60 @@ class Trainer:
             '/tether.v1.Trainer/PushWeights',
             tether_dot_v1_dot_trainer__pb2.PushWeightsRequest.SerializeToString,
             tether_dot_v1_dot_trainer__pb2.PushWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tether.v1.Trainer/OpenRun',
+            tether_dot_v1_dot_trainer__pb2.OpenRunRequest.SerializeToString,
+            tether_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetRunStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tether.v1.Trainer/GetRunStatus',
+            tether_dot_v1_dot_trainer__pb2.RunStatusRequest.SerializeToString,
+            tether_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
             options,
             channel_credentials,
             insecure,
