@@ -252,4 +252,12 @@ DEMONSTRATIONS = 2000
 # another machine, and 0.79 here with scalar kernels (ATEN_CPU_CAPABILITY=default): trained to the
 # property, every machine's model has it.
 WARM_START: dict[str, float] = {"steps": 600, "lr": 3e-3, "until": 0.95, "more_steps": 200, "max_rounds": 4}
-DEMO: dict[str, int | float] = {"steps": 60, "tasks_per_step": 8, "group_size": 8, "eval_repeats": 1}
+# Dynamic sampling on (issue 27, docs/trainer.md "Defaults, measured"): without it every seed collapsed
+# once near saturation (steps trained on 1-3 unsolved groups at the full learning rate).
+DEMO: dict[str, int | float] = {
+    "steps": 60,
+    "tasks_per_step": 8,
+    "group_size": 8,
+    "eval_repeats": 1,
+    "dynamic_sampling": True,
+}
