@@ -27,7 +27,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 import torch
@@ -50,9 +50,18 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from tether.trainer.nccl_push import PushReport
-    from tether.trainer.runs import RunSet
 
 log = logging.getLogger(__name__)
+
+
+class Runs(Protocol):
+    """What the step loop asks of the runs beside the single policy (tether.trainer.runs.RunSet, which
+    imports this module: named here by what it does, so imports run one way)."""
+
+    def get(self, run_id: str) -> TrainerCore: ...
+
+    def open(self, run_id: str, adapter: str) -> TrainerCore: ...
+
 
 STEPS = Counter("tether_trainer_steps_total", "Training steps done")
 BUFFERED = Gauge("tether_trainer_buffered_groups", "Complete groups waiting to be trained on")
@@ -651,7 +660,7 @@ class Trainer:
     """
 
     def __init__(
-        self, core: TrainerCore, pusher: Any = None, step_delay_s: float = 0.0, runs: RunSet | None = None
+        self, core: TrainerCore, pusher: Any = None, step_delay_s: float = 0.0, runs: Runs | None = None
     ) -> None:
         self.core = core
         self.runs = runs  # the runs beside the single policy (tether.trainer.runs); None: none
