@@ -58,6 +58,21 @@ class VLLMControl:
     async def wake_up(self) -> None:
         await self._post("/wake_up")
 
+    async def served_adapters(self) -> dict[str, str]:
+        """Name -> directory of every LoRA adapter vLLM serves (`/v1/models`: an adapter's `root` is
+        the path it was loaded from, its `parent` the base model)."""
+        resp = await self.http.get("/v1/models")
+        if resp.status_code >= 400:
+            raise VLLMError(f"GET /v1/models -> {resp.status_code}: {resp.text[:300]}")
+        return {m["id"]: m["root"] for m in resp.json().get("data", []) if m.get("parent")}
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """vLLM's documented runtime load, in place (a new version of a loaded name; the first load of
+        a name ignores the flag). Tether's plugin loads the new path beside the old one."""
+        await self._post(
+            "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, "load_inplace": True}
+        )
+
     async def reload_weights(self, checkpoint_dir: str) -> None:
         await self._post(
             "/collective_rpc", json={"method": "reload_weights", "kwargs": {"weights_path": checkpoint_dir}}
