@@ -157,6 +157,7 @@ async def test_a_runs_scheduler_serves_each_adapter_version_and_pauses_only_its_
                 inference=inference_stub,
                 trainer=trainer_stub,
             )
+            cfg.run_dir.mkdir()
             run = Run(r, run_keys, cfg, stubs, [])
             assert await run.start_run() == 0  # opens the run on the trainer and loads its version 0
             assert trainer.core_of(RUN).version == 0
