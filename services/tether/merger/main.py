@@ -1,4 +1,8 @@
-"""Merger service process. Run: python -m tether.merger"""
+"""Merger service process. Run: python -m tether.merger
+
+With TETHER_NAMESPACE a run's (`<base>.run.<id>`) it merges that run's rollouts and hands its groups to
+the trainer's run `<id>` (docs/runs.md, "A run's services"); any other namespace: the single policy.
+"""
 
 from __future__ import annotations
 

@@ -5,6 +5,10 @@ left it, however that one ended (see tether.scheduler.run). A fatal error (a gRP
 retryable, or one that outlasted its retries; Redis failing) ends the process with status 1,
 so its supervisor -- the local launcher, Compose, Kubernetes -- starts it again and it resumes. Settings
 it refuses (an unknown mode) end it with status 2 before it serves anything.
+
+With TETHER_NAMESPACE a run's (`<base>.run.<id>`) it is that run's scheduler (docs/runs.md, "A run's
+services"): it trains the trainer's run `<id>`, loads each version of the run's adapter into vLLM, and
+pauses only the run's own admission.
 """
 
 from __future__ import annotations
