@@ -22,10 +22,14 @@ class VLLMControl:
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def _post(self, path: str, **kw: Any) -> dict[str, Any]:
+    async def _send(self, path: str, **kw: Any) -> httpx.Response:
         resp = await self.http.post(path, **kw)
         if resp.status_code >= 400:
             raise VLLMError(f"POST {path} -> {resp.status_code}: {resp.text[:300]}")
+        return resp
+
+    async def _post(self, path: str, **kw: Any) -> dict[str, Any]:
+        resp = await self._send(path, **kw)
         body: dict[str, Any] = resp.json() if resp.content else {}
         return body
 
@@ -68,8 +72,9 @@ class VLLMControl:
 
     async def load_adapter(self, name: str, path: str) -> None:
         """vLLM's documented runtime load, in place (a new version of a loaded name; the first load of
-        a name ignores the flag). Tether's plugin loads the new path beside the old one."""
-        await self._post(
+        a name ignores the flag). Tether's plugin loads the new path beside the old one. It answers
+        plain text, not JSON."""
+        await self._send(
             "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, "load_inplace": True}
         )
 
