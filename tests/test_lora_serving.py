@@ -9,8 +9,6 @@ call already running on the old one (its record stays true) nor touch the other 
 
 from __future__ import annotations
 
-import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -21,11 +19,8 @@ import redis
 import vllm_cpu
 from gateway_helpers import InProcessGateway, bearer, gateway_settings, wait_traces
 
-from tether.common.net import free_port
-
 pytestmark = pytest.mark.slow
 
-PLUGIN_SRC = Path(__file__).resolve().parents[1] / "services" / "vllm_plugin"
 PROMPT = "12+7="
 MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -47,7 +42,6 @@ def build_adapter(model_dir: Path, out: Path, seed: int) -> Path:
 def lora_vllm(tmp_path_factory):
     """vLLM-CPU with LoRA on and runtime loading, running this checkout's plugin."""
     from tether.cli import prepare_calculator_model
-    from tether.inference.launch import vllm_command, vllm_env
 
     if not vllm_cpu.VLLM_PYTHON.exists():
         pytest.skip(f"no vLLM-CPU virtualenv at {vllm_cpu.VLLM_PYTHON}")
@@ -58,42 +52,10 @@ def lora_vllm(tmp_path_factory):
         ("run-a", "2"): build_adapter(model_dir, root / "run-a" / "2", 3),
         ("run-b", "1"): build_adapter(model_dir, root / "run-b" / "1", 2),
     }
-    port = free_port()
     # Three adapter ids in one batch: the old and new versions of run-a while a call finishes on the old.
-    lora = ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "8", "--max-cpu-loras", "4"]
-    cmd = vllm_command(
-        str(vllm_cpu.VLLM_PYTHON),
-        str(model_dir),
-        vllm_cpu.MODEL,
-        "127.0.0.1",
-        port,
-        vllm_cpu.MAX_MODEL_LEN,
-        extra=lora,
-        enforce_eager=True,
-        uniproc=True,
-    )
-    env = vllm_env(uniproc=True)
-    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
-    # This checkout's plugin, ahead of the copy setup.sh installed into the shared vLLM virtualenv.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PLUGIN_SRC), env.get("PYTHONPATH")) if p)
     log = tmp_path_factory.mktemp("vllm-lora") / "vllm.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(1)
+    with vllm_cpu.lora_server(model_dir, log, max_loras=3, max_cpu_loras=4) as url:
         yield url, adapters
-    finally:
-        vllm_cpu.stop_group(proc)
 
 
 def load(url: str, name: str, path: Path, inplace: bool = False) -> httpx.Response:

@@ -69,6 +69,18 @@ def test_stop_target():
     assert rules.drains("running") and not rules.drains("created")
 
 
+def test_a_namespace_names_its_run_for_the_trainer():
+    for base in ("tether", "a.b", "x.run"):
+        for run_id in ("calc", "r-2", "9"):
+            ns = rules.run_namespace(base, run_id)
+            assert rules.run_of_namespace(ns) == (base, run_id)
+            assert rules.trainer_run_id(ns) == run_id
+    # Not a run's: the trainer's single policy, exactly as before runs.
+    for ns in ("tether", "tether.run.", ".run.calc", "tether.run.Calc", "tether.run.-x", "tether:run.a"):
+        assert rules.run_of_namespace(ns) is None
+        assert rules.trainer_run_id(ns) == ""
+
+
 def test_a_runs_keys_are_apart_from_the_base_namespace_and_keep_their_hash_tags():
     base, run = Keys("tether"), Keys(rules.run_namespace("tether", "calc"))
     for k in range(base.trace_partitions):

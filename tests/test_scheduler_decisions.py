@@ -319,6 +319,16 @@ def test_only_colocated_steps_drain_admission_and_sleep(colocated, level):
     plan = push_plan(colocated, level)
     assert plan.drain == colocated
     assert plan.sleep_level == (level if colocated else 0)
+    assert not plan.gate_load
+
+
+@given(st.booleans(), st.integers(0, 2))
+def test_a_runs_step_never_sleeps_the_shared_vllm_and_always_pauses_its_gate_for_the_load(colocated, level):
+    plan = push_plan(colocated, level, run=True)
+    assert plan.sleep_level == 0
+    # Its admission is paused around the load either way: for the whole update when colocated, for
+    # the load alone otherwise (its gateways take the new version only when a pause ends).
+    assert plan.drain == colocated and plan.gate_load == (not colocated)
 
 
 @given(st.lists(st.builds(G, st.text(max_size=3), OUTCOMES, st.integers(-1, 9))), st.integers(0, 12))

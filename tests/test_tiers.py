@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_each_entry_names_a_test_that_exists(entry):
     path, _, name = entry.partition("::")
     source = (ROOT / path).read_text()
-    assert re.search(r"^def test_", source, re.M), f"{path} holds no test"
+    assert re.search(r"^(async )?def test_", source, re.M), f"{path} holds no test"
     if name:
         assert re.search(rf"^(async )?def {name}\(", source, re.M), f"no {name} in {path}"
     assert FULL_ONLY[entry].strip(), "every entry says why"

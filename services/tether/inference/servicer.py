@@ -14,9 +14,14 @@ from tether.common.vllm_client import VLLMControl, VLLMError
 from tether.inference.weights import WEIGHT_VERSION, LoadFailed, WeightLoader
 from tether.v1 import inference_pb2, inference_pb2_grpc, types_pb2
 
-__all__ = ["WEIGHT_VERSION", "InferenceServicer"]
+__all__ = ["WEIGHT_VERSION", "InferenceServicer", "adapter_load_needed"]
 
 log = logging.getLogger(__name__)
+
+
+def adapter_load_needed(served: dict[str, str], adapter: str, adapter_dir: str) -> bool:
+    """Whether vLLM must load `adapter_dir` for `adapter`, given what it serves (name -> directory)."""
+    return served.get(adapter) != adapter_dir
 
 
 class InferenceServicer(inference_pb2_grpc.InferenceServicer):
@@ -50,6 +55,20 @@ class InferenceServicer(inference_pb2_grpc.InferenceServicer):
             log.error("weight load failed: %s", exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"weight load failed: {exc}")
         return inference_pb2.WeightVersion(version=version, checkpoint_dir=self.loader.checkpoint_dir)
+
+    async def LoadAdapter(
+        self, request: inference_pb2.LoadAdapterRequest, context: grpc.aio.ServicerContext
+    ) -> types_pb2.Empty:
+        if not request.adapter or not request.adapter_dir:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "adapter and adapter_dir are required")
+        return await self._simple(context, self._load_adapter(request.adapter, request.adapter_dir))
+
+    async def _load_adapter(self, adapter: str, adapter_dir: str) -> None:
+        # Served already (a scheduler that restarted after its load): loading the same path again in
+        # place is refused by the plugin, and would change nothing.
+        if adapter_load_needed(await self.vllm.served_adapters(), adapter, adapter_dir):
+            await self.vllm.load_adapter(adapter, adapter_dir)
+            log.info("serving %s from %s", adapter, adapter_dir)
 
     async def _simple(self, context: grpc.aio.ServicerContext, coro: Awaitable[None]) -> types_pb2.Empty:
         try:

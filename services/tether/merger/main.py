@@ -1,4 +1,8 @@
-"""Merger service process. Run: python -m tether.merger"""
+"""Merger service process. Run: python -m tether.merger
+
+With TETHER_NAMESPACE a run's (`<base>.run.<id>`) it merges that run's rollouts and hands its groups to
+the trainer's run `<id>` (docs/runs.md, "A run's services"); any other namespace: the single policy.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from tether.common import broker
 from tether.common.grpc_server import channel, follow_health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.records import SampleRecord
+from tether.common.runs import trainer_run_id
 from tether.common.settings import RedisSettings, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.merger.consumer import Merger, Submit
@@ -130,13 +135,18 @@ def config_from_settings(s: MergerSettings) -> MergerConfig:
     )
 
 
-def trainer_submitter(trainer: trainer_pb2_grpc.TrainerStub) -> Submit:
-    """The merger's hand-over: one SubmitGroup per scored group (waiting for a restarting trainer)."""
+def trainer_submitter(trainer: trainer_pb2_grpc.TrainerStub, run_id: str = "") -> Submit:
+    """The merger's hand-over: one SubmitGroup per scored group (waiting for a restarting trainer), for
+    the trainer's run `run_id` (a run's namespace's merger: common.runs.trainer_run_id; "" the single
+    policy)."""
 
     async def submit(group_id: str, samples: list[SampleRecord], rollouts: int) -> None:
         await trainer.SubmitGroup(
             trainer_pb2.SubmitGroupRequest(
-                group_id=group_id, samples=[x.to_proto() for x in samples], rollouts=rollouts
+                group_id=group_id,
+                samples=[x.to_proto() for x in samples],
+                rollouts=rollouts,
+                run_id=run_id,
             ),
             timeout=60,
             wait_for_ready=True,
@@ -160,7 +170,10 @@ async def amain(s: MergerSettings) -> None:
 
     cfg = config_from_settings(s)
     log.info("merger config: %s", cfg)
-    merger = Merger(r, s.keys(), cfg, trainer_submitter(trainer))
+    run_id = trainer_run_id(s.namespace)
+    if run_id:
+        log.info("namespace %s: groups go to the trainer's run %s", s.namespace, run_id)
+    merger = Merger(r, s.keys(), cfg, trainer_submitter(trainer, run_id))
 
     def register(server: grpc.aio.Server) -> list[str]:
         merger_pb2_grpc.add_MergerServicer_to_server(MergerStatusServicer(merger), server)

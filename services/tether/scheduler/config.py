@@ -44,6 +44,10 @@ class RunConfig:
     # which they are given as the run's configuration beside these fields.
     trackers: tuple[str, ...] = ()
     config_file: dict[str, Any] = field(default_factory=dict)
+    # A run's scheduler (its namespace a run's: common.runs.run_of_namespace): the trainer's run it
+    # trains and the adapter vLLM serves it as (the run record's); "" both: the single policy.
+    trainer_run_id: str = ""
+    adapter: str = ""
 
     def tracker_config(self) -> dict[str, Any]:
         """What the trackers record as the run's config/params: these fields under `run`, and the run
@@ -52,6 +56,16 @@ class RunConfig:
         for k in ("trackers", "config_file"):
             run.pop(k)
         return {"run": run, **self.config_file}
+
+
+def run_problem(sleep_level: int, weight_push: WeightPush) -> str | None:
+    """Why a run's scheduler cannot take these settings (None: it can). Its vLLM serves other runs too,
+    and its weights are an adapter: it may neither put vLLM to sleep nor stream full weights into it."""
+    if sleep_level:
+        return "a run's scheduler cannot put the shared vLLM to sleep (TETHER_SLEEP_LEVEL must be 0)"
+    if weight_push != "checkpoint":
+        return "a run's weights are adapter versions, loaded by name: TETHER_WEIGHT_PUSH must be checkpoint"
+    return None
 
 
 @dataclass

@@ -188,6 +188,10 @@ class InferenceFleet:
     async def WakeUp(self, req: types_pb2.Empty, **kw: Any) -> types_pb2.Empty:
         return await self._each("WakeUp", req, kw, asleep=None)
 
+    async def LoadAdapter(self, req: inference_pb2.LoadAdapterRequest, **kw: Any) -> types_pb2.Empty:
+        # Every member; a replica that joins later is brought to the base weights only (docs/runs.md).
+        return await self._each("LoadAdapter", req, kw)
+
     # --- fan-out --------------------------------------------------------------------------------------
 
     async def _each(self, method: str, req: Any, kw: dict, **state: Any) -> types_pb2.Empty:

@@ -199,3 +199,34 @@ class GatewayReplicas:
             del self._stubs[address]
             if self._close is not None:
                 await self._close(*address)
+
+
+class RunGate:
+    """A run's admission (docs/runs.md): its gateways' run gates follow the run namespace's `admission`
+    key, each looking every TETHER_ADMISSION_CHECK_S, and GatewayControl does not reach them (it holds
+    the base namespace's gates). So a pause sets the key and holds `hold_s` (twice that interval) before
+    the caller goes on, long enough for every gate to have seen it; a resume deletes it, and each gate
+    opens again at the weight version the run state has then (saved before the resume). Calls already
+    admitted are not waited for: an adapter load lets them finish on the version they started with.
+    Nothing outside the run's namespace is touched. GatewayControl's surface, for tether.scheduler.push."""
+
+    def __init__(self, r: Redis, keys: Keys, hold_s: float) -> None:
+        self.r = r
+        self.keys = keys
+        self.hold_s = hold_s
+
+    async def PauseAdmission(self, request: gateway_pb2.PauseAdmissionRequest) -> gateway_pb2.AdmissionStatus:
+        await self.r.set(self.keys.admission, "paused")
+        await asyncio.sleep(self.hold_s)
+        return await self.GetAdmission(request)
+
+    async def ResumeAdmission(
+        self, request: gateway_pb2.ResumeAdmissionRequest
+    ) -> gateway_pb2.AdmissionStatus:
+        await self.r.delete(self.keys.admission)
+        return await self.GetAdmission(request)
+
+    async def GetAdmission(self, request: Any) -> gateway_pb2.AdmissionStatus:
+        """What the key asks of the run's gates (their calls in flight are theirs: 0 here)."""
+        paused = await self.r.get(self.keys.admission) in ("paused", b"paused")
+        return gateway_pb2.AdmissionStatus(paused=paused, in_flight=0, weight_version=0)

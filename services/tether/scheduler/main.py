@@ -5,6 +5,10 @@ left it, however that one ended (see tether.scheduler.run). A fatal error (a gRP
 retryable, or one that outlasted its retries; Redis failing) ends the process with status 1,
 so its supervisor -- the local launcher, Compose, Kubernetes -- starts it again and it resumes. Settings
 it refuses (an unknown mode) end it with status 2 before it serves anything.
+
+With TETHER_NAMESPACE a run's (`<base>.run.<id>`) it is that run's scheduler (docs/runs.md, "A run's
+services"): it trains the trainer's run `<id>`, loads each version of the run's adapter into vLLM, and
+pauses only the run's own admission.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import grpc
 from grpc_health.v1 import health_pb2_grpc
@@ -23,7 +27,9 @@ from pydantic import Field, field_validator
 from tether.common import broker
 from tether.common.grpc_server import channel, run_until_signal, start_server
 from tether.common.logs import setup_logging
+from tether.common.records import RunRecord
 from tether.common.retry import Retrying
+from tether.common.runs import run_of_namespace
 from tether.common.settings import (
     CONFIG_ENV,
     SETTINGS_REFUSED,
@@ -34,9 +40,9 @@ from tether.common.settings import (
 )
 from tether.common.usage import exit_if_help
 from tether.scheduler import kube
-from tether.scheduler.config import RunConfig, SchedulingMode, Stubs, load_tasks
+from tether.scheduler.config import RunConfig, SchedulingMode, Stubs, load_tasks, run_problem
 from tether.scheduler.fleet import InferenceFleet
-from tether.scheduler.gateways import ControlChannels, GatewayReplicas, check_spec
+from tether.scheduler.gateways import ControlChannels, GatewayReplicas, RunGate, check_spec
 from tether.scheduler.metrics import follow_broker
 from tether.scheduler.run import Run
 from tether.scheduler.servicer import SchedulerServicer
@@ -92,6 +98,9 @@ class SchedulerSettings(RedisSettings):
     # Experiment trackers that get every step record (docs/trackers.md): wandb, mlflow, tensorboard,
     # comma-separated (a list in the run config); each needs its package (the `trackers` extra).
     trackers: TrackerNames = ()
+    # A run's scheduler (TETHER_NAMESPACE a run's, `<base>.run.<id>`) pauses its gateways through the
+    # run's `admission` key, which they read this often: the gateway's setting of the same name.
+    admission_check_s: float = Field(2.0, gt=0)
 
     @field_validator("gateway_control_address")
     @classmethod
@@ -100,9 +109,40 @@ class SchedulerSettings(RedisSettings):
         return v
 
 
+async def run_adapter(r: Any, namespace: str) -> tuple[str, str]:
+    """(trainer run id, adapter) of the run whose namespace this is (common.runs.run_of_namespace; its
+    record in the base namespace's registry names the adapter); ("", "") for any other namespace: the
+    trainer's single policy, as before runs. RuntimeError when the registry has no such run."""
+    found = run_of_namespace(namespace)
+    if found is None:
+        return "", ""
+    base, run_id = found
+    raw = await r.hget(broker.Keys(base).runs, run_id)
+    if raw is None:
+        raise RuntimeError(f"namespace {namespace} names run {run_id}, which the registry of {base} lacks")
+    record = RunRecord.from_json(raw)
+    return run_id, record.adapter
+
+
+def gateway_stub(s: SchedulerSettings, r: Any, run_id: str, channels: ControlChannels) -> Any:
+    """A run's admission (RunGate: its namespace's key), or the gateway replicas' GatewayControl."""
+    if run_id:
+        return RunGate(r, s.keys(), hold_s=2 * s.admission_check_s)
+    return GatewayReplicas(
+        s.gateway_control_address,
+        lambda address, name: Retrying(gateway_pb2_grpc.GatewayControlStub(channels.open(address, name))),
+        close=channels.close,
+        r=r,
+        keys=s.keys(),
+    )
+
+
 async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> None:
     r = broker.connect(s.redis_url)
     await broker.agree_trace_partitions(r, s.keys())
+    trainer_run, adapter = await run_adapter(r, s.namespace)
+    if trainer_run:
+        log.info("namespace %s: run %s, served as adapter %s", s.namespace, trainer_run, adapter)
     # Calls retry the retryable codes with backoff, a few times; then, or on any other code, the run
     # fails and the process exits (see main). Not retried: a weight load or a path-2 push, whose
     # failures the run handles itself (fallback to path 1; reconcile after a restart).
@@ -118,15 +158,7 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
         trainer=trainer,
     )
     stubs = Stubs(
-        gateway=GatewayReplicas(
-            s.gateway_control_address,
-            lambda address, name: Retrying(
-                gateway_pb2_grpc.GatewayControlStub(gateway_channels.open(address, name))
-            ),
-            close=gateway_channels.close,
-            r=r,
-            keys=s.keys(),
-        ),
+        gateway=gateway_stub(s, r, trainer_run, gateway_channels),
         inference=fleet,
         trainer=trainer,
         inference_health=health_pb2_grpc.HealthStub(inference),
@@ -150,6 +182,8 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
         dynamic_sampling_max_groups=s.dynamic_sampling_max_groups,
         trackers=s.trackers,
         config_file=read_run_config(os.environ[CONFIG_ENV]) if os.environ.get(CONFIG_ENV) else {},
+        trainer_run_id=trainer_run,
+        adapter=adapter,
     )
     tasks = load_tasks(Path(s.tasks_file)) if s.tasks_file else []
     keys = s.keys()
@@ -190,7 +224,9 @@ def main() -> None:
         s = SchedulerSettings()
         k = kube.KubeSettings()
     problem = missing(s.trackers)
-    if problem:  # a package the image or venv lacks: starting again cannot help
+    if run_of_namespace(s.namespace):
+        problem = problem or run_problem(s.sleep_level, s.weight_push)
+    if problem:  # a package the image or venv lacks, a run's bad settings: starting again cannot help
         print(f"tether.scheduler: refusing to start: {problem}", file=sys.stderr)
         sys.exit(SETTINGS_REFUSED)
     setup_logging("scheduler", s.log_level)

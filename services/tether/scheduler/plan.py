@@ -351,16 +351,22 @@ def on_health(serving: bool, since: float | None, now: float, timeout_s: float) 
 @dataclass(frozen=True)
 class PushPlan:
     """How a step trains and pushes: `drain` gateway admission around it (colocated: the GPUs are
-    shared, nothing may generate), and put vLLM to sleep at `sleep_level` while the trainer trains
-    (0: awake)."""
+    shared, nothing may generate), put vLLM to sleep at `sleep_level` while the trainer trains
+    (0: awake), and `gate_load`: pause admission around the weight load alone."""
 
     drain: bool
     sleep_level: int
+    gate_load: bool = False
 
 
-def push_plan(colocated: bool, sleep_level: int) -> PushPlan:
+def push_plan(colocated: bool, sleep_level: int, run: bool = False) -> PushPlan:
     """Colocated modes drain admission and sleep vLLM (when configured); disaggregated-async neither:
-    rollouts go on while the trainer trains, and vLLM holds requests in flight only while it loads."""
+    rollouts go on while the trainer trains, and vLLM holds requests in flight only while it loads.
+    A run's step (`run`: its adapter on a vLLM other runs share) never puts vLLM to sleep, and in
+    disaggregated-async pauses its own admission around the adapter load: the run's gateway gates
+    follow its `admission` key and take the new version only when a pause of it ends."""
+    if run:
+        return PushPlan(drain=colocated, sleep_level=0, gate_load=not colocated)
     return PushPlan(drain=colocated, sleep_level=sleep_level if colocated else 0)
 
 

@@ -3,8 +3,9 @@ trainer's newest weights (docs/weight-push.md).
 
 Path 1 (`weight_push="checkpoint"`): inference reloads the checkpoint the trainer wrote. Path 2
 (`"nccl"`): generation is paused, the trainer streams the weights into vLLM's workers, generation
-resumes; when that fails, path 1 follows. Caller: tether.scheduler.push, with the Inference and Trainer
-gRPC stubs (or anything that answers their methods).
+resumes; when that fails, path 1 follows. A run's scheduler publishes its adapter's versions instead
+(AdapterPublisher; docs/runs.md). Caller: tether.scheduler.push, with the Inference and Trainer gRPC
+stubs (or anything that answers their methods).
 """
 
 from __future__ import annotations
@@ -105,3 +106,44 @@ class WeightPublisher:
             return trainer.weight_version
         await self.inference.Resume(types_pb2.Empty())
         return served.version
+
+
+class AdapterPublisher:
+    """A run's publication (docs/runs.md): its weights are one LoRA adapter of the shared base model,
+    each version a directory the trainer answers (`adapter_dir`), which inference loads under the run's
+    adapter name beside the version before (LoadAdapter); nothing pauses or reloads vLLM as a whole, so
+    other runs and the base model serve on. `path` is "adapter" after a push, "" before."""
+
+    def __init__(self, inference: Any, trainer: Any, run_id: str, adapter: str) -> None:
+        self.inference = inference
+        self.trainer = trainer
+        self.run_id = run_id
+        self.adapter = adapter
+        self.path = ""
+
+    async def publish(self, resp: trainer_pb2.TrainStepResponse) -> int:
+        """Serve the step's adapter version; returns that version."""
+        await self.load(resp.adapter_dir, resp.weight_version)
+        self.path = "adapter"
+        return resp.weight_version
+
+    async def load(self, adapter_dir: str, version: int) -> None:
+        if not adapter_dir:
+            raise RuntimeError(
+                f"the trainer named no adapter directory for version {version} of {self.run_id}"
+            )
+        await self.inference.LoadAdapter(
+            inference_pb2.LoadAdapterRequest(adapter=self.adapter, adapter_dir=adapter_dir)
+        )
+
+    async def reconcile(self) -> int:
+        """Open the run on the trainer (idempotent: a resumed run, or a restarted trainer that reopened
+        it, answers where it is) and have inference serve its newest adapter version (LoadAdapter loads
+        nothing when it serves it already), version 0 too: the adapter as opened, so that the run's
+        first rollouts find it. Returns the run's version."""
+        status = await self.trainer.OpenRun(
+            trainer_pb2.OpenRunRequest(run_id=self.run_id, adapter=self.adapter)
+        )
+        await self.load(status.adapter_dir, status.weight_version)
+        log.info("run %s: adapter %s at version %d", self.run_id, self.adapter, status.weight_version)
+        return int(status.weight_version)

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import Gauge, Histogram
 
 from tether.scheduler.plan import push_plan
-from tether.scheduler.publish import WeightPublisher
+from tether.scheduler.publish import AdapterPublisher, WeightPublisher
 from tether.scheduler.store import RunStore
 from tether.v1 import gateway_pb2, inference_pb2, trainer_pb2, types_pb2
 
@@ -39,9 +39,10 @@ class StepPush:
         inference: Any,
         trainer: Any,
         store: RunStore,
-        publisher: WeightPublisher,
+        publisher: WeightPublisher | AdapterPublisher,
         drain_timeout_s: float,
         sleep_level: int,
+        run_id: str = "",
     ) -> None:
         self.gateway = gateway
         self.inference = inference
@@ -50,13 +51,14 @@ class StepPush:
         self.publisher = publisher
         self.drain_timeout_s = drain_timeout_s
         self.sleep_level = sleep_level
+        self.run_id = run_id  # the trainer's run this scheduler trains ("": its single policy)
 
     async def push(
         self, step: int, group_ids: list[str], drop_ids: list[str] | None = None, colocated: bool = True
     ) -> tuple[dict[str, float], float, float]:
         """Train on `group_ids` and push the new weights. Returns (train metrics, push seconds, paused
         seconds: the whole update when colocated, the load alone when disaggregated)."""
-        plan = push_plan(colocated, self.sleep_level)
+        plan = push_plan(colocated, self.sleep_level, run=bool(self.run_id))
         t0 = time.perf_counter()
         slept = False
         if plan.drain:
@@ -76,13 +78,14 @@ class StepPush:
                     max_groups=len(group_ids),
                     group_ids=group_ids,
                     drop_group_ids=drop_ids or [],
+                    run_id=self.run_id,
                 )
             )
             if slept:
                 await self.inference.WakeUp(types_pb2.Empty())
                 slept = False
                 await self.store.save(slept=False)
-            push_s = await self.publish(resp)
+            push_s = await self.publish(resp, pause=plan.gate_load)
         finally:
             if slept:
                 await self.inference.WakeUp(types_pb2.Empty())
@@ -94,11 +97,13 @@ class StepPush:
         paused_s = time.perf_counter() - t0 if plan.drain else push_s
         return dict(resp.metrics), push_s, paused_s
 
-    async def publish(self, resp: Any) -> float:
+    async def publish(self, resp: Any, pause: bool = False) -> float:
         """Make inference serve the step's weights (`resp`: the TrainStep answer) and save the version it
-        serves; returns the seconds it took."""
+        serves; returns the seconds it took. `pause`: admission paused first (the caller resumes it)."""
         await self.store.save(status="pushing")
         t1 = time.perf_counter()
+        if pause:
+            await self.gateway.PauseAdmission(gateway_pb2.PauseAdmissionRequest(drain_timeout_s=0))
         version = await self.load_weights(resp)
         push_s = time.perf_counter() - t1
         PUSH_SECONDS.labels(self.publisher.path).observe(push_s)

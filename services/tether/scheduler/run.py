@@ -35,7 +35,8 @@ started again continues from the last completed step with the same version chain
 - store (RunStore: the run state and the async in-flight groups in Redis),
 - rollouts (Rollouts: dispatch, and the group results read back from a saved stream position),
 - health (InferenceHealth: hold dispatch while inference is not serving),
-- push (StepPush: train and push under the mode's rules) over publish (WeightPublisher),
+- push (StepPush: train and push under the mode's rules) over publish (WeightPublisher; a run's
+  scheduler, its namespace a run's: AdapterPublisher, its adapter's versions loaded by name),
 - report (the step records, metrics.jsonl, gauges, the metrics stream) and steps (Steps: a step's
   lifecycle, written down before it trains),
 - one loop per mode: sync_loop (colocated-sync), async_loop (the async modes), serve (`tether up`),
@@ -59,7 +60,7 @@ from tether.scheduler.config import RunConfig, Stubs
 from tether.scheduler.evaluate import Evaluation
 from tether.scheduler.health import InferenceHealth
 from tether.scheduler.plan import resume_from
-from tether.scheduler.publish import WeightPublisher
+from tether.scheduler.publish import AdapterPublisher, WeightPublisher
 from tether.scheduler.push import VERSION, StepPush
 from tether.scheduler.report import Reporter
 from tether.scheduler.rollouts import Rollouts
@@ -100,7 +101,11 @@ class Run:
         self.store = RunStore(r, keys, state)
         self.rollouts = Rollouts(r, keys, cfg.max_attempts, cfg.rollout_timeout_s)
         self.health = InferenceHealth(stubs.inference_health, cfg.rollout_timeout_s)
-        self.publisher = WeightPublisher(stubs.inference, stubs.trainer, cfg.weight_push)
+        self.publisher: WeightPublisher | AdapterPublisher = (
+            AdapterPublisher(stubs.inference, stubs.trainer, cfg.trainer_run_id, cfg.adapter)
+            if cfg.trainer_run_id
+            else WeightPublisher(stubs.inference, stubs.trainer, cfg.weight_push)
+        )
         self.pusher = StepPush(
             stubs.gateway,
             stubs.inference,
@@ -109,6 +114,7 @@ class Run:
             self.publisher,
             cfg.drain_timeout_s,
             cfg.sleep_level,
+            cfg.trainer_run_id,
         )
         self.reporter = Reporter(
             r, keys, cfg.run_id, cfg.run_dir, Trackers.chosen(cfg.trackers, cfg.run_dir, cfg.run_id)

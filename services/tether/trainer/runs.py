@@ -6,7 +6,8 @@ step records, version, checkpoints under `<checkpoint dir>/runs/<run id>/`). A r
 its adapter (peft's set_adapter: only that adapter runs and trains), so it moves nothing of another
 run, of the single policy or of the base weights. Each version of a run's adapter is published to
 `<adapters dir>/<adapter>/<version>` (peft's save_pretrained), never rewritten: vLLM's record of a
-request's lora_path then names the version (docs/runs.md, "Version scheme").
+request's lora_path then names the version (docs/runs.md, "Version scheme"). Version 0, the adapter
+as opened, is published when a run opens, so that inference can serve the run's first rollouts.
 
 A run's adapter is initialised from a seed of its own (the trainer's seed and the run id), so a run
 starts from the same adapter whichever runs were opened before it. `runs/<run id>/run.json` records
@@ -128,6 +129,9 @@ class RunStepRunner(StepRunner):
         return None, self.adapter_state()
 
     def save_weights(self, folder: Path, out: StepOutput, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.save_adapter(folder)
+
+    def save_adapter(self, folder: Path) -> None:
         """peft's save_pretrained of this run's adapter alone, its files at the top of `folder` (peft
         puts a named adapter's files in a sub-folder of that name)."""
         weights.as_peft(self.model).save_pretrained(
@@ -156,8 +160,23 @@ class RunStepRunner(StepRunner):
         os.replace(tmp, final)
         weights.fsync_dir(final.parent)
 
+    def publish_initial(self) -> None:
+        """Version 0: the adapter as opened (peft's initial B = 0: the base model's outputs), published
+        as every version is, unless a trainer before this one published it (the run's own seed made
+        the same adapter)."""
+        if Path(self.adapter_dir(0)).exists():
+            return
+        staging = self.checkpoint_root / f".tmp-initial-adapter-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        try:
+            self.save_adapter(staging)
+            self.publish(staging, 0)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
     def adapter_dir(self, version: int) -> str:
-        return str(version_dir(self.adapters_root, self.adapter, version)) if version else ""
+        return str(version_dir(self.adapters_root, self.adapter, version))
 
     def describe(self, version: int) -> dict[str, Any]:
         return {"run_id": self.run_id, "adapter": self.adapter, "adapter_dir": self.adapter_dir(version)}
@@ -254,7 +273,9 @@ class RunSet:
             settings=self.settings,
             gauges=False,
         )
-        if resume is not None and not Path(runner.adapter_dir(resume.version)).exists():
+        if resume is None:
+            runner.publish_initial()
+        elif not Path(runner.adapter_dir(resume.version)).exists():
             runner.publish(resume.path, resume.version)
         self.cores[run_id], self.adapters[run_id] = core, adapter
         log.info(

@@ -25,21 +25,23 @@ _sym_db = _symbol_database.Default()
 from tether.v1 import types_pb2 as tether_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tether/v1/inference.proto\x12\ttether.v1\x1a\x15tether/v1/types.proto\"8\n\rWeightVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x63heckpoint_dir\x18\x02 \x01(\t\"=\n\x12LoadWeightsRequest\x12\x16\n\x0e\x63heckpoint_dir\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x1c\n\x0cPauseRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\x32\xd7\x02\n\tInference\x12>\n\x10GetWeightVersion\x12\x10.tether.v1.Empty\x1a\x18.tether.v1.WeightVersion\x12\x46\n\x0bLoadWeights\x12\x1d.tether.v1.LoadWeightsRequest\x1a\x18.tether.v1.WeightVersion\x12\x32\n\x05Pause\x12\x17.tether.v1.PauseRequest\x1a\x10.tether.v1.Empty\x12,\n\x06Resume\x12\x10.tether.v1.Empty\x1a\x10.tether.v1.Empty\x12\x32\n\x05Sleep\x12\x17.tether.v1.SleepRequest\x1a\x10.tether.v1.Empty\x12,\n\x06WakeUp\x12\x10.tether.v1.Empty\x1a\x10.tether.v1.Emptyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19tether/v1/inference.proto\x12\ttether.v1\x1a\x15tether/v1/types.proto\":\n\x12LoadAdapterRequest\x12\x0f\n\x07\x61\x64\x61pter\x18\x01 \x01(\t\x12\x13\n\x0b\x61\x64\x61pter_dir\x18\x02 \x01(\t\"8\n\rWeightVersion\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x16\n\x0e\x63heckpoint_dir\x18\x02 \x01(\t\"=\n\x12LoadWeightsRequest\x12\x16\n\x0e\x63heckpoint_dir\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x1c\n\x0cPauseRequest\x12\x0c\n\x04mode\x18\x01 \x01(\t\"\x1d\n\x0cSleepRequest\x12\r\n\x05level\x18\x01 \x01(\x05\x32\x97\x03\n\tInference\x12>\n\x10GetWeightVersion\x12\x10.tether.v1.Empty\x1a\x18.tether.v1.WeightVersion\x12\x46\n\x0bLoadWeights\x12\x1d.tether.v1.LoadWeightsRequest\x1a\x18.tether.v1.WeightVersion\x12\x32\n\x05Pause\x12\x17.tether.v1.PauseRequest\x1a\x10.tether.v1.Empty\x12,\n\x06Resume\x12\x10.tether.v1.Empty\x1a\x10.tether.v1.Empty\x12\x32\n\x05Sleep\x12\x17.tether.v1.SleepRequest\x1a\x10.tether.v1.Empty\x12,\n\x06WakeUp\x12\x10.tether.v1.Empty\x1a\x10.tether.v1.Empty\x12>\n\x0bLoadAdapter\x12\x1d.tether.v1.LoadAdapterRequest\x1a\x10.tether.v1.Emptyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'tether.v1.inference_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WEIGHTVERSION']._serialized_start=63
-  _globals['_WEIGHTVERSION']._serialized_end=119
-  _globals['_LOADWEIGHTSREQUEST']._serialized_start=121
-  _globals['_LOADWEIGHTSREQUEST']._serialized_end=182
-  _globals['_PAUSEREQUEST']._serialized_start=184
-  _globals['_PAUSEREQUEST']._serialized_end=212
-  _globals['_SLEEPREQUEST']._serialized_start=214
-  _globals['_SLEEPREQUEST']._serialized_end=243
-  _globals['_INFERENCE']._serialized_start=246
-  _globals['_INFERENCE']._serialized_end=589
+  _globals['_LOADADAPTERREQUEST']._serialized_start=63
+  _globals['_LOADADAPTERREQUEST']._serialized_end=121
+  _globals['_WEIGHTVERSION']._serialized_start=123
+  _globals['_WEIGHTVERSION']._serialized_end=179
+  _globals['_LOADWEIGHTSREQUEST']._serialized_start=181
+  _globals['_LOADWEIGHTSREQUEST']._serialized_end=242
+  _globals['_PAUSEREQUEST']._serialized_start=244
+  _globals['_PAUSEREQUEST']._serialized_end=272
+  _globals['_SLEEPREQUEST']._serialized_start=274
+  _globals['_SLEEPREQUEST']._serialized_end=303
+  _globals['_INFERENCE']._serialized_start=306
+  _globals['_INFERENCE']._serialized_end=713
 # @@protoc_insertion_point(module_scope)

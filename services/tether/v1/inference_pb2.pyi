@@ -5,6 +5,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class LoadAdapterRequest(_message.Message):
+    __slots__ = ("adapter", "adapter_dir")
+    ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    ADAPTER_DIR_FIELD_NUMBER: _ClassVar[int]
+    adapter: str
+    adapter_dir: str
+    def __init__(self, adapter: _Optional[str] = ..., adapter_dir: _Optional[str] = ...) -> None: ...
+
 class WeightVersion(_message.Message):
     __slots__ = ("version", "checkpoint_dir")
     VERSION_FIELD_NUMBER: _ClassVar[int]

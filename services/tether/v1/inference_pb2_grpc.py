@@ -66,6 +66,11 @@ class InferenceStub:
                 request_serializer=tether_dot_v1_dot_types__pb2.Empty.SerializeToString,
                 response_deserializer=tether_dot_v1_dot_types__pb2.Empty.FromString,
                 _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/tether.v1.Inference/LoadAdapter',
+                request_serializer=tether_dot_v1_dot_inference__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=tether_dot_v1_dot_types__pb2.Empty.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -109,6 +114,16 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadAdapter(self, request, context):
+        """Serve `adapter_dir` as LoRA adapter `adapter` (vLLM with --enable-lora and runtime LoRA updating;
+        POST /v1/load_lora_adapter with load_inplace, which Tether's plugin turns into a load beside the
+        old version: calls already running finish on it). Idempotent: nothing is loaded when vLLM serves
+        `adapter` from `adapter_dir` already. A run's scheduler loads each version of its adapter so.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -140,6 +155,11 @@ def add_InferenceServicer_to_server(servicer, server):
             'WakeUp': grpc.unary_unary_rpc_method_handler(
                     servicer.WakeUp,
                     request_deserializer=tether_dot_v1_dot_types__pb2.Empty.FromString,
+                    response_serializer=tether_dot_v1_dot_types__pb2.Empty.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=tether_dot_v1_dot_inference__pb2.LoadAdapterRequest.FromString,
                     response_serializer=tether_dot_v1_dot_types__pb2.Empty.SerializeToString,
             ),
     }
@@ -305,6 +325,33 @@ class Inference:
             target,
             '/tether.v1.Inference/WakeUp',
             tether_dot_v1_dot_types__pb2.Empty.SerializeToString,
+            tether_dot_v1_dot_types__pb2.Empty.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tether.v1.Inference/LoadAdapter',
+            tether_dot_v1_dot_inference__pb2.LoadAdapterRequest.SerializeToString,
             tether_dot_v1_dot_types__pb2.Empty.FromString,
             options,
             channel_credentials,
