@@ -531,9 +531,7 @@ def lora_capacity(runs: int) -> tuple[int, int]:
     return runs + 1, 2 * runs
 
 
-def lora_serving(
-    runs: int, rank: int | None = None, extra_args: str = ""
-) -> dict[str, dict[str, str]]:
+def lora_serving(runs: int, rank: int | None = None, extra_args: str = "") -> dict[str, dict[str, str]]:
     """What the inference service and the trainer need to serve and train up to `runs` runs as
     adapters of one base model: vLLM with LoRA on, runtime loading (Tether's plugin versions each
     load) and `lora_capacity`, after `extra_args` (the user's --vllm-arg); the trainer with LoRA of

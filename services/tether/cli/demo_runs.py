@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from tether.cli.demo import DEMO_SCHEDULING, cmd_demo, demo_settings, read_metrics, summarize
 from tether.cli.examples import example_module, prepare_runs_model, write_tasks
 from tether.cli.plots import plot_learning, plot_rewards
-from tether.cli.stack import on_stack, redis_down, run_status, tracker_env
+from tether.cli.stack import on_stack, prepared_run_dir, redis_down, run_status, tracker_env
 
 if TYPE_CHECKING:
     from tether.launcher import Stack
@@ -111,11 +111,7 @@ def cmd_demo_runs(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for k, d in DEMO_SCHEDULING.items():
-        if getattr(args, k) is None:
-            setattr(args, k, d)
-    run_dir = Path(args.run_dir or f"runs/demo-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = prepared_run_dir(args, DEMO_SCHEDULING, "demo")
     configs = {}
     for name in names:
         tasks_file = run_dir / name / "tasks.jsonl"

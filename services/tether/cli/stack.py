@@ -107,6 +107,17 @@ def running(pid: int) -> bool:
 UP_DEFAULTS: dict[str, int | float] = {"lr": 5e-4, "seed": 0, "group_size": 4, "groups_per_step": 1}
 
 
+def prepared_run_dir(args: argparse.Namespace, defaults: dict, prefix: str) -> Path:
+    """The command's run directory (--run-dir, else runs/<prefix>-<time>), made; `defaults` set on
+    `args` for each flag not given."""
+    for k, d in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, d)
+    run_dir = Path(args.run_dir or f"runs/{prefix}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from tether.launcher import Stack, start_stack
 
@@ -116,11 +127,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for k, d in UP_DEFAULTS.items():
-        if getattr(args, k) is None:
-            setattr(args, k, d)
-    run_dir = Path(args.run_dir or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = prepared_run_dir(args, UP_DEFAULTS, "up")
     try:
         model = config_model(config, args.model)
     except ValueError as exc:
