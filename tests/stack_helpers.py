@@ -207,7 +207,10 @@ def tether_demo(cwd: Path, *flags: str) -> tuple[Path, str]:
         timeout=DEMO_TIMEOUT_S,
     )
     if proc.returncode != 0:
-        logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in (run_dir / "logs").glob("*.log"))
+        logs = "\n".join(
+            f"--- {p.relative_to(run_dir)}\n{p.read_text()[-3000:]}"
+            for p in (run_dir / "logs").rglob("*.log")
+        )
         pytest.fail(f"demo failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}\n{logs}")
     return run_dir, proc.stdout
 

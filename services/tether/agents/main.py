@@ -11,6 +11,7 @@ import asyncio
 from typing import ClassVar
 
 import redis.asyncio as aioredis
+from pydantic import Field
 
 from tether.agents.worker import Worker, load_function
 from tether.common import broker
@@ -31,6 +32,10 @@ class AgentSettings(RedisSettings):
     agent_concurrency: int = 16
     agent_name: str = "agent-0"
     admin_token: str = ""
+    # A run's workers (TETHER_NAMESPACE a run's, docs/runs.md): the run's API key (`trk-...`), with which
+    # the gateway creates each rollout in the run's namespace, served by the run's adapter. Set by whoever
+    # starts the run's services (the launcher); never logged.
+    run_key: str = Field("", repr=False)
     rollout_timeout_s: float = 0.0  # per attempt; 0 = no limit
     agent_grpc_host: str = "127.0.0.1"
     agent_grpc_port: int = DEFAULT_GRPC_PORT  # gRPC health only; 0 = any free port
@@ -50,7 +55,7 @@ async def amain(s: AgentSettings) -> None:
         s.gateway_url,
         fn,
         s.agent_concurrency,
-        s.admin_token,
+        s.run_key or s.admin_token,
         s.agent_name,
         s.rollout_timeout_s,
     )

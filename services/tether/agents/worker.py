@@ -102,7 +102,7 @@ class Worker:
         gateway_url: str,
         fn: HarnessFn,
         concurrency: int,
-        admin_token: str = "",
+        token: str = "",
         name: str = "agent-0",
         timeout_s: float = 0.0,
     ) -> None:
@@ -113,7 +113,8 @@ class Worker:
         self.name = name
         self.concurrency = concurrency
         self.timeout_s = timeout_s
-        headers = {"Authorization": f"Bearer {admin_token}"} if admin_token else {}
+        # Creating a rollout takes the gateway's admin token, or a run's key (the rollout is then the run's).
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.AsyncClient(timeout=60.0, headers=headers)
         # Harness functions block (they run their own agent loop): one thread per concurrent rollout.
         # asyncio.to_thread's default pool holds only cpu_count + 4 threads, which capped the

@@ -6,6 +6,7 @@ stack's Redis; nothing imports it. One module per group of commands, each adding
 
     stack       up, down; what every command that starts or finds a stack shares
     demo        demo
+    demo_runs   demo --runs (several examples side by side as runs of one stack)
     evaluate    eval
     examples    prepare-demo; the examples' warm-started models and task files
     agents      agent, agent-job
@@ -27,6 +28,7 @@ import sys
 from tether.cli.agents import add_agents, cmd_agent
 from tether.cli.config import add_config
 from tether.cli.demo import add_demo, demo_settings, read_metrics, summarize
+from tether.cli.demo_runs import add_runs_flag
 from tether.cli.evaluate import add_eval, pass_at_1
 from tether.cli.examples import (
     add_prepare_demo,
@@ -61,7 +63,7 @@ __all__ = [
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tether", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    add_demo(sub)
+    add_runs_flag(add_demo(sub))
     add_up(sub)
     add_eval(sub)
     add_prepare_demo(sub)

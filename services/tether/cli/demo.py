@@ -256,7 +256,7 @@ def report_demo(args: argparse.Namespace, cfg: dict, run_dir: Path, started: flo
     )
 
 
-def add_demo(sub: Subparsers) -> None:
+def add_demo(sub: Subparsers) -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo", help="train an example agent (the calculator by default) on CPU, end to end"
     )
@@ -297,3 +297,4 @@ def add_demo(sub: Subparsers) -> None:
     replicas_flag(demo)
     tracker_flag(demo)
     demo.set_defaults(fn=cmd_demo)
+    return demo

