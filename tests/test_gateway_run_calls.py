@@ -7,6 +7,7 @@ look-alike."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import orjson
@@ -257,3 +258,64 @@ def test_one_runs_admission_pauses_alone(gw, rdb, runs):
     finally:
         gw.resume(0)
     assert _call(gw, "chat", base_key).status_code == 200
+
+
+def _set_status(gw, run_id: str, *statuses: str) -> None:
+    """Move the run through `statuses` in the registry, as its services will (Runs.set_status)."""
+    for status in statuses:
+        asyncio.run_coroutine_threadsafe(gw.server.runs.set_status(run_id, status), gw.loop).result(10)
+
+
+def _count_tokens(gw, family: str, key: str):
+    if family == "count_tokens":
+        return gw.http.post("/v1/messages/count_tokens", json=CALLS["messages"][1], headers=bearer(key))
+    return gw.http.post(
+        f"/v1beta/models/{MODEL}:countTokens", json={"contents": CONTENTS}, headers=bearer(key)
+    )
+
+
+@pytest.mark.parametrize("final", ["stopped", "failed"])
+def test_a_stopping_run_drains_and_a_stopped_or_failed_one_serves_no_call(gw, rdb, vllm, monkeypatch, final):
+    """`stopping` lets the rollouts already running call on; once the run is stopped or failed every
+    call of its rollouts is refused (403 run_status, in each family's shape, count_tokens too) within
+    the status cache's bound, nothing reaches vLLM or is recorded, and the rollout can still be read
+    and finished with its key. Another run's calls and the base namespace's go on."""
+    monkeypatch.setattr(gw.server.call_paths, "status_cache_s", 0.2)
+    run, other = _run(gw, f"stop-{final}"), _run(gw, f"stay-{final}")
+    rollout, others = _rollout(gw, run), _rollout(gw, other)
+    key, rid = rollout["api_key"], rollout["rollout_id"]
+    base_key = gw.new_rollout()["api_key"]
+    _set_status(gw, run["run_id"], "running")
+    assert _call(gw, "chat", key).status_code == 200
+    if final == "stopped":
+        resp = gw.http.post(f"/v1/runs/{run['run_id']}/stop", headers=ADMIN_H)
+        assert resp.json()["status"] == "stopping", resp.text
+        time.sleep(0.3)  # past the cache: the status read again is `stopping`
+        for family in CALLS:  # draining: its running rollouts still call
+            assert _call(gw, family, key).status_code == 200, family
+    _set_status(gw, run["run_id"], final)
+    deadline = time.monotonic() + 5
+    while _call(gw, "chat", key).status_code == 200 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    recorded, asked = trace_count(rdb, run["keys"]), len(vllm.requests)
+    for family in CALLS:
+        resp = _call(gw, family, key)
+        _refused(resp, family, 403)
+        assert final in resp.text
+        with gw.http.stream(
+            "POST", CALLS[family][0], json={**CALLS[family][1], "stream": True}, headers=bearer(key)
+        ) as streamed:
+            streamed.read()
+            _refused(streamed, family, 403)
+        _refused(_call(gw, family, key, f"/rollouts/{rid}"), family, 403)
+    for family in ("count_tokens", "gemini_count"):
+        _refused(_count_tokens(gw, family, key), family, 403)
+    assert trace_count(rdb, run["keys"]) == recorded  # refused before anything was recorded
+    assert len(vllm.requests) == asked
+    assert_openai_error(_call(gw, "chat", key), 403, "run_status")
+    assert _call(gw, "chat", others["api_key"]).status_code == 200
+    assert _call(gw, "chat", base_key).status_code == 200
+    # Its rollout is still there to read and to finish.
+    assert gw.http.get(f"/v1/rollouts/{rid}", headers=bearer(key)).json()["status"] == "running"
+    resp = gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0}, headers=bearer(key))
+    assert resp.status_code == 200, resp.text

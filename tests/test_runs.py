@@ -69,6 +69,12 @@ def test_stop_target():
     assert rules.drains("running") and not rules.drains("created")
 
 
+def test_which_statuses_take_rollouts_and_serve_their_calls():
+    assert [s for s in rules.STATUSES if rules.takes_rollouts(s)] == ["created", "running"]
+    # A stopping run drains (its running rollouts call on); a stopped or failed one serves nothing.
+    assert [s for s in rules.STATUSES if rules.serves_calls(s)] == ["created", "running", "stopping"]
+
+
 def test_a_namespace_names_its_run_for_the_trainer():
     for base in ("tether", "a.b", "x.run"):
         for run_id in ("calc", "r-2", "9"):

@@ -91,6 +91,13 @@ def takes_rollouts(status: str) -> bool:
     return status in (CREATED, RUNNING)
 
 
+def serves_calls(status: str) -> bool:
+    """Whether the calls of a run's rollouts are served in `status`: while it runs, and while it is
+    `stopping` (the rollouts already running finish: its services drain); never once it is `stopped`
+    or `failed` (nothing of it trains any more: a call would be served and recorded for nothing)."""
+    return status not in FINAL
+
+
 def drains(status_before_stop: str) -> bool:
     """Whether a run stopped from this status has services to drain before it is `stopped`: only a
     running one (a `created` run never had any, so it is stopped at once)."""

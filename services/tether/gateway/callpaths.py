@@ -9,6 +9,11 @@ their run (`tr-<run id>.<secret>`, runs.rollout_key_prefix), and the key is then
 run's namespace only, where a key whose marker was forged is unknown (401). Every other key takes the
 base namespace's, as before runs existed.
 
+A model call (`for_call`) of a run whose status is `stopped` or `failed` is refused (403 `run_status`,
+common.runs.serves_calls); `stopping` still serves the rollouts already running. The status is read
+from the registry at most once per `RUN_STATUS_CACHE_S` per run and process (and whenever a run's key
+reads its record), so a stop takes effect on every gateway replica within that bound.
+
 Who may call: gateway.main (building), the call routes and the routers (finding a key's call path).
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -25,12 +31,15 @@ from redis.exceptions import RedisError
 
 from tether.common import broker
 from tether.common.records import RunRecord
+from tether.common.runs import STOPPED, serves_calls
 from tether.gateway.admission import Admission
 from tether.gateway.proxy import Proxy
-from tether.gateway.runs import Runs, run_of_rollout_key
+from tether.gateway.runs import Runs, run_of_rollout_key, run_serves_no_calls
 
 log = logging.getLogger("tether.gateway")
 T = TypeVar("T")
+# How long a process trusts a run's status it read (a stop reaches every replica's calls within it).
+RUN_STATUS_CACHE_S = 5.0
 
 
 async def read_redis(what: str, read: Awaitable[T], fallback: T, timeout_s: float = 5.0) -> T:
@@ -108,12 +117,23 @@ async def follow_admission(
 class CallPaths:
     """The base namespace's call path and each run's (opened by `open_run`, once per run)."""
 
-    def __init__(self, base: Proxy, runs: Runs, open_run: Callable[[RunRecord], Awaitable[Proxy]]) -> None:
+    def __init__(
+        self,
+        base: Proxy,
+        runs: Runs,
+        open_run: Callable[[RunRecord], Awaitable[Proxy]],
+        status_cache_s: float = RUN_STATUS_CACHE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.base = base
         self.runs = runs
         self._open_run = open_run
         self._by_run: dict[str, Proxy] = {}
         self._opening: dict[str, asyncio.Future[Proxy]] = {}
+        self.status_cache_s = status_cache_s
+        self._clock = clock
+        self._status: dict[str, tuple[str, float]] = {}  # run id -> (its status, when it was read)
+        self._reading: dict[str, asyncio.Future[str]] = {}
 
     def cached(self, api_key: str | None) -> Proxy | None:
         """The call path of a key, when it needs no Redis read (for log lines)."""
@@ -132,8 +152,46 @@ class CallPaths:
         record = await self.runs.find(run_id)
         return self.base if record is None else await self.of_run(record)
 
+    async def for_call(self, api_key: str | None) -> Proxy:
+        """The call path a model call of this key takes (`of_key`); refused (403 `run_status`) when the
+        key's run is stopped or failed, its status at most `status_cache_s` old."""
+        proxy = await self.of_key(api_key)
+        run_id = self._marked_run(api_key)
+        if run_id is not None and proxy is not self.base:
+            status = await self._run_status(run_id)
+            if not serves_calls(status):
+                raise run_serves_no_calls(run_id, status)
+        return proxy
+
+    async def _run_status(self, run_id: str) -> str:
+        known = self._status.get(run_id)
+        if known is not None and self._clock() - known[1] < self.status_cache_s:
+            return known[0]
+        reading = self._reading.get(run_id)
+        if reading is None:  # concurrent calls read it once
+            reading = self._reading[run_id] = asyncio.ensure_future(self._read_status(run_id))
+        return await asyncio.shield(reading)
+
+    async def _read_status(self, run_id: str) -> str:
+        try:
+            record = await self.runs.find(run_id)
+        finally:
+            del self._reading[run_id]
+        if record is not None:
+            self._note(record)
+            return record.status
+        # Read when its call path opened, and gone from the registry since (a hand edit): as it was.
+        status = self._status.get(run_id, (STOPPED, 0.0))[0]
+        log.warning("run %s is no longer in the registry: its calls are answered as %s", run_id, status)
+        return status
+
+    def _note(self, run: RunRecord) -> None:
+        self._status[run.run_id] = (run.status, self._clock())
+
     async def of_run(self, run: RunRecord) -> Proxy:
-        """The run's call path, opened on first use (concurrent first uses open it once)."""
+        """The run's call path, opened on first use (concurrent first uses open it once). `run`, as
+        just read from the registry, refreshes the status the run's calls are checked against."""
+        self._note(run)
         opened = self._by_run.get(run.run_id)
         if opened is not None:
             return opened

@@ -81,6 +81,14 @@ def run_takes_no_rollouts(run_id: str, status: str) -> ApiError:
     )
 
 
+def run_serves_no_calls(run_id: str, status: str) -> ApiError:
+    """A call of a rollout whose run is stopped or failed: refused as a permission (not retried by the
+    OpenAI and Anthropic SDKs, which retry 409), in the call route's own error shape."""
+    return ApiError(
+        403, f"run {run_id} is {status}: its rollouts make no more calls", "permission_error", "run_status"
+    )
+
+
 def refused_transition(exc: rules.TransitionRefused) -> ApiError:
     return ApiError(409, str(exc), "invalid_request_error", "run_status")
 

@@ -180,7 +180,7 @@ class CallRoutes:
                 )
             if isinstance(key, tuple):  # several keys sent: the first the gateway knows wins
                 key = await self.resolve_key(key, rollout_id is None)
-            proxy = await self.call_paths.of_key(key)
+            proxy = await self.call_paths.for_call(key)
             try:
                 raw = await receive_body(receive, length, self.max_body_bytes)
             except ApiError as exc:  # over the limit: recorded for a known rollout all the same

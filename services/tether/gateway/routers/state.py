@@ -74,7 +74,7 @@ class RouteState:
         """A token-counting route (Proxy.count_tokens), on the call path of the request's key."""
         key = await self.key_of(request, rollout_id)
         raw = await self.body(request)
-        return await (await self.call_paths.of_key(key)).count_tokens(api, key, raw, rollout_id)
+        return await (await self.call_paths.for_call(key)).count_tokens(api, key, raw, rollout_id)
 
     async def authenticate_path(self, request: Request, rollout_id: str) -> None:
         """A /rollouts/{rollout_id}/... request's key must be that rollout's (401, 403 otherwise)."""
