@@ -12,6 +12,7 @@ import time
 
 import orjson
 import pytest
+import redis.asyncio as aioredis
 from fakes.vllm_openai import MODEL
 from gateway_helpers import (
     ADMIN,
@@ -26,7 +27,8 @@ from gateway_helpers import (
 from test_gateway_apis import assert_anthropic_error
 from test_gateway_gemini import assert_google_error
 
-from tether.common.keys import Keys
+from tether.common import broker
+from tether.common.keys import Keys, trace_partition
 from tether.gateway.runs import run_of_rollout_key
 from tether.v1 import gateway_pb2
 
@@ -319,3 +321,54 @@ def test_a_stopping_run_drains_and_a_stopped_or_failed_one_serves_no_call(gw, rd
     assert gw.http.get(f"/v1/rollouts/{rid}", headers=bearer(key)).json()["status"] == "running"
     resp = gw.http.post(f"/v1/rollouts/{rid}/complete", json={"reward": 1.0}, headers=bearer(key))
     assert resp.status_code == 200, resp.text
+
+
+def _rollout_off_partition(gw, run: dict, partitions: int) -> dict:
+    """A rollout of the run whose trace partition under `partitions` is not the one under the gateway's
+    own count (so that a trace written with the wrong count is found missing)."""
+    for _ in range(50):
+        rollout = _rollout(gw, run)
+        rid = rollout["rollout_id"]
+        if trace_partition(rid, partitions) != trace_partition(rid, gw.keys.trace_partitions):
+            return rollout
+    raise AssertionError("no rollout id fell on another partition")
+
+
+@pytest.mark.parametrize("where", ["recorded", "config", "gateway"])
+def test_a_runs_traces_land_on_the_partitions_its_merger_reads(gw, rdb, where):
+    """A run's call path writes with its namespace's trace partition count: the one its services
+    recorded (its merger, started first with 3), else its run config's (merger.trace_partitions: 5),
+    else the gateway's, which it then records so that a merger started later with another count
+    refuses to start instead of reading partitions nobody writes."""
+    partitions = {"recorded": 3, "config": 5, "gateway": gw.keys.trace_partitions}[where]
+    config = {"merger": {"trace_partitions": 5}} if where == "config" else {}
+    run_id = f"parts-{where}"
+    resp = gw.http.post("/v1/runs", json={"run_id": run_id, "config": config}, headers=ADMIN_H)
+    assert resp.status_code == 201, resp.text
+    made = resp.json()
+    keys = Keys(made["namespace"], partitions)
+    if where == "recorded":  # as the run's merger does at its start (broker.agree_trace_partitions)
+        rdb.set(keys.partitions, partitions, nx=True)
+    rollout = _rollout(gw, made) if where == "gateway" else _rollout_off_partition(gw, made, partitions)
+    rid = rollout["rollout_id"]
+    resp = _call(gw, "chat", rollout["api_key"])
+    assert resp.status_code == 200, resp.text
+    [trace] = wait_traces(rdb, keys, rid)
+    assert trace["call_id"] == resp.headers["x-tether-call-id"]
+    # Where the run's merger reads: every partition of its count holds the run's calls, and the
+    # rollout's own records carry the partition's tag.
+    merged = [f for s in keys.trace_streams for _, f in rdb.xrange(s)]
+    assert [orjson.loads(f["data"])["call_id"] for f in merged] == [trace["call_id"]]
+    assert rdb.hget(keys.rollout(rid), "status") == "running"
+    assert rdb.get(keys.partitions) == str(partitions)
+
+    async def merger_with(count: int) -> None:
+        r = aioredis.Redis(port=rdb.connection_pool.connection_kwargs["port"], decode_responses=True)
+        try:
+            await broker.agree_trace_partitions(r, Keys(made["namespace"], count))
+        finally:
+            await r.aclose()
+
+    asyncio.run(merger_with(partitions))  # the run's merger, with the same count, starts
+    with pytest.raises(broker.PartitionMismatch):
+        asyncio.run(merger_with(partitions + 1))

@@ -24,7 +24,7 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -77,6 +77,38 @@ async def admission_paused(r: aioredis.Redis, keys: broker.Keys, timeout_s: floa
         return await r.get(keys.admission) == "paused"
 
     return await read_redis("the admission state", paused(), None, timeout_s)
+
+
+def configured_trace_partitions(config: dict[str, Any]) -> int | None:
+    """The trace partition count a run config gives its merger (`merger.trace_partitions`), None when
+    it gives none (or nothing usable: the run's merger refuses that itself when it starts)."""
+    section = config.get("merger")
+    value = section.get("trace_partitions") if isinstance(section, dict) else None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
+
+
+async def run_trace_partitions(r: aioredis.Redis, run: RunRecord, default: int) -> int:
+    """The trace partition count of a run's namespace, which its call path writes traces and rollouts
+    with: the one its services recorded (broker.agree_trace_partitions: its merger reads those
+    partitions only), else the run config's (`configured_trace_partitions`), else the gateway's
+    (`default`). Recorded now when none was, so that a service of the run started later with another
+    count refuses to start (PartitionMismatch) instead of reading partitions nobody writes. Redis
+    errors propagate: a call path is never opened on a guess."""
+    wanted = configured_trace_partitions(run.config) or default
+    keys = broker.Keys(run.namespace, wanted)
+    await r.set(keys.partitions, wanted, nx=True)
+    try:
+        recorded = await broker.recorded_trace_partitions(r, keys)
+    except ValueError:
+        recorded = None
+    if recorded is None or recorded < 1:
+        log.error("run %s: its trace partition count in Redis is unusable; writing %d", run.run_id, wanted)
+        return wanted
+    if recorded != default:
+        log.info(
+            "run %s: %d trace partitions (its namespace's), the gateway's %d", run.run_id, recorded, default
+        )
+    return recorded
 
 
 async def run_admission_paused(r: aioredis.Redis, keys: broker.Keys, timeout_s: float = 5.0) -> bool:

@@ -35,7 +35,13 @@ from tether.common.settings import RedisSettings, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.gateway.admission import Admission
 from tether.gateway.app import create_app
-from tether.gateway.callpaths import CallPaths, follow_admission, open_admission, read_redis
+from tether.gateway.callpaths import (
+    CallPaths,
+    follow_admission,
+    open_admission,
+    read_redis,
+    run_trace_partitions,
+)
 from tether.gateway.guided import GuidedCheck, GuidedMode
 from tether.gateway.proxy import Proxy
 from tether.gateway.quotas import Limits, Quotas
@@ -337,10 +343,11 @@ class GatewayServer:
         self.call_paths = CallPaths(self.proxy, self.runs, self._open_run)
 
     async def _open_run(self, run: RunRecord) -> Proxy:
-        """A run's call path: the base one's parts over the run's namespace, its own admission gate
+        """A run's call path: the base one's parts over the run's namespace (with the trace partitions
+        its merger reads: callpaths.run_trace_partitions), its own admission gate
         (resumed from Redis: the scheduler's GatewayControl holds the base one), vLLM asked for its
         adapter, no deployment keys."""
-        keys = Keys(run.namespace, self.s.trace_partitions)
+        keys = Keys(run.namespace, await run_trace_partitions(self.redis, run, self.s.trace_partitions))
         admission = await self._admission(keys, resumes=True)
         recorder = self.recorder.in_namespace(keys)
         rollouts = self.rollouts.in_namespace(keys, admission, recorder.batch, rollout_key_prefix(run.run_id))
