@@ -5,6 +5,7 @@ the gateway's error vocabulary; and a run's API key as an authority over its own
 from __future__ import annotations
 
 import orjson
+from fakes.vllm_openai import MODEL
 from gateway_helpers import ADMIN, InProcessGateway, assert_openai_error, bearer, gateway_settings
 
 from tether.common.keys import Keys, key_digest
@@ -146,3 +147,74 @@ def test_on_a_gateway_without_an_admin_token_a_run_key_is_still_no_admin(redis_p
             resp = open_gw.http.request(method, path, headers=bearer(key))
             assert_openai_error(resp, 403, "forbidden")
         assert open_gw.http.get("/v1/runs/open").json()["status"] == "created"
+
+
+def _post(gw, path: str, body: dict, key: str):
+    return gw.http.post(path, json=body, headers=bearer(key))
+
+
+def test_the_admin_token_reaches_a_runs_rollouts_with_the_run_named(gw, rdb):
+    """`?run=<run id>`: the admin token reads, rewards, completes and fails a run's rollouts (without
+    it, the base namespace's, where the run's rollout is not: 404). A bad or unknown run is 400 or 404;
+    a run's key naming another run, or a rollout's key naming another run than its own, finds nothing;
+    every refusal in OpenAI's shape, nothing changed."""
+    a, b = _create(gw, "admin-a"), _create(gw, "admin-b")
+    made = [
+        _post(gw, "/v1/rollouts", {"task_id": "t", "group_id": "g"}, a["api_key"]).json() for _ in range(2)
+    ]
+    rid, other = made[0]["rollout_id"], made[1]["rollout_id"]
+    call = _post(
+        gw,
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
+        made[0]["api_key"],
+    )
+    assert call.status_code == 200, call.text
+    call_id = call.headers["x-tether-call-id"]
+
+    assert_openai_error(gw.http.get(f"/v1/rollouts/{rid}", headers=ADMIN_H), 404, "rollout_not_found")
+    resp = gw.http.get(f"/v1/rollouts/{rid}?run=admin-a", headers=ADMIN_H)
+    assert resp.status_code == 200, resp.text
+    got = resp.json()
+    assert (got["rollout_id"], got["status"], got["calls"], got["metadata"]["adapter"]) == (
+        rid,
+        "running",
+        1,
+        "admin-a",
+    )
+    for query, status, code in (
+        ("?run=admin-b", 404, "rollout_not_found"),  # not in that run
+        ("?run=nope", 404, "run_not_found"),
+        ("?run=", 400, "invalid_value"),
+        ("?run=Bad%20Id", 400, "invalid_value"),
+        ("?run=a:{p0}", 400, "invalid_value"),
+    ):
+        assert_openai_error(gw.http.get(f"/v1/rollouts/{rid}{query}", headers=ADMIN_H), status, code)
+    # The run's own key, and its rollout's key, with their run named: as without; another run: 404.
+    assert gw.http.get(f"/v1/rollouts/{rid}?run=admin-a", headers=bearer(a["api_key"])).status_code == 200
+    assert (
+        gw.http.get(f"/v1/rollouts/{rid}?run=admin-a", headers=bearer(made[0]["api_key"])).status_code == 200
+    )
+    for key in (a["api_key"], made[0]["api_key"], b["api_key"]):
+        resp = gw.http.get(f"/v1/rollouts/{rid}?run=admin-b", headers=bearer(key))
+        assert_openai_error(resp, 404)
+    assert_openai_error(gw.http.get(f"/v1/rollouts/{rid}?run=admin-a"), 401)  # no key: no admin
+    assert_openai_error(
+        gw.http.get(f"/v1/rollouts/{rid}?run=admin-a", headers=bearer(b["api_key"])), 404, "rollout_not_found"
+    )
+
+    # Reward, complete and fail by the admin, in the run's namespace.
+    resp = _post(gw, f"/v1/rollouts/{rid}/calls/{call_id}/reward?run=admin-a", {"reward": 0.5}, ADMIN)
+    assert resp.status_code == 200 and resp.json()["replaced"] is False, resp.text
+    resp = _post(gw, f"/v1/rollouts/{rid}/complete?run=admin-a", {"reward": 1.0}, ADMIN)
+    assert resp.status_code == 200 and resp.json()["status"] == "completed", resp.text
+    resp = _post(gw, f"/v1/rollouts/{other}/fail?run=admin-a", {"reason": "admin"}, ADMIN)
+    assert resp.status_code == 200 and resp.json()["status"] == "failed", resp.text
+    run_keys = Keys(a["namespace"], gw.keys.trace_partitions)
+    events = {
+        orjson.loads(f["data"])["rollout_id"]: orjson.loads(f["data"])["status"]
+        for _, f in rdb.xrange(run_keys.rollout_events)
+    }
+    assert events == {rid: "completed", other: "failed"}
+    assert rdb.hgetall(run_keys.call_rewards(rid)) == {call_id: "0.5"}
+    assert rid not in str(rdb.xrange(gw.keys.rollout_events))

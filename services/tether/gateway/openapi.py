@@ -95,6 +95,13 @@ def _param(name: str, description: str = "", slashes: bool = False) -> Schema:
 
 _ROLLOUT_PARAM = _param("rollout_id", "the rollout the key must belong to (403 otherwise)")
 _ROLLOUT_ID = _param("rollout_id")
+_RUN_QUERY = {
+    "name": "run",
+    "in": "query",
+    "required": False,
+    "schema": {"type": "string"},
+    "description": "the run whose rollout it is (the admin token; without it, the base namespace's)",
+}
 _CALL_ID = _param("call_id", "a recorded call's id (x-tether-call-id)")
 _GEMINI_MODEL = _param("model", "the served model, optionally as models/<name>", slashes=True)
 _ALT = {
@@ -316,7 +323,7 @@ def _rollout_routes(b: _Builder) -> None:
     ]
     for suffix, method, op in ops:
         b.add(f"/v1/rollouts/{{rollout_id}}{suffix}", method, op)
-        b.paths[f"/v1/rollouts/{{rollout_id}}{suffix}"]["parameters"] = [_ROLLOUT_ID]
+        b.paths[f"/v1/rollouts/{{rollout_id}}{suffix}"]["parameters"] = [_ROLLOUT_ID, _RUN_QUERY]
 
 
 _RUN_ID = _param("run_id", "a run's id (a slug; 400 for an id no run can have)")
@@ -365,7 +372,11 @@ def _reward_routes(b: _Builder) -> None:
         [*_OWN, {"xApiKey": []}, {"azureApiKey": []}],
     )
     b.add("/v1/rollouts/{rollout_id}/calls/{call_id}/reward", "post", call)
-    b.paths["/v1/rollouts/{rollout_id}/calls/{call_id}/reward"]["parameters"] = [_ROLLOUT_ID, _CALL_ID]
+    b.paths["/v1/rollouts/{rollout_id}/calls/{call_id}/reward"]["parameters"] = [
+        _ROLLOUT_ID,
+        _CALL_ID,
+        _RUN_QUERY,
+    ]
     own = Op(
         "reward_own_call",
         "Reward one call of the key's rollout",

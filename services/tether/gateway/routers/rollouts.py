@@ -8,7 +8,8 @@ path (/v1/rollouts/{id}/calls/{call_id}/reward) or by a harness that holds only 
 (/v1/calls/{call_id}/reward, also under /rollouts/{rollout_id}/v1): the key names the rollout.
 
 A run's API key (docs/runs.md) creates, reads, completes and fails its own run's rollouts, and rewards
-their calls, in its run's namespace, and finds no other (404). A run's rollout key is looked up in its
+their calls, in its run's namespace, and finds no other (404). The admin token reaches a run's
+rollouts on the same routes with `?run=<run id>` (without it, the base namespace's). A run's rollout key is looked up in its
 run's namespace only (callpaths.py): it reaches its own rollout as a base rollout's key does.
 """
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from tether.common.runs import takes_rollouts
+from tether.common.runs import takes_rollouts, valid_run_id
 from tether.gateway.capture import load_json_object
 from tether.gateway.edge import bearer, json_response
 from tether.gateway.rollouts import (
@@ -28,9 +29,10 @@ from tether.gateway.rollouts import (
     parse_create,
     parse_reason,
     parse_reward,
+    rollout_not_found,
 )
 from tether.gateway.routers.state import state
-from tether.gateway.runs import run_takes_no_rollouts
+from tether.gateway.runs import invalid_run_id, run_takes_no_rollouts
 
 router = APIRouter()
 
@@ -76,14 +78,28 @@ async def _registry(
     """Where the rollout a request names is, once the request may reach it: a run's key reaches its
     run's rollouts only (404 for any other: they are not in its namespace); any other key (the
     Bearer's unless `key` says) the rollouts of its call path's namespace, by their rules
-    (RolloutRegistry.authorize): a run's rollout key its own rollout only."""
+    (RolloutRegistry.authorize): a run's rollout key its own rollout only. The admin token (or, for
+    reads on a gateway without one, anyone) reaches the base namespace's rollouts, and with `?run=<run
+    id>` that run's. A `?run=` that names another run than the key's own finds nothing (404)."""
     gw = state(request)
+    named = request.query_params.get("run")
     of_run = await gw.run_of(request)
     if of_run is not None:
-        return of_run[1]
+        run, registry = of_run
+        if named is not None and named != run.run_id:
+            raise rollout_not_found(rollout_id)
+        return registry
     key = bearer(request) if key is None else key
     registry = await gw.registry_of(key)
     await registry.authorize(rollout_id, key, open_without_admin)
+    if named is None:
+        return registry
+    if await registry.owner(key) is None:  # the admin's (or an open read): the run's rollouts
+        return await gw.rollouts_of_run(named)
+    if not valid_run_id(named):
+        raise invalid_run_id(named)
+    if registry.keys.ns != gw.runs.namespace(named):
+        raise rollout_not_found(rollout_id)  # a rollout's key: its own rollout, in its own run only
     return registry
 
 

@@ -63,6 +63,11 @@ class RouteState:
             return None
         return run, (await self.call_paths.of_run(run)).rollouts
 
+    async def rollouts_of_run(self, run_id: str) -> RolloutRegistry:
+        """The rollouts of the run `run_id` (its call path's registry; 400 for an id no run can have,
+        404 for no such run), for the admin's `?run=`."""
+        return (await self.call_paths.of_run(await self.runs.get(run_id))).rollouts
+
     async def registry_of(self, key: str | None) -> RolloutRegistry:
         """The rollouts a rollout's key is looked up among: its run's for a run's rollout key, the base
         namespace's for any other (callpaths.CallPaths.of_key)."""
