@@ -7,20 +7,24 @@ push), pushes and joins serialised, and with no replica discovered, exactly the 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 
 import grpc
 import pytest
 import redis.asyncio as aioredis
 from fake_control import FakeInference, FakeTrainer, rpc_error
+from fakes.vllm_control import FakeVLLMControl, serve
 from prometheus_client import REGISTRY
 
 from tether.common import replicas as published
 from tether.common.broker import Keys
 from tether.common.grpc_server import start_server
 from tether.common.records import InferenceReplica
+from tether.common.vllm_client import VLLMControl
+from tether.inference.servicer import InferenceServicer
 from tether.scheduler.fleet import InferenceFleet
-from tether.scheduler.publish import WeightPublisher
+from tether.scheduler.publish import AdapterPublisher, WeightPublisher
 from tether.v1 import inference_pb2, inference_pb2_grpc, trainer_pb2, types_pb2
 
 METHODS = ("GetWeightVersion", "LoadWeights", "Pause", "Resume", "Sleep", "WakeUp")
@@ -459,3 +463,55 @@ async def test_a_replica_on_other_weights_than_the_base_model_joins_after_the_ne
     await cluster.fleet.LoadWeights(load(1))
     await eventually(lambda: _is(cluster.fleet.status()["serving"] == ["inference-0", "inference-1"]))
     assert (stray.fake.version, await cluster.routed()) == (1, ["inference-0", "inference-1"])
+
+
+async def test_a_replica_that_joins_later_serves_the_runs_adapter_version(cluster):
+    """A run's scheduler loads only its adapter's versions (LoadAdapter, no LoadWeights). Replicas here
+    are the real inference adapter (InferenceServicer) over a vLLM look-alike each: one discovered
+    after versions 1 and 2 were loaded serves version 2 (and only it) once it is published; one that
+    serves it already loads nothing; the next version reaches every member."""
+    vllms: dict[str, FakeVLLMControl] = {}
+    controls: list[VLLMControl] = []
+    with contextlib.ExitStack() as stack:
+
+        async def add(name: str) -> FakeVLLMControl:
+            fake = vllms[name] = FakeVLLMControl({})
+            url = stack.enter_context(serve(fake.app))
+            control = VLLMControl(url)
+            controls.append(control)
+            servicer = InferenceServicer(control, "")
+            server, _, port = await start_server(
+                0, lambda srv: inference_pb2_grpc.add_InferenceServicer_to_server(servicer, srv) or []
+            )
+            cluster.servers.append(server)
+            cluster.replicas[name] = InferenceReplica(
+                name=name, vllm_url=url, control_address=f"127.0.0.1:{port}"
+            )
+            return fake
+
+        try:
+            first = await add("inference-0")
+            await cluster.discover("inference-0")
+            await cluster.fleet.settled()
+            run = AdapterPublisher(cluster.fleet, cluster.trainer, "calc", "calc-lora")
+            for version in (1, 2):
+                await run.load(f"/adapters/calc-lora/{version}", version)
+            assert first.adapters == {"calc-lora": "/adapters/calc-lora/2"}
+
+            late = await add("inference-1")
+            served = await add("inference-2")
+            served.adapters["calc-lora"] = "/adapters/calc-lora/2"  # as after a scheduler restart
+            await cluster.discover("inference-0", "inference-1", "inference-2")
+            await cluster.fleet.settled()
+            assert await cluster.routed() == ["inference-0", "inference-1", "inference-2"]
+            assert late.adapters == {"calc-lora": "/adapters/calc-lora/2"}
+            assert [e for e in late.log if e.startswith("lora:")] == ["lora:calc-lora:/adapters/calc-lora/2"]
+            assert not [e for e in served.log if e.startswith("lora:")]  # served it already
+
+            await run.load("/adapters/calc-lora/3", 3)
+            assert {n: f.adapters["calc-lora"] for n, f in vllms.items()} == dict.fromkeys(
+                vllms, "/adapters/calc-lora/3"
+            )
+        finally:
+            for control in controls:
+                await control.close()

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import uvicorn
 from fastapi import Body, FastAPI, HTTPException
+from fastapi.responses import PlainTextResponse
 
 from tether.common.net import free_port
 from tether.trainer.nccl_push import create_transfer_group
@@ -84,7 +85,9 @@ class FakeVLLMControl:
     It also answers the dev routes path 1 and the inference adapter use (/pause, /resume, /is_paused,
     /reset_prefix_cache, /update_weight_version, /collective_rpc reload_weights from a safetensors
     folder, /health). A reload of a folder in `fail_reload` replaces one tensor, then fails (500), as a
-    reload that breaks part-way would."""
+    reload that breaks part-way would. And the runtime LoRA routes (VLLM_ALLOW_RUNTIME_LORA_UPDATING):
+    /v1/load_lora_adapter (a loaded name again only in place, as vLLM refuses it otherwise) and
+    /v1/models, which lists each adapter with its `root` (the path it was loaded from) and `parent`."""
 
     INIT_FIELDS = {
         "master_address",
@@ -117,6 +120,7 @@ class FakeVLLMControl:
         self.session_updates = 0
         self.paused = False
         self.fail_reload: set[str] = set()
+        self.adapters: dict[str, str] = {}  # LoRA name -> the path it serves
         self.app = self._app()
 
     def _violation(self, message: str) -> None:
@@ -271,6 +275,27 @@ class FakeVLLMControl:
                 self.weights[name] = tensor
             self.log.append(f"reload:{Path(folder).name}")
             return {"results": [None]}
+
+        @app.post("/v1/load_lora_adapter")
+        def load_lora_adapter(
+            lora_name: str = Body(),  # noqa: B008
+            lora_path: str = Body(),  # noqa: B008
+            load_inplace: bool = Body(False),  # noqa: B008
+        ):
+            if lora_name in self.adapters and not load_inplace:
+                raise HTTPException(400, f"The lora adapter '{lora_name}' has already been loaded.")
+            self.adapters[lora_name] = lora_path
+            self.log.append(f"lora:{lora_name}:{lora_path}")
+            return PlainTextResponse(f"Success: LoRA adapter '{lora_name}' added successfully.")
+
+        @app.get("/v1/models")
+        def models():
+            base = {"id": "base", "object": "model", "root": "base", "parent": None}
+            loras = [
+                {"id": name, "object": "model", "root": path, "parent": "base"}
+                for name, path in self.adapters.items()
+            ]
+            return {"object": "list", "data": [base, *loras]}
 
         @app.get("/get_world_size")
         def world_size():

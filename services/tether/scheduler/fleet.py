@@ -13,8 +13,9 @@ LoadWeights is taken out (published out of routing, then joined again): it may s
 
 Joining: a replica new in a discovered list is first brought to the weights the members serve (the
 checkpoint of the last load, or the trainer's checkpoint of a version pushed by path 2; no load when
-it already serves them) and into the state the run has put them in (asleep, paused), and only then
-published (tether.common.replicas.publish), so the gateway never routes to stale weights. Joins and
+it already serves them), to the adapter version the members serve (a run's scheduler: the last
+LoadAdapter of each adapter name; the replica's adapter loads nothing when it serves it already), and
+into the state the run has put them in (asleep, paused), and only then published (tether.common.replicas.publish), so the gateway never routes to stale weights. Joins and
 calls take one lock, so a push and a join never interleave: a replica joins before a load (and is
 loaded with the others) or after it (and is loaded with its checkpoint). A join that fails is tried
 again (backoff) while the replica is still listed. A replica no longer listed is published out at
@@ -115,6 +116,7 @@ class InferenceFleet:
         # versions all members agree on). checkpoint_dir "" with a version > 0: pushed by path 2.
         self.weights: tuple[str, int] | None = None
         self.paused: str | None = None  # the Pause mode the run left the members in
+        self.adapters: dict[str, str] = {}  # adapter name -> the directory every member serves it from
         self.asleep: int | None = None  # the Sleep level
         self._lock = asyncio.Lock()  # calls and joins, one at a time
         self._publish_lock = asyncio.Lock()  # one publish at a time (each reads, then writes the set)
@@ -189,8 +191,10 @@ class InferenceFleet:
         return await self._each("WakeUp", req, kw, asleep=None)
 
     async def LoadAdapter(self, req: inference_pb2.LoadAdapterRequest, **kw: Any) -> types_pb2.Empty:
-        # Every member; a replica that joins later is brought to the base weights only (docs/runs.md).
-        return await self._each("LoadAdapter", req, kw)
+        # Every member; a replica that joins later is brought to the newest directory loaded.
+        return await self._each(
+            "LoadAdapter", req, kw, adapters={**self.adapters, req.adapter: req.adapter_dir}
+        )
 
     # --- fan-out --------------------------------------------------------------------------------------
 
@@ -288,6 +292,7 @@ class InferenceFleet:
             "serving": sorted(m.replica.name for m in self.members.values()),
             "joining": {x.name: self.failures.get(k, "") for k, x in sorted(self.pending.items())},
             "weights": self.weights,
+            "adapters": dict(self.adapters),
         }
 
     async def aclose(self) -> None:
@@ -357,6 +362,7 @@ class InferenceFleet:
         try:
             if self.weights is None:  # adopted as it is: the run's first call brings it along
                 await member.stub.GetWeightVersion(types_pb2.Empty(), timeout=self.call_timeout_s)
+                await self._bring_adapters(member)
             else:
                 await self._bring(member, *self.weights)
         except BaseException:
@@ -390,12 +396,22 @@ class InferenceFleet:
             )
             if loaded.version != version:
                 raise RuntimeError(f"it reports version {loaded.version} after loading version {version}")
+        await self._bring_adapters(member)
         if self.paused is not None:
             await stub.Pause(inference_pb2.PauseRequest(mode=self.paused), timeout=self.call_timeout_s)
         elif current:  # (a load resumes) a push cut short may have left it paused
             await stub.Resume(types_pb2.Empty(), timeout=self.call_timeout_s)
         if self.asleep is not None:
             await stub.Sleep(inference_pb2.SleepRequest(level=self.asleep), timeout=self.call_timeout_s)
+
+    async def _bring_adapters(self, member: Member) -> None:
+        """Serve every adapter at the version the members serve it (a run's: its newest version)."""
+        for adapter, adapter_dir in self.adapters.items():
+            log.info("inference replica %s: serving %s from %s", member.replica.name, adapter, adapter_dir)
+            await member.stub.LoadAdapter(
+                inference_pb2.LoadAdapterRequest(adapter=adapter, adapter_dir=adapter_dir),
+                timeout=self.call_timeout_s,
+            )
 
     async def _publish(self) -> None:
         """Publish the members as the set the gateway routes to (a no-op when it did not change). Until
