@@ -93,24 +93,23 @@ def _param(name: str, description: str = "", slashes: bool = False) -> Schema:
     return out
 
 
+def _query(name: str, description: str) -> Schema:
+    """An optional query parameter (a string)."""
+    return {
+        "name": name,
+        "in": "query",
+        "required": False,
+        "schema": {"type": "string"},
+        "description": description,
+    }
+
+
 _ROLLOUT_PARAM = _param("rollout_id", "the rollout the key must belong to (403 otherwise)")
 _ROLLOUT_ID = _param("rollout_id")
-_RUN_QUERY = {
-    "name": "run",
-    "in": "query",
-    "required": False,
-    "schema": {"type": "string"},
-    "description": "the run whose rollout it is (the admin token; without it, the base namespace's)",
-}
+_RUN_QUERY = _query("run", "the run whose rollout it is (the admin token; without it, the base namespace's)")
 _CALL_ID = _param("call_id", "a recorded call's id (x-tether-call-id)")
 _GEMINI_MODEL = _param("model", "the served model, optionally as models/<name>", slashes=True)
-_ALT = {
-    "name": "alt",
-    "in": "query",
-    "required": False,
-    "schema": {"type": "string"},
-    "description": "sse: a stream as SSE; anything else: one JSON array",
-}
+_ALT = _query("alt", "sse: a stream as SSE; anything else: one JSON array")
 
 
 class _Builder:
