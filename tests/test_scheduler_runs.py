@@ -58,7 +58,9 @@ async def test_a_runs_publisher_opens_its_run_with_its_own_settings():
 
     publisher = AdapterPublisher(Inference(), Trainer(), "calc", "calc-lora", {"lr": "1e-06"})
     assert await publisher.reconcile() == 0
-    assert [(a.run_id, a.adapter, dict(a.settings)) for a in asked] == [("calc", "calc-lora", {"lr": "1e-06"})]
+    assert [(a.run_id, a.adapter, dict(a.settings)) for a in asked] == [
+        ("calc", "calc-lora", {"lr": "1e-06"})
+    ]
 
 
 def test_an_adapter_is_loaded_unless_vllm_serves_that_very_version():

@@ -1,4 +1,4 @@
-"""Runs side by side on one trainer (trainer/runs.py; docs/runs.md "Per-run trainer state"), on the tiny
+"""Runs side by side on one trainer (trainer/runs.py; docs/runs.md "Trained side by side"), on the tiny
 Llama through the service's own build path: two runs trained in turn give each run exactly what it
 gets alone in a fresh trainer, with its own hyper-parameters too; a run's optimizer holds and moves
 only its adapter; the base weights and the single policy's adapter never move; a restarted trainer

@@ -1,4 +1,4 @@
-"""Runs side by side on one trainer (issue 28; docs/runs.md, "Per-run trainer state").
+"""Runs side by side on one trainer (issue 28; docs/runs.md, "Trained side by side").
 
 One base model, frozen, and per run: its own LoRA adapter (a named peft adapter, `run-<run id>`, on the
 one PeftModel), its own optimizer over that adapter's parameters only, and its own TrainerCore (buffer,
