@@ -33,10 +33,12 @@ RATE = "$__rate_interval"
 QUANTILES = (0.5, 0.9, 0.99)
 # Series Prometheus makes itself (not in any /metrics page): left out of used_metrics().
 PROMETHEUS_SERIES = frozenset({"up"})
+# Each component's weight-version series (a selector): the trainer's single policy's (`run=""`), since
+# each run's adapter has a version chain of its own.
 WEIGHT_VERSIONS = {
     "gateway": "tether_gateway_weight_version",
     "inference": "tether_inference_weight_version",
-    "trainer": "tether_trainer_weight_version",
+    "trainer": 'tether_trainer_weight_version{run=""}',
     "scheduler": "tether_scheduler_weight_version",
 }
 

@@ -221,9 +221,10 @@ def test_trainer_serves_its_metrics_at_the_version_it_resumed(tmp_path):
     for group in _groups(2):
         core.submit(*group)
     _train(core, 1)
-    assert REGISTRY.get_sample_value("tether_trainer_weight_version") == 1 == core.version
+    single = {"run": ""}  # the single policy's series (Prometheus stores it unlabelled)
+    assert REGISTRY.get_sample_value("tether_trainer_weight_version", single) == 1 == core.version
     _train(core, 2)
-    assert REGISTRY.get_sample_value("tether_trainer_weight_version") == 2
+    assert REGISTRY.get_sample_value("tether_trainer_weight_version", single) == 2
     del core
     port = free_port()
     env = {
@@ -236,5 +237,5 @@ def test_trainer_serves_its_metrics_at_the_version_it_resumed(tmp_path):
     log = tmp_path / "trainer.log"
     with service("trainer", env, log) as proc:
         text = scrape(f"http://127.0.0.1:{port}/metrics", proc, log, timeout=180)
-        assert value(text, "tether_trainer_weight_version") == 2
+        assert value(text, "tether_trainer_weight_version", run="") == 2
         assert_exports_its_documented_metrics("trainer", text)

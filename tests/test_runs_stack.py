@@ -139,8 +139,8 @@ async def test_a_runs_scheduler_serves_each_adapter_version_and_pauses_only_its_
         r = broker.connect(f"redis://127.0.0.1:{redis_port}")
         try:
             # As scheduler.main does for a run's namespace: the run and its adapter from the registry.
-            run_id, adapter = await run_adapter(r, namespace)
-            assert (run_id, adapter) == (RUN, ADAPTER)
+            run_id, adapter, settings = await run_adapter(r, namespace)
+            assert (run_id, adapter, settings) == (RUN, ADAPTER, {})
             cfg = RunConfig(
                 run_id="sched-calc",
                 steps=2,

@@ -18,16 +18,49 @@ from tether.common.runs import run_namespace
 from tether.gateway.admission import Admission
 from tether.gateway.callpaths import follow_admission
 from tether.inference.servicer import adapter_load_needed
-from tether.scheduler.config import run_problem
+from tether.scheduler.config import run_problem, run_trainer_settings
 from tether.scheduler.gateways import RunGate
 from tether.scheduler.main import run_adapter
-from tether.v1 import gateway_pb2
+from tether.scheduler.publish import AdapterPublisher
+from tether.v1 import gateway_pb2, trainer_pb2
 
 
 def test_a_runs_scheduler_refuses_to_sleep_or_stream_into_the_shared_vllm():
     assert run_problem(0, "checkpoint") is None
     assert "TETHER_SLEEP_LEVEL" in (run_problem(1, "checkpoint") or "")
     assert "TETHER_WEIGHT_PUSH" in (run_problem(0, "nccl") or "")
+
+
+def test_a_runs_trainer_settings_are_given_as_the_environment_gives_them():
+    section = {"lr": 1.0e-6, "pack_samples": False, "clip_high": 0.28, "seed": 3, "policy_loss": "cispo"}
+    assert run_trainer_settings({"trainer": {**section, "kl_coef": None}, "merger": {"x": 1}}) == {
+        "lr": "1e-06",
+        "pack_samples": "false",
+        "clip_high": "0.28",
+        "seed": "3",
+        "policy_loss": "cispo",
+    }
+    assert run_trainer_settings({}) == run_trainer_settings({"trainer": None}) == {}
+
+
+async def test_a_runs_publisher_opens_its_run_with_its_own_settings():
+    """What the run's scheduler sends the trainer: the run, its adapter and its own trainer settings."""
+    asked = []
+
+    class Trainer:
+        async def OpenRun(self, request):  # noqa: N802 (the stub's name)
+            asked.append(request)
+            return trainer_pb2.TrainerStatus(run_id="calc", weight_version=0, adapter_dir="/a/calc/0")
+
+    class Inference:
+        async def LoadAdapter(self, request):  # noqa: N802
+            return None
+
+    publisher = AdapterPublisher(Inference(), Trainer(), "calc", "calc-lora", {"lr": "1e-06"})
+    assert await publisher.reconcile() == 0
+    assert [(a.run_id, a.adapter, dict(a.settings)) for a in asked] == [
+        ("calc", "calc-lora", {"lr": "1e-06"})
+    ]
 
 
 def test_an_adapter_is_loaded_unless_vllm_serves_that_very_version():
@@ -38,12 +71,12 @@ def test_an_adapter_is_loaded_unless_vllm_serves_that_very_version():
     assert adapter_load_needed(served, "other", "/a/calc/2")
 
 
-def _record(run_id: str, adapter: str) -> RunRecord:
+def _record(run_id: str, adapter: str, config: dict | None = None) -> RunRecord:
     return RunRecord(
         run_id=run_id,
         adapter=adapter,
         namespace=run_namespace("tb", run_id),
-        config={},
+        config=config or {},
         status="created",
         created_at=1.0,
         updated_at=1.0,
@@ -54,10 +87,17 @@ def _record(run_id: str, adapter: str) -> RunRecord:
 async def test_the_namespace_names_the_run_and_the_registry_its_adapter(redis_url):
     r = broker.connect(redis_url)
     try:
-        await r.hset(broker.Keys("tb").runs, "calc", orjson.dumps(_record("calc", "calc-lora").to_dict()))
-        assert await run_adapter(r, run_namespace("tb", "calc")) == ("calc", "calc-lora")
+        config = {"trainer": {"lr": 1.0e-6, "policy_loss": "gspo"}, "scheduler": {"steps": 3}}
+        record = _record("calc", "calc-lora", config)
+        await r.hset(broker.Keys("tb").runs, "calc", orjson.dumps(record.to_dict()))
+        # The run's own trainer settings come from its record's run config, as OpenRun takes them.
+        assert await run_adapter(r, run_namespace("tb", "calc")) == (
+            "calc",
+            "calc-lora",
+            {"lr": "1e-06", "policy_loss": "gspo"},
+        )
         # The base namespace (and any that is not a run's): the single policy, nothing read.
-        assert await run_adapter(r, "tb") == ("", "")
+        assert await run_adapter(r, "tb") == ("", "", {})
         # A run's namespace whose run the registry lacks: the scheduler does not start as nobody's.
         with pytest.raises(RuntimeError, match="lacks"):
             await run_adapter(r, run_namespace("tb", "gone"))

@@ -352,11 +352,11 @@ def test_a_steps_learning_health_reaches_prometheus():
     assert m["ratio_min"] <= m["ratio_mean"] <= m["ratio_max"] and m["ratio_max"] == pytest.approx(
         math.exp(0.5), rel=1e-3
     )
-    retries = REGISTRY.get_sample_value("tether_trainer_step_guard_retries_total") or 0.0
+    retries = REGISTRY.get_sample_value("tether_trainer_step_guard_retries_total", {"run": ""}) or 0.0
     export_learning_health(m)
 
     def value(name: str, **labels: str) -> float | None:
-        return REGISTRY.get_sample_value(name, labels)
+        return REGISTRY.get_sample_value(name, {"run": "", **labels})  # the single policy's
 
     assert value("tether_trainer_policy_entropy") == pytest.approx(m["entropy"])
     assert value("tether_trainer_policy_kl") == pytest.approx(m["policy_kl"])

@@ -235,8 +235,7 @@ def trainer_settings(model_dir: Path, folder: Path, **overrides):  # type: ignor
         model_dir=str(model_dir),
         checkpoint_dir=str(folder),
         device="cpu",
-        lr=0.01,
-        **overrides,
+        **{"lr": 0.01, **overrides},
     )
 
 

@@ -48,6 +48,9 @@ class RunConfig:
     # trains and the adapter vLLM serves it as (the run record's); "" both: the single policy.
     trainer_run_id: str = ""
     adapter: str = ""
+    # A run's own trainer settings (its record's run config, `trainer:` section; run_trainer_settings),
+    # sent with OpenRun; the trainer refuses what a run may not set.
+    trainer_settings: dict[str, str] = field(default_factory=dict)
 
     def tracker_config(self) -> dict[str, Any]:
         """What the trackers record as the run's config/params: these fields under `run`, and the run
@@ -56,6 +59,22 @@ class RunConfig:
         for k in ("trackers", "config_file"):
             run.pop(k)
         return {"run": run, **self.config_file}
+
+
+def run_trainer_settings(config: dict[str, Any]) -> dict[str, str]:
+    """The `trainer:` section of a run's config (its RunRecord.config) as OpenRun takes it: each value as
+    its TETHER_ environment variable would give it (true/false, numbers as written by Python, lists
+    comma-separated); an unset (null) key is left out."""
+
+    def text(value: Any) -> str:
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, list | tuple):
+            return ",".join(text(v) for v in value)
+        return str(value)
+
+    section = config.get("trainer") or {}
+    return {str(k): text(v) for k, v in section.items() if v is not None}
 
 
 def run_problem(sleep_level: int, weight_push: WeightPush) -> str | None:

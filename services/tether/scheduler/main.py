@@ -40,7 +40,14 @@ from tether.common.settings import (
 )
 from tether.common.usage import exit_if_help
 from tether.scheduler import kube
-from tether.scheduler.config import RunConfig, SchedulingMode, Stubs, load_tasks, run_problem
+from tether.scheduler.config import (
+    RunConfig,
+    SchedulingMode,
+    Stubs,
+    load_tasks,
+    run_problem,
+    run_trainer_settings,
+)
 from tether.scheduler.fleet import InferenceFleet
 from tether.scheduler.gateways import ControlChannels, GatewayReplicas, RunGate, check_spec
 from tether.scheduler.metrics import follow_broker
@@ -109,19 +116,20 @@ class SchedulerSettings(RedisSettings):
         return v
 
 
-async def run_adapter(r: Any, namespace: str) -> tuple[str, str]:
-    """(trainer run id, adapter) of the run whose namespace this is (common.runs.run_of_namespace; its
-    record in the base namespace's registry names the adapter); ("", "") for any other namespace: the
-    trainer's single policy, as before runs. RuntimeError when the registry has no such run."""
+async def run_adapter(r: Any, namespace: str) -> tuple[str, str, dict[str, str]]:
+    """(trainer run id, adapter, the run's own trainer settings) of the run whose namespace this is
+    (common.runs.run_of_namespace; its record in the base namespace's registry names the adapter and
+    holds its run config); ("", "", {}) for any other namespace: the trainer's single policy, as before
+    runs. RuntimeError when the registry has no such run."""
     found = run_of_namespace(namespace)
     if found is None:
-        return "", ""
+        return "", "", {}
     base, run_id = found
     raw = await r.hget(broker.Keys(base).runs, run_id)
     if raw is None:
         raise RuntimeError(f"namespace {namespace} names run {run_id}, which the registry of {base} lacks")
     record = RunRecord.from_json(raw)
-    return run_id, record.adapter
+    return run_id, record.adapter, run_trainer_settings(record.config)
 
 
 def gateway_stub(s: SchedulerSettings, r: Any, run_id: str, channels: ControlChannels) -> Any:
@@ -140,7 +148,7 @@ def gateway_stub(s: SchedulerSettings, r: Any, run_id: str, channels: ControlCha
 async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> None:
     r = broker.connect(s.redis_url)
     await broker.agree_trace_partitions(r, s.keys())
-    trainer_run, adapter = await run_adapter(r, s.namespace)
+    trainer_run, adapter, trainer_settings = await run_adapter(r, s.namespace)
     if trainer_run:
         log.info("namespace %s: run %s, served as adapter %s", s.namespace, trainer_run, adapter)
     # Calls retry the retryable codes with backoff, a few times; then, or on any other code, the run
@@ -184,6 +192,7 @@ async def amain(s: SchedulerSettings, k: kube.KubeSettings | None = None) -> Non
         config_file=read_run_config(os.environ[CONFIG_ENV]) if os.environ.get(CONFIG_ENV) else {},
         trainer_run_id=trainer_run,
         adapter=adapter,
+        trainer_settings=trainer_settings,
     )
     tasks = load_tasks(Path(s.tasks_file)) if s.tasks_file else []
     keys = s.keys()

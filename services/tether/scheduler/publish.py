@@ -114,11 +114,19 @@ class AdapterPublisher:
     adapter name beside the version before (LoadAdapter); nothing pauses or reloads vLLM as a whole, so
     other runs and the base model serve on. `path` is "adapter" after a push, "" before."""
 
-    def __init__(self, inference: Any, trainer: Any, run_id: str, adapter: str) -> None:
+    def __init__(
+        self,
+        inference: Any,
+        trainer: Any,
+        run_id: str,
+        adapter: str,
+        settings: dict[str, str] | None = None,
+    ) -> None:
         self.inference = inference
         self.trainer = trainer
         self.run_id = run_id
         self.adapter = adapter
+        self.settings = settings or {}  # the run's own trainer settings (its run config's)
         self.path = ""
 
     async def publish(self, resp: trainer_pb2.TrainStepResponse) -> int:
@@ -137,12 +145,12 @@ class AdapterPublisher:
         )
 
     async def reconcile(self) -> int:
-        """Open the run on the trainer (idempotent: a resumed run, or a restarted trainer that reopened
-        it, answers where it is) and have inference serve its newest adapter version (LoadAdapter loads
+        """Open the run on the trainer with its own trainer settings (idempotent: a resumed run, or a
+        restarted trainer that reopened it, answers where it is) and have inference serve its newest adapter version (LoadAdapter loads
         nothing when it serves it already), version 0 too: the adapter as opened, so that the run's
         first rollouts find it. Returns the run's version."""
         status = await self.trainer.OpenRun(
-            trainer_pb2.OpenRunRequest(run_id=self.run_id, adapter=self.adapter)
+            trainer_pb2.OpenRunRequest(run_id=self.run_id, adapter=self.adapter, settings=self.settings)
         )
         await self.load(status.adapter_dir, status.weight_version)
         log.info("run %s: adapter %s at version %d", self.run_id, self.adapter, status.weight_version)

@@ -102,7 +102,9 @@ class Run:
         self.rollouts = Rollouts(r, keys, cfg.max_attempts, cfg.rollout_timeout_s)
         self.health = InferenceHealth(stubs.inference_health, cfg.rollout_timeout_s)
         self.publisher: WeightPublisher | AdapterPublisher = (
-            AdapterPublisher(stubs.inference, stubs.trainer, cfg.trainer_run_id, cfg.adapter)
+            AdapterPublisher(
+                stubs.inference, stubs.trainer, cfg.trainer_run_id, cfg.adapter, cfg.trainer_settings
+            )
             if cfg.trainer_run_id
             else WeightPublisher(stubs.inference, stubs.trainer, cfg.weight_push)
         )

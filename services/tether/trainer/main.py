@@ -14,23 +14,24 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, ClassVar, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal
 
 import grpc
 import torch
-from pydantic import BeforeValidator, Field, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
 from tether.algorithms.names import KLEstimator, LossMode, OffPolicyMode, PolicyLoss
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
-from tether.common.settings import CommonSettings, WeightPush, refused_settings_exit
+from tether.common.settings import CommonSettings, WeightPush, refused_settings_exit, section_problems
 from tether.common.usage import exit_if_help
 from tether.trainer import attention, distributed, memory_plan, sequence_parallel, throughput, weights
 from tether.trainer.distributed import Dist, Offload
 from tether.trainer.offload import CPUOffloadOptimizer
-from tether.trainer.runs import RunSet
+from tether.trainer.runs import RunPolicy, RunSet
 from tether.trainer.servicer import TrainerServicer
-from tether.trainer.steps import PATHS, StepRunner, Trainer, TrainerCore
+from tether.trainer.sharing import SharingPolicy
+from tether.trainer.steps import PATHS, RunRefused, StepRunner, Trainer, TrainerCore
 from tether.trainer.train import (
     StepConfig,
     choose_attention,
@@ -151,6 +152,14 @@ class TrainerSettings(CommonSettings):
     weight_push_attempts: int = 2
     weight_push_timeout_s: float = 600.0
     weight_push_dtype: Literal["", "bfloat16", "float16"] = ""  # cast floating-point weights on the wire
+    # Several policies' steps waiting (runs, docs/runs.md "Sharing the trainer"; trainer/sharing.py):
+    # round_robin = the policy that trained least recently goes next; weighted = steps shared in
+    # proportion to each policy's run_weight (a run's from its own settings; this one the single
+    # policy's). run_sharing_hold_s: how long the turn waits for the policy whose step just ended when
+    # the sharing policy says it goes next (its scheduler calls again after its push); 0 = never.
+    run_sharing: SharingPolicy = "round_robin"
+    run_weight: float = Field(1.0, gt=0)
+    run_sharing_hold_s: float = Field(5.0, ge=0)
     # SIGTERM: how long a step (or weight push) in hand may still run to its end -- trained,
     # checkpointed, answered -- before the process exits; the supervisor's grace must cover it.
     drain_s: float = Field(45.0, ge=0)
@@ -220,6 +229,77 @@ def step_config(s: TrainerSettings, pad_token_id: int) -> StepConfig:
         kl_estimator=s.kl_estimator,
         lm_head_chunk_bytes=int(s.lm_head_chunk_mb * 1024 * 1024),
         sequence_parallel=s.sequence_parallel,
+    )
+
+
+# What a run may set for itself (OpenRun's settings, its run config's `trainer:` section): its policy's
+# objective and optimizer. Each StepConfig field here bears its setting's name.
+RUN_STEP_SETTINGS = frozenset(
+    {
+        "loss_mode",
+        "clip_low",
+        "clip_high",
+        "dual_clip_c",
+        "max_grad_norm",
+        "off_policy",
+        "policy_loss",
+        "max_step_kl",
+        "step_guard_lr_scale",
+        "tis_cap",
+        "mask_low",
+        "mask_high",
+        "kl_coef",
+        "kl_estimator",
+    }
+)
+RUN_SETTINGS = RUN_STEP_SETTINGS | {"lr", "adam_beta2", "weight_decay", "run_weight"}
+
+
+def run_settings(
+    s: TrainerSettings, given: dict[str, Any], has_reference: bool
+) -> tuple[TrainerSettings, dict[str, Any]]:
+    """The trainer's settings `s` with a run's own (`given`, values as the environment or the run
+    config gives them) over them, validated as the trainer validates its own, and the run's values as
+    parsed. RunRefused naming every setting that is unknown or badly valued, that shapes the shared
+    model or the process (anything outside RUN_SETTINGS) with a value other than the trainer's, or a
+    KL term the trainer holds no reference model for (`has_reference`)."""
+    problems = section_problems(TrainerSettings, "trainer", given)
+    if not problems:
+        try:
+            merged = TrainerSettings.model_validate({**s.model_dump(), **given})
+        except ValidationError as exc:
+            raise RunRefused(
+                "; ".join(
+                    f"trainer.{'.'.join(map(str, e['loc'])) or '(section)'}: {e['msg']}" for e in exc.errors()
+                )
+            ) from None
+        problems = [
+            f"trainer.{k}: cannot differ per run (it shapes the shared model or the trainer process): "
+            f"the trainer has {getattr(s, k)!r}, the run asks {getattr(merged, k)!r}"
+            for k in sorted(given)
+            if k not in RUN_SETTINGS and getattr(merged, k) != getattr(s, k)
+        ]
+        if merged.kl_coef > 0 and not has_reference:
+            problems.append(
+                "trainer.kl_coef: > 0 needs the reference model, which this trainer loads only with "
+                "TETHER_KL_COEF > 0 of its own"
+            )
+    if problems:
+        raise RunRefused("; ".join(problems))
+    return merged, {k: getattr(merged, k) for k in sorted(given) if k in RUN_SETTINGS}
+
+
+def run_policy(s: TrainerSettings, d: Dist, runner: StepRunner, given: dict[str, Any]) -> RunPolicy:
+    """A run's RunPolicy (trainer/runs.py) from its own settings: the trainer's step configuration with
+    the run's objective over it, its Adam with the run's learning rate, its sharing weight."""
+    rs, values = run_settings(s, given, has_reference=runner.ref_model is not None)
+    own = step_config(rs, runner.cfg.pad_token_id)
+    cfg = dataclasses.replace(runner.cfg, **{k: getattr(own, k) for k in RUN_STEP_SETTINGS})
+    return RunPolicy(
+        values,
+        cfg,
+        lambda resume: make_optimizer(rs, d, runner.model, resume, restore_rng=False),
+        rs.run_weight,
     )
 
 
@@ -427,7 +507,7 @@ def run_set(s: TrainerSettings, d: Dist, runner: StepRunner, tokenizer: PreTrain
         runner,
         tokenizer,
         Path(s.adapters_dir or Path(s.checkpoint_dir) / "adapters"),
-        lambda resume: make_optimizer(s, d, runner.model, resume, restore_rng=False),
+        lambda given: run_policy(s, d, runner, given),
         seed=s.seed,
         keep=s.checkpoint_keep,
         settings=trainer_settings_record(s, d),
@@ -593,6 +673,9 @@ async def amain(
         pusher=weight_pusher(s, d) if push else None,
         step_delay_s=s.test_step_delay_s,
         runs=run_set(s, d, runner, tokenizer),
+        sharing=s.run_sharing,
+        hold_s=s.run_sharing_hold_s,
+        weight=s.run_weight,
     )
     servicer = TrainerServicer(trainer, on_broken=not_serving)
 

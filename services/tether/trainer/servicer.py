@@ -4,8 +4,8 @@ INTERNAL, UNAVAILABLE). A request's `run_id` picks the run (trainer/runs.py; "" 
 a run not opened is NOT_FOUND. A step or push, once started, runs to its end even if the caller goes away (a scheduler
 killed mid-step): its restarted successor then gets the recorded result, never a second update.
 
-Callers: the merger (SubmitGroup), the scheduler (TrainStep, GetStatus, GetRunStatus, PushWeights),
-whoever starts a run's services (OpenRun).
+Callers: the merger (SubmitGroup), the scheduler (TrainStep, GetStatus, GetRunStatus, PushWeights;
+a run's scheduler OpenRun), whoever stops a run's services (CloseRun).
 """
 
 from __future__ import annotations
@@ -176,12 +176,21 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
         self, request: trainer_pb2.OpenRunRequest, context: grpc.aio.ServicerContext
     ) -> trainer_pb2.TrainerStatus:
         try:
-            core = await run_to_end(self.trainer.open_run(request.run_id, request.adapter))
+            core = await run_to_end(
+                self.trainer.open_run(request.run_id, request.adapter, dict(request.settings))
+            )
         except RunRefused as exc:
             await _abort(context, grpc.StatusCode.INVALID_ARGUMENT, exc)
         except RunsUnavailable as exc:
             await _abort(context, grpc.StatusCode.FAILED_PRECONDITION, exc)
         return _status(core)
+
+    async def CloseRun(
+        self, request: trainer_pb2.CloseRunRequest, context: grpc.aio.ServicerContext
+    ) -> trainer_pb2.CloseRunResponse:
+        # Shielded: half-closed, the run would be gone from memory but not marked closed on disk.
+        closed = await run_to_end(self.trainer.close_run(request.run_id))
+        return trainer_pb2.CloseRunResponse(closed=closed)
 
 
 def _status(core: TrainerCore) -> trainer_pb2.TrainerStatus:

@@ -17,14 +17,15 @@ maps them to gRPC status codes. Who may call: the servicer and main.py (wiring);
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import math
 import os
 import signal
 import time
-from collections import OrderedDict
-from collections.abc import Callable
+from collections import OrderedDict, deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -36,6 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from tether.common.records import RecordError, SampleRecord
 from tether.trainer import distributed
 from tether.trainer.distributed import Dist
+from tether.trainer.sharing import SharingPolicy, TurnBook
 from tether.trainer.train import StepConfig, train_step
 from tether.trainer.weights import (
     OPTIMIZER_DIR,
@@ -60,64 +62,107 @@ class Runs(Protocol):
 
     def get(self, run_id: str) -> TrainerCore: ...
 
-    def open(self, run_id: str, adapter: str) -> TrainerCore: ...
+    def open(self, run_id: str, adapter: str, settings: dict[str, str]) -> TrainerCore: ...
+
+    def close(self, run_id: str) -> bool: ...
+
+    def weight(self, run_id: str) -> float: ...
 
 
-STEPS = Counter("tether_trainer_steps_total", "Training steps done")
-BUFFERED = Gauge("tether_trainer_buffered_groups", "Complete groups waiting to be trained on")
+# Every series of a policy's steps carries `run`: the run id, "" for the single policy. Prometheus keeps
+# no empty label, so the single policy's series are stored exactly as before runs were labelled, and
+# dashboards and alert rules written for them read the same; `{run=""}` selects the single policy's.
+RUN = "run"
+STEPS = Counter("tether_trainer_steps_total", "Training steps done", [RUN])
+BUFFERED = Gauge("tether_trainer_buffered_groups", "Complete groups waiting to be trained on", [RUN])
 STEP_SECONDS = Histogram(
     "tether_trainer_step_seconds",
     "Wall time of one training step",
+    [RUN],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 300),
 )
-TOKENS = Counter("tether_trainer_tokens_total", "Tokens trained on")
-VERSION = Gauge("tether_trainer_weight_version", "Version of the newest checkpoint")
-STALENESS = Gauge("tether_trainer_staleness_max", "Max weight-version lag of the last step's samples")
+TOKENS = Counter("tether_trainer_tokens_total", "Tokens trained on", [RUN])
+VERSION = Gauge("tether_trainer_weight_version", "Version of the newest checkpoint", [RUN])
+STALENESS = Gauge("tether_trainer_staleness_max", "Max weight-version lag of the last step's samples", [RUN])
 FLOPS = Counter(
     "tether_trainer_model_flops_total",
     "Model FLOPs of the steps trained: the useful work, attention included, counted from the samples' lengths",
+    [RUN],
 )
-MFU = Gauge("tether_trainer_mfu", "Model FLOPs utilisation of the last step against the devices' peak")
+MFU = Gauge("tether_trainer_mfu", "Model FLOPs utilisation of the last step against the devices' peak", [RUN])
 PEAK_MEMORY = Gauge(
     "tether_trainer_peak_memory_bytes",
     "Most memory the last step held on a device (CUDA allocator peak; CPU: the process's peak resident set)",
+    [RUN],
 )
 # Learning health, from the step's own pass (train.train_step's metrics; NaN until a step trained).
 ENTROPY = Gauge(
-    "tether_trainer_policy_entropy", "Mean entropy of the policy over the last step's trained tokens"
+    "tether_trainer_policy_entropy", "Mean entropy of the policy over the last step's trained tokens", [RUN]
 )
 POLICY_KL = Gauge(
     "tether_trainer_policy_kl",
     "k3 estimate of KL(sampling policy || policy trained) over the last step's trained tokens, before its update",
+    [RUN],
 )
 UPDATE_KL = Gauge(
     "tether_trainer_update_kl",
     "k3 estimate of KL(sampling policy || updated policy) after the last step's update (the step guard's "
     "measure; NaN with the guard off)",
+    [RUN],
 )
 CLIPPED = Gauge(
     "tether_trainer_clip_fraction",
     "Fraction of the last step's trained tokens the objective clipped: below the range, above it, or by the "
     "dual clip",
-    ["side"],
+    [RUN, "side"],
 )
 RATIO = Gauge(
     "tether_trainer_importance_ratio",
     "Importance ratio (policy / sampling policy) the objective clipped, over the last step's trained tokens",
-    ["stat"],
+    [RUN, "stat"],
 )
-GRAD_NORM = Gauge("tether_trainer_grad_norm", "Gradient norm of the last step, before clipping")
+GRAD_NORM = Gauge("tether_trainer_grad_norm", "Gradient norm of the last step, before clipping", [RUN])
 GUARD_RETRIES = Counter(
-    "tether_trainer_step_guard_retries_total", "Updates the step guard undid and made again at a lower rate"
+    "tether_trainer_step_guard_retries_total",
+    "Updates the step guard undid and made again at a lower rate",
+    [RUN],
 )
-for _gauge in (ENTROPY, POLICY_KL, UPDATE_KL, GRAD_NORM):
-    _gauge.set(math.nan)
 # Each side's label -> train_step's metric.
 CLIP_SIDES = {"low": "clip_low_fraction", "high": "clip_high_fraction", "dual": "dual_clip_fraction"}
-for _side in CLIP_SIDES:
-    CLIPPED.labels(_side).set(math.nan)
-for _stat in ("mean", "min", "max"):
-    RATIO.labels(_stat).set(math.nan)
+RATIO_STATS = ("mean", "min", "max")
+POLICY_SERIES = (
+    STEPS, BUFFERED, STEP_SECONDS, TOKENS, VERSION, STALENESS, FLOPS, MFU, PEAK_MEMORY,
+    ENTROPY, POLICY_KL, UPDATE_KL, GRAD_NORM, GUARD_RETRIES,
+)  # fmt: skip
+
+
+def open_series(run: str) -> None:
+    """A policy's series, there from its start: the learning-health gauges NaN until it trained, the
+    counters at 0 (so a first step already counts in `increase`)."""
+    for gauge in (ENTROPY, POLICY_KL, UPDATE_KL, GRAD_NORM):
+        gauge.labels(run).set(math.nan)
+    for side in CLIP_SIDES:
+        CLIPPED.labels(run, side).set(math.nan)
+    for stat in RATIO_STATS:
+        RATIO.labels(run, stat).set(math.nan)
+    for counter in (STEPS, TOKENS, FLOPS, GUARD_RETRIES):
+        counter.labels(run)
+
+
+def close_series(run: str) -> None:
+    """A closed run's series leave the exposition (they come back at 0 if it is opened again)."""
+    for metric in POLICY_SERIES:
+        with contextlib.suppress(KeyError):
+            metric.remove(run)
+    for side in CLIP_SIDES:
+        with contextlib.suppress(KeyError):
+            CLIPPED.remove(run, side)
+    for stat in RATIO_STATS:
+        with contextlib.suppress(KeyError):
+            RATIO.remove(run, stat)
+
+
+open_series("")  # the single policy's, whether it trains or not (as before runs)
 PATHS = Gauge(
     "tether_trainer_path",
     "1 for the kernel path each part of the step runs (attention of packed rows, LM head), chosen at start",
@@ -125,18 +170,34 @@ PATHS = Gauge(
 )
 
 
-def export_learning_health(metrics: dict[str, float]) -> None:
-    """The learning-health gauges from a trained step's metrics (a figure it lacks: NaN)."""
+def export_learning_health(metrics: dict[str, float], run: str = "") -> None:
+    """The learning-health gauges of policy `run` from a trained step's metrics (a figure it lacks: NaN)."""
     nan = math.nan
-    ENTROPY.set(metrics.get("entropy", nan))
-    POLICY_KL.set(metrics.get("policy_kl", nan))
-    UPDATE_KL.set(metrics.get("step_kl", nan))
-    GRAD_NORM.set(metrics.get("grad_norm", nan))
+    ENTROPY.labels(run).set(metrics.get("entropy", nan))
+    POLICY_KL.labels(run).set(metrics.get("policy_kl", nan))
+    UPDATE_KL.labels(run).set(metrics.get("step_kl", nan))
+    GRAD_NORM.labels(run).set(metrics.get("grad_norm", nan))
     for side, key in CLIP_SIDES.items():
-        CLIPPED.labels(side).set(metrics.get(key, nan))
-    for stat in ("mean", "min", "max"):
-        RATIO.labels(stat).set(metrics.get(f"ratio_{stat}", nan))
-    GUARD_RETRIES.inc(metrics.get("step_guard_retries", 0.0))
+        CLIPPED.labels(run, side).set(metrics.get(key, nan))
+    for stat in RATIO_STATS:
+        RATIO.labels(run, stat).set(metrics.get(f"ratio_{stat}", nan))
+    GUARD_RETRIES.labels(run).inc(metrics.get("step_guard_retries", 0.0))
+
+
+STEP_RATE_WINDOW_S = 600.0  # GetStatus's steps_per_minute: over the last 10 minutes
+STEP_RATE_KEPT = 4096  # finish times kept for it (a step every 0.15 s fills the window)
+
+
+def steps_per_minute(
+    finished: list[float], now: float, since: float, window_s: float = STEP_RATE_WINDOW_S
+) -> float:
+    """Steps per minute over the last `window_s` seconds, or since `since` (this process started) when
+    that is sooner; `finished`: the steps' finish times. A policy that stopped training falls to 0 as
+    its steps leave the window."""
+    span = min(window_s, now - since)
+    if span <= 0:
+        return 0.0
+    return 60.0 * sum(1 for f in finished if now - f <= window_s) / span
 
 
 def validate(sample: SampleRecord, vocab_size: int) -> str | None:
@@ -232,6 +293,7 @@ class StepRunner:
         self.lora = hasattr(model, "get_base_model")
         # The peft adapter this runner trains ("default": the single policy's, as apply_lora names it).
         self.adapter_name = "default"
+        self.run_id = ""  # the run this runner trains; "" = the single policy
         self.hf_model = distributed.hf_model(model)
         self.vocab_size = int(self.hf_model.config.vocab_size)
 
@@ -411,11 +473,9 @@ class TrainerCore:
         records_kept: int = 256,
         settings: dict[str, Any] | None = None,
         keep_push_state: bool = False,
-        gauges: bool = True,
     ) -> None:
         self.runner = runner
-        # The process's gauges follow the single policy's core only (a run's core counts its steps).
-        self.gauges = gauges
+        self.run = runner.run_id  # its series' `run` label: "" for the single policy
         self.tokenizer = tokenizer
         self.root = checkpoint_root
         self.keep = keep
@@ -431,6 +491,9 @@ class TrainerCore:
         # Steps at or below this one may have been trained, but their records were dropped.
         self.records_floor = int(state.get("records_floor", -1))
         self.last_step: int | None = state.get("last_step")
+        self.last_step_time = float(state.get("last_step_time", 0.0))
+        self.started = time.time()
+        self.step_times: deque[float] = deque(maxlen=STEP_RATE_KEPT)  # this process's, newest last
         self.broken: str | None = None
         # Path 2 pushes what was saved: the gathered (FSDP) or merged (LoRA) state of the newest step.
         self.keep_push_state = keep_push_state
@@ -445,17 +508,16 @@ class TrainerCore:
         self._set_gauges()
 
     def _set_gauges(self, record: StepRecord | None = None) -> None:
-        """The buffer and version gauges, and with `record` the step's figures (the single policy's)."""
-        if not self.gauges:
-            return
-        BUFFERED.set(len(self.groups))
-        VERSION.set(self.version)
+        """The buffer and version gauges of this policy, and with `record` the step's figures."""
+        run = self.run
+        BUFFERED.labels(run).set(len(self.groups))
+        VERSION.labels(run).set(self.version)
         if record is None:
             return
-        STALENESS.set(record.metrics.get("staleness_max", 0.0))
-        MFU.set(record.metrics.get("mfu", 0.0))
-        PEAK_MEMORY.set(record.metrics.get("peak_memory_gib", 0.0) * 2**30)
-        export_learning_health(record.metrics)
+        STALENESS.labels(run).set(record.metrics.get("staleness_max", 0.0))
+        MFU.labels(run).set(record.metrics.get("mfu", 0.0))
+        PEAK_MEMORY.labels(run).set(record.metrics.get("peak_memory_gib", 0.0) * 2**30)
+        export_learning_health(record.metrics, run)
 
     # SubmitGroup
     def submit(self, group_id: str, samples: list[SampleRecord], rollouts: int) -> tuple[int, bool]:
@@ -566,6 +628,7 @@ class TrainerCore:
             "records": records,
             "records_floor": floor,
             "last_step": plan.step,
+            "last_step_time": time.time(),
         }
         state = {
             **plan.position,
@@ -594,6 +657,8 @@ class TrainerCore:
     def finish(self, plan: StepPlan, record: StepRecord) -> None:
         p = plan.position
         self.version, self.steps_done, self.last_step = p["version"], p["steps_done"], p["last_step"]
+        self.last_step_time = p["last_step_time"]
+        self.step_times.append(time.time())
         self.trained, self.dropped = p["trained_groups"], p["dropped_groups"]
         self.consumed.update(plan.group_ids)
         self.consumed.update(plan.drop_ids)
@@ -602,9 +667,9 @@ class TrainerCore:
         for gid in plan.group_ids + plan.drop_ids:
             self.groups.pop(gid, None)
             self.spool.remove(gid)
-        STEPS.inc()
-        TOKENS.inc(record.metrics.get("tokens", 0.0))
-        FLOPS.inc(record.metrics.get("model_flops", 0.0))
+        STEPS.labels(self.run).inc()
+        TOKENS.labels(self.run).inc(record.metrics.get("tokens", 0.0))
+        FLOPS.labels(self.run).inc(record.metrics.get("model_flops", 0.0))
         self._set_gauges(record)
 
     def checkpoint_dir(self) -> str:
@@ -644,6 +709,8 @@ class TrainerCore:
             "steps_done": self.steps_done,
             "last_step": self.last_step,
             "checkpoint_dir": self.checkpoint_dir(),
+            "last_step_time": self.last_step_time,
+            "steps_per_minute": steps_per_minute(list(self.step_times), time.time(), self.started),
             **self.runner.describe(self.version),
         }
 
@@ -651,8 +718,77 @@ class TrainerCore:
 # --- rank 0: one thing at a time -----------------------------------------------------------------------
 
 
+class Turns:
+    """The policies' steps, one at a time, in the order the sharing policy says (tether.trainer.sharing):
+    a step waits for its turn, holds it while it plans, trains and checkpoints, and gives it back; the
+    next turn goes to the step `TurnBook.pick` chooses among those waiting (within one policy, in
+    arrival order). When the pick is the policy whose step just ended, not back yet, the turn is held
+    for it up to `hold_s` seconds, then goes to the waiting ones."""
+
+    def __init__(self, book: TurnBook, weight: Callable[[str], float], hold_s: float = 0.0) -> None:
+        self.book = book
+        self.weight = weight  # a policy's weight ("": the single policy)
+        self.hold_s = hold_s
+        self.waiting: list[tuple[str, asyncio.Future[None]]] = []  # arrival order
+        self.busy = False
+        self.returning: str | None = None  # the policy whose step just ended, while it may come back
+        self.hold: asyncio.TimerHandle | None = None
+        self.order: list[str] = []  # the policies served, in order (tests, logs)
+
+    @contextlib.asynccontextmanager
+    async def turn(self, run: str) -> AsyncIterator[None]:
+        granted: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.append((run, granted))
+        self._dispatch()
+        try:
+            await granted
+        except asyncio.CancelledError:
+            if granted.done() and not granted.cancelled():
+                self._release(run)  # granted as it was cancelled: hand the turn on
+            else:
+                self.waiting = [(r, f) for r, f in self.waiting if f is not granted]
+                self._dispatch()
+            raise
+        try:
+            yield
+        finally:
+            self._release(run)
+
+    def _release(self, run: str) -> None:
+        self.busy = False
+        self.returning = run if self.hold_s > 0 else None
+        self._dispatch()
+        if self.returning is not None and self.hold is None:
+            self.hold = asyncio.get_running_loop().call_later(self.hold_s, self._stop_holding)
+
+    def _stop_holding(self) -> None:
+        self.hold, self.returning = None, None
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        if self.busy or not self.waiting:
+            return
+        runs = list(dict.fromkeys(r for r, _ in self.waiting))
+        choice = self.book.pick(runs, self.returning)
+        if choice not in runs:
+            return  # held for the policy whose step just ended
+        if self.hold is not None:
+            self.hold.cancel()
+        self.hold, self.returning = None, None
+        i = next(i for i, (r, _) in enumerate(self.waiting) if r == choice)
+        _, granted = self.waiting.pop(i)
+        self.busy = True
+        self.book.served(choice, self.weight(choice))
+        self.order.append(choice)
+        granted.set_result(None)
+
+    def forget(self, run: str) -> None:
+        self.book.forget(run)
+
+
 class Trainer:
-    """Rank 0's entry point from the event loop: one step, weight push or rank command at a time.
+    """Rank 0's entry point from the event loop: one step, weight push or rank command at a time; the
+    steps of several policies in the order of the sharing policy (`turns`; round-robin by default).
 
     `pusher`: a tether.trainer.nccl_push.WeightPusher when path 2 is on (TETHER_WEIGHT_PUSH=nccl), else
     None. The caller shields `train` and `push` (a step, once planned, runs to its end even if the
@@ -660,13 +796,30 @@ class Trainer:
     """
 
     def __init__(
-        self, core: TrainerCore, pusher: Any = None, step_delay_s: float = 0.0, runs: Runs | None = None
+        self,
+        core: TrainerCore,
+        pusher: Any = None,
+        step_delay_s: float = 0.0,
+        runs: Runs | None = None,
+        sharing: SharingPolicy = "round_robin",
+        hold_s: float = 0.0,
+        weight: float = 1.0,
     ) -> None:
         self.core = core
         self.runs = runs  # the runs beside the single policy (tether.trainer.runs); None: none
         self.pusher = pusher
         self.step_delay_s = step_delay_s  # tests: a slow step (TETHER_TEST_STEP_DELAY_S)
         self.lock = asyncio.Lock()  # one step, push (or rank command) at a time
+        self.single_weight = weight  # the single policy's share (TETHER_RUN_WEIGHT)
+        # The sharing policy (TETHER_RUN_SHARING) and how long a turn waits for the policy it picks.
+        self.turns = Turns(TurnBook(sharing), self.weight, hold_s)
+
+    def weight(self, run_id: str) -> float:
+        """A policy's share under the weighted sharing policy: a run's own (its settings' run_weight), the
+        single policy's the trainer's."""
+        if run_id and self.runs is not None:
+            return self.runs.weight(run_id)
+        return self.single_weight
 
     async def train(
         self,
@@ -678,8 +831,9 @@ class Trainer:
         run_id: str = "",
     ) -> StepRecord:
         """Plan, train (worker thread) and finish step `step` of the single policy or run `run_id`; the
-        recorded result if it was trained. The runs' steps take turns with each other's under the lock."""
-        async with self.lock:
+        recorded result if it was trained. The policies' steps take turns (`turns`), each under the lock."""
+        self.core_of(run_id)  # a run not open is refused at once, not after waiting for a turn
+        async with self.turns.turn(run_id), self.lock:
             core = self.core_of(run_id)
             plan = core.plan(step, min_groups, max_groups, group_ids, drop_ids)
             if isinstance(plan, StepRecord):
@@ -695,7 +849,7 @@ class Trainer:
                 len(plan.group_ids),
                 core.version,
             )
-            with STEP_SECONDS.time():
+            with STEP_SECONDS.labels(core.run).time():
                 record = await asyncio.to_thread(self._execute, core, plan)
             core.finish(plan, record)
             log.info(
@@ -720,13 +874,28 @@ class Trainer:
             raise UnknownRun(f"run {run_id!r} is not open on this trainer (it holds no runs)")
         return self.runs.get(run_id)
 
-    async def open_run(self, run_id: str, adapter: str) -> TrainerCore:
-        """Open run `run_id` (its adapter added to the model: no step may run meanwhile)."""
+    async def open_run(
+        self, run_id: str, adapter: str, settings: dict[str, str] | None = None
+    ) -> TrainerCore:
+        """Open run `run_id` with its own `settings` (its adapter added to the model: no step may run
+        meanwhile)."""
         if self.runs is None:
             raise RunsUnavailable("this trainer holds no runs")
         runs = self.runs
         async with self.lock:
-            return await asyncio.to_thread(runs.open, run_id, adapter)
+            return await asyncio.to_thread(runs.open, run_id, adapter, dict(settings or {}))
+
+    async def close_run(self, run_id: str) -> bool:
+        """Close run `run_id`: its adapter and optimizer leave memory once its step in hand (if any)
+        ended; False when it was not open. Its steps still waiting for a turn then find it gone."""
+        if self.runs is None:
+            return False
+        runs = self.runs
+        async with self.lock:
+            closed = await asyncio.to_thread(runs.close, run_id)
+        if closed:
+            self.turns.forget(run_id)
+        return closed
 
     async def push(self, version: int) -> PushReport:
         """Path 2: stream the weights of `version` into vLLM's workers, then drop vLLM's prefix cache.

@@ -67,7 +67,14 @@ class TrainStepResponse(_message.Message):
     def __init__(self, step: _Optional[int] = ..., weight_version: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., metrics: _Optional[_Mapping[str, float]] = ..., replayed: _Optional[bool] = ..., adapter_dir: _Optional[str] = ...) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("buffered_groups", "buffered_samples", "weight_version", "steps_done", "last_step", "checkpoint_dir", "run_id", "adapter", "adapter_dir")
+    __slots__ = ("buffered_groups", "buffered_samples", "weight_version", "steps_done", "last_step", "checkpoint_dir", "run_id", "adapter", "adapter_dir", "last_step_time", "steps_per_minute", "settings")
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     BUFFERED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     BUFFERED_SAMPLES_FIELD_NUMBER: _ClassVar[int]
     WEIGHT_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -77,6 +84,9 @@ class TrainerStatus(_message.Message):
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_DIR_FIELD_NUMBER: _ClassVar[int]
+    LAST_STEP_TIME_FIELD_NUMBER: _ClassVar[int]
+    STEPS_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     buffered_groups: int
     buffered_samples: int
     weight_version: int
@@ -86,15 +96,39 @@ class TrainerStatus(_message.Message):
     run_id: str
     adapter: str
     adapter_dir: str
-    def __init__(self, buffered_groups: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., weight_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., last_step: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., run_id: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_dir: _Optional[str] = ...) -> None: ...
+    last_step_time: float
+    steps_per_minute: float
+    settings: _containers.ScalarMap[str, str]
+    def __init__(self, buffered_groups: _Optional[int] = ..., buffered_samples: _Optional[int] = ..., weight_version: _Optional[int] = ..., steps_done: _Optional[int] = ..., last_step: _Optional[int] = ..., checkpoint_dir: _Optional[str] = ..., run_id: _Optional[str] = ..., adapter: _Optional[str] = ..., adapter_dir: _Optional[str] = ..., last_step_time: _Optional[float] = ..., steps_per_minute: _Optional[float] = ..., settings: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class OpenRunRequest(_message.Message):
-    __slots__ = ("run_id", "adapter")
+    __slots__ = ("run_id", "adapter", "settings")
+    class SettingsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     ADAPTER_FIELD_NUMBER: _ClassVar[int]
+    SETTINGS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     adapter: str
-    def __init__(self, run_id: _Optional[str] = ..., adapter: _Optional[str] = ...) -> None: ...
+    settings: _containers.ScalarMap[str, str]
+    def __init__(self, run_id: _Optional[str] = ..., adapter: _Optional[str] = ..., settings: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CloseRunRequest(_message.Message):
+    __slots__ = ("run_id",)
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    def __init__(self, run_id: _Optional[str] = ...) -> None: ...
+
+class CloseRunResponse(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    def __init__(self, closed: _Optional[bool] = ...) -> None: ...
 
 class RunStatusRequest(_message.Message):
     __slots__ = ("run_id",)

@@ -60,6 +60,11 @@ class TrainerStub:
                 request_serializer=tether_dot_v1_dot_trainer__pb2.OpenRunRequest.SerializeToString,
                 response_deserializer=tether_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                 _registered_method=True)
+        self.CloseRun = channel.unary_unary(
+                '/tether.v1.Trainer/CloseRun',
+                request_serializer=tether_dot_v1_dot_trainer__pb2.CloseRunRequest.SerializeToString,
+                response_deserializer=tether_dot_v1_dot_trainer__pb2.CloseRunResponse.FromString,
+                _registered_method=True)
         self.GetRunStatus = channel.unary_unary(
                 '/tether.v1.Trainer/GetRunStatus',
                 request_serializer=tether_dot_v1_dot_trainer__pb2.RunStatusRequest.SerializeToString,
@@ -109,7 +114,23 @@ class TrainerServicer:
         step counter, buffer and checkpoints (under <checkpoint dir>/runs/<run_id>). Idempotent; the same
         run_id with another adapter, or an adapter another run uses, is INVALID_ARGUMENT; a trainer without
         LoRA (lora_rank 0) or with several ranks answers FAILED_PRECONDITION. A restarted trainer reopens
-        every run it had, each where its newest checkpoint left it.
+        every run it had, each where its newest checkpoint left it (a closed run excepted).
+
+        `settings`: the run's own trainer settings (its run config's `trainer:` section), validated as the
+        trainer validates its own: the policy's objective and optimizer (lr, policy_loss, clip_low, ...,
+        run_weight) may differ from the trainer's; a setting that shapes the shared model or the process
+        (model_dir, lora_rank, device, ...) may only repeat the trainer's value. A setting unknown, badly
+        valued or refused is INVALID_ARGUMENT naming it, and so is an open run asked with other settings.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CloseRun(self, request, context):
+        """Close a run: its adapter and optimizer leave memory (a step of it in flight finishes first); its
+        checkpoints, spooled groups and published adapter versions stay, so OpenRun reopens it where it
+        was, and a restarted trainer does not reopen it by itself. Idempotent: `closed` is false when the
+        run was not open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -150,6 +171,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.OpenRun,
                     request_deserializer=tether_dot_v1_dot_trainer__pb2.OpenRunRequest.FromString,
                     response_serializer=tether_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
+            ),
+            'CloseRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.CloseRun,
+                    request_deserializer=tether_dot_v1_dot_trainer__pb2.CloseRunRequest.FromString,
+                    response_serializer=tether_dot_v1_dot_trainer__pb2.CloseRunResponse.SerializeToString,
             ),
             'GetRunStatus': grpc.unary_unary_rpc_method_handler(
                     servicer.GetRunStatus,
@@ -292,6 +318,33 @@ class Trainer:
             '/tether.v1.Trainer/OpenRun',
             tether_dot_v1_dot_trainer__pb2.OpenRunRequest.SerializeToString,
             tether_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CloseRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tether.v1.Trainer/CloseRun',
+            tether_dot_v1_dot_trainer__pb2.CloseRunRequest.SerializeToString,
+            tether_dot_v1_dot_trainer__pb2.CloseRunResponse.FromString,
             options,
             channel_credentials,
             insecure,
