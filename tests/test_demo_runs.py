@@ -52,6 +52,8 @@ def test_each_run_trained_its_steps_and_wrote_its_folder(demo):
         assert summary["rise"] == pytest.approx(summary["reward_last10"] - summary["reward_first5"])
         assert (folder / "reward.png").stat().st_size > 0 and (folder / "learning.png").exists()
         assert f"{run}: {STEPS} steps, reward" in out and "rise" in out
+        # Stopped, its adapter and optimizer left the trainer's memory (CloseRun; its checkpoints stay).
+        assert f"run {run}: stopped; closed on the trainer" in out
 
 
 def test_every_call_of_a_run_was_served_by_its_adapter_at_its_pushed_versions(demo):

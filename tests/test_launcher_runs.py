@@ -19,6 +19,7 @@ from tether.cli import build_parser
 from tether.cli.demo_runs import parse_runs, refused_flags, run_config, run_settings, shared_lr
 from tether.common import runs as rules
 from tether.common.broker import Keys, key_digest
+from tether.common.net import free_port
 from tether.common.settings import SETTINGS_REFUSED, run_config_problems
 from tether.launcher import MAX_RESTARTS, Proc, RunProcs, Stack, StackError, lora_capacity, lora_serving
 from tether.launcher_runs import (
@@ -34,6 +35,7 @@ from tether.launcher_runs import (
     WAIT,
     Registry,
     RunSupervisor,
+    close_on_trainer,
     drain_done,
     phase_of,
     run_action,
@@ -274,3 +276,8 @@ def test_a_run_whose_service_gives_up_fails_alone_and_a_stopped_run_drains(tmp_p
     finally:
         stack.stop(grace_s=10)
         registry.close()
+
+
+def test_closing_a_run_on_a_trainer_that_is_not_there_says_so_and_goes_on() -> None:
+    said = close_on_trainer(f"127.0.0.1:{free_port()}", "calc", timeout_s=2.0)
+    assert said.startswith("not closed on the trainer (UNAVAILABLE")

@@ -63,6 +63,29 @@ async def test_a_runs_publisher_opens_its_run_with_its_own_settings():
     ]
 
 
+async def test_a_run_the_trainer_refuses_is_a_refused_setting_not_a_crash_to_restart():
+    """The trainer's INVALID_ARGUMENT for OpenRun (a setting a run may not change, an adapter another
+    run has) ends the scheduler as refused settings do (RunConfigError: exit status 2, which
+    supervisors do not restart); any other code stays an error the scheduler is restarted for."""
+    import grpc
+
+    from tether.common.settings import RunConfigError
+
+    def refusing(code):
+        class Trainer:
+            async def OpenRun(self, request):  # noqa: N802
+                raise grpc.aio.AioRpcError(
+                    code, grpc.aio.Metadata(), grpc.aio.Metadata(), "trainer.lora_rank: no"
+                )
+
+        return AdapterPublisher(object(), Trainer(), "calc", "calc", {"lora_rank": "4"})
+
+    with pytest.raises(RunConfigError, match="the trainer refuses run calc: trainer.lora_rank: no"):
+        await refusing(grpc.StatusCode.INVALID_ARGUMENT).reconcile()
+    with pytest.raises(grpc.aio.AioRpcError):
+        await refusing(grpc.StatusCode.UNAVAILABLE).reconcile()
+
+
 def test_an_adapter_is_loaded_unless_vllm_serves_that_very_version():
     served = {"calc": "/a/calc/2", "other": "/a/other/1"}
     assert not adapter_load_needed(served, "calc", "/a/calc/2")

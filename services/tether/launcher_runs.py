@@ -163,6 +163,23 @@ def serving(address: str) -> bool:
         return False
 
 
+def close_on_trainer(address: str, run_id: str, timeout_s: float = 10.0) -> str:
+    """Ask the trainer at `address` to free a finished run's adapter and optimizer (`CloseRun`; its
+    checkpoints stay). What happened, in words: the launcher logs it and goes on whatever the answer
+    (a trainer that is down or restarting frees nothing of the run: a new trainer reopens only the runs
+    its checkpoints name as open, and this one will be closed by the next launcher's close)."""
+    from tether.v1 import trainer_pb2, trainer_pb2_grpc
+
+    try:
+        with sync_channel(address, tls_from_env()) as ch:
+            resp = trainer_pb2_grpc.TrainerStub(ch).CloseRun(
+                trainer_pb2.CloseRunRequest(run_id=run_id), timeout=timeout_s
+            )
+    except grpc.RpcError as exc:
+        return f"not closed on the trainer ({exc.code().name}: {exc.details()})"
+    return "closed on the trainer" if resp.closed else "not open on the trainer"
+
+
 class RunSupervisor:
     """Starts, drains and fails the registry's runs on `stack` (a stack started by start_stack: its
     trainer, inference and gateway addresses), one `tick` at a time from the launcher's loop, after
@@ -225,15 +242,21 @@ class RunSupervisor:
                 self.registry.set_status(run_id, rules.RUNNING)
             elif action == MARK_STOPPED:
                 self.registry.set_status(run_id, rules.STOPPED)
-                print(f"run {run_id}: stopped", flush=True)
+                print(f"run {run_id}: stopped; {self.close(record)}", flush=True)
             elif action == MARK_FAILED:
                 self.registry.set_status(run_id, rules.FAILED)
-                print(f"run {run_id}: failed", file=sys.stderr, flush=True)
+                print(f"run {run_id}: failed; {self.close(record)}", file=sys.stderr, flush=True)
             elif action == FORGET:
                 self.stack.runs.pop(run_id, None)
                 self.keys.pop(run_id, None)
         except ApiError as exc:  # another writer moved the run in between: the next tick sees it
             print(f"run {run_id}: {action}: {exc.message}", file=sys.stderr, flush=True)
+
+    def close(self, record: RunRecord | None) -> str:
+        """A finished run's adapter and optimizer leave the trainer's memory (close_on_trainer)."""
+        if record is None:
+            return "not in the registry"
+        return close_on_trainer(self.stack.addresses["trainer"], rules.trainer_run_id(record.namespace))
 
     def start(self, record: RunRecord) -> None:
         """The run's merger, scheduler and (when its config names a harness) agent workers, on the

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from prometheus_client import Counter
 
-from tether.common.settings import WeightPush
+from tether.common.settings import RunConfigError, WeightPush
 from tether.v1 import inference_pb2, trainer_pb2, types_pb2
 
 log = logging.getLogger(__name__)
@@ -148,10 +148,16 @@ class AdapterPublisher:
         """Open the run on the trainer with its own trainer settings (idempotent: a resumed run, or a
         restarted trainer that reopened it, answers where it is) and have inference serve its newest adapter version (LoadAdapter loads
         nothing when it serves it already), version 0 too: the adapter as opened, so that the run's
-        first rollouts find it. Returns the run's version."""
-        status = await self.trainer.OpenRun(
-            trainer_pb2.OpenRunRequest(run_id=self.run_id, adapter=self.adapter, settings=self.settings)
-        )
+        first rollouts find it. Returns the run's version. A run the trainer refuses (its settings, or
+        its adapter another run's) is a refused setting (RunConfigError): starting again cannot help."""
+        try:
+            status = await self.trainer.OpenRun(
+                trainer_pb2.OpenRunRequest(run_id=self.run_id, adapter=self.adapter, settings=self.settings)
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise RunConfigError(f"the trainer refuses run {self.run_id}: {exc.details()}") from exc
+            raise
         await self.load(status.adapter_dir, status.weight_version)
         log.info("run %s: adapter %s at version %d", self.run_id, self.adapter, status.weight_version)
         return int(status.weight_version)
