@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tether.common import runs as rules
+from tether.common.grpc_server import service_token
 from tether.common.net import free_port
 from tether.common.settings import CONFIG_ENV
 from tether.common.tls import sync_channel, tls_from_env
@@ -163,7 +165,7 @@ def serving(address: str) -> bool:
         return False
 
 
-def close_on_trainer(address: str, run_id: str, timeout_s: float = 10.0) -> str:
+def close_on_trainer(address: str, run_id: str, token: str = "", timeout_s: float = 10.0) -> str:
     """Ask the trainer at `address` to free a finished run's adapter and optimizer (`CloseRun`; its
     checkpoints stay). What happened, in words: the launcher logs it and goes on whatever the answer
     (a trainer that is down or restarting frees nothing of the run: a new trainer reopens only the runs
@@ -173,7 +175,9 @@ def close_on_trainer(address: str, run_id: str, timeout_s: float = 10.0) -> str:
     try:
         with sync_channel(address, tls_from_env()) as ch:
             resp = trainer_pb2_grpc.TrainerStub(ch).CloseRun(
-                trainer_pb2.CloseRunRequest(run_id=run_id), timeout=timeout_s
+                trainer_pb2.CloseRunRequest(run_id=run_id),
+                timeout=timeout_s,
+                metadata=[("authorization", f"Bearer {token}")] if token else None,
             )
     except grpc.RpcError as exc:
         return f"not closed on the trainer ({exc.code().name}: {exc.details()})"
@@ -200,6 +204,7 @@ class RunSupervisor:
         self.drain_grace_s = drain_grace_s
         self.agent_workers = agent_workers
         self.keys: dict[str, str] = {}  # run id -> a key of the run, for its agent workers
+        self.closed: set[str] = set()  # runs closed on the trainer (a run id is never used twice)
 
     def create(self, run_id: str, config: dict, adapter: str | None = None) -> RunRecord:
         """A new run in the registry, its key kept for its agent workers (next `tick` starts them)."""
@@ -242,21 +247,31 @@ class RunSupervisor:
                 self.registry.set_status(run_id, rules.RUNNING)
             elif action == MARK_STOPPED:
                 self.registry.set_status(run_id, rules.STOPPED)
-                print(f"run {run_id}: stopped; {self.close(record)}", flush=True)
+                print(f"run {run_id}: stopped; {self.close(run_id, record)}", flush=True)
             elif action == MARK_FAILED:
                 self.registry.set_status(run_id, rules.FAILED)
-                print(f"run {run_id}: failed; {self.close(record)}", file=sys.stderr, flush=True)
+                print(f"run {run_id}: failed; {self.close(run_id, record)}", file=sys.stderr, flush=True)
             elif action == FORGET:
+                # Final without passing through MARK_*: e.g. stopped while still `created` (a run whose
+                # services took long to serve), or failed by another writer.
+                if run_id not in self.closed:
+                    print(
+                        f"run {run_id}: {record.status if record else 'gone'}; {self.close(run_id, record)}"
+                    )
                 self.stack.runs.pop(run_id, None)
                 self.keys.pop(run_id, None)
         except ApiError as exc:  # another writer moved the run in between: the next tick sees it
             print(f"run {run_id}: {action}: {exc.message}", file=sys.stderr, flush=True)
 
-    def close(self, record: RunRecord | None) -> str:
-        """A finished run's adapter and optimizer leave the trainer's memory (close_on_trainer)."""
+    def close(self, run_id: str, record: RunRecord | None) -> str:
+        """A finished run's adapter and optimizer leave the trainer's memory (close_on_trainer), once."""
+        self.closed.add(run_id)
         if record is None:
             return "not in the registry"
-        return close_on_trainer(self.stack.addresses["trainer"], rules.trainer_run_id(record.namespace))
+        token = service_token({**os.environ, **self.stack.token_env()})  # the stack's, or the user's
+        return close_on_trainer(
+            self.stack.addresses["trainer"], rules.trainer_run_id(record.namespace), token
+        )
 
     def start(self, record: RunRecord) -> None:
         """The run's merger, scheduler and (when its config names a harness) agent workers, on the
