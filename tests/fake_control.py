@@ -71,10 +71,12 @@ class FakeTrainer:
         self.lose_push = False
         self.records: dict[int, tuple[int, str]] = {}  # step -> (version, checkpoint)
         self.log: list[str] = []
+        self.intended: list[int] = []  # each TrainStep's intended_groups
 
     async def TrainStep(self, req: trainer_pb2.TrainStepRequest) -> trainer_pb2.TrainStepResponse:
         """A new version and its checkpoint; a step trained before is answered from its record."""
         self.log.append(f"train:{req.step}:{','.join(req.group_ids)}")
+        self.intended.append(req.intended_groups)
         if req.step not in self.records:
             self.version += 1
             self.checkpoint_dir = f"/ckpt/v{self.version}"

@@ -242,7 +242,7 @@ def test_dynamic_sampling_and_the_step_guard_through_the_stack(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(
         f"scheduler: {{dynamic_sampling: true, dynamic_sampling_max_groups: {DS_BOUND}}}\n"
-        f"trainer: {{max_step_kl: {TINY_STEP_KL:.1e}, step_guard_lr_scale: 0.5}}\n"
+        f"trainer: {{max_step_kl: {TINY_STEP_KL:.1e}, step_guard_lr_scale: 0.5, loss_denominator: intended}}\n"
     )
     shape = ["--steps", str(DS_STEPS), "--tasks-per-step", str(DS_TASKS), "--group-size", str(DS_GROUP)]
     run_dir, _ = tether_demo(tmp_path, "--config", str(config), *shape, "--eval-repeats", "0")
@@ -263,6 +263,9 @@ def check_dynamic_sampling(steps: list[dict]) -> None:
         # Exactly tasks-per-step groups train, unless the bound ran out first.
         assert m["groups_trained"] == DS_TASKS or dispatched == DS_BOUND, m
         assert m["groups_trained"] <= DS_TASKS, m
+        # loss_denominator: intended: a step short of groups weighs its share of a full one.
+        if m["groups_trained"]:
+            assert m["loss_scale"] == m["groups_trained"] / DS_TASKS, m
         if m["groups_filtered"]:
             assert dispatched > DS_TASKS, m  # filtered groups were made up for
         else:

@@ -692,3 +692,18 @@ def test_kl_to_reference_matches_verl(verl_algos, seed, estimator) -> None:  # t
     lp = -torch.rand(3, 9, generator=g) * 8
     ref = -torch.rand(3, 9, generator=g) * 8
     torch.testing.assert_close(kl_to_reference(lp, ref, estimator), verl_algos.kl_penalty(lp, ref, estimator))
+
+
+def test_short_step_scale_is_the_share_of_the_intended_groups():
+    from tether.algorithms.losses import short_step_scale
+
+    assert short_step_scale(2, 8, "intended") == 0.25
+    assert short_step_scale(8, 8, "intended") == 1.0
+    assert short_step_scale(9, 8, "intended") == 1.0  # a surplus is never weighed up
+    assert short_step_scale(0, 8, "intended") == 0.0
+    assert short_step_scale(2, 0, "intended") == 1.0  # the intent not said: the batch's own
+    assert short_step_scale(2, 8, "batch") == 1.0
+    with pytest.raises(ValueError, match="unknown loss denominator"):
+        short_step_scale(2, 8, "tokens")
+    with pytest.raises(ValueError, match="groups must be >= 0"):
+        short_step_scale(-1, 8, "intended")

@@ -157,6 +157,7 @@ async def test_dynamic_sampling_tops_a_synchronous_step_up_to_p_groups_with_sign
                 assert m["groups_trained"] == 0 and m["groups_dispatched"] == bound == m["groups_filtered"]
                 assert m["untrained_steps_in_a_row"] == m["step"] + 1
         if bound == 0:
+            assert set(trainer.intended) == {P}  # each step tells the trainer what it meant to train
             assert any(m["groups_dispatched"] > P for m in records), (
                 "no step needed a top-up: change the seed"
             )

@@ -338,6 +338,37 @@ def test_the_step_guard_undoes_an_update_that_moves_too_far_and_makes_it_again_a
     assert m["step_kl"] < m_kept["step_kl"]
 
 
+def _regrouped(samples: list[SampleRecord], groups: int) -> list[SampleRecord]:
+    """The same samples spread over `groups` groups (rollout i in group i mod groups)."""
+    return [dataclasses.replace(s, group_id=f"g{int(s.rollout_id[1:]) % groups}") for s in samples]
+
+
+@pytest.mark.parametrize("loss_mode", ["token-mean", "seq-mean-token-mean", "rollout-mean"])
+def test_a_short_step_weighs_its_share_of_the_intended_groups(loss_mode):
+    """loss_denominator = intended: a step of 3 groups meant to train 8 moves the weights 3/8 as far as
+    the same step normalised by its own batch (SGD: the update is linear in the loss); `batch` and an
+    unsaid intent leave it as it was; a step of as many groups as intended (or more) is not scaled."""
+    base = _model()
+    samples = _regrouped(_samples(base, n=6), 3)
+
+    def run(denominator: str, intended: int) -> tuple[torch.Tensor, dict]:
+        model = copy.deepcopy(base)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        cfg = StepConfig(loss_mode=loss_mode, loss_denominator=denominator, max_grad_norm=1e9)
+        metrics = train_step(model, opt, samples, cfg, intended_groups=intended)
+        return _flat(model) - _flat(base), metrics
+
+    full, m_full = run("batch", 8)
+    assert m_full["loss_scale"] == 1.0 and full.abs().max() > 0
+    short, m_short = run("intended", 8)
+    assert m_short["loss_scale"] == pytest.approx(3 / 8)
+    torch.testing.assert_close(short, full * 3 / 8, atol=1e-7, rtol=1e-4)
+    for intended in (0, 3, 2):  # not said, as many as trained, fewer than trained
+        same, m = run("intended", intended)
+        assert m["loss_scale"] == 1.0
+        torch.testing.assert_close(same, full, atol=0, rtol=0)
+
+
 def test_a_steps_learning_health_reaches_prometheus():
     """The figures of the step's own pass, exported as the trainer's learning-health gauges."""
     from prometheus_client import REGISTRY

@@ -351,6 +351,15 @@ async def test_runs_through_the_real_grpc_servicer(model_dir, tmp_path):
         status = await stub.GetRunStatus(trainer_pb2.RunStatusRequest(run_id="calc"))
         assert (status.weight_version, status.adapter_dir) == (1, str(where))
         assert time.time() - 60 < status.last_step_time <= time.time() and status.steps_per_minute > 0
+        # A run whose loss is normalised by the intended batch: a step of 1 group meant as 4 weighs 1/4
+        # (the scheduler says what it meant in each TrainStep); the other run's steps are its own.
+        short = trainer_pb2.OpenRunRequest(run_id="short", settings={"loss_denominator": "intended"})
+        assert dict((await stub.OpenRun(short)).settings) == {"loss_denominator": "intended"}
+        group.run_id = "short"
+        assert (await stub.SubmitGroup(group)).buffered_groups == 1
+        meant = trainer_pb2.TrainStepRequest(step=1, min_groups=1, run_id="short", intended_groups=4)
+        assert (await stub.TrainStep(meant)).metrics["loss_scale"] == 0.25
+        assert trained.metrics["loss_scale"] == 1.0  # run calc: its own batch
         single = await stub.GetStatus(types_pb2.Empty())  # the single policy: untouched
         assert (single.weight_version, single.run_id, single.buffered_groups) == (0, "", 0)
         refused = stubs["full"].OpenRun(trainer_pb2.OpenRunRequest(run_id="calc"))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 # The names live in names.py (torch-free, for the settings); re-exported here for the math's callers.
-from .names import KL_ESTIMATORS, LOSS_MODES
+from .names import KL_ESTIMATORS, LOSS_DENOMINATORS, LOSS_MODES
 
 # exp() of a log-ratio beyond this overflows or is meaningless; verl clamps at the same bound.
 _MAX_LOG_RATIO = 20.0
@@ -95,6 +95,27 @@ def token_weights(
         per_row = rollout_tokens[row_to_rollout].clamp(min=1.0) * n_rollouts
         w = m / per_row.unsqueeze(1)
     return w.to(torch.float32)
+
+
+def short_step_scale(groups: int, intended: int, denominator: str) -> float:
+    """The factor on a step's token weights when it trains `groups` groups of the `intended` ones.
+
+    ``batch``: 1, each step normalised by its own batch (today's token-mean: an update from 2 groups is
+    as large as one from 8). ``intended``: ``min(1, groups / intended)``, as if the step's loss were
+    normalised by the intended batch, the missing groups present with zero advantage (the constant
+    denominator of Dr. GRPO, Liu et al. 2025, arXiv:2503.20783, and DAPO's token-level sum over a fixed
+    batch). Exact for ``seq-mean-*`` and ``rollout-mean``; for ``token-mean`` it assumes the missing
+    groups' responses as long on average as the present ones'. ``intended`` <= 0 (not said) gives 1.
+    """
+    if denominator not in LOSS_DENOMINATORS:
+        raise ValueError(
+            f"unknown loss denominator {denominator!r}; choose one of {', '.join(LOSS_DENOMINATORS)}"
+        )
+    if groups < 0:
+        raise ValueError(f"groups must be >= 0, got {groups}")
+    if denominator == "batch" or intended <= 0:
+        return 1.0
+    return min(1.0, groups / intended)
 
 
 def aggregate(

@@ -28,6 +28,10 @@ LossMode = Literal[
     "seq-mean-token-sum-norm",
     "rollout-mean",
 ]
+# What a step's loss is normalised by when it trains fewer groups than it was meant to (dynamic sampling
+# near saturation, losses.short_step_scale): its own batch (an update from 2 groups is as large as one
+# from 8), or the intended batch (the missing groups count as present and contributing nothing).
+LossDenominator = Literal["batch", "intended"]
 # Per-token KL(policy || reference) estimators (losses.kl_to_reference, Schulman 2020).
 KLEstimator = Literal["k1", "k2", "k3"]
 # Off-policy correction: PPO ratio against the rollout logprobs, truncated IS, or masking.
@@ -48,4 +52,5 @@ LOSS_MODES: tuple[LossMode, ...] = get_args(LossMode)
 KL_ESTIMATORS: tuple[KLEstimator, ...] = get_args(KLEstimator)
 OFF_POLICY_MODES: tuple[OffPolicyMode, ...] = get_args(OffPolicyMode)
 POLICY_LOSSES: tuple[PolicyLoss, ...] = get_args(PolicyLoss)
+LOSS_DENOMINATORS: tuple[LossDenominator, ...] = get_args(LossDenominator)
 TRUNCATED_RESPONSES: tuple[TruncatedResponses, ...] = get_args(TruncatedResponses)

@@ -43,6 +43,7 @@ class StepPush:
         drain_timeout_s: float,
         sleep_level: int,
         run_id: str = "",
+        intended_groups: int = 0,
     ) -> None:
         self.gateway = gateway
         self.inference = inference
@@ -52,12 +53,21 @@ class StepPush:
         self.drain_timeout_s = drain_timeout_s
         self.sleep_level = sleep_level
         self.run_id = run_id  # the trainer's run this scheduler trains ("": its single policy)
+        # What a step is meant to train (tasks_per_step), told to the trainer with each step: its
+        # loss_denominator = intended weighs a step of fewer groups that much less. 0: not said.
+        self.intended_groups = intended_groups
 
     async def push(
-        self, step: int, group_ids: list[str], drop_ids: list[str] | None = None, colocated: bool = True
+        self,
+        step: int,
+        group_ids: list[str],
+        drop_ids: list[str] | None = None,
+        colocated: bool = True,
+        full_step: bool = True,
     ) -> tuple[dict[str, float], float, float]:
         """Train on `group_ids` and push the new weights. Returns (train metrics, push seconds, paused
-        seconds: the whole update when colocated, the load alone when disaggregated)."""
+        seconds: the whole update when colocated, the load alone when disaggregated). `full_step`: the
+        step was meant to train `intended_groups` (not the serve mode's, which trains what arrived)."""
         plan = push_plan(colocated, self.sleep_level, run=bool(self.run_id))
         t0 = time.perf_counter()
         slept = False
@@ -79,6 +89,7 @@ class StepPush:
                     group_ids=group_ids,
                     drop_group_ids=drop_ids or [],
                     run_id=self.run_id,
+                    intended_groups=self.intended_groups if full_step else 0,
                 )
             )
             if slept:

@@ -117,6 +117,7 @@ class Run:
             cfg.drain_timeout_s,
             cfg.sleep_level,
             cfg.trainer_run_id,
+            cfg.tasks_per_step,
         )
         self.reporter = Reporter(
             r, keys, cfg.run_id, cfg.run_dir, Trackers.chosen(cfg.trackers, cfg.run_dir, cfg.run_id)

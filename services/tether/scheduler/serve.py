@@ -44,7 +44,7 @@ class ServeLoop:
             if not serve_should_train(len(trained), bool(batch), groups_per_step):
                 continue  # keep collecting while groups are still arriving
             t0 = time.perf_counter()
-            metrics, push_s, paused_s = await self.pusher.push(step, trained)
+            metrics, push_s, paused_s = await self.pusher.push(step, trained, full_step=False)
             timing = {
                 "push_seconds": push_s,
                 "paused_seconds": paused_s,

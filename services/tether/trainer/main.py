@@ -20,7 +20,7 @@ import grpc
 import torch
 from pydantic import BeforeValidator, Field, ValidationError, model_validator
 
-from tether.algorithms.names import KLEstimator, LossMode, OffPolicyMode, PolicyLoss
+from tether.algorithms.names import KLEstimator, LossDenominator, LossMode, OffPolicyMode, PolicyLoss
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings, WeightPush, refused_settings_exit, section_problems
@@ -81,6 +81,10 @@ class TrainerSettings(CommonSettings):
     adam_beta2: float = 0.99
     weight_decay: float = 0.0
     loss_mode: LossMode = "token-mean"
+    # A step that trains fewer groups than its run's tasks_per_step (dynamic sampling near saturation):
+    # batch = normalised by its own batch, as large an update as a full step; intended = weighs
+    # groups / tasks_per_step of a full step (algorithms/losses.short_step_scale).
+    loss_denominator: LossDenominator = "batch"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip_c: float = 3.0  # 0 = no dual clip
@@ -210,6 +214,7 @@ class TrainerSettings(CommonSettings):
 def step_config(s: TrainerSettings, pad_token_id: int) -> StepConfig:
     return StepConfig(
         loss_mode=s.loss_mode,
+        loss_denominator=s.loss_denominator,
         clip_low=s.clip_low,
         clip_high=s.clip_high,
         dual_clip_c=s.dual_clip_c or None,
@@ -237,6 +242,7 @@ def step_config(s: TrainerSettings, pad_token_id: int) -> StepConfig:
 RUN_STEP_SETTINGS = frozenset(
     {
         "loss_mode",
+        "loss_denominator",
         "clip_low",
         "clip_high",
         "dual_clip_c",

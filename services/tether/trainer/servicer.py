@@ -85,6 +85,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServicer):
                     list(request.group_ids),
                     list(request.drop_group_ids),
                     request.run_id,
+                    request.intended_groups,
                 )
             )
         except UnknownRun as exc:

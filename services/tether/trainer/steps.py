@@ -303,7 +303,7 @@ class StepRunner:
         if self.lora and as_peft(self.model).active_adapter != self.adapter_name:
             as_peft(self.model).set_adapter(self.adapter_name)
 
-    def run(self, samples: list[SampleRecord], version: int) -> StepOutput:
+    def run(self, samples: list[SampleRecord], version: int, intended_groups: int = 0) -> StepOutput:
         self.activate()
         metrics = train_step(
             self.engine,
@@ -315,6 +315,7 @@ class StepRunner:
             world=self.d.world,
             ref_model=self.ref_model,
             device=self.d.device,
+            intended_groups=intended_groups,
         )
         model_state, adapter = self.trained_state()
         optim = optimizer_staging(self.checkpoint_root, version + 1)
@@ -353,9 +354,9 @@ class StepRunner:
         return {}
 
     # Rank 0 side: each command is broadcast, then run here too.
-    def step(self, samples: list[SampleRecord], version: int) -> StepOutput:
-        distributed.broadcast(("step", samples, version))
-        return self.run(samples, version)
+    def step(self, samples: list[SampleRecord], version: int, intended_groups: int = 0) -> StepOutput:
+        distributed.broadcast(("step", samples, version, intended_groups))
+        return self.run(samples, version, intended_groups)
 
     def heartbeat(self) -> None:
         distributed.broadcast(("noop",))
@@ -374,7 +375,7 @@ class StepRunner:
             if cmd[0] == "stop":
                 return
             if cmd[0] == "step":
-                self.run(cmd[1], cmd[2])
+                self.run(cmd[1], cmd[2], cmd[3])
 
 
 # --- rank 0: buffer, steps, checkpoints -----------------------------------------------------------------
@@ -455,6 +456,7 @@ class StepPlan:
     group_ids: list[str]
     samples: list[SampleRecord]
     drop_ids: list[str] = field(default_factory=list)  # buffered groups discarded with this step
+    intended_groups: int = 0  # the groups the scheduler meant the step to train (0: not said)
     position: dict[str, Any] = field(default_factory=dict)
     model_state: dict[str, torch.Tensor] | None = None  # gathered / merged weights of the new version
 
@@ -589,7 +591,7 @@ class TrainerCore:
     def execute(self, plan: StepPlan) -> StepRecord:
         """Train and write the checkpoint. Blocking; called with no other step in flight."""
         try:
-            out = self.runner.step(plan.samples, self.version)
+            out = self.runner.step(plan.samples, self.version, plan.intended_groups)
         except Exception as exc:
             self.runner.optimizer.zero_grad(set_to_none=True)
             if self.runner.d.active:  # the ranks may now disagree about where they are
@@ -829,9 +831,11 @@ class Trainer:
         group_ids: list[str],
         drop_ids: list[str],
         run_id: str = "",
+        intended_groups: int = 0,
     ) -> StepRecord:
         """Plan, train (worker thread) and finish step `step` of the single policy or run `run_id`; the
-        recorded result if it was trained. The policies' steps take turns (`turns`), each under the lock."""
+        recorded result if it was trained. `intended_groups`: the groups the scheduler meant the step to
+        train (the loss's `intended` denominator). The policies' steps take turns (`turns`), each under the lock."""
         self.core_of(run_id)  # a run not open is refused at once, not after waiting for a turn
         async with self.turns.turn(run_id), self.lock:
             core = self.core_of(run_id)
@@ -843,6 +847,7 @@ class Trainer:
                     plan.weight_version,
                 )
                 return plan
+            plan.intended_groups = intended_groups
             log.info(
                 "training step %d on %d groups (version %d)",
                 plan.step,

@@ -43,6 +43,7 @@ from tether.algorithms.losses import (
     kl_to_reference,
     logprob_mismatch,
     ppo_token_loss,
+    short_step_scale,
     token_weights,
     truncated_is_weights,
 )
@@ -50,6 +51,7 @@ from tether.algorithms.names import (
     OFF_POLICY_MODES,
     POLICY_LOSSES,
     KLEstimator,
+    LossDenominator,
     LossMode,
     OffPolicyMode,
     PolicyLoss,
@@ -68,6 +70,8 @@ class StepConfig:
     bad value at start-up; not checked again here."""
 
     loss_mode: LossMode = "token-mean"
+    # intended: a step of fewer groups than its scheduler meant weighs that much less (short_step_scale).
+    loss_denominator: LossDenominator = "batch"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip_c: float | None = 3.0
@@ -726,8 +730,13 @@ def train_step(
     world: int = 1,
     ref_model: torch.nn.Module | None = None,
     device: torch.device | None = None,
+    intended_groups: int = 0,
 ) -> dict[str, float]:
     """Update `model` in place on the GLOBAL batch `samples`; return the step's metrics (same on all ranks).
+
+    `intended_groups`: the groups the step was meant to train (0: not said); with
+    `cfg.loss_denominator` = intended, a step of fewer groups has its token weights scaled by
+    groups / intended (`loss_scale` in the metrics).
 
     `model` is the module to run (the HF model, or its DDP/FSDP2 form on `world` > 1 ranks, each of
     which calls this with the same `samples`); `version` is the weight version being trained, for the
@@ -740,7 +749,8 @@ def train_step(
     memory = throughput.PeakMemory(device)
     memory.reset()
     batch = collate(samples, cfg.pad_token_id)
-    weights = token_weights(
+    loss_scale = short_step_scale(len({s.group_id for s in samples}), intended_groups, cfg.loss_denominator)
+    weights = loss_scale * token_weights(
         batch.mask, cfg.loss_mode, rollout_ids=batch.rollout_ids, norm_constant=float(batch.mask.shape[1])
     )
     lengths = [len(s.token_ids) for s in samples]
@@ -803,6 +813,7 @@ def train_step(
     return {
         **_step_metrics(sums, peaks, samples, batch, version, grad_norm),
         **guard,
+        "loss_scale": loss_scale,
         "world_size": float(world),
         "sequence_parallel": float(size),
         "train_seconds": elapsed,

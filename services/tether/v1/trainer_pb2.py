@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from tether.v1 import types_pb2 as tether_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tether/v1/trainer.proto\x12\ttether.v1\x1a\x15tether/v1/types.proto\"l\n\x12SubmitGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\"\n\x07samples\x18\x02 \x03(\x0b\x32\x11.tether.v1.Sample\x12\x10\n\x08rollouts\x18\x03 \x01(\x05\x12\x0e\n\x06run_id\x18\x04 \x01(\t\"A\n\x13SubmitGroupResponse\x12\x17\n\x0f\x62uffered_groups\x18\x01 \x01(\x05\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\x83\x01\n\x10TrainStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\nmin_groups\x18\x02 \x01(\x05\x12\x12\n\nmax_groups\x18\x03 \x01(\x05\x12\x11\n\tgroup_ids\x18\x04 \x03(\t\x12\x16\n\x0e\x64rop_group_ids\x18\x05 \x03(\t\x12\x0e\n\x06run_id\x18\x06 \x01(\t\"\xe4\x01\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x63heckpoint_dir\x18\x03 \x01(\t\x12:\n\x07metrics\x18\x04 \x03(\x0b\x32).tether.v1.TrainStepResponse.MetricsEntry\x12\x10\n\x08replayed\x18\x05 \x01(\x08\x12\x13\n\x0b\x61\x64\x61pter_dir\x18\x06 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xff\x02\n\rTrainerStatus\x12\x17\n\x0f\x62uffered_groups\x18\x01 \x01(\x05\x12\x18\n\x10\x62uffered_samples\x18\x02 \x01(\x05\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x12\n\nsteps_done\x18\x04 \x01(\x03\x12\x16\n\tlast_step\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0e\x63heckpoint_dir\x18\x06 \x01(\t\x12\x0e\n\x06run_id\x18\x07 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\x12\x13\n\x0b\x61\x64\x61pter_dir\x18\t \x01(\t\x12\x16\n\x0elast_step_time\x18\n \x01(\x01\x12\x18\n\x10steps_per_minute\x18\x0b \x01(\x01\x12\x38\n\x08settings\x18\x0c \x03(\x0b\x32&.tether.v1.TrainerStatus.SettingsEntry\x1a/\n\rSettingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0c\n\n_last_step\"\x9d\x01\n\x0eOpenRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x39\n\x08settings\x18\x03 \x03(\x0b\x32\'.tether.v1.OpenRunRequest.SettingsEntry\x1a/\n\rSettingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"!\n\x0f\x43loseRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\"\n\x10\x43loseRunResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\"\n\x10RunStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"5\n\x12PushWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"}\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x02 \x01(\x05\x12\x0f\n\x07tensors\x18\x03 \x01(\x05\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x61\x64\x61pter_dir\x18\x06 \x01(\t2\xf2\x03\n\x07Trainer\x12L\n\x0bSubmitGroup\x12\x1d.tether.v1.SubmitGroupRequest\x1a\x1e.tether.v1.SubmitGroupResponse\x12\x46\n\tTrainStep\x12\x1b.tether.v1.TrainStepRequest\x1a\x1c.tether.v1.TrainStepResponse\x12\x37\n\tGetStatus\x12\x10.tether.v1.Empty\x1a\x18.tether.v1.TrainerStatus\x12L\n\x0bPushWeights\x12\x1d.tether.v1.PushWeightsRequest\x1a\x1e.tether.v1.PushWeightsResponse\x12>\n\x07OpenRun\x12\x19.tether.v1.OpenRunRequest\x1a\x18.tether.v1.TrainerStatus\x12\x43\n\x08\x43loseRun\x12\x1a.tether.v1.CloseRunRequest\x1a\x1b.tether.v1.CloseRunResponse\x12\x45\n\x0cGetRunStatus\x12\x1b.tether.v1.RunStatusRequest\x1a\x18.tether.v1.TrainerStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17tether/v1/trainer.proto\x12\ttether.v1\x1a\x15tether/v1/types.proto\"l\n\x12SubmitGroupRequest\x12\x10\n\x08group_id\x18\x01 \x01(\t\x12\"\n\x07samples\x18\x02 \x03(\x0b\x32\x11.tether.v1.Sample\x12\x10\n\x08rollouts\x18\x03 \x01(\x05\x12\x0e\n\x06run_id\x18\x04 \x01(\t\"A\n\x13SubmitGroupResponse\x12\x17\n\x0f\x62uffered_groups\x18\x01 \x01(\x05\x12\x11\n\tduplicate\x18\x02 \x01(\x08\"\x9c\x01\n\x10TrainStepRequest\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x12\n\nmin_groups\x18\x02 \x01(\x05\x12\x12\n\nmax_groups\x18\x03 \x01(\x05\x12\x11\n\tgroup_ids\x18\x04 \x03(\t\x12\x16\n\x0e\x64rop_group_ids\x18\x05 \x03(\t\x12\x0e\n\x06run_id\x18\x06 \x01(\t\x12\x17\n\x0fintended_groups\x18\x07 \x01(\x05\"\xe4\x01\n\x11TrainStepResponse\x12\x0c\n\x04step\x18\x01 \x01(\x03\x12\x16\n\x0eweight_version\x18\x02 \x01(\x03\x12\x16\n\x0e\x63heckpoint_dir\x18\x03 \x01(\t\x12:\n\x07metrics\x18\x04 \x03(\x0b\x32).tether.v1.TrainStepResponse.MetricsEntry\x12\x10\n\x08replayed\x18\x05 \x01(\x08\x12\x13\n\x0b\x61\x64\x61pter_dir\x18\x06 \x01(\t\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xff\x02\n\rTrainerStatus\x12\x17\n\x0f\x62uffered_groups\x18\x01 \x01(\x05\x12\x18\n\x10\x62uffered_samples\x18\x02 \x01(\x05\x12\x16\n\x0eweight_version\x18\x03 \x01(\x03\x12\x12\n\nsteps_done\x18\x04 \x01(\x03\x12\x16\n\tlast_step\x18\x05 \x01(\x03H\x00\x88\x01\x01\x12\x16\n\x0e\x63heckpoint_dir\x18\x06 \x01(\t\x12\x0e\n\x06run_id\x18\x07 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x08 \x01(\t\x12\x13\n\x0b\x61\x64\x61pter_dir\x18\t \x01(\t\x12\x16\n\x0elast_step_time\x18\n \x01(\x01\x12\x18\n\x10steps_per_minute\x18\x0b \x01(\x01\x12\x38\n\x08settings\x18\x0c \x03(\x0b\x32&.tether.v1.TrainerStatus.SettingsEntry\x1a/\n\rSettingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x0c\n\n_last_step\"\x9d\x01\n\x0eOpenRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x61pter\x18\x02 \x01(\t\x12\x39\n\x08settings\x18\x03 \x03(\x0b\x32\'.tether.v1.OpenRunRequest.SettingsEntry\x1a/\n\rSettingsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"!\n\x0f\x43loseRunRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"\"\n\x10\x43loseRunResponse\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\"\"\n\x10RunStatusRequest\x12\x0e\n\x06run_id\x18\x01 \x01(\t\"5\n\x12PushWeightsRequest\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0e\n\x06run_id\x18\x02 \x01(\t\"}\n\x13PushWeightsResponse\x12\x0f\n\x07version\x18\x01 \x01(\x03\x12\x0f\n\x07\x62uckets\x18\x02 \x01(\x05\x12\x0f\n\x07tensors\x18\x03 \x01(\x05\x12\r\n\x05\x62ytes\x18\x04 \x01(\x03\x12\x0f\n\x07seconds\x18\x05 \x01(\x01\x12\x13\n\x0b\x61\x64\x61pter_dir\x18\x06 \x01(\t2\xf2\x03\n\x07Trainer\x12L\n\x0bSubmitGroup\x12\x1d.tether.v1.SubmitGroupRequest\x1a\x1e.tether.v1.SubmitGroupResponse\x12\x46\n\tTrainStep\x12\x1b.tether.v1.TrainStepRequest\x1a\x1c.tether.v1.TrainStepResponse\x12\x37\n\tGetStatus\x12\x10.tether.v1.Empty\x1a\x18.tether.v1.TrainerStatus\x12L\n\x0bPushWeights\x12\x1d.tether.v1.PushWeightsRequest\x1a\x1e.tether.v1.PushWeightsResponse\x12>\n\x07OpenRun\x12\x19.tether.v1.OpenRunRequest\x1a\x18.tether.v1.TrainerStatus\x12\x43\n\x08\x43loseRun\x12\x1a.tether.v1.CloseRunRequest\x1a\x1b.tether.v1.CloseRunResponse\x12\x45\n\x0cGetRunStatus\x12\x1b.tether.v1.RunStatusRequest\x1a\x18.tether.v1.TrainerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,29 +43,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SUBMITGROUPRESPONSE']._serialized_start=171
   _globals['_SUBMITGROUPRESPONSE']._serialized_end=236
   _globals['_TRAINSTEPREQUEST']._serialized_start=239
-  _globals['_TRAINSTEPREQUEST']._serialized_end=370
-  _globals['_TRAINSTEPRESPONSE']._serialized_start=373
-  _globals['_TRAINSTEPRESPONSE']._serialized_end=601
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=555
-  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=601
-  _globals['_TRAINERSTATUS']._serialized_start=604
-  _globals['_TRAINERSTATUS']._serialized_end=987
-  _globals['_TRAINERSTATUS_SETTINGSENTRY']._serialized_start=926
-  _globals['_TRAINERSTATUS_SETTINGSENTRY']._serialized_end=973
-  _globals['_OPENRUNREQUEST']._serialized_start=990
-  _globals['_OPENRUNREQUEST']._serialized_end=1147
-  _globals['_OPENRUNREQUEST_SETTINGSENTRY']._serialized_start=926
-  _globals['_OPENRUNREQUEST_SETTINGSENTRY']._serialized_end=973
-  _globals['_CLOSERUNREQUEST']._serialized_start=1149
-  _globals['_CLOSERUNREQUEST']._serialized_end=1182
-  _globals['_CLOSERUNRESPONSE']._serialized_start=1184
-  _globals['_CLOSERUNRESPONSE']._serialized_end=1218
-  _globals['_RUNSTATUSREQUEST']._serialized_start=1220
-  _globals['_RUNSTATUSREQUEST']._serialized_end=1254
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1256
-  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1309
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1311
-  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1436
-  _globals['_TRAINER']._serialized_start=1439
-  _globals['_TRAINER']._serialized_end=1937
+  _globals['_TRAINSTEPREQUEST']._serialized_end=395
+  _globals['_TRAINSTEPRESPONSE']._serialized_start=398
+  _globals['_TRAINSTEPRESPONSE']._serialized_end=626
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_start=580
+  _globals['_TRAINSTEPRESPONSE_METRICSENTRY']._serialized_end=626
+  _globals['_TRAINERSTATUS']._serialized_start=629
+  _globals['_TRAINERSTATUS']._serialized_end=1012
+  _globals['_TRAINERSTATUS_SETTINGSENTRY']._serialized_start=951
+  _globals['_TRAINERSTATUS_SETTINGSENTRY']._serialized_end=998
+  _globals['_OPENRUNREQUEST']._serialized_start=1015
+  _globals['_OPENRUNREQUEST']._serialized_end=1172
+  _globals['_OPENRUNREQUEST_SETTINGSENTRY']._serialized_start=951
+  _globals['_OPENRUNREQUEST_SETTINGSENTRY']._serialized_end=998
+  _globals['_CLOSERUNREQUEST']._serialized_start=1174
+  _globals['_CLOSERUNREQUEST']._serialized_end=1207
+  _globals['_CLOSERUNRESPONSE']._serialized_start=1209
+  _globals['_CLOSERUNRESPONSE']._serialized_end=1243
+  _globals['_RUNSTATUSREQUEST']._serialized_start=1245
+  _globals['_RUNSTATUSREQUEST']._serialized_end=1279
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_start=1281
+  _globals['_PUSHWEIGHTSREQUEST']._serialized_end=1334
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_start=1336
+  _globals['_PUSHWEIGHTSRESPONSE']._serialized_end=1461
+  _globals['_TRAINER']._serialized_start=1464
+  _globals['_TRAINER']._serialized_end=1962
 # @@protoc_insertion_point(module_scope)

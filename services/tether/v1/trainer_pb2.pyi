@@ -28,20 +28,22 @@ class SubmitGroupResponse(_message.Message):
     def __init__(self, buffered_groups: _Optional[int] = ..., duplicate: _Optional[bool] = ...) -> None: ...
 
 class TrainStepRequest(_message.Message):
-    __slots__ = ("step", "min_groups", "max_groups", "group_ids", "drop_group_ids", "run_id")
+    __slots__ = ("step", "min_groups", "max_groups", "group_ids", "drop_group_ids", "run_id", "intended_groups")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MIN_GROUPS_FIELD_NUMBER: _ClassVar[int]
     MAX_GROUPS_FIELD_NUMBER: _ClassVar[int]
     GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     DROP_GROUP_IDS_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    INTENDED_GROUPS_FIELD_NUMBER: _ClassVar[int]
     step: int
     min_groups: int
     max_groups: int
     group_ids: _containers.RepeatedScalarFieldContainer[str]
     drop_group_ids: _containers.RepeatedScalarFieldContainer[str]
     run_id: str
-    def __init__(self, step: _Optional[int] = ..., min_groups: _Optional[int] = ..., max_groups: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., drop_group_ids: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ...) -> None: ...
+    intended_groups: int
+    def __init__(self, step: _Optional[int] = ..., min_groups: _Optional[int] = ..., max_groups: _Optional[int] = ..., group_ids: _Optional[_Iterable[str]] = ..., drop_group_ids: _Optional[_Iterable[str]] = ..., run_id: _Optional[str] = ..., intended_groups: _Optional[int] = ...) -> None: ...
 
 class TrainStepResponse(_message.Message):
     __slots__ = ("step", "weight_version", "checkpoint_dir", "metrics", "replayed", "adapter_dir")
