@@ -223,12 +223,26 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
-def test_a_run_whose_service_gives_up_fails_alone_and_a_stopped_run_drains(tmp_path, redis_port, rdb) -> None:
+def test_a_run_whose_service_gives_up_fails_alone_and_a_stopped_run_drains(
+    tmp_path, redis_port, rdb, monkeypatch
+) -> None:
     """Real processes: two runs' mergers, schedulers and (for one) an agent worker on a stack with
     nothing behind its trainer and inference addresses (the schedulers wait for inference, serving
-    meanwhile). Run `bad`'s config has a setting a run's scheduler refuses: it is drained and
-    `failed`, and run `good` stays `running`, its processes untouched; its agent worker holds a key
-    of its own run (in its environment only); then `good` is stopped, drained and `stopped`."""
+    meanwhile). Both runs' services start before the launcher waits for any of them to serve. Run
+    `bad`'s config has a setting a run's scheduler refuses: it is drained and `failed`, and run `good`
+    stays `running`, its processes untouched; its agent worker holds a key of its own run (in its
+    environment only); then `good` is stopped, drained and `stopped`."""
+    import tether.launcher_runs as launcher_runs
+
+    started_when_first_asked: list[set[str]] = []  # the runs with processes when `serving` was first asked
+    real_serving = launcher_runs.serving
+
+    def serving(address: str) -> bool:
+        if not started_when_first_asked:
+            started_when_first_asked.append({p.run for p in stack.procs})
+        return real_serving(address)
+
+    monkeypatch.setattr(launcher_runs, "serving", serving)
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     stack = Stack(run_dir=tmp_path, namespace="sup", state_file=None, redis_url=redis_url)
     dead = "127.0.0.1:9"  # nothing answers there
@@ -251,6 +265,7 @@ def test_a_run_whose_service_gives_up_fails_alone_and_a_stopped_run_drains(tmp_p
             return {r.run_id: r.status for r in registry.list()}
 
         wait_for(lambda: statuses() == {"good": RUNNING, "bad": FAILED}, 180, "good running, bad failed")
+        assert started_when_first_asked == [{"good", "bad"}]  # started side by side, then waited for
         assert "bad" not in stack.runs or stack.runs["bad"].drained
         assert all(p.run != "bad" for p in stack.procs)
         good = stack.runs["good"]

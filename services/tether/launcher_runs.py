@@ -221,6 +221,7 @@ class RunSupervisor:
             records = {r.run_id: r for r in self.registry.list()}
         except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
             return
+        starting: list[tuple[RunProcs, list[str]]] = []
         for run_id in sorted(set(records) | set(self.stack.runs)):
             record = records.get(run_id)
             here = self.stack.runs.get(run_id)
@@ -229,14 +230,23 @@ class RunSupervisor:
             action = run_action(
                 record.status if record else None, phase_of(here), bool(here and here.gave_up)
             )
-            self.act(action, run_id, record, here)
+            started = self.act(action, run_id, record, here)
+            if started is not None:
+                starting.append(started)
+        # Every run this tick started comes up at once: their services start side by side, then the
+        # launcher waits for all of them (a merger may take a minute to serve on a busy box).
+        self.wait_serving(starting)
 
-    def act(self, action: str, run_id: str, record: RunRecord | None, here: RunProcs | None) -> None:
+    def act(
+        self, action: str, run_id: str, record: RunRecord | None, here: RunProcs | None
+    ) -> tuple[RunProcs, list[str]] | None:
+        """Does what `action` says for the run; a run it started: (its processes, the addresses that
+        must serve), for the caller to wait on."""
         from tether.gateway.bodies import ApiError
 
         try:
             if action == START and record is not None:
-                self.start(record)
+                return self.start(record)
             elif action == DRAIN and here is not None:
                 if here.gave_up:
                     print(
@@ -262,6 +272,7 @@ class RunSupervisor:
                 self.keys.pop(run_id, None)
         except ApiError as exc:  # another writer moved the run in between: the next tick sees it
             print(f"run {run_id}: {action}: {exc.message}", file=sys.stderr, flush=True)
+        return None
 
     def close(self, run_id: str, record: RunRecord | None) -> str:
         """A finished run's adapter and optimizer leave the trainer's memory (close_on_trainer), once."""
@@ -273,10 +284,10 @@ class RunSupervisor:
             self.stack.addresses["trainer"], rules.trainer_run_id(record.namespace), token
         )
 
-    def start(self, record: RunRecord) -> None:
-        """The run's merger, scheduler and (when its config names a harness) agent workers, on the
-        stack's shared trainer, inference and gateway; back once the merger and scheduler serve, or the
-        run gave up (the next tick drains it)."""
+    def start(self, record: RunRecord) -> tuple[RunProcs, list[str]]:
+        """Starts the run's merger, scheduler and (when its config names a harness) agent workers, on
+        the stack's shared trainer, inference and gateway; returns its processes and the merger's and
+        scheduler's addresses (`wait_serving` waits for them)."""
         stack, run_id = self.stack, record.run_id
         folder = run_dir_of(stack, run_id)
         config_file = write_run_config(folder, record.config)
@@ -324,21 +335,23 @@ class RunSupervisor:
                 }
                 stack.start(name, "tether.agents", env, run=run_id)
         stack.write_state()
-        self.wait_serving(here, [f"127.0.0.1:{ports['merger']}", f"127.0.0.1:{ports['scheduler']}"])
+        return here, [f"127.0.0.1:{ports['merger']}", f"127.0.0.1:{ports['scheduler']}"]
 
-    def wait_serving(self, here: RunProcs, addresses: list[str]) -> None:
-        """Until every address is SERVING; a service that gives up meanwhile, or a wait past
-        health_timeout_s, fails the run (only it)."""
+    def wait_serving(self, starting: list[tuple[RunProcs, list[str]]]) -> None:
+        """Until every starting run's addresses are SERVING; a run whose service gives up meanwhile, or
+        whose wait passes health_timeout_s, fails (only it: the next tick drains it); the others are
+        still waited for."""
         deadline = time.monotonic() + self.health_timeout_s
-        waiting = list(addresses)
+        waiting = {here.run_id: (here, list(addresses)) for here, addresses in starting}
         while waiting:
             self.stack.check_alive()  # the stack's own processes too: their failure is the stack's
-            if here.gave_up:
-                return
-            if time.monotonic() > deadline:
-                here.gave_up = f"not serving after {self.health_timeout_s:.0f}s: {', '.join(waiting)}"
-                return
-            waiting = [w for w in waiting if not serving(w)]
+            for run_id, (here, addresses) in list(waiting.items()):
+                if not here.gave_up and time.monotonic() > deadline:
+                    here.gave_up = f"not serving after {self.health_timeout_s:.0f}s: {', '.join(addresses)}"
+                if not here.gave_up:
+                    addresses[:] = [w for w in addresses if not serving(w)]
+                if here.gave_up or not addresses:
+                    del waiting[run_id]
             if waiting:
                 time.sleep(0.3)
 
