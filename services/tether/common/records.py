@@ -519,6 +519,8 @@ class StepMetrics(_Record):
     ratio_max: float | None = None
     step_kl: float | None = None
     step_guard_retries: float | None = None
+    # The factor on the step's loss (trainer.loss_denominator = intended: groups trained / meant).
+    loss_scale: float | None = None
     # The responses of the step's completed rollouts, trained or not (scheduler/report.py): tokens
     # generated per response (mean, 95th percentile), the share cut by the output limit, the share
     # that is degenerate repetition.

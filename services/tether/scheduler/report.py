@@ -130,6 +130,8 @@ def step_record(
         # to the sampling policy before the update and after it (the step guard's), the guard's retries.
         **{k: metrics.get(k, NAN) for k in LEARNING_HEALTH},
         "step_guard_retries": metrics.get("step_guard_retries", 0.0),
+        # What the step's loss was scaled by (trainer.loss_denominator: intended; 1 = a full step's).
+        "loss_scale": metrics.get("loss_scale", NAN),
         "untrained_steps_in_a_row": float(untrained),
         "staleness_max": stale_max,
         "staleness_mean": stale_mean,
