@@ -1181,6 +1181,19 @@ ALERTS = (
         " ten times its median of the last hour: stale or mismatched samples, or an update too large.",
     ),
     Alert(
+        # The coding example's drift (docs/trainer.md, "Defaults, measured"): its entropy jumped and
+        # 75% of its responses ran to the output limit for 36 steps while the reward stayed at 0.97-1.00.
+        "TetherResponsesTruncated",
+        "tether_run_truncated_fraction > 0.5",
+        "10m",
+        "warning",
+        "Most responses run to the output limit",
+        "{{ $value | humanizePercentage }} of the last step's responses were cut by their output limit,"
+        " for 10 minutes: the policy's responses are drifting longer (a rising entropy, a tail after the"
+        " answer), which the reward may not show; see the Learning health dashboard, and consider"
+        " merger.truncated_responses (exclude or penalty).",
+    ),
+    Alert(
         "TetherRewardCollapse",
         "tether_run_reward_mean < 0.5 * max_over_time(tether_run_reward_mean[1h])\n"
         "and max_over_time(tether_run_reward_mean[1h]) > 0.2",

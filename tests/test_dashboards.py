@@ -292,6 +292,7 @@ def test_every_alert_is_complete_and_tested_both_ways():
         "TetherEntropyCollapse",
         "TetherPolicyKLSpike",
         "TetherRewardCollapse",
+        "TetherResponsesTruncated",
         "TetherNothingTrained",
         "TetherWrongAdapter",
     }
