@@ -32,12 +32,6 @@ def test_throughput_is_every_runs_work_over_the_span_of_all_their_steps(bench):
     assert m["steps_per_min"] == pytest.approx(6.0)
 
 
-def test_rise_is_the_last_10_mean_minus_the_first_5_mean(bench):
-    steps = [{"reward_mean": r} for r in [0.2] * 5 + [0.5] * 5 + [0.9] * 10]
-    assert bench.rise(steps) == pytest.approx(0.7)
-    assert bench.rise(steps[:14]) is None  # too few steps to say
-
-
 def test_throughput_refuses_no_steps(bench):
     with pytest.raises(ValueError, match="no step records"):
         bench.throughput({"a": [], "b": []})
