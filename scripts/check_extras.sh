@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 EXTRAS=("$@")
-[ ${#EXTRAS[@]} -gt 0 ] || EXTRAS=(core gateway merger scheduler inference agents trainer cli)
+[ ${#EXTRAS[@]} -gt 0 ] || EXTRAS=(core gateway merger scheduler inference agents runhost trainer cli)
 if [ -n "${TETHER_EXTRAS_DIR:-}" ]; then
   WORK=$TETHER_EXTRAS_DIR
   mkdir -p "$WORK"
@@ -47,7 +47,7 @@ for extra in "${EXTRAS[@]}"; do
     failed=1; continue
   fi
   case $extra in
-    gateway | merger | scheduler | inference | agents | core)
+    gateway | merger | scheduler | inference | agents | runhost | core)
       present=$("$py" -c "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m)))" $HEAVY)
       if [ -n "$present" ]; then
         echo "check_extras: FAIL [$extra]: installs $present"; failed=1; continue

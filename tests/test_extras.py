@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-EXTRAS = ("core", "gateway", "merger", "scheduler", "inference", "agents", "trainer", "cli")
+EXTRAS = ("core", "gateway", "merger", "scheduler", "inference", "agents", "runhost", "trainer", "cli")
 
 
 @pytest.mark.slow

@@ -21,7 +21,9 @@ from tether.common import runs as rules
 from tether.common.broker import Keys, key_digest
 from tether.common.net import free_port
 from tether.common.settings import SETTINGS_REFUSED, run_config_problems
-from tether.launcher import MAX_RESTARTS, Proc, RunProcs, Stack, StackError, lora_capacity, lora_serving
+from tether.inference.launch import lora_args, lora_capacity, vllm_env
+from tether.inference.main import InferenceSettings, command
+from tether.launcher import MAX_RESTARTS, Proc, RunProcs, Stack, StackError, lora_serving
 from tether.launcher_runs import (
     DRAIN,
     DRAINED,
@@ -111,20 +113,39 @@ def test_drain_done() -> None:
 def test_lora_capacity_leaves_room_for_a_swap_and_old_versions() -> None:
     assert lora_capacity(1) == (2, 2)
     assert lora_capacity(2) == (3, 4)
-    with pytest.raises(StackError):
+    with pytest.raises(ValueError):
         lora_capacity(0)
+    assert lora_args(0) == []
 
 
-def test_lora_serving_keeps_the_users_vllm_flags_and_rank(monkeypatch) -> None:
+def test_lora_serving_sets_the_runs_and_the_rank_on_both_services(monkeypatch) -> None:
     monkeypatch.delenv("TETHER_LORA_RANK", raising=False)
-    env = lora_serving(2, extra_args="--max-num-seqs 8")
-    assert env["inference"]["TETHER_VLLM_EXTRA_ARGS"] == (
-        "--max-num-seqs 8 --enable-lora --max-loras 3 --max-cpu-loras 4 --max-lora-rank 8"
-    )
-    assert env["inference"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
-    assert env["trainer"] == {"TETHER_LORA_RANK": "8"}
+    env = lora_serving(2)
+    assert env == {
+        "inference": {"TETHER_MAX_RUNS": "2", "TETHER_LORA_RANK": "8"},
+        "trainer": {"TETHER_LORA_RANK": "8"},
+    }
     monkeypatch.setenv("TETHER_LORA_RANK", "16")
     assert lora_serving(1)["trainer"] == {"TETHER_LORA_RANK": "16"}
+    with pytest.raises(StackError):
+        lora_serving(0)
+
+
+def test_the_inference_service_serves_runs_after_the_users_vllm_flags(tmp_path, monkeypatch) -> None:
+    """TETHER_MAX_RUNS is all a deployment sets (compose, the chart, the launcher): the vLLM command gets
+    LoRA on with room for the runs, after the user's flags, and vLLM runtime loading."""
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
+    base = {"inference_grpc_port": 1, "model_dir": str(tmp_path), "vllm_python": "python"}
+    s = InferenceSettings(**base, max_runs=2, lora_rank=16, vllm_extra_args="--max-num-seqs 8")
+    argv = command(s)
+    assert argv[-9:] == [
+        "--max-num-seqs", "8", "--enable-lora", "--max-loras", "3", "--max-cpu-loras", "4", "--max-lora-rank", "16",
+    ]  # fmt: skip
+    assert command(InferenceSettings(**base, max_runs=1))[-2:] == ["--max-lora-rank", "8"]  # the default
+    assert "--enable-lora" not in command(InferenceSettings(**base, lora_rank=16))  # one policy: no LoRA
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    assert vllm_env(lora=True)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in vllm_env()
 
 
 def _demo_args(*argv: str) -> argparse.Namespace:

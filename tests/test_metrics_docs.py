@@ -30,6 +30,7 @@ PROCESSES = {
     "merger": "tether.merger.main",
     "scheduler": "tether.scheduler.main",
     "agents": "tether.agents.main",
+    "runhost": "tether.runhost.main",
 }
 
 # Printed by a fresh interpreter that imported one service's main module: its tether_* metrics. The

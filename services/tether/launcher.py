@@ -20,7 +20,8 @@ refuses a call without it (health aside), each client sends it. A token the user
 is written. `.tether/stack.json` names the file (`service_token_file`), never the token; the stack
 removes it when it stops.
 
-Only the cli uses this module; no service imports it.
+The cli uses this module, and the run host (tether.runhost: a stack of no processes of its own, whose
+runs' services it supervises); no other service imports it.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from tether.common.net import free_port
 from tether.common.redis_server import start_embedded_redis
 from tether.common.settings import SETTINGS_REFUSED
 from tether.common.tls import HEALTH_PORT_ENV, sync_channel, tls_from_env
+from tether.inference.launch import DEFAULT_RUN_LORA_RANK
 
 STATE_DIR = Path(".tether")
 STATE_FILE = STATE_DIR / "stack.json"
@@ -190,6 +192,10 @@ class Stack:
     explicit: frozenset[str] = frozenset()
     # The service token's file once the stack wrote one ("": not yet, or the user gave their own).
     service_token_file: str = ""
+    # Whether the stack writes a service token of its own when the user gave none (a local stack's
+    # services call each other); the run host's children call a deployment's services, whose token
+    # (or none) is the deployment's.
+    own_token: bool = True
     # The runs whose services run here, by run id (each one's procs are in `procs` too, until drained).
     runs: dict[str, RunProcs] = field(default_factory=dict)
     _token: str = field(default="", init=False, repr=False)
@@ -209,7 +215,7 @@ class Stack:
         """TETHER_SERVICE_TOKEN_FILE naming the stack's token, written the first time it is asked for;
         nothing when the user gave a token of their own (it reaches every process with their
         environment)."""
-        if token_given():
+        if token_given() or not self.own_token:
             return {}
         if not self.service_token_file:
             self._token = write_token_file(self.token_path)
@@ -517,34 +523,17 @@ def start_stack(
     stack.write_state()
 
 
-# The LoRA rank runs' adapters get where the user sets none (vLLM's --max-lora-rank takes 8, 16, 32...).
-DEFAULT_RUN_LORA_RANK = 8
-
-
-def lora_capacity(runs: int) -> tuple[int, int]:
-    """(--max-loras, --max-cpu-loras) for `runs` adapters served side by side (docs/runs.md,
-    "Capacity"): every run's adapter and one more, a new version swapped in while calls finish on the
-    old one, in one batch; and room for an old version of each, so that one run's swap never pushes
-    another run's adapter out of memory."""
+def lora_serving(runs: int, rank: int | None = None) -> dict[str, dict[str, str]]:
+    """What the inference service and the trainer need to serve and train up to `runs` runs as
+    adapters of one base model: the inference service's TETHER_MAX_RUNS (vLLM with LoRA on, runtime
+    loading and `inference.launch.lora_capacity`, after the user's --vllm-arg) and both services'
+    TETHER_LORA_RANK = `rank` (unset: the user's TETHER_LORA_RANK, else DEFAULT_RUN_LORA_RANK).
+    {"inference": env, "trainer": env}."""
     if runs < 1:
         raise StackError("serving runs side by side takes at least one run")
-    return runs + 1, 2 * runs
-
-
-def lora_serving(runs: int, rank: int | None = None, extra_args: str = "") -> dict[str, dict[str, str]]:
-    """What the inference service and the trainer need to serve and train up to `runs` runs as
-    adapters of one base model: vLLM with LoRA on, runtime loading (Tether's plugin versions each
-    load) and `lora_capacity`, after `extra_args` (the user's --vllm-arg); the trainer with LoRA of
-    `rank` (unset: the user's TETHER_LORA_RANK, else DEFAULT_RUN_LORA_RANK). {"inference": env,
-    "trainer": env}."""
     rank = rank or int(os.environ.get("TETHER_LORA_RANK") or DEFAULT_RUN_LORA_RANK)
-    max_loras, max_cpu_loras = lora_capacity(runs)
-    lora = f"--enable-lora --max-loras {max_loras} --max-cpu-loras {max_cpu_loras} --max-lora-rank {rank}"
     return {
-        "inference": {
-            "TETHER_VLLM_EXTRA_ARGS": f"{extra_args} {lora}".strip(),
-            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
-        },
+        "inference": {"TETHER_MAX_RUNS": str(runs), "TETHER_LORA_RANK": str(rank)},
         "trainer": {"TETHER_LORA_RANK": str(rank)},
     }
 

@@ -12,7 +12,8 @@ the run itself (`tether demo --runs`), else one the registry issues for them. Ke
 nor written to disk (the environment of the workers only).
 
 What to do with a run is decided by `run_action`, pure, from the registry's status and what runs of it
-here; `RunSupervisor.tick` reads, asks and acts. Only the cli uses this module; no service imports it.
+here; `RunSupervisor.tick` reads, asks and acts. The cli uses it, and the run host (tether.runhost: the
+same supervisor in a container of its own, for compose and the chart); no other service imports it.
 """
 
 from __future__ import annotations

@@ -142,7 +142,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
         serving, trainer = serving_env(args), {}
         if args.max_runs:  # runs side by side: LoRA on in vLLM and the trainer (docs/runs.md)
-            lora = lora_serving(args.max_runs, extra_args=serving.pop("TETHER_VLLM_EXTRA_ARGS", ""))
+            lora = lora_serving(args.max_runs)
             serving, trainer = {**serving, **lora["inference"]}, lora["trainer"]
         start_stack(
             stack,

@@ -183,6 +183,10 @@ class Keys:
     def runs(self) -> str:  # hash: run id -> RunRecord JSON, the runs of this (base) namespace (gateway)
         return f"{self.ns}:runs"
 
+    @property
+    def runhost_lease(self) -> str:  # string: the run host holding this namespace's runs (runhost)
+        return f"{self.ns}:runhost-lease"
+
     def run_key(self, digest: str) -> str:  # string: SHA-256 of a run's API key -> run id (gateway)
         # In the registry's slot: a run's record and its key are written by one script.
         return f"{self.ns}:run-key:{{{slot_tag(self.runs)}}}:{digest}"

@@ -97,11 +97,46 @@ def is_vllm_cpu(python: str) -> bool:
         return False
 
 
-def vllm_env(kv_cache_gib: int = 1, uniproc: bool = False) -> dict[str, str]:
+# The LoRA rank runs' adapters get where the deployment sets none (vLLM's --max-lora-rank takes 8, 16,
+# 32...).
+DEFAULT_RUN_LORA_RANK = 8
+
+
+def lora_capacity(runs: int) -> tuple[int, int]:
+    """(--max-loras, --max-cpu-loras) for `runs` adapters served side by side (docs/runs.md,
+    "Capacity"): every run's adapter and one more, a new version swapped in while calls finish on the
+    old one, in one batch; and room for an old version of each, so that one run's swap never pushes
+    another run's adapter out of memory."""
+    if runs < 1:
+        raise ValueError("serving runs side by side takes at least one run")
+    return runs + 1, 2 * runs
+
+
+def lora_args(runs: int, rank: int = 0) -> list[str]:
+    """vLLM's flags for serving up to `runs` runs' adapters of rank <= `rank` (0: DEFAULT_RUN_LORA_RANK)
+    beside the base model; none for 0 runs. Runtime loading also needs `vllm_env(lora=True)`."""
+    if runs == 0:
+        return []
+    max_loras, max_cpu_loras = lora_capacity(runs)
+    return [
+        "--enable-lora",
+        "--max-loras",
+        str(max_loras),
+        "--max-cpu-loras",
+        str(max_cpu_loras),
+        "--max-lora-rank",
+        str(rank or DEFAULT_RUN_LORA_RANK),
+    ]
+
+
+def vllm_env(kv_cache_gib: int = 1, uniproc: bool = False, lora: bool = False) -> dict[str, str]:
     """vLLM's environment. `uniproc`: its engine keeps the worker in process (vLLM-CPU switches the uni
     executor back to a worker process of its own unless VLLM_ENABLE_V1_MULTIPROCESSING is 0; the API
-    server still runs the engine in a process of its own)."""
+    server still runs the engine in a process of its own). `lora`: adapters load at run time
+    (/v1/load_lora_adapter, which Tether's plugin versions)."""
     env = dict(os.environ)
+    if lora:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
     if uniproc:
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     env["VLLM_SERVER_DEV_MODE"] = "1"  # pause/resume, collective_rpc, weight version endpoints

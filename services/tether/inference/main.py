@@ -23,7 +23,14 @@ from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings, refused_settings_exit
 from tether.common.usage import exit_if_help
 from tether.common.vllm_client import VLLMControl, VLLMError
-from tether.inference.launch import is_vllm_cpu, model_context_length, start_vllm, vllm_command, vllm_env
+from tether.inference.launch import (
+    is_vllm_cpu,
+    lora_args,
+    model_context_length,
+    start_vllm,
+    vllm_command,
+    vllm_env,
+)
 from tether.inference.servicer import WEIGHT_VERSION, InferenceServicer
 from tether.inference.weights import LoadFailed, newest_checkpoint
 from tether.v1 import inference_pb2, inference_pb2_grpc
@@ -51,6 +58,12 @@ class InferenceSettings(CommonSettings):
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
     # More vLLM flags, one shell-quoted string (`tether up --vllm-arg ...` joins its values here).
     vllm_extra_args: str = ""
+    # Runs side by side (docs/runs.md): N > 0 serves the base model with up to N runs' LoRA adapters,
+    # loaded at run time (launch.lora_args, after vllm_extra_args); 0: no LoRA serving.
+    max_runs: int = Field(0, ge=0)
+    # The adapters' rank bound (vLLM's --max-lora-rank) with max_runs; the trainer's TETHER_LORA_RANK,
+    # which a deployment sets once for both. 0: launch.DEFAULT_RUN_LORA_RANK.
+    lora_rank: int = Field(0, ge=0)
     # vLLM without torch.compile and CUDA graphs (--enforce-eager). Unset: eager exactly when the vLLM
     # Python is vLLM's CPU build, where the compile warm-up adds ~30 s to every start and the small
     # models run on CPU gain nothing from it; GPU builds keep vLLM's default (compiled).
@@ -90,7 +103,7 @@ def command(s: InferenceSettings, model_dir: str | None = None) -> list[str]:
         s.vllm_port,
         max_model_len,
         s.dtype,
-        shlex.split(s.vllm_extra_args),
+        [*shlex.split(s.vllm_extra_args), *lora_args(s.max_runs, s.lora_rank)],
         tensor_parallel_size=s.tensor_parallel_size,
         gpu_memory_utilization=s.gpu_memory_utilization,
         enforce_eager=s.enforce_eager if s.enforce_eager is not None else is_vllm_cpu(s.vllm_python),
@@ -185,7 +198,7 @@ async def amain(s: InferenceSettings) -> None:
             f" on checkpoint version {launched[1]}" if launched else "",
             shlex.join(cmd),
         )
-        proc = start_vllm(cmd, vllm_env(uniproc=uniproc(s)), Path(s.vllm_log))
+        proc = start_vllm(cmd, vllm_env(uniproc=uniproc(s), lora=s.max_runs > 0), Path(s.vllm_log))
     vllm = VLLMControl(f"http://{s.vllm_host}:{s.vllm_port}")
     servicer = InferenceServicer(vllm, model_dir)
 

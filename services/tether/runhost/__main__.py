@@ -1,0 +1,3 @@
+from tether.runhost.main import main
+
+main()
