@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -21,7 +22,7 @@ HOST_ENV = ROOT / "docker" / "compose.host.env"
 PROMETHEUS_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.yml"
 PROMETHEUS_HOST_CONFIG = ROOT / "docker" / "prometheus" / "prometheus.host.yml"
 SECRETS = ("TETHER_ADMIN_TOKEN", "TETHER_SERVICE_TOKEN", "REDIS_PASSWORD", "GRAFANA_ADMIN_PASSWORD")
-PROFILES = ("cpu", "gpu", "monitoring")
+PROFILES = ("cpu", "gpu", "monitoring", "runs")
 
 
 def compose_binary() -> str:
@@ -241,4 +242,69 @@ def scrape_problems(cfg: dict, prometheus: dict) -> list[str]:
             served |= hits
     for t in sorted(targets - served):
         problems.append(f"prometheus target {t} is no service's metrics port in this configuration")
+    return problems
+
+
+def _host_port(value: str) -> tuple[str, int] | None:
+    """(host, port) of an address a service is given: `host:port`, `dns:host:port` (gRPC's resolver) or
+    a URL (`http://host:port/...`, `redis://:password@host:port/0`); None when it names no port."""
+    if "://" in value:
+        parsed = urlsplit(value)
+        return (parsed.hostname, parsed.port) if parsed.hostname and parsed.port else None
+    host, _, port = value.removeprefix("dns:").rpartition(":")
+    return (host, int(port)) if host and port.isdigit() else None
+
+
+def grpc_ports(service: dict) -> set[int]:
+    """The ports a service serves gRPC on: its TETHER_*_GRPC_PORT settings."""
+    env = service.get("environment") or {}
+    return {int(v) for k, v in env.items() if k.endswith("_GRPC_PORT") and v not in ("", "0")}
+
+
+def address_problems(cfg: dict) -> list[str]:
+    """Every address a service is given of another names a service of this configuration, by name or
+    alias, and a port that service listens on: a gRPC port for a TETHER_*_ADDRESS (a gRPC target),
+    another (HTTP, Redis) for a TETHER_*_URL. On the host network the aliases are gone and every name
+    the container resolves to 127.0.0.1 reaches every service there: the port must then be one some
+    service on the host network listens on."""
+    services = cfg["services"]
+    problems = []
+    for name, s in sorted(services.items()):
+        for key, value in sorted((s.get("environment") or {}).items()):
+            if not (key.startswith("TETHER_") and key.endswith(("_ADDRESS", "_URL"))) or not value:
+                continue
+            found = _host_port(str(value))
+            if found is None:
+                problems.append(f"{name}: {key}={value} names no host and port")
+                continue
+            host, port = found
+            peers = [p for n, p in services.items() if host in names_of(n, p)]
+            if not peers and host in loopback_names(s):
+                peers = [p for p in services.values() if p.get("network_mode") == "host"]
+            if not peers:
+                problems.append(f"{name}: {key} names {host}, no service of this configuration")
+            elif not any(
+                port in (grpc_ports(p) if key.endswith("_ADDRESS") else service_ports(p) - grpc_ports(p))
+                for p in peers
+            ):
+                kind = "gRPC " if key.endswith("_ADDRESS") else ""
+                problems.append(f"{name}: {key} names {host}:{port}, no {kind}port {host} listens on")
+    return problems
+
+
+def health_problems(cfg: dict) -> list[str]:
+    """Every `tether health` healthcheck dials the service's own port: `--grpc` its gRPC port (a
+    TETHER_*_GRPC_PORT setting), `--http` a port it listens on."""
+    problems = []
+    for name, s in sorted(cfg["services"].items()):
+        test = [str(w) for w in (s.get("healthcheck") or {}).get("test") or []]
+        if test[1:3] != ["tether", "health"]:
+            continue
+        for flag, ports in (("--grpc", grpc_ports(s)), ("--http", service_ports(s) - grpc_ports(s))):
+            target = flag_value(test, flag)
+            if target is None:
+                continue
+            found = _host_port(target)
+            if found is None or found[1] not in ports:
+                problems.append(f"{name}: its healthcheck dials {target}, not its port ({sorted(ports)})")
     return problems

@@ -1,7 +1,8 @@
 """docker-compose.yml without an engine: valid for the Compose binary (`docker-compose config -q`) and
-the compose-spec schema, in every profile and with the host-network override, and every service
-hardened. Each check is a function of tests/compose_helpers.py, shown here to fail on a broken copy.
-The real bring-up is tests/test_compose.py."""
+the compose-spec schema, in every profile and with the host-network override, every service hardened,
+every address and healthcheck on a port the service named serves, and every metrics port scraped.
+Each check is a function of tests/compose_helpers.py, shown here to fail on a broken copy. The real
+bring-up is tests/test_compose.py."""
 
 from __future__ import annotations
 
@@ -20,11 +21,13 @@ from compose_helpers import (
     PROMETHEUS_HOST_CONFIG,
     ROOT,
     SECRETS,
+    address_problems,
     compose_args,
     compose_env,
     config,
     flag_value,
     hardening_problems,
+    health_problems,
     mounts,
     redis_problems,
     run_compose,
@@ -37,8 +40,13 @@ VARIANTS = {
     "gpu": (("gpu",), False),
     "monitoring": (("monitoring",), False),
     "cpu+monitoring": (("cpu", "monitoring"), False),
+    "cpu+runs": (("cpu", "runs"), False),
+    "gpu+runs": (("gpu", "runs"), False),
+    "cpu+runs+monitoring": (("cpu", "runs", "monitoring"), False),
     "host cpu+monitoring": (("cpu", "monitoring"), True),
+    "host cpu+runs+monitoring": (("cpu", "runs", "monitoring"), True),
 }
+HOST_VARIANTS = [v for v in VARIANTS if VARIANTS[v][1]]
 
 
 def check_jsonschema(path: Path) -> subprocess.CompletedProcess:
@@ -119,6 +127,9 @@ def test_profiles_hold_the_services_they_promise(configs):
     assert {"inference", "trainer-gpu", "ui"} <= set(configs["gpu"]["services"])
     assert not {"inference-cpu", "trainer"} & set(configs["gpu"]["services"])
     assert set(configs["monitoring"]["services"]) == {"prometheus", "grafana"}
+    # The run host joins a stack of either profile.
+    for base in ("cpu", "gpu"):
+        assert set(configs[f"{base}+runs"]["services"]) - set(configs[base]["services"]) == {"runhost"}
     # No Grafana image can be had offline: the host override (the compose test) leaves it out.
     assert "grafana" not in configs["host cpu+monitoring"]["services"]
 
@@ -182,8 +193,9 @@ def test_redis_check_fails_on_eviction_or_no_aof(configs):
         assert any(expected in p for p in redis_problems(cfg, "everysec"))
 
 
-def test_host_override_appendfsync_always_and_redis_moved(configs):
-    cfg = configs["host cpu+monitoring"]
+@pytest.mark.parametrize("variant", HOST_VARIANTS)
+def test_host_override_appendfsync_always_and_redis_moved(configs, variant):
+    cfg = configs[variant]
     assert redis_problems(cfg, "always") == []
     port = cfg["services"]["redis"]["command"][cfg["services"]["redis"]["command"].index("--port") + 1]
     assert port != "6379"  # the machine's own Redis holds it
@@ -228,16 +240,29 @@ def test_gpu_profile_reserves_nvidia_gpus_and_shared_memory(configs):
 
 def test_prometheus_scrapes_every_metrics_port(configs):
     prometheus = yaml.safe_load(PROMETHEUS_CONFIG.read_text())
-    cfg = configs["cpu+monitoring"]
+    cfg = configs["cpu+runs+monitoring"]
     assert scrape_problems(cfg, prometheus) == []
-    assert scrape_problems(config(("gpu", "monitoring")), prometheus) == []
+    assert scrape_problems(config(("gpu", "runs", "monitoring")), prometheus) == []
+    # Without the runs profile the run host's target is all that names nothing (Prometheus shows it down).
+    assert scrape_problems(configs["cpu+monitoring"], prometheus) == [
+        "prometheus target runhost:9107 is no service's metrics port in this configuration"
+    ]
     # On the host network every port moved: the host config names the same targets on those ports.
-    host = configs["host cpu+monitoring"]
+    host = configs["host cpu+runs+monitoring"]
     assert Path(mounts(host["services"]["prometheus"])["/etc/prometheus/prometheus.yml"]["source"]) == (
         PROMETHEUS_HOST_CONFIG
     )
-    assert scrape_problems(host, yaml.safe_load(PROMETHEUS_HOST_CONFIG.read_text())) == []
+    host_prometheus = yaml.safe_load(PROMETHEUS_HOST_CONFIG.read_text())
+    assert scrape_problems(host, host_prometheus) == []
+    assert scrape_problems(configs["host cpu+monitoring"], host_prometheus) == [
+        "prometheus target runhost:26107 is no service's metrics port in this configuration"
+    ]
     assert scrape_problems(host, prometheus) != []  # the base file's ports are not those
+    # The runs job scrapes the run host's metrics port: its own series and its runs' services'.
+    for variant, prom in (("cpu+runs+monitoring", prometheus), ("host cpu+runs+monitoring", host_prometheus)):
+        [job] = [j for j in prom["scrape_configs"] if j["job_name"] == "runs"]
+        port = configs[variant]["services"]["runhost"]["environment"]["TETHER_METRICS_PORT"]
+        assert [t for sc in job["static_configs"] for t in sc["targets"]] == [f"runhost:{port}"], variant
     # Fails when a target is missing, or names nothing.
     broken = copy.deepcopy(prometheus)
     broken["scrape_configs"] = [j for j in broken["scrape_configs"] if j["job_name"] != "trainer"]
@@ -251,7 +276,7 @@ def test_host_network_ports_are_distinct_and_out_of_the_ephemeral_range(configs)
     """On one host every service's ports must differ, and none may be one the kernel hands out as the
     local port of a client socket (32768-60999 by default), which another process can hold by chance."""
     seen: dict[int, str] = {}
-    for name, s in sorted(configs["host cpu+monitoring"]["services"].items()):
+    for name, s in sorted(configs["host cpu+runs+monitoring"]["services"].items()):
         for port in service_ports(s):
             assert port not in seen, f"{name} and {seen.get(port)} both use port {port}"
             seen[port] = name
@@ -265,6 +290,7 @@ def test_host_network_ports_are_distinct_and_out_of_the_ephemeral_range(configs)
         "merger",
         "scheduler",
         "agent",
+        "runhost",
         "ui",
         "prometheus",
     } <= set(seen.values())
@@ -354,10 +380,10 @@ def test_mtls_is_off_by_default_and_reaches_every_grpc_service_when_set(tmp_path
     """TETHER_TLS_* from .env reach every Tether container with a gRPC server or client, with the
     directory TETHER_TLS_DIR mounted read-only at /etc/tether/tls; unset, the variables are empty (TLS
     off) and an empty named volume is mounted."""
-    grpc_services = {"inference-cpu", "trainer", "merger", "gateway", "scheduler", "agent"}
-    off = config(("cpu",))["services"]
+    grpc_services = {"inference-cpu", "trainer", "merger", "gateway", "scheduler", "agent", "runhost"}
+    off = config(("cpu", "runs"))["services"]
     on = config(
-        ("cpu",),
+        ("cpu", "runs"),
         TETHER_TLS_DIR=str(tmp_path),
         TETHER_TLS_CERT_FILE="/etc/tether/tls/tls.crt",
         TETHER_TLS_KEY_FILE="/etc/tether/tls/tls.key",
@@ -374,3 +400,114 @@ def test_mtls_is_off_by_default_and_reaches_every_grpc_service_when_set(tmp_path
         )
         mount = mounts(on[name])["/etc/tether/tls"]
         assert (mount["type"], mount["source"], mount.get("read_only")) == ("bind", str(tmp_path), True), name
+
+
+def test_the_runs_profile_needs_a_stack():
+    """The run host starts runs on a stack's Redis, gateway and backends: alone, Compose refuses it."""
+    res = run_compose([*compose_args(("runs",)), "config", "-q"], compose_env())
+    assert res.returncode != 0 and "runhost" in res.stderr and "redis" in res.stderr, res.stderr
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_address_names_a_service_and_a_port_it_listens_on(configs, variant):
+    assert address_problems(configs[variant]) == []
+
+
+@pytest.mark.parametrize(
+    "service, key, value, expected",
+    [
+        (
+            "runhost",
+            "TETHER_TRAINER_ADDRESS",
+            "trainer:50054",
+            "names trainer:50054, no gRPC port",
+        ),
+        ("runhost", "TETHER_GATEWAY_URL", "http://gateway:8001", "names gateway:8001"),
+        ("runhost", "TETHER_GATEWAY_URL", "http://gateway:50051", "names gateway:50051, no port"),
+        ("runhost", "TETHER_GATEWAY_CONTROL_ADDRESS", "dns:gateway:8000", "no gRPC port gateway"),
+        ("runhost", "TETHER_INFERENCE_ADDRESS", "inferense:50052", "names inferense, no service"),
+        ("scheduler", "TETHER_GATEWAY_CONTROL_ADDRESS", "dns:gateway:8000", "names gateway:8000"),
+        ("merger", "TETHER_REDIS_URL", "redis://:x@redis:6380/0", "names redis:6380"),
+        ("agent", "TETHER_GATEWAY_URL", "gateway", "names no host and port"),
+    ],
+)
+def test_address_check_fails_on_each_breakage(configs, service, key, value, expected):
+    cfg = copy.deepcopy(configs["cpu+runs"])
+    cfg["services"][service]["environment"][key] = value
+    problems = address_problems(cfg)
+    assert any(p.startswith(f"{service}: {key}") and expected in p for p in problems), problems
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_healthcheck_dials_its_own_port(configs, variant):
+    assert health_problems(configs[variant]) == []
+
+
+def test_health_check_fails_on_a_port_of_another(configs):
+    cfg = copy.deepcopy(configs["cpu+runs"])
+    test = cfg["services"]["runhost"]["healthcheck"]["test"]
+    test[-1] = "127.0.0.1:9107"  # its metrics port, which serves no gRPC health
+    cfg["services"]["gateway"]["healthcheck"]["test"][-1] = "http://127.0.0.1:8001/health"
+    problems = health_problems(cfg)
+    assert any(p.startswith("runhost: its healthcheck dials 127.0.0.1:9107") for p in problems), problems
+    assert any(p.startswith("gateway: its healthcheck dials http://127.0.0.1:8001") for p in problems)
+
+
+@pytest.mark.parametrize("variant", ["cpu+runs", "gpu+runs", "host cpu+runs+monitoring"])
+def test_the_run_host_gets_what_a_run_s_services_need(configs, variant):
+    """The run host hands each run's scheduler, merger and agent workers what the stack's own get: the
+    base namespace's Redis (the registry is there), the backends', the gateway's and its control's
+    addresses, the merger's tokenizer, the service token and TLS settings. Its runs' folders are on the
+    runs volume beside the base scheduler's, the checkpoints read-only (a run's final model is copied
+    from them), and it serves health on its gRPC port."""
+    services = configs[variant]["services"]
+    runhost, scheduler = services["runhost"], services["scheduler"]
+    env = runhost["environment"]
+    assert runhost["command"] == ["python", "-m", "tether.runhost"]
+    assert runhost["image"] == scheduler["image"] and runhost["build"]["target"] == "tether"
+    for key in (
+        "TETHER_REDIS_URL",
+        "TETHER_NAMESPACE",
+        "TETHER_GATEWAY_CONTROL_ADDRESS",
+        "TETHER_INFERENCE_ADDRESS",
+        "TETHER_TRAINER_ADDRESS",
+        "TETHER_SERVICE_TOKEN",
+        "TETHER_TLS_CERT_FILE",
+        "TETHER_TLS_KEY_FILE",
+        "TETHER_TLS_CA_FILE",
+        "TETHER_TLS_SERVER_NAME",
+        "TETHER_CONFIG",
+    ):
+        assert env[key] == scheduler["environment"][key], key
+    assert env["TETHER_GATEWAY_URL"] == services["agent"]["environment"]["TETHER_GATEWAY_URL"]
+    assert env["TETHER_MODEL_DIR"] == services["merger"]["environment"]["TETHER_MODEL_DIR"]
+    assert env["TETHER_RUNHOST_AGENT_WORKERS"] == env["TETHER_RUNHOST_HEALTH_TIMEOUT_S"] == ""
+    own, base = mounts(runhost), mounts(scheduler)
+    for target in ("/models", "/runs", "/checkpoints", "/etc/tether/tls", "/config/run.yaml"):
+        assert own[target]["source"] == base[target]["source"], target
+        assert bool(own[target].get("read_only")) == bool(base[target].get("read_only")), target
+    assert not own["/runs"].get("read_only") and own["/checkpoints"]["read_only"]
+    runs_dir, base_dir = Path(env["TETHER_RUNS_DIR"]), Path(scheduler["environment"]["TETHER_RUN_DIR"])
+    assert runs_dir.parent == Path("/runs") and runs_dir != base_dir
+    assert runhost["healthcheck"]["test"][-2:] == ["--grpc", f"127.0.0.1:{env['TETHER_RUNHOST_GRPC_PORT']}"]
+    deps = runhost["depends_on"]
+    assert deps["redis"]["required"] and deps["gateway"]["required"]
+    assert {"inference-cpu", "inference", "trainer", "trainer-gpu"} <= set(deps)
+
+
+def test_runs_settings_reach_inference_and_trainer_only_when_set():
+    """TETHER_MAX_RUNS turns LoRA serving on in either inference service, TETHER_LORA_RANK sizes it and
+    the trainers' adapters; unset in .env both are empty (unset), so the run config's values hold."""
+    pairs = {"cpu": ("inference-cpu", "trainer"), "gpu": ("inference", "trainer-gpu")}
+    for profile, (inference, trainer) in pairs.items():
+        off = config((profile,))["services"]
+        on = config((profile,), TETHER_MAX_RUNS="2", TETHER_LORA_RANK="16")["services"]
+        assert (
+            off[inference]["environment"]["TETHER_MAX_RUNS"]
+            == ""
+            == off[trainer]["environment"]["TETHER_LORA_RANK"]
+        )
+        assert on[inference]["environment"]["TETHER_MAX_RUNS"] == "2"
+        assert on[inference]["environment"]["TETHER_LORA_RANK"] == "16"
+        assert on[trainer]["environment"]["TETHER_LORA_RANK"] == "16"
+        assert "TETHER_MAX_RUNS" not in on[trainer]["environment"]

@@ -225,13 +225,13 @@ def test_up_refuses_a_bad_config_before_starting_anything(tmp_path, monkeypatch,
 def test_compose_mounts_the_run_config_into_every_tether_service():
     recipe = ROOT / "recipes" / "search-r1-llama3.2-3b.yaml"
     res = run_compose(
-        [*compose_args(("gpu",)), "config", "--format", "json"],
+        [*compose_args(("gpu", "runs")), "config", "--format", "json"],
         compose_env(TETHER_RUN_CONFIG=str(recipe)),
     )
     assert res.returncode == 0, res.stderr
     services = json.loads(res.stdout)["services"]
     tether = {n: s for n, s in services.items() if "TETHER_SERVICE_TOKEN" in (s.get("environment") or {})}
-    assert {"inference", "trainer-gpu", "merger", "gateway", "scheduler", "agent"} <= set(tether)
+    assert {"inference", "trainer-gpu", "merger", "gateway", "scheduler", "agent", "runhost"} <= set(tether)
     for name, s in tether.items():
         if name == "model-init":
             continue
@@ -243,15 +243,17 @@ def test_compose_mounts_the_run_config_into_every_tether_service():
     assert services["scheduler"]["environment"]["TETHER_STEPS"] == ""
     # Each recipe's override mounts its own run config instead.
     for override in sorted((ROOT / "recipes" / "compose").glob("*.yml")):
-        args = compose_args(("gpu",))  # [binary, -f, docker-compose.yml, --profile, gpu]
+        args = compose_args(("gpu", "runs"))  # [binary, -f, docker-compose.yml, --profile, gpu, ...]
         res = run_compose(
             [*args[:3], "-f", str(override), *args[3:], "config", "--format", "json"], compose_env()
         )
         assert res.returncode == 0, (override.name, res.stderr)
         services = json.loads(res.stdout)["services"]
         want = str(ROOT / "recipes" / f"{override.stem}.yaml")
-        for name in ("inference", "trainer-gpu", "merger", "gateway", "scheduler", "agent"):
+        for name in ("inference", "trainer-gpu", "merger", "gateway", "scheduler", "agent", "runhost"):
             assert mounts(services[name])["/config/run.yaml"]["source"] == want, (override.name, name)
-        # The ui decodes token texts with the recipe's model's tokenizer, as the merger reads it.
+        # The ui decodes token texts with the recipe's model's tokenizer, as the merger reads it, and the
+        # run host hands it to its runs' mergers.
         model_dir = services["merger"]["environment"]["TETHER_MODEL_DIR"]
         assert services["ui"]["environment"]["TETHER_MODEL_DIR"] == model_dir != "/models/calculator/model"
+        assert services["runhost"]["environment"]["TETHER_MODEL_DIR"] == model_dir

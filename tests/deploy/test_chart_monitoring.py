@@ -80,7 +80,11 @@ def test_podmonitors_use_composes_job_names_and_keep_component_and_run():
                 assert "run" not in targets, e
             else:
                 assert targets["run"]["sourceLabels"] == ["__meta_kubernetes_pod_label_tether_dev_run"]
-    assert jobs == compose_jobs
+    # The run host's job (profile runs) is compose's alone: the chart starts no run's services yet
+    # (docs/runs.md, "What is left"). Drop it from here once the chart has one.
+    compose_only = {"runs"}
+    assert compose_only <= compose_jobs
+    assert jobs == compose_jobs - compose_only
 
 
 def test_the_prometheus_rule_is_the_alerts_file():
