@@ -88,11 +88,11 @@ def test_one_run_host_that_never_overlaps_another(name):
     dep = render.get("Deployment", RUNHOST)
     assert dep["spec"]["replicas"] == 1
     assert dep["spec"]["strategy"] == {"type": "Recreate"}
-    templates = [
-        w for w, t in render.pod_templates() if t["metadata"]["labels"].get(COMPONENT) == "runhost"
-    ]
+    templates = [w for w, t in render.pod_templates() if t["metadata"]["labels"].get(COMPONENT) == "runhost"]
     assert templates == [f"Deployment/{RUNHOST} spec.template"]
-    assert not [o for o in render.of_kind("Service", "PodDisruptionBudget") if o["metadata"]["name"] == RUNHOST]
+    assert not [
+        o for o in render.of_kind("Service", "PodDisruptionBudget") if o["metadata"]["name"] == RUNHOST
+    ]
     _t, c = runhost(render)
     ((_mt, merger),) = containers(render, "merger")
     assert c["command"] == ["python", "-m", "tether.runhost"]
@@ -265,16 +265,16 @@ def test_every_address_the_run_host_dials_is_a_port_the_right_container_listens_
                 problems.append(f"{key}: {w} container {serving} declares no port {target!r}")
                 continue
             if listen and value(served[0], listen) != str(declared[0]):
-                problems.append(f"{key}: {w} {serving} listens on {value(served[0], listen)}, not {declared[0]}")
+                problems.append(
+                    f"{key}: {w} {serving} listens on {value(served[0], listen)}, not {declared[0]}"
+                )
     assert problems == []
 
 
 def _endpoints(render: chart.Render) -> list[policy.Endpoint]:
     out = []
     for _w, t in render.pod_templates():
-        ports = {
-            p["name"]: p["containerPort"] for c in t["spec"]["containers"] for p in c.get("ports") or []
-        }
+        ports = {p["name"]: p["containerPort"] for c in t["spec"]["containers"] for p in c.get("ports") or []}
         out.append(policy.Endpoint(t["metadata"]["labels"], chart.NAMESPACE, NS_LABELS, None, ports))
     return out
 
@@ -334,3 +334,15 @@ def test_with_mtls_the_run_host_probes_its_health_only_port():
     assert value(c, "TETHER_TLS_CA_FILE") == "/etc/tether/tls/ca.crt"
     assert {"mountPath": "/etc/tether/tls", "name": "tls", "readOnly": True} in c["volumeMounts"]
     assert [v for v in t["spec"]["volumes"] if v["name"] == "tls"][0]["secret"]["secretName"] == "tether-mtls"
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_notes_say_how_to_create_a_run(name):
+    """What `helm install` prints with runs on: the run host, and `tether run create` through a
+    port-forwarded gateway with the admin token."""
+    notes = next(v for k, v in chart.render(name).manifests.items() if k.endswith("NOTES.txt"))
+    assert RUNHOST in notes
+    assert f"port-forward svc/{chart.FULLNAME}-gateway 8000:8000" in notes
+    assert "tether run create --config" in notes and "--gateway-url http://127.0.0.1:8000" in notes
+    if "PodMonitors scrape every component" in notes:
+        assert "runhost" in notes.split("PodMonitors scrape every component", 1)[1].split("\n", 1)[0]
