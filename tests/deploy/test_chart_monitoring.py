@@ -20,6 +20,9 @@ GOOD = chart.good_sets()
 NAMES = [s.name for s in GOOD]
 MONITORING_ON = {"monitoring": {"podMonitors": {"enabled": True}, "prometheusRule": {"enabled": True}}}
 COMPOSE_PROMETHEUS = chart.ROOT / "docker" / "prometheus" / "prometheus.yml"
+# Jobs whose series carry their own run label, which the pod's may not overwrite: the trainer's (the
+# policy a series is of) and the run host's (the hosted run a service belongs to).
+OWN_RUN_JOBS = {"trainer", "runhost"}
 
 
 def with_monitoring(name: str) -> chart.Render:
@@ -76,7 +79,7 @@ def test_podmonitors_use_composes_job_names_and_keep_component_and_run():
             assert targets["component"]["sourceLabels"] == [
                 "__meta_kubernetes_pod_label_app_kubernetes_io_component"
             ]
-            if targets["job"]["replacement"] == "trainer":
+            if targets["job"]["replacement"] in OWN_RUN_JOBS:
                 assert "run" not in targets, e
             else:
                 assert targets["run"]["sourceLabels"] == ["__meta_kubernetes_pod_label_tether_dev_run"]
@@ -210,3 +213,35 @@ def test_relabel_follows_prometheus():
     assert relabel({"b": "0"}, rules) is not None
     assert relabel({"a": "1"}, rules) is None
     assert relabel({"a": "10"}, rules) is None
+
+
+RUNS_SETS = [s.name for s in GOOD if chart.effective_values(s.name)["runs"]["enabled"]]
+
+
+@pytest.mark.parametrize("name", RUNS_SETS)
+def test_the_run_hosts_series_keep_their_own_run(name):
+    """runs.enabled: the run host's PodMonitor scrapes its metrics port as job runhost with component
+    kept, and lays no run label over the target: its series carry each hosted run's own `run` (and
+    `service`), which a target label `run` would push aside into `exported_run` (honor_labels off, as
+    every endpoint here). The run host's own series, without one, read `{run=""}` as the trainer's
+    single policy does."""
+    assert RUNS_SETS
+    render = with_monitoring(name)
+    (pm,) = [p for p in render.of_kind("PodMonitor") if p["metadata"]["name"] == f"{chart.FULLNAME}-runhost"]
+    ((_w, template),) = [
+        (w, t)
+        for w, t in render.pod_templates()
+        if t["metadata"]["labels"]["app.kubernetes.io/component"] == "runhost"
+    ]
+    assert policy.label_selector_matches(pm["spec"]["selector"], template["metadata"]["labels"])
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" and endpoint["path"] == "/metrics"
+    assert not endpoint.get("honorLabels")
+    got = relabel(_meta_labels(template["metadata"]["labels"]), endpoint.get("relabelings") or [])
+    assert got is not None
+    assert got["job"] == "runhost" and got["component"] == "runhost" and "run" not in got, got
+
+
+def test_without_runs_there_is_no_run_host_monitor():
+    render = with_monitoring("cpu-demo")
+    assert not [p for p in render.of_kind("PodMonitor") if p["metadata"]["name"].endswith("-runhost")]

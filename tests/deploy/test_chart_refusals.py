@@ -62,3 +62,24 @@ def test_a_bad_set_is_refused_with_its_path(name):
 )
 def test_names_path(message, path, expected):
     assert names_path(message, path) is expected
+
+
+RUNS_BAD = [vs.name for vs in BAD if vs.name.startswith("runs-")]
+
+
+@pytest.mark.parametrize("name", RUNS_BAD)
+def test_a_runs_rule_refuses_only_with_runs_on(name):
+    """What a run's adapter cannot share (vLLM's sleep, the NCCL push, a trainer on several ranks or
+    with FSDP, another LoRA rank, several inference replicas, no room for an adapter) is refused only
+    with runs.enabled, and the message says it is the runs that refuse it: the same values with
+    runs.enabled false render. (The schema's refusals of a runs key, runs-replicas and a rank vLLM cannot
+    serve, hold whatever runs.enabled says.)"""
+    assert len(RUNS_BAD) >= 10
+    values, version = chart.bad_values(chart.value_set(name))
+    message = chart.refusal(values, version)
+    assert message is not None
+    if "execution error" not in message:  # the schema's
+        assert chart.refusal(chart.merge(values, {"runs": {"enabled": False}}), version) is not None
+        return
+    assert "runs." in message, message  # runs.enabled, runs.loraRank, runs.terminationGracePeriodSeconds
+    assert chart.refusal(chart.merge(values, {"runs": {"enabled": False}}), version) is None, name

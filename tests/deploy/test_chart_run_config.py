@@ -20,7 +20,7 @@ RECIPES = sorted((ROOT / "recipes" / "helm").glob("*.yaml"))
 # Kubernetes 1.34: the Search-R1 recipe shares a GPU in one pod (a pod-scoped DRA claim).
 VERSION = "1.34.0"
 # The containers that run a Tether service (not Redis, not the model's init container).
-SERVICE_CONTAINERS = {"gateway", "merger", "scheduler", "inference", "trainer", "agent"}
+SERVICE_CONTAINERS = {"gateway", "merger", "scheduler", "inference", "trainer", "agent", "runhost"}
 # Settings the chart sets from the values that shape the pods (_validate.tpl refuses a run config that
 # differs from them).
 SHAPING = {"mode", "weight_push", "fsdp", "tensor_parallel_size", "served_model"}

@@ -272,7 +272,7 @@ def test_runtime_class_only_when_asked(name):
     assert used <= asked
 
 
-GRPC_SERVICES = {"merger": 50054, "scheduler": 50055, "agent": 50056}
+GRPC_SERVICES = {"merger": 50054, "scheduler": 50055, "agent": 50056, "runhost": 50057}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -126,6 +126,13 @@ NCCL transfer engine.
     - name: TETHER_VLLM_EXTRA_ARGS
       value: {{ . | quote }}
     {{- end }}
+    {{- if .Values.runs.enabled }}
+    # Runs side by side (runs.enabled): vLLM serves up to maxRuns LoRA adapters of rank loraRank.
+    - name: TETHER_MAX_RUNS
+      value: {{ .Values.runs.maxRuns | quote }}
+    - name: TETHER_LORA_RANK
+      value: {{ .Values.runs.loraRank | quote }}
+    {{- end }}
     {{- with $c.env }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
@@ -271,7 +278,13 @@ metadata.labels['batch.kubernetes.io/job-completion-index']
       value: {{ $t.fsdp | quote }}
     {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "bf16" "value" ($t.bf16)) | nindent 4 }}
     {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "gradient_checkpointing" "value" ($t.gradientCheckpointing)) | nindent 4 }}
+    {{- if $root.Values.runs.enabled }}
+    # Runs side by side: each run's adapter has the rank vLLM serves (the run config may not say otherwise).
+    - name: TETHER_LORA_RANK
+      value: {{ $root.Values.runs.loraRank | quote }}
+    {{- else }}
     {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "lora_rank" "value" ($t.loraRank)) | nindent 4 }}
+    {{- end }}
     {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "kl_coef" "value" ($t.klCoef | toString)) | nindent 4 }}
     - name: TETHER_WEIGHT_PUSH
       value: {{ $root.Values.run.weightPush | quote }}

@@ -105,9 +105,44 @@ templates/validate.yaml.
 {{- fail "agents.jobs.command required with agents.jobs.enabled (the harness each rollout's Job runs, e.g. [\"tether\", \"agent-job\"])" -}}
 {{- end -}}
 
+{{- /* Runs side by side (runs.enabled; docs/runs.md): each run is a LoRA adapter on the one trainer and
+the one vLLM, which every run's services share: what the launcher and a run's services refuse, refused
+here before anything starts. */ -}}
+{{- $r := $v.runs -}}
+{{- $rc := default (dict) $v.runConfig -}}
+{{- if $r.enabled -}}
+{{- if lt (int $r.maxRuns) 1 -}}
+{{- fail (printf "runs.maxRuns: %d with runs.enabled; vLLM needs room for at least one run's adapter (set runs.maxRuns >= 1, or runs.enabled: false)" (int $r.maxRuns)) -}}
+{{- end -}}
+{{- if and (gt (int $v.trainer.loraRank) 0) (ne (int $v.trainer.loraRank) (int $r.loraRank)) -}}
+{{- fail (printf "trainer.loraRank: %d differs from runs.loraRank: %d; with runs.enabled the trainer trains LoRA of runs.loraRank, the rank vLLM serves (leave trainer.loraRank at 0, or set it to runs.loraRank)" (int $v.trainer.loraRank) (int $r.loraRank)) -}}
+{{- end -}}
+{{- if $v.trainer.fsdp -}}
+{{- fail "trainer.fsdp: true with runs.enabled; runs need LoRA on the trainer, which it refuses with FSDP (set trainer.fsdp: false)" -}}
+{{- end -}}
+{{- if gt (int $v.trainer.nodes) 1 -}}
+{{- fail (printf "trainer.nodes: %d with runs.enabled; the trainer holds runs on one rank only (DDP registers the trainable parameters once, and a run's step changes them): set trainer.nodes: 1" (int $v.trainer.nodes)) -}}
+{{- end -}}
+{{- if and (eq $v.trainer.backend "gpu") (gt (int $v.trainer.gpusPerNode) 1) -}}
+{{- fail (printf "trainer.gpusPerNode: %d with runs.enabled; the trainer holds runs on one rank only (one process, one GPU): set trainer.gpusPerNode: 1" (int $v.trainer.gpusPerNode)) -}}
+{{- end -}}
+{{- if gt (int $v.inference.replicas) 1 -}}
+{{- fail (printf "inference.replicas: %d with runs.enabled; a run's scheduler loads each version of its adapter through the inference Service, into one replica only (the run host has no replica discovery), and the others would answer the run's calls 404: set inference.replicas: 1" (int $v.inference.replicas)) -}}
+{{- end -}}
+{{- if gt (int $v.run.sleepLevel) 0 -}}
+{{- fail (printf "run.sleepLevel: %d with runs.enabled; vLLM serves every run's adapter and may not sleep while the trainer trains one policy (a run's scheduler refuses TETHER_SLEEP_LEVEL > 0): set run.sleepLevel: 0" (int $v.run.sleepLevel)) -}}
+{{- end -}}
+{{- $sched := index $rc "scheduler" | default (dict) -}}
+{{- if and (hasKey $sched "sleep_level") (ne (toString (index $sched "sleep_level")) "0") -}}
+{{- fail (printf "runConfig.scheduler.sleep_level: %v with runs.enabled; vLLM serves every run's adapter and may not sleep (leave the key out, or set it to 0)" (index $sched "sleep_level")) -}}
+{{- end -}}
+{{- if eq $v.run.weightPush "nccl" -}}
+{{- fail "run.weightPush: nccl with runs.enabled; the runs' weights are adapter versions vLLM loads by name from the checkpoint volume, and a full-weight NCCL push into the vLLM that serves them is refused for runs (set run.weightPush: checkpoint)" -}}
+{{- end -}}
+{{- end -}}
+
 {{- /* The run config may not contradict a value that shapes the pods (which pods exist, their GPUs,
 the NCCL wiring): set those in the values, and the run config either leaves them out or agrees. */ -}}
-{{- $rc := default (dict) $v.runConfig -}}
 {{- $shaping := list
   (list "scheduler" "mode" "run.mode" $v.run.mode)
   (list "scheduler" "weight_push" "run.weightPush" $v.run.weightPush)
@@ -116,6 +151,9 @@ the NCCL wiring): set those in the values, and the run config either leaves them
   (list "inference" "tensor_parallel_size" "inference.gpus" $v.inference.gpus)
   (list "inference" "served_model" "run.servedModel" $v.run.servedModel)
   (list "gateway" "served_model" "run.servedModel" $v.run.servedModel) -}}
+{{- if $r.enabled -}}
+{{- $shaping = append $shaping (list "trainer" "lora_rank" "runs.loraRank" $r.loraRank) -}}
+{{- end -}}
 {{- range $shaping -}}
 {{- $section := index $rc (index . 0) | default (dict) -}}
 {{- if hasKey $section (index . 1) -}}
@@ -137,5 +175,11 @@ the NCCL wiring): set those in the values, and the run config either leaves them
 {{- $tg := int $v.agents.worker.terminationGracePeriodSeconds -}}
 {{- if lt $tg (int $need) -}}
 {{- fail (printf "agents.worker.terminationGracePeriodSeconds: terminationGracePeriodSeconds %d < preStop + drain + margin (%d + %d + %d = %d; shutdown.*)" $tg (int $v.shutdown.preStopSeconds) (int $v.shutdown.drainSeconds) (int $v.shutdown.marginSeconds) (int $need)) -}}
+{{- end -}}
+{{- if $r.enabled -}}
+{{- $tg := int $r.terminationGracePeriodSeconds -}}
+{{- if lt $tg (int $need) -}}
+{{- fail (printf "runs.terminationGracePeriodSeconds: terminationGracePeriodSeconds %d < preStop + drain + margin (%d + %d + %d = %d; shutdown.*)" $tg (int $v.shutdown.preStopSeconds) (int $v.shutdown.drainSeconds) (int $v.shutdown.marginSeconds) (int $need)) -}}
+{{- end -}}
 {{- end -}}
 {{- end -}}
