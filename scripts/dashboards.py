@@ -18,7 +18,7 @@ import argparse
 import json
 import re
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +41,34 @@ WEIGHT_VERSIONS = {
     "trainer": 'tether_trainer_weight_version{run=""}',
     "scheduler": "tether_scheduler_weight_version",
 }
+
+
+# Series that carry `run` (docs/metrics.md): the trainer's of a policy's steps, and every series of a
+# run's own services (its scheduler, merger and agent workers), which the run host labels with it. A
+# dashboard that queries any of them gets the `run` variable, and each of their selectors `run=~"$run"`:
+# "All" (`.*`) also matches a series without the label (the base namespace's, the single policy's).
+RUN_SERIES = re.compile(
+    r"\b(tether_(?:run|merger|broker|scheduler|agent)_\w+|tether_trainer_(?:steps_total|step_seconds|"
+    r"tokens_total|buffered_groups|weight_version|staleness_max|model_flops_total|mfu|peak_memory_bytes|"
+    r"policy_entropy|policy_kl|update_kl|clip_fraction|importance_ratio|grad_norm|"
+    r"step_guard_retries_total)\b)(\{[^}]*\})?"
+)
+RUN_FILTER = 'run=~"$run"'
+RUN_VARIABLE_QUERY = "label_values(tether_run_phase, run)"
+
+
+def for_run(expr: str) -> str:
+    """`expr` with every selector of a run-labelled series narrowed to the dashboard's `$run` (but one
+    that names its run already: `{run=""}`, the single policy's)."""
+
+    def narrowed(m: re.Match[str]) -> str:
+        name, selector = m.group(1), m.group(2)
+        inner = selector[1:-1].strip() if selector else ""
+        if re.search(r"\brun\s*(=|!=|=~|!~)", inner):  # it picks its own run (the single policy's)
+            return m.group(0)
+        return f"{name}{{{inner + ', ' if inner else ''}{RUN_FILTER}}}"
+
+    return RUN_SERIES.sub(narrowed, expr)
 
 
 # --- PromQL building blocks ---------------------------------------------------------------------
@@ -1027,7 +1055,38 @@ def panel_json(p: Panel, pid: int, pos: dict[str, int]) -> dict[str, Any]:
     }
 
 
+def run_variable() -> dict[str, Any]:
+    """The `run` template variable: every run whose scheduler reports (the run host's `run` label), and
+    "All" (`.*`), the default, which also keeps the series of the base namespace's single policy."""
+    return {
+        "allValue": ".*",
+        "current": {"selected": True, "text": "All", "value": "$__all"},
+        "datasource": DATASOURCE,
+        "definition": RUN_VARIABLE_QUERY,
+        "hide": 0,
+        "includeAll": True,
+        "label": "Run",
+        "multi": False,
+        "name": "run",
+        "options": [],
+        "query": {"query": RUN_VARIABLE_QUERY, "refId": "run"},
+        "refresh": 2,
+        "regex": "",
+        "sort": 1,
+        "type": "query",
+    }
+
+
+def by_run(d: Dashboard) -> tuple[Dashboard, bool]:
+    """The dashboard with its run-labelled selectors narrowed to `$run`, and whether it has any."""
+    panels = tuple(
+        replace(p, queries=tuple(Query(for_run(x.expr), x.legend) for x in p.queries)) for p in d.panels
+    )
+    return replace(d, panels=panels), panels != d.panels
+
+
 def dashboard_json(d: Dashboard) -> dict[str, Any]:
+    d, per_run = by_run(d)
     return {
         "annotations": {"list": []},
         "description": d.about,
@@ -1066,7 +1125,8 @@ def dashboard_json(d: Dashboard) -> dict[str, Any]:
                     "refresh": 1,
                     "regex": "",
                     "type": "datasource",
-                }
+                },
+                *([run_variable()] if per_run else []),
             ]
         },
         "time": {"from": "now-1h", "to": "now"},

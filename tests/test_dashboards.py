@@ -245,7 +245,8 @@ def compile_rules(tmp_path: Path, named: dict[str, str]) -> subprocess.Completed
 
 def grafana_free(expr: str) -> str:
     """The expression with Grafana's variables replaced by what Prometheus would see."""
-    return expr.replace("$__rate_interval", "1m").replace("$__interval", "15s").replace("$__range", "1h")
+    out = expr.replace("$__rate_interval", "1m").replace("$__interval", "15s").replace("$__range", "1h")
+    return out.replace('"$run"', '".*"')  # the run variable's "All"
 
 
 def test_every_panel_expression_compiles(tmp_path):
@@ -398,3 +399,45 @@ def test_scraping_reads_each_process_the_stack_file_lists(tmp_path):
         server.shutdown()
         thread.join(10)
     assert "tether_run_phase" in seen["scheduler"] and "gone" not in seen
+
+
+def test_a_run_labelled_selector_is_narrowed_to_the_run_variable() -> None:
+    assert gen.for_run("max(tether_run_reward_mean)") == 'max(tether_run_reward_mean{run=~"$run"})'
+    assert (
+        gen.for_run('sum(rate(tether_merger_calls_dropped_total{reason="x"}[$__rate_interval]))')
+        == 'sum(rate(tether_merger_calls_dropped_total{reason="x", run=~"$run"}[$__rate_interval]))'
+    )
+    # The single policy's own selector, a shared service's series and an unlabelled trainer series stay.
+    for expr in (
+        'max(tether_trainer_weight_version{run=""})',
+        "sum(tether_gateway_requests_total)",
+        "tether_trainer_path",
+    ):
+        assert gen.for_run(expr) == expr
+
+
+# A selector of a series the run host or the trainer labels with `run` (docs/metrics.md), with its braces.
+_RUN_SELECTOR = re.compile(gen.RUN_SERIES.pattern)
+
+
+def test_every_dashboard_with_run_series_filters_by_run() -> None:
+    """A dashboard querying series that carry `run` has the `run` variable ("All" = `.*`, so the base
+    namespace's unlabelled series stay), and each such selector picks `$run` or names its run."""
+    filtered = set()
+    for name, d in committed().items():
+        selectors = [
+            m.group(0) for p in d["panels"] for t in p["targets"] for m in _RUN_SELECTOR.finditer(t["expr"])
+        ]
+        variables = {v["name"]: v for v in d["templating"]["list"]}
+        if not selectors:
+            assert "run" not in variables, name
+            continue
+        filtered.add(name)
+        run = variables["run"]
+        assert run["includeAll"] and run["allValue"] == ".*" and run["current"]["value"] == "$__all", name
+        assert (
+            run["query"]["query"] == "label_values(tether_run_phase, run)" and run["datasource"] == DATASOURCE
+        )
+        for sel in selectors:
+            assert 'run=~"$run"' in sel or re.search(r'\brun="', sel), (name, sel)
+    assert {"run-overview", "learning-health", "trainer", "broker"} <= filtered

@@ -30,7 +30,7 @@ DOCKERFILE = ROOT / "docker" / "Dockerfile"
 # The fixed container ports (gateway HTTP and control gRPC, inference adapter gRPC, vLLM HTTP, trainer,
 # merger, scheduler, agent worker gRPC; Prometheus metrics ports per service), per image.
 PORTS = {
-    "tether": {8000, 50051, 50054, 50055, 50056, 9104, 9105, 9106},
+    "tether": {8000, 50051, 50054, 50055, 50056, 50057, 9104, 9105, 9106, 9107},
     "trainer": {50053, 9103},
     "inference": {50052, 8001, 9102},
     "inference-cpu": {50052, 8001, 9102},

@@ -68,11 +68,17 @@ def test_podmonitors_use_composes_job_names_and_keep_component_and_run():
     """The alerts and dashboards are shared with compose: the same job names, and every series keeps the
     pod's component label and, but for the trainer's (which carry their own: the policy they are of),
     its run label (relabelled from the pod's labels)."""
-    render = with_monitoring("gpu-disaggregated-multi-node")
     compose = yaml.safe_load(COMPOSE_PROMETHEUS.read_text())
     compose_jobs = {j["job_name"] for j in compose["scrape_configs"]}
     jobs = set()
-    for pm in render.of_kind("PodMonitor"):
+    # The run host's job is there with runs.enabled only.
+    monitors = [*with_monitoring("gpu-disaggregated-multi-node").of_kind("PodMonitor")]
+    monitors += [
+        p
+        for p in with_monitoring("runs-cpu").of_kind("PodMonitor")
+        if p["metadata"]["name"].endswith("runhost")
+    ]
+    for pm in monitors:
         for e in pm["spec"]["podMetricsEndpoints"]:
             targets = _relabel_targets(e)
             jobs.add(targets["job"]["replacement"])
@@ -83,11 +89,7 @@ def test_podmonitors_use_composes_job_names_and_keep_component_and_run():
                 assert "run" not in targets, e
             else:
                 assert targets["run"]["sourceLabels"] == ["__meta_kubernetes_pod_label_tether_dev_run"]
-    # The run host's job (profile runs) is compose's alone: the chart starts no run's services yet
-    # (docs/runs.md, "What is left"). Drop it from here once the chart has one.
-    compose_only = {"runs"}
-    assert compose_only <= compose_jobs
-    assert jobs == compose_jobs - compose_only
+    assert jobs == compose_jobs
 
 
 def test_the_prometheus_rule_is_the_alerts_file():

@@ -73,10 +73,21 @@ class RunHostSettings(RedisSettings):
     runhost_drain_grace_s: float = Field(30.0, ge=0)
 
 
+# The runs' services listen on loopback only (the run host checks their health and reads their /metrics
+# there), whatever interface the image binds its services on by default (docker/Dockerfile).
+CHILD_HOSTS = {
+    "TETHER_MERGER_GRPC_HOST": "127.0.0.1",
+    "TETHER_SCHEDULER_GRPC_HOST": "127.0.0.1",
+    "TETHER_AGENT_GRPC_HOST": "127.0.0.1",
+}
+
+
 def host_stack(s: RunHostSettings) -> Stack:
-    """A stack of no processes of its own: the deployment's shared services' addresses, for its runs."""
+    """A stack of no processes of its own: the deployment's shared services' addresses, for its runs
+    (whose processes take the run host's environment, their listening hosts set to loopback)."""
     from tether.launcher import Stack
 
+    os.environ.update(CHILD_HOSTS)
     return Stack(
         run_dir=Path(s.runs_dir),
         namespace=s.namespace,
