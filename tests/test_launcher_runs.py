@@ -39,6 +39,7 @@ from tether.launcher_runs import (
     RunSupervisor,
     close_on_trainer,
     drain_done,
+    on_scheduler_end,
     phase_of,
     run_action,
     write_run_config,
@@ -102,6 +103,13 @@ def test_phase_of() -> None:
     assert phase_of(procs) == DRAINING
     procs.drained = True
     assert phase_of(procs) == DRAINED
+
+
+def test_a_scheduler_through_with_its_run_stops_or_fails_it() -> None:
+    assert on_scheduler_end("done") == on_scheduler_end("stopped") == rules.STOPPING
+    assert on_scheduler_end("error") == rules.FAILED
+    for working in (None, "starting", "rolling_out", "training", "pushing", "evaluating", "serving"):
+        assert on_scheduler_end(working) is None
 
 
 def test_drain_done() -> None:

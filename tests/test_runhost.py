@@ -1,7 +1,7 @@
 """The run host (services/tether/runhost): the registry's runs' services as its children, for compose and
 the chart. Its /metrics merges every hosted service's page, labelled by run and service (pure, and
 checked by promtool); the real process starts a run's services, fails the one whose service gives up,
-drains a stopped one, leaves the registry as it is when stopped itself, and a new run host resumes;
+drains a stopped one and one whose scheduler is done, leaves the registry as it is when stopped itself, and a new run host resumes;
 a second run host waits while the first holds the registry's lease."""
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from promtool import check_metrics
 from stack_helpers import wait_for
 
+from tether.common.broker import Keys, connect_sync
 from tether.common.net import free_port
-from tether.common.runs import FAILED, RUNNING, STOPPED
+from tether.common.records import RunState
+from tether.common.runs import FAILED, RUNNING, STOPPED, run_namespace
 from tether.launcher_runs import Registry, serving
 from tether.runhost.main import Lease
 from tether.runhost.series import HostedSeries, labelled, merged, registry_of
@@ -151,17 +153,22 @@ def test_the_run_host_runs_labels_fails_drains_and_resumes_runs(tmp_path, redis_
         assert (tmp_path / "runs" / "good" / "config.yaml").exists()
 
         # One page: the run host's own series and each of good's services', labelled.
-        families, text = _series(metrics_port)
-        assert check_metrics(text).returncode == 0
-        assert [s.value for s in families["tether_runhost_runs"].samples] == [1.0]  # bad is drained
-        assert [s.value for s in families["tether_runhost_processes"].samples] == [3.0]
-        rss = families["process_resident_memory_bytes"].samples
-        assert {(s.labels.get("run"), s.labels.get("service")) for s in rss} == {
+        # (A run is running once its merger and scheduler serve; its agent worker's page may come later.)
+        def labelled_sources() -> set:
+            rss = _series(metrics_port)[0]["process_resident_memory_bytes"].samples
+            return {(s.labels.get("run"), s.labels.get("service")) for s in rss}
+
+        everyone = {
             (None, None),  # the run host's own
             ("good", "scheduler"),
             ("good", "merger"),
             ("good", "agent-0"),
         }
+        wait_for(lambda: labelled_sources() == everyone, 60, "every hosted service's series, labelled")
+        families, text = _series(metrics_port)
+        assert check_metrics(text).returncode == 0
+        assert [s.value for s in families["tether_runhost_runs"].samples] == [1.0]  # bad is drained
+        assert [s.value for s in families["tether_runhost_processes"].samples] == [3.0]
         assert {s.labels["run"] for s in families["tether_run_phase"].samples} == {"good"}
 
         # A second run host waits while the first holds the registry's lease: it serves nothing and
@@ -182,7 +189,12 @@ def test_the_run_host_runs_labels_fails_drains_and_resumes_runs(tmp_path, redis_
         host, grpc_port, metrics_port = second, grpc_2, metrics_2
         wait_for(lambda: serving(f"127.0.0.1:{grpc_port}"), 60, "the second run host serving")
         wait_for(lambda: _value(metrics_port, "tether_runhost_processes") == 3.0, 120, "good resumed", 1.0)
-        registry.stop("good")
+        # Its scheduler's state saying the run is done (its steps and evaluation through), the run host
+        # stops the run: its services drain and the registry says stopped.
+        done = RunState("good", 2, "", "sync", 2, 2, status="done")
+        r = connect_sync(redis_url)
+        r.hset(Keys(run_namespace("host", "good")).run, mapping=done.to_redis())
+        r.close()
         wait_for(lambda: statuses()["good"] == STOPPED, 90, "good stopped", 1.0)
         wait_for(lambda: _value(metrics_port, "tether_runhost_runs") == 0.0, 30, "good forgotten")
     finally:

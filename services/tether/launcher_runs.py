@@ -39,7 +39,7 @@ from tether.common.tls import sync_channel, tls_from_env
 from tether.launcher import RunProcs, Stack, _signal_group, metrics_port
 
 if TYPE_CHECKING:
-    from tether.common.records import RunRecord
+    from tether.common.records import RunRecord, RunState
     from tether.gateway.runs import Runs
 
 # What the supervisor does with a run, each tick.
@@ -87,6 +87,18 @@ def run_action(status: str | None, phase: str | None, gave_up: bool) -> str:
     return MARK_RUNNING if status == rules.CREATED else WAIT
 
 
+def on_scheduler_end(scheduler_status: str | None) -> str | None:
+    """What a running run's scheduler status (its RunState's) asks of the registry once the run's steps
+    are over: `done` (its steps and evaluation) or `stopped` -> stop the run (its services drain, then
+    `stopped`); `error` (the scheduler gave up on the run: RunState.error says why) -> fail it; anything
+    else (still working, serving, or no state yet) -> nothing."""
+    if scheduler_status in ("done", "stopped"):
+        return rules.STOPPING
+    if scheduler_status == "error":
+        return rules.FAILED
+    return None
+
+
 def drain_done(alive: int, now: float, deadline: float) -> bool | None:
     """Whether a drain is over: True when no process is left, False past the deadline (kill what is
     left), None while they still have time."""
@@ -127,6 +139,14 @@ class Registry:
 
     def issue_key(self, run_id: str) -> str:
         return self.call(self.runs.issue_key(run_id))
+
+    def scheduler_state(self, namespace: str) -> RunState | None:
+        """The run's scheduler state (`RunState` in the run's namespace), None until it wrote one."""
+        from tether.common.keys import Keys
+        from tether.common.records import RunState
+
+        raw = self.call(self._r.hgetall(Keys(namespace).run))
+        return RunState.from_redis(raw) if raw else None
 
     def close(self) -> None:
         try:
@@ -198,8 +218,13 @@ class RunSupervisor:
         health_timeout_s: float = 180.0,
         drain_grace_s: float = 30.0,
         agent_workers: int = 1,
+        end_finished: bool = False,
     ) -> None:
         self.stack = stack
+        # A run whose scheduler ended (its steps done, or failed) is stopped (or failed) in the registry,
+        # so its services drain and its adapter leaves the trainer (`tether up`, the run host; `tether
+        # demo --runs` follows its runs itself).
+        self.end_finished = end_finished
         self.registry = registry
         self.health_timeout_s = health_timeout_s
         self.drain_grace_s = drain_grace_s
@@ -231,6 +256,8 @@ class RunSupervisor:
             action = run_action(
                 record.status if record else None, phase_of(here), bool(here and here.gave_up)
             )
+            if self.end_finished and action == WAIT and record is not None and record.status == rules.RUNNING:
+                self.end_if_finished(record)
             started = self.act(action, run_id, record, here)
             if started is not None:
                 starting.append(started)
@@ -274,6 +301,33 @@ class RunSupervisor:
         except ApiError as exc:  # another writer moved the run in between: the next tick sees it
             print(f"run {run_id}: {action}: {exc.message}", file=sys.stderr, flush=True)
         return None
+
+    def end_if_finished(self, record: RunRecord) -> None:
+        """Stops (or fails) a running run in the registry once its scheduler says it ended
+        (`on_scheduler_end`); the next tick drains it."""
+        import redis
+
+        from tether.gateway.bodies import ApiError
+
+        try:
+            state = self.registry.scheduler_state(record.namespace)
+        except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
+            return
+        target = on_scheduler_end(state.status if state else None)
+        if target is None or state is None:
+            return
+        said = f"run {record.run_id}: its scheduler says {state.status}" + (
+            f" ({state.error})" if state.error else ""
+        )
+        try:
+            if target == rules.FAILED:
+                print(f"{said}; failing the run", file=sys.stderr, flush=True)
+                self.registry.set_status(record.run_id, rules.FAILED)
+            else:
+                print(f"{said}; stopping the run", flush=True)
+                self.registry.stop(record.run_id)
+        except ApiError as exc:  # another writer moved it in between: the next tick sees it
+            print(f"run {record.run_id}: {exc.message}", file=sys.stderr, flush=True)
 
     def close(self, run_id: str, record: RunRecord | None) -> str:
         """A finished run's adapter and optimizer leave the trainer's memory (close_on_trainer), once."""

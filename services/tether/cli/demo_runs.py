@@ -35,7 +35,7 @@ REFUSED_WITH_RUNS = {
     "sleep_level": "--sleep-level (vLLM serves the other runs while one trains: it never sleeps)",
 }
 # A run's scheduler state that ends it.
-ENDED = ("done", "failed", "stopped")
+ENDED = ("done", "error", "stopped")  # RunState.status once the scheduler is through
 
 
 def parse_runs(value: str) -> list[str]:
@@ -215,7 +215,7 @@ def follow_runs(
                 outcome[name] = state.status
                 print(f"run {name}: {state.status}{f' ({state.error})' if state.error else ''}", flush=True)
                 # Done: stopped (its services drain). A run its scheduler failed is the registry's failed.
-                if state.status == "failed":
+                if state.status == "error":
                     supervisor.registry.set_status(name, FAILED)
                 else:
                     supervisor.registry.stop(name)

@@ -168,7 +168,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         # The registry's runs (`tether run create`): their services started, drained and failed here.
         registry = Registry(stack.redis_url, stack.namespace)
         try:
-            supervisor = RunSupervisor(stack, registry)
+            supervisor = RunSupervisor(stack, registry, end_finished=True)
             while True:
                 stack.check_alive()
                 supervisor.tick()

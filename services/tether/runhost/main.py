@@ -177,6 +177,7 @@ class Supervising:
             health_timeout_s=s.runhost_health_timeout_s,
             drain_grace_s=s.runhost_drain_grace_s,
             agent_workers=s.runhost_agent_workers,
+            end_finished=True,
         )
         self.interval_s = interval_s
         self.lease = Lease(s.redis_url, s.namespace, lease_ttl_s(s.runhost_health_timeout_s))
