@@ -84,7 +84,7 @@ def test_a_run_trains_on_the_run_host_and_is_stopped_when_done(tmp_path) -> None
                 "tasks_per_step": 2,
                 "group_size": 4,
                 "eval_repeats": 0,
-                "mode": "sync",
+                "mode": "colocated-sync",
                 "seed": 0,
                 "tasks_file": str(tasks),
             },

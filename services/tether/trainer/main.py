@@ -696,7 +696,7 @@ async def amain(
     await health.set(True)
     log.info(
         "trainer on %s:%d (model %s, version %d, %d buffered groups, %d rank(s), lr %g, %s, %s, "
-        "weight push %s)",
+        "policy loss %s, loss denominator %s, weight push %s)",
         s.trainer_grpc_host,
         port,
         s.model_dir,
@@ -706,6 +706,8 @@ async def amain(
         s.lr,
         s.loss_mode,
         s.off_policy,
+        s.policy_loss,
+        s.loss_denominator,
         s.weight_push,
     )
     background = [trainer.keep_ranks_alive(s.dist_heartbeat_s)] if d.active else []
