@@ -43,12 +43,15 @@ WEIGHT_VERSIONS = {
 }
 
 
-# Series that carry `run` (docs/metrics.md): the trainer's of a policy's steps, and every series of a
-# run's own services (its scheduler, merger and agent workers), which the run host labels with it. A
+# Series that carry `run` (docs/metrics.md): the trainer's of a policy's steps, the gateway's of recorded
+# calls, and every series of a run's own services (its scheduler, merger and agent workers), which the run
+# host labels with it. A
 # dashboard that queries any of them gets the `run` variable, and each of their selectors `run=~"$run"`:
 # "All" (`.*`) also matches a series without the label (the base namespace's, the single policy's).
 RUN_SERIES = re.compile(
-    r"\b(tether_(?:run|merger|broker|scheduler|agent)_\w+|tether_trainer_(?:steps_total|step_seconds|"
+    r"\b(tether_(?:run|merger|broker|scheduler|agent)_\w+|"
+    r"tether_gateway_(?:traces_total|prompt_tokens_total|completion_tokens_total)|"
+    r"tether_trainer_(?:steps_total|step_seconds|"
     r"tokens_total|buffered_groups|weight_version|staleness_max|model_flops_total|mfu|peak_memory_bytes|"
     r"policy_entropy|policy_kl|update_kl|clip_fraction|importance_ratio|grad_norm|"
     r"step_guard_retries_total)\b)(\{[^}]*\})?"

@@ -440,4 +440,4 @@ def test_every_dashboard_with_run_series_filters_by_run() -> None:
         )
         for sel in selectors:
             assert 'run=~"$run"' in sel or re.search(r'\brun="', sel), (name, sel)
-    assert {"run-overview", "learning-health", "trainer", "broker"} <= filtered
+    assert {"run-overview", "learning-health", "trainer", "broker", "gateway"} <= filtered

@@ -8,6 +8,7 @@ look-alike."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import orjson
@@ -107,6 +108,10 @@ def test_a_run_rollouts_call_is_served_by_its_adapter_and_recorded_in_its_run(gw
     # after the trace is readable (seen at load ~30).
     key = run["keys"].rollout(rollout["rollout_id"])
     wait_for(lambda: int(rdb.hget(key, "in_flight")) == 0, 10, "the run rollout's in_flight back at 0")
+    # Counted for its run: the gateway's recorded calls and tokens carry `run` (dashboards filter by it).
+    text = gw.http.get("/metrics").text
+    assert re.search(r'tether_gateway_traces_total\{kind="rollout",run="calls-a",status="ok"\} [1-9]', text)
+    assert re.search(r'tether_gateway_completion_tokens_total\{replica="[^"]*",run="calls-a"\} [1-9]', text)
 
 
 def test_streamed_call_reward_and_complete_land_in_the_run(gw, rdb, vllm, runs):

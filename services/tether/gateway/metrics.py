@@ -27,11 +27,14 @@ UPSTREAM_LATENCY = Histogram(
     ["replica"],
     buckets=_LATENCY_BUCKETS,
 )
-PROMPT_TOKENS = Counter("tether_gateway_prompt_tokens_total", "Prompt tokens of recorded calls", ["replica"])
-COMPLETION_TOKENS = Counter(
-    "tether_gateway_completion_tokens_total", "Generated tokens of recorded calls", ["replica"]
+# run: the run whose rollout made the call ("" for the base namespace's: Prometheus stores it unlabelled).
+PROMPT_TOKENS = Counter(
+    "tether_gateway_prompt_tokens_total", "Prompt tokens of recorded calls", ["replica", "run"]
 )
-TRACES = Counter("tether_gateway_traces_total", "Calls recorded", ["status", "kind"])
+COMPLETION_TOKENS = Counter(
+    "tether_gateway_completion_tokens_total", "Generated tokens of recorded calls", ["replica", "run"]
+)
+TRACES = Counter("tether_gateway_traces_total", "Calls recorded", ["status", "kind", "run"])
 UPSTREAM_ERRORS = Counter(
     "tether_gateway_upstream_errors_total", "Failed exchanges with vLLM", ["replica", "kind"]
 )

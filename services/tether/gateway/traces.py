@@ -18,7 +18,7 @@ from dataclasses import fields
 
 from redis.exceptions import RedisError
 
-from tether.common import broker
+from tether.common import broker, runs
 from tether.common.records import Trace
 from tether.gateway import metrics as m
 from tether.gateway.admission import Admission
@@ -50,6 +50,8 @@ class TraceWriter:
         self.admission = admission
         self.recorder = recorder
         self.keys = keys
+        # The run this namespace is ("": the base namespace), the `run` label of its calls' series.
+        self.run = (runs.run_of_namespace(keys.ns) or ("", ""))[1]
         self.rollouts = rollouts
         self.quotas = quotas
         self.guided = guided
@@ -105,15 +107,15 @@ class TraceWriter:
         if index:  # the list lives no longer than its rollout could (its finish sets the retention)
             self.recorder.batch.send("EXPIRE", index, self.rollouts.max_lifetime_s)
         status = record["status"]
-        m.child(m.TRACES, status, "rollout" if call.session is None else "session").inc()
+        m.child(m.TRACES, status, "rollout" if call.session is None else "session", self.run).inc()
         if status == "ok":
             replica = record["replica"] or ""
             prompt = len(record["prompt_token_ids"])
             completion = len(record["response_token_ids"]) + sum(
                 len(c["token_ids"]) for c in record["extra_choices"]
             )
-            m.child(m.PROMPT_TOKENS, replica).inc(prompt)
-            m.child(m.COMPLETION_TOKENS, replica).inc(completion)
+            m.child(m.PROMPT_TOKENS, replica, self.run).inc(prompt)
+            m.child(m.COMPLETION_TOKENS, replica, self.run).inc(completion)
             self.quotas.count(call.ticket, prompt + completion)
 
     async def record(
