@@ -139,7 +139,9 @@ def cmd_up(args: argparse.Namespace) -> int:
     def run() -> int:
         from tether.launcher import lora_serving
         from tether.launcher_runs import Registry, RunSupervisor
+        from tether.runhost.main import Lease, lease_ttl_s
 
+        supervisor_timeout_s = 180.0  # how long a run's services have to serve (RunSupervisor's default)
         serving, trainer = serving_env(args), {}
         if args.max_runs:  # runs side by side: LoRA on in vLLM and the trainer (docs/runs.md)
             lora = lora_serving(args.max_runs)
@@ -167,14 +169,26 @@ def cmd_up(args: argparse.Namespace) -> int:
         )
         # The registry's runs (`tether run create`): their services started, drained and failed here.
         registry = Registry(stack.redis_url, stack.namespace)
+        # The registry's runs are hosted once: a run host (tether.runhost) on this Redis holds the same
+        # lease, and while it does this launcher starts no run.
+        lease = Lease(stack.redis_url, stack.namespace, lease_ttl_s(supervisor_timeout_s))
         try:
-            supervisor = RunSupervisor(stack, registry, end_finished=True)
+            supervisor = RunSupervisor(
+                stack, registry, end_finished=True, health_timeout_s=supervisor_timeout_s
+            )
+            holding = None
             while True:
                 stack.check_alive()
-                supervisor.tick()
+                held = lease.hold()
+                if held != holding and not held:
+                    print(f"another run host holds {lease.key}: this stack starts no run", file=sys.stderr)
+                holding = held
+                if held:
+                    supervisor.tick()
                 time.sleep(1.0)
         finally:
             registry.close()
+            lease.release()
 
     return on_stack(stack, run, interrupted=0, say="stopping the stack")
 

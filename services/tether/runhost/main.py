@@ -154,8 +154,16 @@ class Lease:
         return bool(self._r.eval(_RENEW, 1, self.key, self.owner, self.ttl_ms))
 
     def release(self) -> None:
-        self._r.eval(_RELEASE, 1, self.key, self.owner)
-        self._r.close()
+        """Give the lease back (if still ours), so the next holder need not wait for it to expire; with
+        Redis away it expires by itself."""
+        import redis
+
+        try:
+            self._r.eval(_RELEASE, 1, self.key, self.owner)
+        except redis.RedisError as exc:
+            log.warning("the run registry's lease was not given back (%r): it expires by itself", exc)
+        finally:
+            self._r.close()
 
 
 _RENEW = "if redis.call('get', KEYS[1]) == ARGV[1] then return redis.call('pexpire', KEYS[1], ARGV[2]) end return 0"
@@ -234,10 +242,7 @@ class Supervising:
         self.stack.stop(grace_s)
         if not self._thread.is_alive():  # else it may still be using the registry's loop
             self.registry.close()
-        try:
-            self.lease.release()  # the next run host need not wait for it to expire
-        except Exception as exc:  # noqa: BLE001 -- Redis gone: the lease expires by itself
-            log.warning("the lease was not given back: %r", exc)
+        self.lease.release()  # the next run host need not wait for it to expire
 
 
 async def watch(sup: Supervising) -> None:
