@@ -136,6 +136,17 @@ def test_one_run_host_holds_the_lease(redis_url) -> None:
     assert Lease(redis_url, "other", ttl_s=5).hold()  # a namespace of its own
 
 
+def test_a_kept_lease_outlives_its_ttl_until_released(redis_url) -> None:
+    """Renewed by its own thread, the lease holds however long the holder's loop is busy."""
+    a, b = Lease(redis_url, "kept", ttl_s=0.6, renew_s=0.1), Lease(redis_url, "kept", ttl_s=0.6)
+    a.keep()
+    assert a.held
+    time.sleep(1.5)  # 2.5 TTLs
+    assert a.held and not b.hold()
+    a.release()
+    assert not a.held and b.hold()
+
+
 def test_the_run_host_runs_labels_fails_drains_and_resumes_runs(tmp_path, redis_url) -> None:
     registry = Registry(redis_url, "host")
     grpc_port, metrics_port = free_port(), free_port()

@@ -139,9 +139,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     def run() -> int:
         from tether.launcher import lora_serving
         from tether.launcher_runs import Registry, RunSupervisor
-        from tether.runhost.main import Lease, lease_ttl_s
+        from tether.runhost.main import Lease
 
-        supervisor_timeout_s = 180.0  # how long a run's services have to serve (RunSupervisor's default)
         serving, trainer = serving_env(args), {}
         if args.max_runs:  # runs side by side: LoRA on in vLLM and the trainer (docs/runs.md)
             lora = lora_serving(args.max_runs)
@@ -171,15 +170,14 @@ def cmd_up(args: argparse.Namespace) -> int:
         registry = Registry(stack.redis_url, stack.namespace)
         # The registry's runs are hosted once: a run host (tether.runhost) on this Redis holds the same
         # lease, and while it does this launcher starts no run.
-        lease = Lease(stack.redis_url, stack.namespace, lease_ttl_s(supervisor_timeout_s))
+        lease = Lease(stack.redis_url, stack.namespace)
+        lease.keep()
         try:
-            supervisor = RunSupervisor(
-                stack, registry, end_finished=True, health_timeout_s=supervisor_timeout_s
-            )
+            supervisor = RunSupervisor(stack, registry, end_finished=True)
             holding = None
             while True:
                 stack.check_alive()
-                held = lease.hold()
+                held = lease.held
                 if held != holding and not held:
                     print(f"another run host holds {lease.key}: this stack starts no run", file=sys.stderr)
                 holding = held

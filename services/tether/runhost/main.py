@@ -114,15 +114,11 @@ def live_targets(stack: Stack) -> list[tuple[str, str, str]]:
     return out
 
 
-# A run host holds its registry's lease while it lives: LEASE_S, renewed every tick (a tick may wait for
-# starting runs' services up to the health timeout, so the lease is at least that long).
-LEASE_S = 30.0
-
-
-def lease_ttl_s(health_timeout_s: float) -> float:
-    """How long the lease lasts unrenewed: longer than the longest tick (a start's health wait) plus a
-    margin, so that a living run host never loses it."""
-    return max(LEASE_S, health_timeout_s + LEASE_S)
+# A run host's lease lasts LEASE_S unrenewed and is renewed every LEASE_RENEW_S by a thread of its own
+# (a supervisor's tick may wait minutes for starting runs' services): a killed run host's successor
+# waits at most LEASE_S.
+LEASE_S = 15.0
+LEASE_RENEW_S = 3.0
 
 
 class Lease:
@@ -130,7 +126,9 @@ class Lease:
     with SET NX and renewed by its holder; a second run host waits (NOT_SERVING, starting nothing) until
     the first one's lease ends (stopped: it gives it back; killed: it expires)."""
 
-    def __init__(self, redis_url: str, namespace: str, ttl_s: float) -> None:
+    def __init__(
+        self, redis_url: str, namespace: str, ttl_s: float = LEASE_S, renew_s: float = LEASE_RENEW_S
+    ) -> None:
         import redis
 
         from tether.common.keys import Keys
@@ -145,6 +143,10 @@ class Lease:
         self.key = Keys(namespace).runhost_lease
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.ttl_ms = int(ttl_s * 1000)
+        self.renew_s = renew_s
+        self.held = False  # as the renewing thread last found it (`keep`)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def hold(self) -> bool:
         """Take or renew the lease; whether this run host holds it now."""
@@ -153,11 +155,35 @@ class Lease:
         # Renew only our own: compare and extend in one step.
         return bool(self._r.eval(_RENEW, 1, self.key, self.owner, self.ttl_ms))
 
-    def release(self) -> None:
-        """Give the lease back (if still ours), so the next holder need not wait for it to expire; with
-        Redis away it expires by itself."""
+    def keep(self) -> None:
+        """Take or renew the lease every `renew_s` from a thread of its own, `held` saying the outcome;
+        while Redis does not answer, `held` stays as it was (nobody can take the lease meanwhile)."""
         import redis
 
+        def renew() -> None:
+            while not self._stop.is_set():
+                try:
+                    self.held = self.hold()
+                except redis.RedisError:
+                    pass
+                self._stop.wait(self.renew_s)
+
+        try:  # the first answer before anyone reads `held`
+            self.held = self.hold()
+        except redis.RedisError:
+            pass
+        self._thread = threading.Thread(target=renew, name="lease", daemon=True)
+        self._thread.start()
+
+    def release(self) -> None:
+        """Stop renewing and give the lease back (if still ours), so the next holder need not wait for
+        it to expire; with Redis away it expires by itself."""
+        import redis
+
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2 * self.renew_s)
+        self.held = False
         try:
             self._r.eval(_RELEASE, 1, self.key, self.owner)
         except redis.RedisError as exc:
@@ -188,13 +214,14 @@ class Supervising:
             end_finished=True,
         )
         self.interval_s = interval_s
-        self.lease = Lease(s.redis_url, s.namespace, lease_ttl_s(s.runhost_health_timeout_s))
+        self.lease = Lease(s.redis_url, s.namespace)
         self.holding = False  # whether this run host holds the registry's lease (else it waits)
         self.failure: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="runs", daemon=True)
 
     def start(self) -> None:
+        self.lease.keep()
         self._thread.start()
 
     @property
@@ -202,14 +229,9 @@ class Supervising:
         return self._thread.is_alive()
 
     def _loop(self) -> None:
-        import redis
-
         try:
             while not self._stop.is_set():
-                try:
-                    held = self.lease.hold()
-                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-                    held = self.holding  # nobody can take it while Redis is away: go on as before
+                held = self.lease.held
                 if held != self.holding:
                     log.warning(
                         "%s",
