@@ -23,6 +23,7 @@ from tether.common.settings import CommonSettings, RedisSettings
 from tether.gateway.main import GatewaySettings
 from tether.inference.main import InferenceSettings
 from tether.merger.main import MergerSettings
+from tether.runhost.main import RunHostSettings
 from tether.scheduler.kube.settings import KubeSettings
 from tether.scheduler.main import SchedulerSettings
 from tether.trainer.main import TrainerSettings
@@ -41,6 +42,7 @@ TABLES: dict[type, tuple[str, str]] = {
     InferenceSettings: ("docs/settings.md", "## Inference adapter"),
     AgentSettings: ("docs/settings.md", "## Agent worker"),
     KubeSettings: ("docs/scheduler-kubernetes.md", "## Settings"),
+    RunHostSettings: ("docs/settings.md", "## Run host"),
 }
 SERVICE_OF = {
     "gateway": GatewaySettings,
