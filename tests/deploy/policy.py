@@ -501,6 +501,21 @@ class Endpoint:
     ports: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
+# The cluster's DNS and a Prometheus of the monitoring namespace, as the NetworkPolicy tests meet them,
+# and an ephemeral port, as NCCL picks them.
+DNS = Endpoint(
+    labels={"k8s-app": "kube-dns"},
+    namespace="kube-system",
+    namespace_labels={"kubernetes.io/metadata.name": "kube-system"},
+)
+PROMETHEUS = Endpoint(
+    labels={"app.kubernetes.io/name": "prometheus"},
+    namespace="monitoring",
+    namespace_labels={"kubernetes.io/metadata.name": "monitoring"},
+)
+NCCL_PORT = 43117
+
+
 def _peer_matches(peer: dict[str, Any], policy_namespace: str, other: Endpoint) -> bool:
     if "ipBlock" in peer:
         if other.ip is None:

@@ -18,17 +18,7 @@ COMPONENT = "app.kubernetes.io/component"
 NS_LABELS = {"kubernetes.io/metadata.name": chart.NAMESPACE}
 # What a Service address looks like in an env value: <fullname>-<svc>[.<more>]:<port>.
 ADDRESS = re.compile(rf"\b((?:[a-z0-9-]+\.)?{re.escape(chart.FULLNAME)}-[a-z0-9-]+)(?:\.[a-z0-9.-]+)?:(\d+)")
-DNS = policy.Endpoint(
-    labels={"k8s-app": "kube-dns"},
-    namespace="kube-system",
-    namespace_labels={"kubernetes.io/metadata.name": "kube-system"},
-)
-PROMETHEUS = policy.Endpoint(
-    labels={"app.kubernetes.io/name": "prometheus"},
-    namespace="monitoring",
-    namespace_labels={"kubernetes.io/metadata.name": "monitoring"},
-)
-NCCL_PORT = 43117  # an ephemeral port, as NCCL picks them
+DNS, PROMETHEUS, NCCL_PORT = policy.DNS, policy.PROMETHEUS, policy.NCCL_PORT
 
 
 def pods(render: chart.Render) -> list[tuple[str, dict[str, Any], policy.Endpoint]]:

@@ -20,17 +20,7 @@ OFF = [s.name for s in GOOD if s.name not in RUNS]
 COMPONENT = "app.kubernetes.io/component"
 RUNHOST = f"{chart.FULLNAME}-runhost"
 NS_LABELS = {"kubernetes.io/metadata.name": chart.NAMESPACE}
-NCCL_PORT = 43117
-PROMETHEUS = policy.Endpoint(
-    labels={"app.kubernetes.io/name": "prometheus"},
-    namespace="monitoring",
-    namespace_labels={"kubernetes.io/metadata.name": "monitoring"},
-)
-DNS = policy.Endpoint(
-    labels={"k8s-app": "kube-dns"},
-    namespace="kube-system",
-    namespace_labels={"kubernetes.io/metadata.name": "kube-system"},
-)
+DNS, PROMETHEUS, NCCL_PORT = policy.DNS, policy.PROMETHEUS, policy.NCCL_PORT
 # What the run host dials -> (the container that serves it, the variable that container listens on).
 DIALLED = {
     "TETHER_TRAINER_ADDRESS": ("trainer", "TETHER_TRAINER_GRPC_PORT"),

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from tether.cli.demo import DEMO_SCHEDULING, cmd_demo, demo_settings, read_metrics, summarize
 from tether.cli.examples import example_module, prepare_runs_model, write_tasks
 from tether.cli.plots import plot_learning, plot_rewards
-from tether.cli.stack import on_stack, prepared_run_dir, redis_down, run_status, tracker_env
+from tether.cli.stack import on_stack, prepared_run_dir, redis_down, tracker_env
 
 if TYPE_CHECKING:
     from tether.launcher import Stack
@@ -208,7 +208,7 @@ def follow_runs(
             if record is None or record.status in FINAL:
                 continue
             try:
-                state = run_status(stack.redis_url, run_namespace(stack.namespace, name))
+                state = supervisor.registry.scheduler_state(run_namespace(stack.namespace, name))
             except redis_down():
                 continue
             if state is not None and state.status in ENDED and name not in outcome:

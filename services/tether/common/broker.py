@@ -105,12 +105,16 @@ def connect(
     return aioredis.from_url(url, **options)
 
 
-def connect_sync(url: str) -> redis.Redis:
-    """`connect` for synchronous callers (the `tether` commands): redis.Redis or redis.cluster.RedisCluster."""
+def connect_sync(url: str, timeout_s: float | None = None) -> redis.Redis:
+    """`connect` for synchronous callers (the `tether` commands, the run host's lease): redis.Redis or
+    redis.cluster.RedisCluster. `timeout_s`: how long a connect or a reply may take (None: no bound)."""
+    options: dict[str, Any] = {"decode_responses": True}
+    if timeout_s is not None:
+        options.update(socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
     node = cluster_url(url)
     if node is not None:
-        return cast(redis.Redis, SyncRedisCluster.from_url(node, decode_responses=True))
-    return redis.Redis.from_url(url, decode_responses=True)
+        return cast(redis.Redis, SyncRedisCluster.from_url(node, **options))
+    return redis.Redis.from_url(url, **options)
 
 
 # SET NX marker + XADD (+ optional RPUSH of the new entry id to an index list, when a third key is

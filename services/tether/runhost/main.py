@@ -129,18 +129,8 @@ class Lease:
     def __init__(
         self, redis_url: str, namespace: str, ttl_s: float = LEASE_S, renew_s: float = LEASE_RENEW_S
     ) -> None:
-        import redis
-
-        from tether.common.keys import Keys
-
-        node = broker.cluster_url(redis_url)
-        options = {"decode_responses": True, "socket_timeout": 10.0, "socket_connect_timeout": 10.0}
-        self._r = (
-            redis.RedisCluster.from_url(node, **options)
-            if node
-            else redis.Redis.from_url(redis_url, **options)
-        )
-        self.key = Keys(namespace).runhost_lease
+        self._r = broker.connect_sync(redis_url, timeout_s=10.0)
+        self.key = broker.Keys(namespace).runhost_lease
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.ttl_ms = int(ttl_s * 1000)
         self.renew_s = renew_s
