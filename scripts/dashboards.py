@@ -50,7 +50,8 @@ WEIGHT_VERSIONS = {
 # "All" (`.*`) also matches a series without the label (the base namespace's, the single policy's).
 RUN_SERIES = re.compile(
     r"\b(tether_(?:run|merger|broker|scheduler|agent)_\w+|"
-    r"tether_gateway_(?:traces_total|prompt_tokens_total|completion_tokens_total)|"
+    r"tether_gateway_(?:traces_total|prompt_tokens_total|completion_tokens_total|"
+    r"run_calls_in_flight|run_calls_waiting|run_share_refused_total)|"
     r"tether_trainer_(?:steps_total|step_seconds|"
     r"tokens_total|buffered_groups|weight_version|staleness_max|model_flops_total|mfu|peak_memory_bytes|"
     r"policy_entropy|policy_kl|update_kl|clip_fraction|importance_ratio|grad_norm|"
@@ -498,6 +499,17 @@ def gateway() -> Dashboard:
                 "Calls recorded per second by status and kind",
                 (q(rate("tether_gateway_traces_total", "status, kind"), "{{status}} {{kind}}"),),
                 unit="reqps",
+                min=0,
+            ),
+            Panel(
+                "Calls by run: in flight and waiting",
+                "Each run's model calls in flight and waiting for its turn at vLLM (TETHER_RUN_MAX_CONCURRENT,"
+                " docs/runs.md 'Sharing vLLM'), and those refused after waiting too long, per second",
+                (
+                    q("sum by (run) (tether_gateway_run_calls_in_flight)", "in flight {{run}}"),
+                    q("sum by (run) (tether_gateway_run_calls_waiting)", "waiting {{run}}"),
+                    q(rate("tether_gateway_run_share_refused_total", "run"), "refused/s {{run}}"),
+                ),
                 min=0,
             ),
         ),

@@ -218,3 +218,35 @@ def test_the_admin_token_reaches_a_runs_rollouts_with_the_run_named(gw, rdb):
     assert events == {rid: "completed", other: "failed"}
     assert rdb.hgetall(run_keys.call_rewards(rid)) == {call_id: "0.5"}
     assert rid not in str(rdb.xrange(gw.keys.rollout_events))
+
+
+def test_a_key_issued_to_a_runs_services_ends_with_the_run(gw):
+    """The launcher's key for a run's agent workers (Runs.issue_key) makes the run's rollouts while the
+    run lives; once the run is stopped that key is answered as a key that never was, while the key
+    `create` answered still reads the run's rollout (and is refused new ones: 409)."""
+    from tether.launcher_runs import Registry
+
+    made = _create(gw, "workers")
+    registry = Registry(gw.settings.redis_url, gw.settings.namespace)
+    try:
+        issued = registry.issue_key("workers")
+    finally:
+        registry.close()
+    resp = gw.http.post("/v1/rollouts", json={"task_id": "t", "group_id": "g"}, headers=bearer(issued))
+    assert resp.status_code == 201, resp.text
+    rid = resp.json()["rollout_id"]
+    assert gw.http.get(f"/v1/rollouts/{rid}", headers=bearer(issued)).status_code == 200
+
+    assert gw.http.post("/v1/runs/workers/stop", headers=ADMIN_H).json()["status"] == "stopped"
+    for method, path, body in (
+        ("POST", "/v1/rollouts", {"task_id": "t", "group_id": "g"}),
+        ("GET", f"/v1/rollouts/{rid}", None),
+    ):
+        resp = gw.http.request(method, path, json=body, headers=bearer(issued))
+        never = gw.http.request(method, path, json=body, headers=bearer("trk-" + "x" * 32))
+        assert resp.status_code == never.status_code >= 400 and resp.json() == never.json()
+    assert gw.http.get(f"/v1/rollouts/{rid}", headers=bearer(made["api_key"])).status_code == 200
+    resp = gw.http.post(
+        "/v1/rollouts", json={"task_id": "t", "group_id": "g"}, headers=bearer(made["api_key"])
+    )
+    assert_openai_error(resp, 409, "run_status")

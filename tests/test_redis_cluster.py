@@ -57,6 +57,7 @@ def test_keys_a_script_or_transaction_touches_together_share_a_slot(partitions):
     assert _slot(keys.run_inflight) == _slot(keys.run)  # the scheduler's step transaction
     assert _slot(keys.baseline_applied("g")) == _slot(keys.baselines)  # the merger's WATCH/MULTI
     assert _slot(keys.run_key("ab" * 32)) == _slot(keys.runs)  # the run registry's create script
+    assert _slot(keys.run_issued("calc")) == _slot(keys.runs)  # its issue script, its final status
 
 
 def test_rollouts_spread_over_every_partition_and_keep_theirs():

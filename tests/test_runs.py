@@ -257,6 +257,46 @@ def test_stop(redis_port):
     _run(_with_runs(redis_port, body, clock=lambda: now[0]))
 
 
+@pytest.mark.parametrize("end", ["stopped", "failed"])
+def test_a_runs_final_status_revokes_the_keys_issued_to_its_services(redis_port, rdb, end):
+    """Keys issued to a run's services (issue_key) stop naming the run once it is stopped or failed, in
+    the write that ends it; the key given at creation keeps reading it; an ended run gets no new key; the
+    other run's keys are untouched."""
+
+    async def body(runs: Runs):
+        record, creator = await runs.create("calc", {})
+        _, other_creator = await runs.create("other", {})
+        issued = [await runs.issue_key("calc") for _ in range(3)]
+        other_issued = await runs.issue_key("other")
+        for key in issued:
+            assert await runs.by_key(key) == record
+        await runs.set_status("calc", "running")
+        assert {r.run_id: r.status for r in await runs.list()}["calc"] == "running"
+        for key in issued:  # not while it runs, nor while it drains
+            assert (await runs.by_key(key)).run_id == "calc"
+        await runs.stop("calc")
+        assert (await runs.by_key(issued[0])).run_id == "calc"
+        await runs.set_status("calc", end)
+        for key in issued:
+            assert await runs.by_key(key) is None
+            assert not rdb.exists(runs.keys.run_key(broker.key_digest(key)))
+        assert not rdb.exists(runs.keys.run_issued("calc"))
+        assert (await runs.by_key(creator)).status == end  # the creator's key reads what the run left
+        assert (await runs.by_key(other_issued)).run_id == "other"
+        assert (await runs.by_key(other_creator)).run_id == "other"
+        with pytest.raises(ApiError) as exc:
+            await runs.issue_key("calc")
+        assert (exc.value.status, exc.value.code) == (409, "run_status")
+        assert not rdb.exists(runs.keys.run_issued("calc"))
+
+        await runs.create("idle", {})  # a created run stopped at once (through stopping) revokes too
+        idle_key = await runs.issue_key("idle")
+        await runs.stop("idle")
+        assert await runs.by_key(idle_key) is None
+
+    _run(_with_runs(redis_port, body))
+
+
 def test_concurrent_status_changes_never_both_win(redis_port):
     """stop and fail at once on a running run: whichever writes first, the other reads its result
     (WATCH), so the run ends in a state some order of the two gives, never a lost update."""
@@ -307,12 +347,15 @@ async def check_the_registry(url: str) -> None:
         assert len(made) == 1 and sum(isinstance(x, ApiError) and x.status == 409 for x in results) == 3
         record, key = made[0]
         assert await runs.by_key(key) == record == await runs.get("one")
+        issued = await runs.issue_key("one")  # the issue script and the revoking transaction
+        assert (await runs.by_key(issued)).run_id == "one"
         await runs.set_status("one", "running")
         stop, fail = await asyncio.gather(
             runs.stop("one"), runs.set_status("one", "failed"), return_exceptions=True
         )
         assert (await runs.get("one")).status == "failed"
         assert isinstance(stop, ApiError) or not isinstance(fail, Exception)
+        assert await runs.by_key(issued) is None and (await runs.by_key(key)).run_id == "one"
         await runs.create("two", {})
         assert (await runs.stop("two")).status == "stopped"
         assert [x.run_id for x in await runs.list()] == ["one", "two"]

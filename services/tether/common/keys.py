@@ -191,6 +191,11 @@ class Keys:
         # In the registry's slot: a run's record and its key are written by one script.
         return f"{self.ns}:run-key:{{{slot_tag(self.runs)}}}:{digest}"
 
+    def run_issued(self, run_id: str) -> str:  # set: digests of the keys issued to a run's services (gateway)
+        # In the registry's slot: issued with the key, revoked with the run's final status, by one script
+        # or transaction each.
+        return f"{self.ns}:run-issued:{{{slot_tag(self.runs)}}}:{run_id}"
+
     def streams(self) -> dict[str, str]:
         """Every stream, by its name without the namespace (the `stream` label of the broker gauges;
         one per trace partition, `traces:{p0}` ...)."""

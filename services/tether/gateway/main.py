@@ -32,6 +32,7 @@ from tether.common.malloc import tune_malloc
 from tether.common.net import is_loopback
 from tether.common.records import RunRecord
 from tether.common.settings import RedisSettings, refused_settings_exit
+from tether.common.sharing import SharingPolicy
 from tether.common.usage import exit_if_help
 from tether.gateway.admission import Admission
 from tether.gateway.app import create_app
@@ -51,6 +52,7 @@ from tether.gateway.routing import Replica, ReplicaPool
 from tether.gateway.runs import Runs, rollout_key_prefix
 from tether.gateway.servicer import SERVICE_NAME, GatewayControlServicer
 from tether.gateway.sessions import Sessions, parse_deployment_keys
+from tether.gateway.share import CallShare, RunShare, run_weight_of
 from tether.gateway.upstream import UpstreamClient
 from tether.v1 import gateway_pb2_grpc
 
@@ -148,6 +150,13 @@ class GatewaySettings(RedisSettings):
     deployment_tokens_per_minute: int = Field(0, ge=0)
     # A call's concurrency slot lapses after this long even if never given back (a replica that died).
     quota_slot_ttl_s: int = Field(1800, gt=0)
+    # Sharing vLLM among runs (share.py, docs/runs.md "Sharing vLLM"): at most run_max_concurrent calls
+    # of runs in flight from this process (0 = no bound: they go as they come); past it a run's call
+    # waits for its run's turn by run_sharing (round_robin, or weighted by each run's
+    # trainer.run_weight; the trainer reads the same setting), at most run_share_wait_s (then 429).
+    run_max_concurrent: int = Field(0, ge=0)
+    run_sharing: SharingPolicy = "round_robin"
+    run_share_wait_s: float = Field(300.0, gt=0)
 
     @field_validator("vllm_url", "public_url")
     @classmethod
@@ -334,6 +343,7 @@ class GatewayServer:
             finished_ttl_s=s.finished_rollout_ttl_s,
         )
         self.runs = Runs(self.redis, keys)
+        self.share = CallShare(s.run_max_concurrent, s.run_sharing)  # the runs' calls (share.py)
         self.sessions = Sessions(
             parse_deployment_keys(s.deployment_keys), self.redis, keys, self.recorder, s.admin_token
         )
@@ -352,10 +362,16 @@ class GatewayServer:
         recorder = self.recorder.in_namespace(keys)
         rollouts = self.rollouts.in_namespace(keys, admission, recorder.batch, rollout_key_prefix(run.run_id))
         sessions = Sessions({}, self.redis, keys, recorder, self.s.admin_token)
-        return self._proxy(rollouts, recorder, sessions, run.adapter)
+        share = RunShare(self.share, run.run_id, run_weight_of(run.config), self.s.run_share_wait_s)
+        return self._proxy(rollouts, recorder, sessions, run.adapter, share)
 
     def _proxy(
-        self, rollouts: RolloutRegistry, recorder: Recorder, sessions: Sessions, upstream: str
+        self,
+        rollouts: RolloutRegistry,
+        recorder: Recorder,
+        sessions: Sessions,
+        upstream: str,
+        share: RunShare | None = None,
     ) -> Proxy:
         """The proxy of one namespace's call path (the registry's keys and admission gate)."""
         s = self.s
@@ -375,6 +391,7 @@ class GatewayServer:
             default_max_tokens=s.default_max_tokens or None,
             guided=GuidedCheck(upstream, s.guided, s.guided_tolerance, s.guided_timeout_s),
             quotas=self._quotas(rollouts.keys, recorder),
+            share=share,
         )
 
     def _quotas(self, keys: broker.Keys, recorder: Recorder) -> Quotas:

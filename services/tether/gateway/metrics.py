@@ -56,6 +56,24 @@ REPLICAS = Gauge(
     "vLLM replicas by state: up, down (routed), joining (discovered, not checked yet), draining",
     ["state"],
 )
+# Sharing vLLM among runs (share.py): a run's calls in flight and waiting for its turn.
+RUN_CALLS_IN_FLIGHT = Gauge(
+    "tether_gateway_run_calls_in_flight", "A run's model calls past the run share, not yet ended", ["run"]
+)
+RUN_CALLS_WAITING = Gauge(
+    "tether_gateway_run_calls_waiting", "A run's model calls waiting for the run's turn at vLLM", ["run"]
+)
+RUN_SHARE_WAIT = Histogram(
+    "tether_gateway_run_share_wait_seconds",
+    "How long a run's call waited for its turn at vLLM",
+    ["run"],
+    buckets=_LATENCY_BUCKETS,
+)
+RUN_SHARE_REFUSED = Counter(
+    "tether_gateway_run_share_refused_total",
+    "A run's calls refused after waiting too long for a turn",
+    ["run"],
+)
 PAUSED = Gauge("tether_gateway_admission_paused", "1 while admission is paused")
 WEIGHT_VERSION = Gauge("tether_gateway_weight_version", "Weight version new calls are recorded with")
 

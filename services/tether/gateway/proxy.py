@@ -36,6 +36,7 @@ from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RolloutRegistry
 from tether.gateway.routing import ReplicaPool, conversation_key
 from tether.gateway.sessions import Sessions
+from tether.gateway.share import RunShare, ShareTimeout
 from tether.gateway.stream import StreamSession
 from tether.gateway.traces import TraceWriter
 
@@ -69,8 +70,10 @@ class Proxy:
         default_max_tokens: int | None = None,
         guided: GuidedCheck | None = None,
         quotas: Quotas | None = None,
+        share: RunShare | None = None,
     ) -> None:
         self.pool = pool
+        self.share = share  # a run's call path: its side of the runs' share of vLLM (share.py)
         self.rollouts = rollouts
         self.sessions = sessions
         self.admission = admission
@@ -187,19 +190,41 @@ class Proxy:
     async def _admitted(
         self, call: Call, state: Awaitable | None, handle: CallHandle
     ) -> Reply | StreamSession:
+        """The call once its run's turn at vLLM came (a run's call path: share.py), then through the
+        admission gate; the share's slot is given back when the call ends (`release` for a stream)."""
+        if self.share is None:
+            return await self._through_admission(call, state, handle)
+        try:
+            await self.share.acquire()
+        except ShareTimeout:
+            message = f"The run's calls wait for their turn at the model; waited {self.share.wait_s:g} s"
+            raise await self._waited_too_long(call, message, "inference_share") from None
+        out = None
+        try:
+            out = await self._through_admission(call, state, handle)
+            return out
+        finally:
+            if not isinstance(out, StreamSession):
+                self.share.release()
+
+    async def _waited_too_long(self, call: Call, message: str, code: str) -> ApiError:
+        """The 429 of a call that waited past its bound (its run's turn, or a paused admission),
+        recorded as refused when it is a rollout's call."""
+        err = ApiError(
+            429, message, "rate_limit_error", code, headers={"Retry-After": str(self.retry_after_s)}
+        )
+        if call.tracked is not None:  # asked again: the rollout may have finished during the wait
+            await self.traces.record_refused(call, err, self.recorder.rollout_state(call.tracked))
+        return err
+
+    async def _through_admission(
+        self, call: Call, state: Awaitable | None, handle: CallHandle
+    ) -> Reply | StreamSession:
         try:
             call.weight_version, waited = await self.admission.admit(self.admission_wait_s)
         except AdmissionTimeout:
-            err = ApiError(
-                429,
-                f"Admission is paused (weight update); waited {self.admission_wait_s:g} s",
-                "rate_limit_error",
-                "admission_paused",
-                headers={"Retry-After": str(self.retry_after_s)},
-            )
-            if call.tracked is not None:  # asked again: the rollout may have finished during the wait
-                await self.traces.record_refused(call, err, self.recorder.rollout_state(call.tracked))
-            raise err from None
+            message = f"Admission is paused (weight update); waited {self.admission_wait_s:g} s"
+            raise await self._waited_too_long(call, message, "admission_paused") from None
         handed_off = False
         try:
             # A rollout's calls stick by its id to the replica its Redis hash names, whichever
@@ -308,7 +333,10 @@ class Proxy:
     # --- the end of a call ---------------------------------------------------------------------
 
     def release(self, call: Call) -> None:
+        """A stream's call ended: everything `_admitted` and `handle` took comes back."""
         self.admission.release()
+        if self.share is not None:
+            self.share.release()
         self.quotas.release(call.ticket)
         if call.tracked is not None:
             self._untrack(call.tracked, call.counted)

@@ -7,7 +7,9 @@ call it.
 Redis layout (common.keys.Keys, base namespace): hash Keys.runs, run id -> RunRecord JSON; string
 Keys.run_key(sha256 of the run's key) -> run id, in the registry's hash slot, so that a run and its key
 are written by one script (a new id and its key both, or neither; an existing id is never
-overwritten). A status changes under WATCH on the registry: two writers never both win.
+overwritten). A status changes under WATCH on the registry: two writers never both win. Set
+Keys.run_issued(run id): the digests of the keys issued to the run's services, deleted with those keys
+when the run becomes stopped or failed.
 """
 
 from __future__ import annotations
@@ -34,10 +36,16 @@ if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
 redis.call('SET', KEYS[2], ARGV[1])
 return 1
 """
-# Another key for a run that exists (its agent workers'): the key only where the run is.
+# Another key for a run that exists (its agent workers'): the key only where the run is, its digest
+# remembered with the run (KEYS[3]) so that the run's final status revokes it.
+# A run that ended gets none (-1): nothing would revoke it.
 _ISSUE = """
-if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 0 then return 0 end
+local record = redis.call('HGET', KEYS[1], ARGV[1])
+if not record then return 0 end
+local status = cjson.decode(record)['status']
+if status == 'stopped' or status == 'failed' then return -1 end
 redis.call('SET', KEYS[2], ARGV[1])
+redis.call('SADD', KEYS[3], ARGV[2])
 return 1
 """
 RUN_KEY_PREFIX = "trk-"  # a run's key, told apart from a rollout's (tr-) at a glance
@@ -155,13 +163,21 @@ class Runs:
     async def issue_key(self, run_id: str) -> str:
         """Another API key of an existing run, with the authority of the one given at creation: for
         whoever starts the run's services (the launcher hands it to the run's agent workers) and never
-        saw that one. 404 for no run."""
+        saw that one. 404 for no run, 409 for one that ended. Revoked when the run becomes stopped or failed (`_change`): its
+        services have nothing left to do with it, while the key given at creation keeps reading the
+        run's rollouts, traces and metrics."""
         if not rules.valid_run_id(run_id):
             raise invalid_run_id(run_id)
         api_key = RUN_KEY_PREFIX + secrets.token_urlsafe(24)
-        keys = [self.keys.runs, self.keys.run_key(broker.key_digest(api_key))]
-        if not int(await self._issue(keys=keys, args=[run_id])):
+        digest = broker.key_digest(api_key)
+        keys = [self.keys.runs, self.keys.run_key(digest), self.keys.run_issued(run_id)]
+        issued = int(await self._issue(keys=keys, args=[run_id, digest]))
+        if issued == 0:
             raise run_not_found(run_id)
+        if issued < 0:
+            raise ApiError(
+                409, f"run {run_id} has ended: it gets no new key", "invalid_request_error", "run_status"
+            )
         return api_key
 
     async def get(self, run_id: str) -> RunRecord:
@@ -212,10 +228,11 @@ class Runs:
         another writer changed the run in between (then read again). (The status it had, the run.)"""
         if not rules.valid_run_id(run_id):
             raise invalid_run_id(run_id)
+        issued = self.keys.run_issued(run_id)
         async with self.r.pipeline(transaction=True) as pipe:
             while True:
                 try:
-                    await pipe.watch(self.keys.runs)
+                    await pipe.watch(self.keys.runs, issued)
                     record = await self._decoded(run_id, await pipe.hget(self.keys.runs, run_id))
                     if record is None:
                         await pipe.reset()
@@ -229,8 +246,13 @@ class Runs:
                         await pipe.reset()
                         return record.status, record
                     changed = dataclasses.replace(record, status=wanted, updated_at=self._clock())
+                    # A final status revokes the keys issued to the run's services, in the same write.
+                    revoked = await pipe.smembers(issued) if wanted in rules.FINAL else set()
                     pipe.multi()
                     pipe.hset(self.keys.runs, run_id, orjson.dumps(changed.to_dict()))
+                    if revoked:
+                        digests = (d if isinstance(d, str) else d.decode() for d in revoked)
+                        pipe.delete(*(self.keys.run_key(d) for d in digests), issued)
                     await pipe.execute()
                     return record.status, changed
                 except WatchError:

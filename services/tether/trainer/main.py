@@ -24,13 +24,13 @@ from tether.algorithms.names import KLEstimator, LossDenominator, LossMode, OffP
 from tether.common.grpc_server import Health, run_until_signal, start_server
 from tether.common.logs import setup_logging
 from tether.common.settings import CommonSettings, WeightPush, refused_settings_exit, section_problems
+from tether.common.sharing import SharingPolicy
 from tether.common.usage import exit_if_help
 from tether.trainer import attention, distributed, memory_plan, sequence_parallel, throughput, weights
 from tether.trainer.distributed import Dist, Offload
 from tether.trainer.offload import CPUOffloadOptimizer
 from tether.trainer.runs import RunPolicy, RunSet
 from tether.trainer.servicer import TrainerServicer
-from tether.trainer.sharing import SharingPolicy
 from tether.trainer.steps import PATHS, RunRefused, StepRunner, Trainer, TrainerCore
 from tether.trainer.train import (
     StepConfig,
@@ -156,7 +156,7 @@ class TrainerSettings(CommonSettings):
     weight_push_attempts: int = 2
     weight_push_timeout_s: float = 600.0
     weight_push_dtype: Literal["", "bfloat16", "float16"] = ""  # cast floating-point weights on the wire
-    # Several policies' steps waiting (runs, docs/runs.md "Sharing the trainer"; trainer/sharing.py):
+    # Several policies' steps waiting (runs, docs/runs.md "Sharing the trainer"; common/sharing.py):
     # round_robin = the policy that trained least recently goes next; weighted = steps shared in
     # proportion to each policy's run_weight (a run's from its own settings; this one the single
     # policy's). run_sharing_hold_s: how long the turn waits for the policy whose step just ended when

@@ -35,9 +35,9 @@ import torch
 from prometheus_client import Counter, Gauge, Histogram
 
 from tether.common.records import RecordError, SampleRecord
+from tether.common.sharing import SharingPolicy, TurnBook
 from tether.trainer import distributed
 from tether.trainer.distributed import Dist
-from tether.trainer.sharing import SharingPolicy, TurnBook
 from tether.trainer.train import StepConfig, train_step
 from tether.trainer.weights import (
     OPTIMIZER_DIR,
@@ -721,7 +721,7 @@ class TrainerCore:
 
 
 class Turns:
-    """The policies' steps, one at a time, in the order the sharing policy says (tether.trainer.sharing):
+    """The policies' steps, one at a time, in the order the sharing policy says (tether.common.sharing):
     a step waits for its turn, holds it while it plans, trains and checkpoints, and gives it back; the
     next turn goes to the step `TurnBook.pick` chooses among those waiting (within one policy, in
     arrival order). When the pick is the policy whose step just ended, not back yet, the turn is held

@@ -1,24 +1,30 @@
-"""Which policy's step the trainer runs next when several wait (issue 28's sharing policy; docs/runs.md,
-"Sharing the trainer"). The runs' schedulers and the single policy's call TrainStep on the one
-trainer, which trains one step at a time; when the step in hand ends and steps of several policies
-wait, `TurnBook.pick` chooses whose goes next:
+"""Whose turn comes next when several policies wait for one shared thing (issue 28's sharing policy;
+docs/runs.md, "Sharing the trainer" and "Sharing vLLM"). Two users, one decision:
 
-- `round_robin`: the policy that trained least recently (one that never trained first); ties, in
-  arrival order. Each waiting policy is served within as many turns as there are policies.
-- `weighted`: start-time fair queuing by weight (stride scheduling's virtual time): each step costs
-  its policy 1 / weight, the policy that has spent least goes, so over a long run the steps of
+- the trainer, which trains one step at a time: when the step in hand ends and steps of several
+  policies wait, `TurnBook.pick` chooses whose goes next (tether.trainer.steps.Turns);
+- the gateway, which lets at most `run_max_concurrent` calls of runs reach vLLM at once: when a call
+  ends and calls of several runs wait, the same choice says whose call goes next
+  (tether.gateway.share.CallShare; a turn is one call there).
+
+The policies:
+
+- `round_robin`: the policy served least recently (one never served first); ties, in arrival order.
+  Each waiting policy is served within as many turns as there are policies.
+- `weighted`: start-time fair queuing by weight (stride scheduling's virtual time): each turn costs
+  its policy 1 / weight, the policy that has spent least goes, so over a long run the turns of
   policies that keep asking are shared in proportion to their weights, and every waiting policy is
   served within a bounded number of turns (no starvation). A policy back from idling starts level
   with the others: time it spent idle is not banked as a burst that would shut them out.
 
-A run's scheduler asks for its next step only after its last one returned (and its adapter was
-loaded), so when a step ends its policy is not waiting yet: `pick` is told which policy that is
-(`returning`), and when the policy says it goes next, the trainer holds the turn for it a moment
-(`TETHER_RUN_SHARING_HOLD_S`) rather than hand it to a policy that should wait; otherwise a policy
-whose every step follows its last would merely alternate with the others, whatever the weights.
+On the trainer, a run's scheduler asks for its next step only after its last one returned (and its
+adapter was loaded), so when a step ends its policy is not waiting yet: `pick` is told which policy
+that is (`returning`), and when the policy says it goes next, the trainer holds the turn for it a
+moment (`TETHER_RUN_SHARING_HOLD_S`) rather than hand it to a policy that should wait; otherwise a
+policy whose every step follows its last would merely alternate with the others, whatever the
+weights. The gateway has no such moment: a run's agents keep many calls waiting.
 
-Pure: no asyncio, no clock (a turn counter orders the services). tether.trainer.steps.Turns holds a
-TurnBook and the waiting steps; nothing else calls it.
+Pure: no asyncio, no clock (a turn counter orders the services).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The sharing policy's decision (trainer/sharing.py; docs/runs.md "Sharing the trainer"), pure: fairness
+"""The sharing policy's decision (common/sharing.py; docs/runs.md "Sharing the trainer"), pure: fairness
 over a sequence, weights respected in the long run, no starvation, idle time not banked, ties by
 arrival; with callers that always wait and with callers that ask again only after their step returned
 (as a run's scheduler does). The real trainer serving waiting runs in this order: test_trainer_runs.py.
@@ -10,7 +10,7 @@ from collections import Counter
 
 import pytest
 
-from tether.trainer.sharing import TurnBook
+from tether.common.sharing import TurnBook
 from tether.trainer.steps import steps_per_minute
 
 
