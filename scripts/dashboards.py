@@ -273,6 +273,19 @@ def run_overview() -> Dashboard:
                 min=0,
             ),
             Panel(
+                "Runs side by side: step rate and staleness",
+                "Each run's steps per minute and the staleness of its last step, to see how the"
+                " sharing policy shares the trainer and vLLM among runs (docs/runs.md 'Sharing the trainer')",
+                (
+                    q(
+                        "60 * sum by (run) (deriv(tether_scheduler_step[$__rate_interval]))",
+                        "steps/min {{run}}",
+                    ),
+                    q("max by (run) (tether_run_staleness_max)", "staleness {{run}}"),
+                ),
+                min=0,
+            ),
+            Panel(
                 "Weight version per component",
                 "The weight version each component reports: the trainer's newest checkpoint leads until a push lands, then all four agree",
                 version_queries(),

@@ -105,6 +105,33 @@ def test_inference_serves_and_the_trainer_trains_the_runs_adapters(name):
         assert value(c, "TETHER_LORA_RANK") == str(runs["loraRank"])
 
 
+@pytest.mark.parametrize("name", RUNS)
+def test_the_trainer_and_the_gateway_share_by_one_policy(name):
+    """runs.sharing goes to the trainer (whose step) and to every gateway pod (whose waiting call), and
+    runs.maxConcurrentCalls to the gateway (docs/runs.md, "Sharing vLLM"); another value set says so."""
+    for patch in ({}, {"runs": {"sharing": "weighted", "maxConcurrentCalls": 6}}):
+        vs = chart.value_set(name)
+        values = chart.merge(vs.values, patch)
+        runs = chart.merge(chart.effective_values(name), patch)["runs"]
+        render = chart.render_values(values, vs.kube_versions[0], vs.api_versions)
+        gateways, trainers = containers(render, "gateway"), containers(render, "trainer")
+        assert gateways and trainers
+        for _t, c in trainers:
+            assert value(c, "TETHER_RUN_SHARING") == runs["sharing"]
+            assert "TETHER_RUN_MAX_CONCURRENT" not in env_of(c)
+        for _t, c in gateways:
+            assert value(c, "TETHER_RUN_SHARING") == runs["sharing"]
+            assert value(c, "TETHER_RUN_MAX_CONCURRENT") == str(runs["maxConcurrentCalls"])
+
+
+@pytest.mark.parametrize(("field", "bad"), [("sharing", "fifo"), ("maxConcurrentCalls", -1)])
+def test_the_schema_refuses_a_sharing_the_services_would_refuse(field, bad):
+    vs = chart.value_set("runs-cpu")
+    values = chart.merge(vs.values, {"runs": {field: bad}})
+    said = chart.refusal(values, vs.kube_versions[0], vs.api_versions)
+    assert said is not None and field in said
+
+
 @pytest.mark.parametrize("name", OFF)
 def test_without_runs_nothing_of_them_is_rendered(name):
     """runs.enabled false: no run host, no policy or monitor naming it, vLLM without LoRA serving, and
@@ -114,6 +141,8 @@ def test_without_runs_nothing_of_them_is_rendered(name):
     values = chart.effective_values(name)
     for _t, c in containers(render, "inference"):
         assert "TETHER_MAX_RUNS" not in env_of(c) and "TETHER_LORA_RANK" not in env_of(c)
+    for _t, c in containers(render, "gateway") + containers(render, "trainer"):
+        assert "TETHER_RUN_SHARING" not in env_of(c) and "TETHER_RUN_MAX_CONCURRENT" not in env_of(c)
     if "lora_rank" not in (values["runConfig"].get("trainer") or {}):
         for _t, c in containers(render, "trainer"):
             assert value(c, "TETHER_LORA_RANK") == str(values["trainer"]["loraRank"])

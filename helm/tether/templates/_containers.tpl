@@ -282,6 +282,8 @@ metadata.labels['batch.kubernetes.io/job-completion-index']
     # Runs side by side: each run's adapter has the rank vLLM serves (the run config may not say otherwise).
     - name: TETHER_LORA_RANK
       value: {{ $root.Values.runs.loraRank | quote }}
+    - name: TETHER_RUN_SHARING
+      value: {{ $root.Values.runs.sharing | quote }}
     {{- else }}
     {{- include "tether.runEnv" (dict "root" $root "section" "trainer" "key" "lora_rank" "value" ($t.loraRank)) | nindent 4 }}
     {{- end }}
