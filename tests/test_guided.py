@@ -211,7 +211,11 @@ def test_forced_tool_call_tokens_are_found(real_gw, rdb, vllm_url, stream):
     if stream:
         list(out)
     client.chat.completions.create(model="tether-policy", messages=USER, max_tokens=8, stream=stream)
-    guided, free = wait_traces(rdb, real_gw.keys, rollout["rollout_id"], 2, timeout_s=30)
+    found = wait_traces(rdb, real_gw.keys, rollout["rollout_id"], 2, timeout_s=30)
+    # A stream's trace is written as it closes, after the next call may have been recorded: tell the
+    # two apart by what each asked, not by the order they landed in.
+    [guided] = [t for t in found if t["request"].get("tool_choice") == "required"]
+    [free] = [t for t in found if "tool_choice" not in t["request"]]
     assert guided["guided_by"] == ["tool_choice=required"]
     assert guided["guidance"]["method"] == "rescore", guided["guidance"]
     spans = guided["constrained_spans"]
