@@ -137,7 +137,7 @@ def test_a_negative_capacity_is_refused():
 # --- through the gateway -----------------------------------------------------------------------------
 
 ADMIN_H = bearer(ADMIN)
-HOLD_S = 4.0  # how long the look-alike takes over the call that holds the slot
+HOLD_S = 6.0  # how long the look-alike takes over the call that holds the slot (room for a loaded box)
 
 
 def _chat(gw, key: str, text: str):

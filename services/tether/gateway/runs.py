@@ -247,12 +247,14 @@ class Runs:
                         return record.status, record
                     changed = dataclasses.replace(record, status=wanted, updated_at=self._clock())
                     # A final status revokes the keys issued to the run's services, in the same write.
-                    revoked = await pipe.smembers(issued) if wanted in rules.FINAL else set()
+                    # The gateway's clients decode responses: the digests are str.
+                    revoked = (
+                        cast("set[str]", await pipe.smembers(issued)) if wanted in rules.FINAL else set()
+                    )
                     pipe.multi()
                     pipe.hset(self.keys.runs, run_id, orjson.dumps(changed.to_dict()))
                     if revoked:
-                        digests = (d if isinstance(d, str) else d.decode() for d in revoked)
-                        pipe.delete(*(self.keys.run_key(d) for d in digests), issued)
+                        pipe.delete(*(self.keys.run_key(d) for d in revoked), issued)
                     await pipe.execute()
                     return record.status, changed
                 except WatchError:

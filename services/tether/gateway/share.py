@@ -47,6 +47,9 @@ def run_weight_of(config: Mapping[str, Any] | None) -> float:
     return float(weight) if math.isfinite(weight) and weight > 0 else 1.0
 
 
+Waiter = tuple[int, float, "asyncio.Future[None]"]
+
+
 @dataclass
 class CallShare:
     """The calls of runs in flight to vLLM, and the ones waiting for their run's turn."""
@@ -55,8 +58,8 @@ class CallShare:
     policy: SharingPolicy = "round_robin"
     book: TurnBook = field(init=False)
     in_flight: dict[str, int] = field(default_factory=dict)  # run -> its calls in flight
-    waiting: dict[str, deque[tuple[int, asyncio.Future[None]]]] = field(default_factory=dict)
-    weights: dict[str, float] = field(default_factory=dict)
+    # run -> its waiting calls, oldest first: (arrival number, the run's weight, granted when set)
+    waiting: dict[str, deque[Waiter]] = field(default_factory=dict)
     _arrivals: itertools.count = field(default_factory=itertools.count)
 
     def __post_init__(self) -> None:
@@ -74,13 +77,12 @@ class CallShare:
     async def acquire(self, run: str, weight: float, wait_s: float) -> float:
         """A slot for one call of `run` (`weight`: its share under `weighted`); the seconds it waited.
         ShareTimeout past `wait_s`. The caller must `release(run)` once, after the call."""
-        self.weights[run] = weight
         if not self.capacity or (self.total < self.capacity and not self.waiting):
-            self._grant(run)
+            self._grant(run, weight)
             return 0.0
         started = time.monotonic()
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        entry = (next(self._arrivals), future)
+        entry = (next(self._arrivals), weight, future)
         self.waiting.setdefault(run, deque()).append(entry)
         self._count_waiting(run)
         try:
@@ -93,7 +95,7 @@ class CallShare:
             raise
         if not future.done():
             self._leave(run, entry)
-            m.RUN_SHARE_REFUSED.labels(run=run).inc()
+            m.child(m.RUN_SHARE_REFUSED, run).inc()
             raise ShareTimeout()
         return time.monotonic() - started
 
@@ -104,13 +106,13 @@ class CallShare:
             self.in_flight[run] = left
         else:
             self.in_flight.pop(run, None)
-        m.RUN_CALLS_IN_FLIGHT.labels(run=run).set(max(left, 0))
+        m.child(m.RUN_CALLS_IN_FLIGHT, run).set(max(left, 0))
         self._hand_on()
 
-    def _grant(self, run: str) -> None:
-        self.book.served(run, self.weights.get(run, 1.0))
+    def _grant(self, run: str, weight: float) -> None:
+        self.book.served(run, weight)
         self.in_flight[run] = self.in_flight.get(run, 0) + 1
-        m.RUN_CALLS_IN_FLIGHT.labels(run=run).set(self.in_flight[run])
+        m.child(m.RUN_CALLS_IN_FLIGHT, run).set(self.in_flight[run])
 
     def _hand_on(self) -> None:
         """While there is room, the next waiting call by the policy (runs in the arrival order of each
@@ -119,14 +121,14 @@ class CallShare:
             runs = sorted(self.waiting, key=lambda r: self.waiting[r][0][0])
             run = self.book.pick(runs)
             queue = self.waiting[run]
-            _, future = queue.popleft()
+            _, weight, future = queue.popleft()
             if not queue:
                 del self.waiting[run]
             self._count_waiting(run)
-            self._grant(run)
+            self._grant(run, weight)
             future.set_result(None)
 
-    def _leave(self, run: str, entry: tuple[int, asyncio.Future[None]]) -> None:
+    def _leave(self, run: str, entry: Waiter) -> None:
         queue = self.waiting.get(run)
         if queue is not None and entry in queue:
             queue.remove(entry)
@@ -135,7 +137,7 @@ class CallShare:
         self._count_waiting(run)
 
     def _count_waiting(self, run: str) -> None:
-        m.RUN_CALLS_WAITING.labels(run=run).set(self.waiting_of(run))
+        m.child(m.RUN_CALLS_WAITING, run).set(self.waiting_of(run))
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,7 @@ class RunShare:
 
     async def acquire(self) -> float:
         waited = await self.share.acquire(self.run, self.weight, self.wait_s)
-        m.RUN_SHARE_WAIT.labels(run=self.run).observe(waited)
+        m.child(m.RUN_SHARE_WAIT, self.run).observe(waited)
         return waited
 
     def release(self) -> None:
