@@ -51,7 +51,7 @@ WEIGHT_VERSIONS = {
 RUN_SERIES = re.compile(
     r"\b(tether_(?:run|merger|broker|scheduler|agent)_\w+|"
     r"tether_gateway_(?:traces_total|prompt_tokens_total|completion_tokens_total|"
-    r"run_calls_in_flight|run_calls_waiting|run_share_refused_total)|"
+    r"run_calls_in_flight|run_calls_waiting|run_share_refused_total|run_replicas)|"
     r"tether_trainer_(?:steps_total|step_seconds|"
     r"tokens_total|buffered_groups|weight_version|staleness_max|model_flops_total|mfu|peak_memory_bytes|"
     r"policy_entropy|policy_kl|update_kl|clip_fraction|importance_ratio|grad_norm|"
@@ -517,11 +517,13 @@ def gateway() -> Dashboard:
             Panel(
                 "Calls by run: in flight and waiting",
                 "Each run's model calls in flight and waiting for its turn at vLLM (TETHER_RUN_MAX_CONCURRENT,"
-                " docs/runs.md 'Sharing vLLM'), and those refused after waiting too long, per second",
+                " docs/runs.md 'Sharing vLLM'), those refused after waiting too long, per second, and with"
+                " replica discovery the replicas serving its adapter (the fewest any gateway pod routes to)",
                 (
                     q("sum by (run) (tether_gateway_run_calls_in_flight)", "in flight {{run}}"),
                     q("sum by (run) (tether_gateway_run_calls_waiting)", "waiting {{run}}"),
                     q(rate("tether_gateway_run_share_refused_total", "run"), "refused/s {{run}}"),
+                    q("min by (run) (tether_gateway_run_replicas)", "replicas serving {{run}}"),
                 ),
                 min=0,
             ),

@@ -13,8 +13,9 @@ import httpx
 import orjson
 import pytest
 from fakes.vllm_openai import MODEL, FakeVLLM
-from gateway_helpers import InProcessGateway, bearer, gateway_settings, wait_traces
+from gateway_helpers import ADMIN, InProcessGateway, bearer, gateway_settings, wait_traces
 
+from tether.common.keys import Keys
 from tether.common.records import InferenceReplica, ReplicaSet
 from tether.gateway.routing import Replica, ReplicaPool
 from tether.gateway.upstream import UpstreamClient
@@ -293,3 +294,98 @@ async def test_pool_apply_keeps_counters_sticky_and_lists_consistent():
     assert pool.apply(_set(3, "http://r0", "http://r1"), _client)
     assert [r.url for r in pool.joining] == ["http://r0"] and pool.joining[0] is not r0
     await pool.aclose()
+
+
+def _run(gw: InProcessGateway, run_id: str) -> tuple[dict, Keys]:
+    resp = gw.http.post(
+        "/v1/runs", json={"run_id": run_id, "config": {}, "adapter": f"{run_id}-lora"}, headers=bearer(ADMIN)
+    )
+    assert resp.status_code == 201, resp.text
+    run = resp.json()
+    return run, Keys(run["namespace"], gw.keys.trace_partitions)
+
+
+def _run_rollout(gw: InProcessGateway, run: dict) -> str:
+    body = {"task_id": "t", "group_id": f"g-{time.monotonic_ns()}"}
+    resp = gw.http.post("/v1/rollouts", json=body, headers=bearer(run["api_key"]))
+    assert resp.status_code == 201, resp.text
+    return resp.json()["api_key"]
+
+
+def publish_run(rdb, keys: Keys, version: int, *replicas: InferenceReplica) -> None:
+    """What a run's scheduler publishes in its namespace once its adapter is loaded on `replicas`."""
+    replica_set = ReplicaSet(
+        version=version, source="kubernetes", replicas=list(replicas), updated_at=time.time()
+    )
+    rdb.set(keys.replicas, orjson.dumps(replica_set.to_dict()))
+
+
+def served_by(fakes: tuple[FakeVLLM, ...], seen: list[int], model: str) -> list[int]:
+    """How many calls asking for `model` each look-alike got since `seen`."""
+    return [sum(q.get("model") == model for q in f.requests[n:]) for f, n in zip(fakes, seen, strict=True)]
+
+
+def test_a_runs_calls_go_only_where_its_scheduler_published_its_adapter(redis_port, rdb, three):
+    """docs/runs.md, "Serving, beyond one replica": with discovery a run's call goes to a replica of
+    the base set only when the run's own set lists it too (its adapter is loaded there); before its
+    scheduler published any, its calls get 503 and reach no replica; the base namespace's calls are
+    not restricted. The run's set is read when a call needs it (at most once per health interval)."""
+    a, b, c = three
+    with discovering(redis_port, a.url) as gw:
+        publish(rdb, gw, 1, replica(a, "inference-0"), replica(b, "inference-1"))
+        assert wait_until(lambda: states(gw) == {a.url: "routed", b.url: "routed"})
+        run, keys = _run(gw, "routed-a")
+        adapter = "routed-a-lora"
+        seen = [len(f.requests) for f in three]
+        # Nothing published for the run: no replica serves its adapter yet.
+        resp = chat(gw, _run_rollout(gw, run))
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == "upstream_unavailable" and resp.headers["retry-after"]
+        assert [len(f.requests) for f in three] == seen
+        # Its adapter is on inference-1 only: every call of every rollout goes there.
+        publish_run(rdb, keys, 1, replica(b, "inference-1"))
+        time.sleep(0.2)  # past the run's refresh (the health interval, 0.05 s)
+        for _ in range(6):
+            assert chat(gw, _run_rollout(gw, run)).status_code == 200
+        assert served_by(three, seen, adapter) == [0, 6, 0]
+        # The base namespace's calls still spread over both.
+        base = [len(f.requests) for f in three]
+        for _ in range(6):
+            assert chat(gw, gw.new_rollout()["api_key"]).status_code == 200
+        assert all(n > 0 for n in served_by(three, base, MODEL)[:2])
+        # A newer set moves the run (a rollout that stuck to inference-1 moves too); an older one is
+        # ignored.
+        key = _run_rollout(gw, run)
+        assert chat(gw, key).status_code == 200
+        publish_run(rdb, keys, 3, replica(a, "inference-0"))
+        time.sleep(0.2)
+        seen = [len(f.requests) for f in three]
+        assert chat(gw, key).status_code == 200  # reads the run's set: version 3
+        publish_run(rdb, keys, 2, replica(b, "inference-1"))
+        time.sleep(0.2)
+        assert chat(gw, key).status_code == 200
+        for _ in range(3):
+            assert chat(gw, _run_rollout(gw, run)).status_code == 200
+        assert served_by(three, seen, adapter) == [5, 0, 0]
+        # A replica the run lists that the base set does not route (not at the base weights yet)
+        # takes none of its calls: 503 until the base set has it.
+        publish_run(rdb, keys, 4, replica(c, "inference-2"))
+        time.sleep(0.2)
+        seen = [len(f.requests) for f in three]
+        assert chat(gw, key).status_code == 503
+        assert [len(f.requests) for f in three] == seen
+        publish(rdb, gw, 2, replica(a, "inference-0"), replica(b, "inference-1"), replica(c, "inference-2"))
+        assert wait_until(lambda: states(gw).get(c.url) == "routed")
+        assert chat(gw, key).status_code == 200
+        assert served_by(three, seen, adapter) == [0, 0, 1]
+        assert 'tether_gateway_run_replicas{run="routed-a"} 1.0' in gw.http.get("/metrics").text
+        # The run's set no longer stored (Redis lost its data): the last one keeps routing, and the
+        # scheduler's next one counts from 1 again.
+        rdb.delete(keys.replicas)
+        time.sleep(0.2)
+        assert chat(gw, key).status_code == 200
+        publish_run(rdb, keys, 1, replica(a, "inference-0"))
+        time.sleep(0.2)
+        seen = [len(f.requests) for f in three]
+        assert chat(gw, key).status_code == 200
+        assert served_by(three, seen, adapter) == [1, 0, 0]

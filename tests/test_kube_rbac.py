@@ -150,12 +150,17 @@ def calls(gw, redis_port) -> dict[str, Calls]:
     return asyncio.run(collect())
 
 
-def role(values: dict) -> Calls | None:
-    """The (group, resource, verb) the rendered Role grants; None when no Role renders."""
+def rendered(values: dict) -> dict[str, str]:
     chart = helm.Chart.load(str(CHART))
     chart.validate_schema(values)
-    out = chart.render(values, name=INSTANCE, namespace="ns")
-    docs = [d for d in yaml.safe_load_all(out["tether/templates/scheduler-rbac.yaml"]) if d]
+    return chart.render(values, name=INSTANCE, namespace="ns")
+
+
+def role(values: dict, component: str = "scheduler") -> Calls | None:
+    """The (group, resource, verb) the rendered Role of `component` (scheduler, runhost) grants; None
+    when no Role renders."""
+    out = rendered(values)
+    docs = [d for d in yaml.safe_load_all(out[f"tether/templates/{component}-rbac.yaml"]) if d]
     kinds = [d["kind"] for d in docs]
     roles = [d for d in docs if d["kind"] == "Role"]
     if not roles:
@@ -170,7 +175,8 @@ def role(values: dict) -> Calls | None:
         "name": roles[0]["metadata"]["name"],
     }
     assert rb["subjects"] == [{"kind": "ServiceAccount", "name": sa["metadata"]["name"], "namespace": "ns"}]
-    assert sa["metadata"]["name"] == f"{INSTANCE}-tether-scheduler" == roles[0]["metadata"]["name"]
+    assert sa["metadata"]["name"] == f"{INSTANCE}-tether-{component}" == roles[0]["metadata"]["name"]
+    assert sa["automountServiceAccountToken"] is False  # the pod mounts it, only when it calls the API
     granted = set()
     for rule in roles[0]["rules"]:
         assert set(rule) <= {"apiGroups", "resources", "verbs"}, (
@@ -181,9 +187,12 @@ def role(values: dict) -> Calls | None:
     return frozenset(granted)
 
 
-def values_for(discovery: bool, gang: bool, agent_jobs: bool, enabled: bool = True) -> dict:
+def values_for(
+    discovery: bool, gang: bool, agent_jobs: bool, enabled: bool = True, runs: bool = False
+) -> dict:
     return {
         "secrets": {"existingSecret": "tether-secrets"},
+        "runs": {"enabled": runs},
         "scheduler": {"kubernetes": {"enabled": enabled, "discovery": discovery, "gangRestart": gang}},
         "agents": {
             "worker": {"enabled": not agent_jobs},
@@ -215,3 +224,57 @@ def test_the_driven_paths_cover_every_client_method_the_code_names(calls):
         named |= set(re.findall(r"\.(?:discovery|batch|core)\.(\w+)", path.read_text()))
     assert named and named == METHODS & named
     assert named == METHODS, METHODS - named
+
+
+def runhost_pod(values: dict) -> dict:
+    out = rendered(values)
+    (dep,) = [d for d in yaml.safe_load_all(out["tether/templates/runhost.yaml"]) if d]
+    return dep["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("discovery,gang", list(itertools.product([True, False], repeat=2)))
+def test_the_run_hosts_role_grants_exactly_what_its_runs_discovery_calls(calls, discovery, gang):
+    """The run host (runs.enabled) has its own identity; where the gateway routes by discovered
+    replicas its runs' schedulers discover them too (docs/runs.md, "Serving, beyond one replica"): its
+    Role grants exactly what discovery calls, its pod mounts the token and its environment turns
+    discovery on, as tether.scheduler's kube settings read it (and nothing else: no agent Jobs, no
+    gang restart, which are the base scheduler's). Without discovery: no Role, no token, no kube env."""
+    values = values_for(discovery, gang, agent_jobs=False, runs=True)
+    pod = runhost_pod(values)
+    assert pod["serviceAccountName"] == f"{INSTANCE}-tether-runhost"
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    kube_env = sorted(n for n in env if n.startswith(("TETHER_KUBE_", "TETHER_AGENT_JOB")))
+    granted = role(values, "runhost")
+    if not discovery:
+        assert granted is None and pod["automountServiceAccountToken"] is False and kube_env == []
+        return
+    assert granted == calls["discovery"]
+    assert pod["automountServiceAccountToken"] is True
+    assert kube_env == [
+        "TETHER_KUBE_ENABLED",
+        "TETHER_KUBE_INFERENCE_SERVICE",
+        "TETHER_KUBE_INSTANCE",
+        "TETHER_KUBE_NAMESPACE",
+    ]
+    assert env["TETHER_KUBE_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    read = kube.KubeSettings(
+        **{
+            n.removeprefix("TETHER_").lower(): env[n]["value"]
+            for n in kube_env
+            if n != "TETHER_KUBE_NAMESPACE"
+        },
+        kube_namespace="ns",
+    )
+    assert read.kube_enabled and read.kube_inference_service == f"{INSTANCE}-tether-inference"
+    assert not read.agent_jobs and not read.kube_trainer_selector
+    started = kube.start(read, None, None, "run-1", api=FakeKube().api())
+    for coro in started:
+        coro.close()
+    assert len(started) == 1  # discovery alone
+    # The gateway routes by discovered sets exactly then (it would refuse a run's calls otherwise).
+    gw = [d for d in yaml.safe_load_all(rendered(values)["tether/templates/gateway.yaml"]) if d]
+    (deployment,) = [d for d in gw if d["kind"] == "Deployment"]
+    gw_env = {
+        e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
+    assert gw_env["TETHER_REPLICA_DISCOVERY"] == "true"

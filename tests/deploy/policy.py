@@ -173,6 +173,18 @@ def request_violations(pod_spec: dict[str, Any]) -> list[str]:
     return out
 
 
+def kube_api_user(values: dict[str, Any], name: str) -> bool | None:
+    """Whether the component's pod talks to the Kubernetes API (None: it never does): the scheduler
+    when scheduler.kubernetes.enabled; the run host when its runs discover the inference replicas
+    (runs.enabled with scheduler.kubernetes.discovery; docs/runs.md, "Serving, beyond one replica")."""
+    k = values["scheduler"]["kubernetes"]
+    if name == "scheduler":
+        return bool(k["enabled"])
+    if name == "runhost":
+        return bool(values["runs"]["enabled"] and k["enabled"] and k["discovery"])
+    return None
+
+
 def service_account_token_violations(pod_spec: dict[str, Any], *, may_mount: bool = False) -> list[str]:
     """The API token is mounted only where the pod talks to the API (the scheduler, when told to)."""
     mounted = pod_spec.get("automountServiceAccountToken")

@@ -143,17 +143,20 @@ def test_prometheus_scrapes_every_metrics_port(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_the_scheduler_reaches_the_api_server_only_when_it_uses_it(name):
+def test_the_api_server_is_reached_only_by_the_pods_that_use_it(name):
+    """The scheduler when scheduler.kubernetes.enabled; the run host when its runs discover the
+    inference replicas (policy.kube_api_user); no other pod."""
     render = chart.render(name)
     policies = render.of_kind("NetworkPolicy")
-    enabled = chart.effective_values(name)["scheduler"]["kubernetes"]["enabled"]
+    values = chart.effective_values(name)
     api = policy.Endpoint(ip="10.96.0.1")
     for where, _t, ep in pods(render):
         reaches = policy.connection_allowed(policies, ep, api, 443) or policy.connection_allowed(
             policies, ep, api, 6443
         )
-        if ep.labels.get(COMPONENT) == "scheduler":
-            assert reaches == enabled, where
+        uses = policy.kube_api_user(values, ep.labels.get(COMPONENT, ""))
+        if uses is not None:
+            assert reaches == uses, where
         else:
             assert not reaches, f"{where} reaches the API server"
 

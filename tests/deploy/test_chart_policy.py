@@ -71,18 +71,18 @@ def test_requests_on_every_container(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_service_account_tokens_only_for_the_scheduler(name):
+def test_service_account_tokens_only_for_the_scheduler_and_the_run_host(name):
     values = chart.effective_values(name)
     problems = []
     for where, t in templates(name):
         spec = t.get("spec") or {}
-        if component(t) == "scheduler":
-            want = values["scheduler"]["kubernetes"]["enabled"]
+        want = policy.kube_api_user(values, component(t))
+        if want is not None:
             if spec.get("automountServiceAccountToken") is not want:
                 problems.append(
                     f"{where}: automountServiceAccountToken {spec.get('automountServiceAccountToken')!r}"
                 )
-            if spec.get("serviceAccountName") != f"{chart.FULLNAME}-scheduler":
+            if spec.get("serviceAccountName") != f"{chart.FULLNAME}-{component(t)}":
                 problems.append(f"{where}: serviceAccountName {spec.get('serviceAccountName')!r}")
         else:
             problems += [f"{where}: {v}" for v in policy.service_account_token_violations(spec)]

@@ -202,9 +202,12 @@ def test_the_run_host_is_wired_as_the_scheduler_and_the_merger(name):
     assert value(c, "TETHER_RUNHOST_HEALTH_TIMEOUT_S") == str(runs["healthTimeoutSeconds"])
     assert c["resources"] == runs["resources"]
     assert t["spec"]["terminationGracePeriodSeconds"] == runs["terminationGracePeriodSeconds"]
-    # It talks to the API server not at all.
-    assert t["spec"]["automountServiceAccountToken"] is False
-    assert st["spec"]["serviceAccountName"] != t["spec"]["serviceAccountName"]
+    # It talks to the API server only when its runs discover the inference replicas, under its own
+    # identity (tests/test_kube_rbac.py: its Role and its TETHER_KUBE_* settings).
+    discovers = policy.kube_api_user(values, "runhost")
+    assert t["spec"]["automountServiceAccountToken"] is discovers
+    assert (value(c, "TETHER_KUBE_ENABLED") == "true") is discovers
+    assert t["spec"]["serviceAccountName"] == f"{chart.FULLNAME}-runhost" != st["spec"]["serviceAccountName"]
 
 
 @pytest.mark.parametrize("name", RUNS)
@@ -301,9 +304,11 @@ def _endpoints(render: chart.Render) -> list[policy.Endpoint]:
 @pytest.mark.parametrize("name", RUNS)
 def test_the_run_host_reaches_exactly_what_its_runs_dial(name):
     """Its runs' schedulers reach the gateway's control gRPC, inference's gRPC (adapter loads) and the
-    trainer's; its agent workers the gateway's HTTP; all of them Redis and DNS. Nothing else: no NCCL
-    port, no metrics port, no vLLM HTTP, no other pod, no API server, no outside address. The trainer's,
-    inference's, the gateway's and Redis's own ingress admit it (connection_allowed checks both ends)."""
+    trainer's; its agent workers the gateway's HTTP; all of them Redis and DNS; the API server only
+    when its runs discover the inference replicas (as the scheduler's, on the API's ports). Nothing
+    else: no NCCL port, no metrics port, no vLLM HTTP, no other pod, no outside address on another
+    port. The trainer's, inference's, the gateway's and Redis's own ingress admit it (connection_allowed
+    checks both ends)."""
     render = chart.render(name)
     policies = render.of_kind("NetworkPolicy")
     eps = _endpoints(render)
@@ -320,7 +325,10 @@ def test_the_run_host_reaches_exactly_what_its_runs_dial(name):
     assert reached == {("gateway", 8000), ("gateway", 50051), (inf, 50052), (tr, 50053), ("redis", 6379)}
     assert policy.connection_allowed(policies, host, DNS, 53, "UDP")
     assert policy.connection_allowed(policies, host, DNS, 53, "TCP")
-    for ip, port in (("10.96.0.1", 443), ("10.96.0.1", 6443), ("203.0.113.9", 443)):
+    discovers = policy.kube_api_user(chart.effective_values(name), "runhost")
+    for ip, port in (("10.96.0.1", 443), ("10.96.0.1", 6443)):
+        assert policy.connection_allowed(policies, host, policy.Endpoint(ip=ip), port) is discovers
+    for ip, port in (("203.0.113.9", 80), ("203.0.113.9", 8000)):
         assert not policy.connection_allowed(policies, host, policy.Endpoint(ip=ip), port), (ip, port)
 
 

@@ -119,13 +119,18 @@ to the chart's appVersion (plus tagSuffix). Called as (dict "root" $ "image" .Va
 
 {{/* Pod-level fields every Tether pod shares. Called with the root context. */}}
 {{- define "tether.podCommon" -}}
-automountServiceAccountToken: false
-{{- with .Values.imagePullSecrets }}
+{{- include "tether.podCommonToken" (dict "root" . "token" false) -}}
+{{- end -}}
+
+{{- /* The same, with the service account's token mounted when `token` (a pod that calls the API). */ -}}
+{{- define "tether.podCommonToken" -}}
+automountServiceAccountToken: {{ .token }}
+{{- with .root.Values.imagePullSecrets }}
 imagePullSecrets:
   {{- toYaml . | nindent 2 }}
 {{- end }}
 securityContext:
-  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
 {{- end -}}
 
 {{/* A component's scheduling fields. Called with the component's values. */}}
@@ -462,6 +467,27 @@ livenessProbe:
 {{- end -}}
 
 {{/* The run's Redis: the in-chart StatefulSet, or the external one (networkPolicy.externalRedisEgress). */}}
+{{- /* Egress to the Kubernetes API (the scheduler's controller; the run host's runs' replica discovery). */ -}}
+{{- define "tether.kubeApiEgress" -}}
+{{- $np := .Values.networkPolicy -}}
+- ports:
+    {{- range $np.kubeApi.ports }}
+    - {protocol: TCP, port: {{ . }}}
+    {{- end }}
+  {{- with $np.kubeApi.cidrs }}
+  to:
+    {{- range . }}
+    - ipBlock: {cidr: {{ . }}}
+    {{- end }}
+  {{- end }}
+{{- end }}
+
+{{- /* Whether the runs' schedulers (in the run host) discover the inference replicas: whenever the
+gateway routes by discovered sets (it then routes a run's calls by the set its scheduler publishes). */ -}}
+{{- define "tether.runsDiscover" -}}
+{{- and .Values.runs.enabled .Values.scheduler.kubernetes.enabled .Values.scheduler.kubernetes.discovery -}}
+{{- end }}
+
 {{- define "tether.redisEgress" -}}
 {{- if eq .Values.redis.mode "internal" -}}
 - to:

@@ -126,9 +126,6 @@ here before anything starts. */ -}}
 {{- if and (eq $v.trainer.backend "gpu") (gt (int $v.trainer.gpusPerNode) 1) -}}
 {{- fail (printf "trainer.gpusPerNode: %d with runs.enabled; the trainer holds runs on one rank only (one process, one GPU): set trainer.gpusPerNode: 1" (int $v.trainer.gpusPerNode)) -}}
 {{- end -}}
-{{- if gt (int $v.inference.replicas) 1 -}}
-{{- fail (printf "inference.replicas: %d with runs.enabled; a run's scheduler loads each version of its adapter through the inference Service, into one replica only (the run host has no replica discovery), and the others would answer the run's calls 404: set inference.replicas: 1" (int $v.inference.replicas)) -}}
-{{- end -}}
 {{- if gt (int $v.run.sleepLevel) 0 -}}
 {{- fail (printf "run.sleepLevel: %d with runs.enabled; vLLM serves every run's adapter and may not sleep while the trainer trains one policy (a run's scheduler refuses TETHER_SLEEP_LEVEL > 0): set run.sleepLevel: 0" (int $v.run.sleepLevel)) -}}
 {{- end -}}

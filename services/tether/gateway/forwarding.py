@@ -32,6 +32,7 @@ from tether.gateway.guided import guidance
 from tether.gateway.limits import budget_error, client_limit, decide_max_tokens
 from tether.gateway.recorder import Recorder
 from tether.gateway.routing import Replica, ReplicaPool
+from tether.gateway.served import RunReplicas
 from tether.gateway.traces import TraceWriter
 from tether.gateway.upstream import Aborted, ConnectFailed, Exchange, UpstreamError, UpstreamTimeout
 
@@ -54,8 +55,10 @@ class Forwarder:
         max_retries: int = 2,
         retry_backoff_s: float = 0.25,
         default_max_tokens: int | None = None,
+        served: RunReplicas | None = None,
     ) -> None:
         self.pool = pool
+        self.served = served  # a run's call path with replica discovery: where its adapter is (served.py)
         self.recorder = recorder
         self.traces = traces
         self.retry_after_s = retry_after_s
@@ -81,14 +84,15 @@ class Forwarder:
         call.guided_by = guidance(body)
         path = call.api.path
         exclude: set[Replica] = set()
+        only = await self.served.urls() if self.served is not None else None
         stale_resends = 0
         refitted = False
         t_up = call.t_up = time.perf_counter()
         while True:
-            replica = self.pool.pick(preferred, exclude)
+            replica = self.pool.pick(preferred, exclude, only)
             if replica is None:
                 call.upstream_latency_s = time.perf_counter() - t_up
-                raise await self.unavailable(call, ConnectFailed("no vLLM replica reachable"))
+                raise await self.unavailable(call, ConnectFailed(self.none_reachable(only)))
             call.replica = replica
             handle.replica = replica.url
             replica.in_flight += 1
@@ -124,7 +128,8 @@ class Forwarder:
                 self.pool.mark_down(replica, str(exc))
                 m.child(m.UPSTREAM_ERRORS, replica.url, exc.kind).inc()
                 exclude.add(replica)
-                if all(r in exclude for r in self.pool.replicas):  # the list may have changed meanwhile
+                # The list may have changed meanwhile.
+                if not any(self.pool.eligible(r, exclude, only) for r in self.pool.replicas):
                     call.upstream_latency_s = time.perf_counter() - t_up
                     raise await self.unavailable(call, exc) from None
                 call.failovers += 1
@@ -157,6 +162,12 @@ class Forwarder:
         self._stick(call, replica, stored)
         call.upstream_latency_s = time.perf_counter() - t_up
         return ex, status, content
+
+    def none_reachable(self, only: frozenset[str] | None) -> str:
+        if only is None or any(r.url in only for r in self.pool.replicas):
+            return "no vLLM replica reachable"
+        assert self.served is not None
+        return f"no routed vLLM replica serves run {self.served.run_id}'s adapter (yet)"
 
     def _stick(self, call: Call, replica: Replica, stored: str | None) -> None:
         """Remember the replica that answered, for the call's rollout (in Redis, for every gateway

@@ -50,6 +50,7 @@ from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RolloutRegistry
 from tether.gateway.routing import Replica, ReplicaPool
 from tether.gateway.runs import Runs, rollout_key_prefix
+from tether.gateway.served import RunReplicas
 from tether.gateway.servicer import SERVICE_NAME, GatewayControlServicer
 from tether.gateway.sessions import Sessions, parse_deployment_keys
 from tether.gateway.share import CallShare, RunShare, run_weight_of
@@ -363,7 +364,12 @@ class GatewayServer:
         rollouts = self.rollouts.in_namespace(keys, admission, recorder.batch, rollout_key_prefix(run.run_id))
         sessions = Sessions({}, self.redis, keys, recorder, self.s.admin_token)
         share = RunShare(self.share, run.run_id, run_weight_of(run.config), self.s.run_share_wait_s)
-        return self._proxy(rollouts, recorder, sessions, run.adapter, share)
+        served = (  # where its adapter is loaded, as its scheduler publishes it (served.py)
+            RunReplicas(self.redis, keys, run.run_id, self.s.health_check_s)
+            if self.s.replica_discovery
+            else None
+        )
+        return self._proxy(rollouts, recorder, sessions, run.adapter, share, served)
 
     def _proxy(
         self,
@@ -372,6 +378,7 @@ class GatewayServer:
         sessions: Sessions,
         upstream: str,
         share: RunShare | None = None,
+        served: RunReplicas | None = None,
     ) -> Proxy:
         """The proxy of one namespace's call path (the registry's keys and admission gate)."""
         s = self.s
@@ -392,6 +399,7 @@ class GatewayServer:
             guided=GuidedCheck(upstream, s.guided, s.guided_tolerance, s.guided_timeout_s),
             quotas=self._quotas(rollouts.keys, recorder),
             share=share,
+            served=served,
         )
 
     def _quotas(self, keys: broker.Keys, recorder: Recorder) -> Quotas:

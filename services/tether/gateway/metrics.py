@@ -60,6 +60,11 @@ REPLICAS = Gauge(
 RUN_CALLS_IN_FLIGHT = Gauge(
     "tether_gateway_run_calls_in_flight", "A run's model calls past the run share, not yet ended", ["run"]
 )
+RUN_REPLICAS = Gauge(
+    "tether_gateway_run_replicas",
+    "Inference replicas serving a run's adapter, as its scheduler published them (replica discovery only)",
+    ["run"],
+)
 RUN_CALLS_WAITING = Gauge(
     "tether_gateway_run_calls_waiting", "A run's model calls waiting for the run's turn at vLLM", ["run"]
 )

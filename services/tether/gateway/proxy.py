@@ -35,6 +35,7 @@ from tether.gateway.quotas import DEPLOYMENT, ROLLOUT, Limits, Quotas
 from tether.gateway.recorder import Recorder
 from tether.gateway.rollouts import RolloutRegistry
 from tether.gateway.routing import ReplicaPool, conversation_key
+from tether.gateway.served import RunReplicas
 from tether.gateway.sessions import Sessions
 from tether.gateway.share import RunShare, ShareTimeout
 from tether.gateway.stream import StreamSession
@@ -71,6 +72,7 @@ class Proxy:
         guided: GuidedCheck | None = None,
         quotas: Quotas | None = None,
         share: RunShare | None = None,
+        served: RunReplicas | None = None,
     ) -> None:
         self.pool = pool
         self.share = share  # a run's call path: its side of the runs' share of vLLM (share.py)
@@ -103,6 +105,7 @@ class Proxy:
             max_retries=max_retries,
             retry_backoff_s=retry_backoff_s,
             default_max_tokens=default_max_tokens,
+            served=served,
         )
 
     # --- one call ------------------------------------------------------------------------------

@@ -164,19 +164,23 @@ class ReplicaPool:
         self._sticky.pop(key, None)
 
     def pick(
-        self, preferred: str | None = None, exclude: set[Replica] | frozenset = frozenset()
+        self,
+        preferred: str | None = None,
+        exclude: set[Replica] | frozenset = frozenset(),
+        only: frozenset[str] | None = None,
     ) -> Replica | None:
         """The preferred replica if it is healthy (and not excluded), else the least-loaded healthy
-        one, else the least-loaded of the rest; None when all are excluded."""
+        one, else the least-loaded of the rest; None when all are excluded. `only`: the URLs a call
+        may go to (a run's: the replicas serving its adapter, served.py); None: any."""
         replicas = self.replicas
         if not replicas:
             return None
         if len(replicas) == 1:
-            only = replicas[0]
-            return None if only in exclude else only
+            one = replicas[0]
+            return one if self.eligible(one, exclude, only) else None
         if preferred is not None:
             r = self.by_url.get(preferred)
-            if r is not None and r.healthy and r not in exclude:
+            if r is not None and r.healthy and self.eligible(r, exclude, only):
                 return r
         n = len(replicas)
         start = self._rotate = (self._rotate + 1) % n
@@ -184,7 +188,7 @@ class ReplicaPool:
         fallback: Replica | None = None
         for i in range(n):
             r = replicas[(start + i) % n]
-            if r in exclude:
+            if not self.eligible(r, exclude, only):
                 continue
             if r.healthy:
                 if best is None or r.in_flight < best.in_flight:
@@ -192,6 +196,10 @@ class ReplicaPool:
             elif fallback is None or r.in_flight < fallback.in_flight:
                 fallback = r
         return best or fallback
+
+    @staticmethod
+    def eligible(r: Replica, exclude: set[Replica] | frozenset, only: frozenset[str] | None) -> bool:
+        return r not in exclude and (only is None or r.url in only)
 
     # --- health --------------------------------------------------------------------------------
 
