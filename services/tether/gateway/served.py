@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -42,14 +41,12 @@ class RunReplicas:
         run_id: str,
         refresh_s: float,
         timeout_s: float = 5.0,
-        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.r = r
         self.keys = keys
         self.run_id = run_id
         self.refresh_s = refresh_s
         self.timeout_s = timeout_s
-        self.clock = clock
         self.version = 0  # the run's set applied last; 0: none yet
         self.urls_now: frozenset[str] = frozenset()
         self._read_at: float | None = None
@@ -67,10 +64,10 @@ class RunReplicas:
         return self.urls_now
 
     def _fresh(self) -> bool:
-        return self._read_at is not None and self.clock() - self._read_at < self.refresh_s
+        return self._read_at is not None and time.monotonic() - self._read_at < self.refresh_s
 
     async def _read(self) -> None:
-        self._read_at = self.clock()
+        self._read_at = time.monotonic()
         try:
             replica_set = await asyncio.wait_for(replicas.current(self.r, self.keys), self.timeout_s)
         except (RedisError, OSError, TimeoutError) as exc:
