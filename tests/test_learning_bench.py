@@ -61,3 +61,21 @@ def test_the_coding_example_must_rise_by_0_3_and_hold_after_0_8(bench):
     assert not all(bench.passes(dipped, 80, "coding").values())
     assert all(bench.passes(dipped, 80, "search").values())  # the floor is coding's
     assert all(bench.passes({**steady, "low5_after_0.8": None}, 80, "coding").values())  # never reached 0.8
+
+
+def test_the_lowest_5_step_mean_after_the_first_five_sees_a_dip_before_0_8(bench):
+    """GSPO on coding seed 1 fell to 0.01-0.15 before its 10-step mean reached 0.8: low5@0.8 does not
+    see that, the run's lowest 5-step mean after its first five steps does."""
+    rewards = [0.5] * 5 + [0.8] * 5 + [0.1] * 5 + [1.0] * 20
+    assert bench.low_after_reached(rewards) == pytest.approx(1.0)
+    assert bench.lowest_after_start(rewards) == pytest.approx(0.1)
+    # The first five steps are the baseline, not a dip.
+    assert bench.lowest_after_start([0.0] * 5 + [1.0] * 10) == pytest.approx(1.0)
+    assert bench.lowest_after_start([0.5] * 9) is None
+
+
+@given(st.lists(st.floats(0, 1), min_size=5, max_size=80))
+def test_property_lowest_after_start_matches_the_definition(bench, rewards):
+    want = [sum(rewards[j : j + 5]) / 5 for j in range(5, len(rewards) - 4)]
+    got = bench.lowest_after_start(rewards)
+    assert got == (pytest.approx(min(want)) if want else None)
