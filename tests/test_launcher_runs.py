@@ -16,7 +16,7 @@ import pytest
 from stack_helpers import wait_for
 
 from tether.cli import build_parser
-from tether.cli.demo_runs import parse_runs, refused_flags, run_config, run_settings, shared_lr
+from tether.cli.demo_runs import base_examples, parse_runs, refused_flags, run_config, run_settings, shared_lr
 from tether.common import runs as rules
 from tether.common.broker import Keys, key_digest
 from tether.common.net import free_port
@@ -167,6 +167,22 @@ def test_parse_runs() -> None:
         parse_runs(" , ")
     with pytest.raises(ValueError, match="unknown example 'nope'"):
         parse_runs("calculator,nope")
+
+
+def test_the_base_model_is_the_runs_own_unless_named_and_must_know_every_run(capsys) -> None:
+    assert base_examples(None, ["instruction", "calculator"]) == ["instruction", "calculator"]
+    assert base_examples("calculator,instruction", ["calculator"]) == ["calculator", "instruction"]
+    with pytest.raises(ValueError, match="instruction is not among them"):
+        base_examples("calculator", ["calculator", "instruction"])
+    with pytest.raises(ValueError, match="unknown example 'nope'"):
+        base_examples("calculator,nope", ["calculator"])
+    # Refused before anything starts: exit 2, with the reason.
+    args = _demo_args("--runs", "calculator,instruction", "--base-model", "calculator")
+    assert args.fn(args) == 2
+    assert "instruction is not among them" in capsys.readouterr().err
+    args = _demo_args("--example", "calculator", "--base-model", "calculator,instruction")
+    assert args.fn(args) == 2
+    assert "give --runs too" in capsys.readouterr().err
 
 
 def test_flags_without_meaning_for_runs_are_refused(capsys) -> None:

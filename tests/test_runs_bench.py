@@ -63,3 +63,31 @@ def test_tree_rss_counts_the_children_too(bench):
         child.kill()
         child.wait()
     assert bench.tree_rss([child.pid]) == 0  # gone
+
+
+def _layout(rollouts_per_s: float, rss: float, **rise: float) -> dict:
+    return {"rollouts_per_s": rollouts_per_s, "peak_rss_gib": rss, "rise": rise}
+
+
+def test_the_layouts_compare_where_both_ran(bench):
+    """Throughput and memory: shared over separate. Learning: shared minus alone (the same base model,
+    only the sharing differs), within 0.1 for every run or not."""
+    shared = _layout(20.0, 5.0, calculator=0.15, instruction=0.26)
+    separate = _layout(19.0, 8.0, calculator=0.31, instruction=0.30)
+    alone = _layout(18.0, 9.0, calculator=0.18, instruction=0.40)
+    got = bench.compare({"shared": shared, "separate": separate, "alone": alone})
+    assert got["throughput_ratio"] == pytest.approx(20 / 19)
+    assert got["memory_ratio"] == pytest.approx(5 / 8)
+    assert got["rise_gap"] == {"calculator": pytest.approx(-0.03), "instruction": pytest.approx(-0.14)}
+    assert got["learns_as_alone"] is False  # instruction's gap is 0.14
+    alone["rise"]["instruction"] = 0.30
+    assert bench.compare({"shared": shared, "alone": alone})["learns_as_alone"] is True
+    assert bench.compare({"shared": shared, "alone": alone}).keys() == {"rise_gap", "learns_as_alone"}
+    assert bench.compare({"separate": separate}) == {}
+
+
+def test_the_alone_layout_names_the_shared_base_model(bench, tmp_path):
+    cmd = bench.demo_cmd(["calculator"], 50, 0, tmp_path, ["calculator", "instruction"])
+    assert cmd[cmd.index("--base-model") + 1] == "calculator,instruction"
+    assert cmd[cmd.index("--runs") + 1] == "calculator"
+    assert "--base-model" not in bench.demo_cmd(["calculator", "instruction"], 50, 0, tmp_path)

@@ -7,7 +7,10 @@ example's demo settings), whose own scheduler, merger and agent workers the laun
 run directory does, and its summary is printed.
 
 The base model is one for all runs: a tokenizer over every example's words, warm-started on all their
-demonstrations (cli.examples.prepare_runs_model).
+demonstrations (cli.examples.prepare_runs_model). `--base-model A,B` names the examples whose joint
+model the runs train on instead of the runs' own: `--runs calculator --base-model calculator,instruction`
+trains the calculator alone on the model it shares with instruction, which is how one measures what
+sharing the deployment costs a run's learning apart from what the shared base model does (bench/runs).
 """
 
 from __future__ import annotations
@@ -47,6 +50,21 @@ def parse_runs(value: str) -> list[str]:
     for name in names:
         example_module(name)  # ValueError naming the examples there are
     return names
+
+
+def base_examples(value: str | None, names: list[str]) -> list[str]:
+    """The examples whose joint model the runs train on: --base-model's (every run's example among
+    them), else the runs' own; ValueError naming a run the model would not know."""
+    if value is None:
+        return names
+    base = parse_runs(value)
+    missing = [n for n in names if n not in base]
+    if missing:
+        raise ValueError(
+            f"--base-model {','.join(base)}: the model must be warm-started on every run's example, "
+            f"and {', '.join(missing)} is not among them"
+        )
+    return base
 
 
 def refused_flags(args: argparse.Namespace) -> list[str]:
@@ -105,6 +123,7 @@ def cmd_demo_runs(args: argparse.Namespace) -> int:
         if refused:
             raise ValueError("with --runs, these flags have no meaning: " + "; ".join(refused))
         names = parse_runs(args.runs)
+        base = base_examples(args.base_model, names)
         settings = run_settings(args, names)
         lr = shared_lr(settings, args.lr)
         trackers = [t for t in tracker_env(args, {}).get("TETHER_TRACKERS", "").split(",") if t]
@@ -118,7 +137,7 @@ def cmd_demo_runs(args: argparse.Namespace) -> int:
         tasks_file.parent.mkdir(parents=True, exist_ok=True)
         write_tasks(tasks_file, name)
         configs[name] = run_config(name, settings[name], args, tasks_file, trackers)
-    model_dir = prepare_runs_model(names, args.seed)
+    model_dir = prepare_runs_model(base, args.seed)
     stack = Stack(run_dir=run_dir, namespace=f"tether-{run_dir.name}")
     started = time.time()
     outcome: dict[str, str] = {}
@@ -255,6 +274,9 @@ def report_runs(
 
 
 def cmd_demo_or_runs(args: argparse.Namespace) -> int:
+    if args.runs is None and args.base_model is not None:
+        print("error: --base-model names the base model of --runs; give --runs too", file=sys.stderr)
+        return 2
     return cmd_demo_runs(args) if args.runs is not None else cmd_demo(args)
 
 
@@ -266,5 +288,12 @@ def add_runs_flag(demo: argparse.ArgumentParser) -> None:
         help="train several examples side by side as runs of one stack (one vLLM serving an adapter per "
         "run, one trainer), e.g. calculator,instruction; each run's folder is <run-dir>/<example> "
         "(docs/runs.md)",
+    )
+    demo.add_argument(
+        "--base-model",
+        metavar="EXAMPLES",
+        help="with --runs: the examples whose joint base model the runs train on (default: the runs' own "
+        "examples; each run's must be among them), e.g. --runs calculator --base-model "
+        "calculator,instruction trains the calculator alone on the model it shares with instruction",
     )
     demo.set_defaults(fn=cmd_demo_or_runs)
