@@ -1309,6 +1309,20 @@ ALERTS = (
         " adapter the gateway asks for and that vLLM loaded it (docs/runs.md).",
     ),
     Alert(
+        # The trainer creates a run's series at 0 with its first step (trainer/steps.py), so the first
+        # undone update already counts. One undone update is the guard doing its job (on coding it undid
+        # 4-8 a run, docs/trainer.md); three in half an hour say the run's updates keep overshooting.
+        "TetherStepGuardActing",
+        "sum by (run) (increase(tether_trainer_step_guard_retries_total[30m])) >= 3",
+        "0m",
+        "warning",
+        "The step guard keeps undoing updates",
+        "The step guard undid {{ $value | humanize }} updates of run {{ $labels.run }} in 30 minutes: each"
+        " moved the policy further from the one that sampled its tokens than trainer.max_step_kl allows"
+        " and was made again at a lower learning rate. The run's updates are too large for its data:"
+        " lower its learning rate (docs/trainer.md, the step guard).",
+    ),
+    Alert(
         "TetherNothingTrained",
         "tether_run_untrained_steps_in_a_row >= 5",
         "0m",

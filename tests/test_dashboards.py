@@ -295,6 +295,7 @@ def test_every_alert_is_complete_and_tested_both_ways():
         "TetherRewardCollapse",
         "TetherResponsesTruncated",
         "TetherNothingTrained",
+        "TetherStepGuardActing",
         "TetherWrongAdapter",
     }
     for r in rules:
