@@ -10,6 +10,7 @@ no call as served by another adapter, the base model or nobody known; the regist
 from __future__ import annotations
 
 import json
+import secrets
 import time
 
 import pytest
@@ -18,9 +19,11 @@ from stack_helpers import DEMO_TIMEOUT_S, jsonl, tether_demo, tether_jsonl
 
 from tether.cli.examples import prepare_runs_model
 from tether.cli.inspection import stack_redis
-from tether.common.broker import Keys, connect_sync
+from tether.common.broker import Keys, connect_sync, key_digest
 from tether.common.records import RunRecord
 from tether.common.runs import run_namespace
+from tether.gateway.bodies import ApiError
+from tether.gateway.runs import RUN_KEY_PREFIX
 from tether.launcher_runs import Registry
 
 RUNS = ("calculator", "instruction")
@@ -120,8 +123,11 @@ def test_the_registry_and_the_mergers_of_both_runs(demo):
 
 
 def test_a_runs_key_reads_nothing_of_the_other_run(demo, tmp_path):
-    """Keys of each run (issued as the launcher issues its agents' ones) against the real gateway on
-    the demo's Redis: each reads its own run's rollout, and the other run's is not there (404)."""
+    """After the demo, both runs ended: the registry issues them no new key (the keys the launcher
+    issued their agent workers were revoked when they ended). The key `create` answered stays, so each
+    run's creation-kind key (its digest stored where `create` stores it: the demo shows nobody that key)
+    reads its own run's rollout through the real gateway on the demo's Redis, and the other run's is
+    not there (404)."""
     work, _, _, state = demo
     rollouts = {
         run: tether_jsonl(work, "traces", "--namespace", run_namespace(state["namespace"], run))[0][
@@ -132,9 +138,18 @@ def test_a_runs_key_reads_nothing_of_the_other_run(demo, tmp_path):
     with stack_redis(None, state) as url:
         registry = Registry(url, state["namespace"])
         try:
-            keys = {run: registry.issue_key(run) for run in RUNS}
+            for run in RUNS:
+                with pytest.raises(ApiError, match=f"run {run} has ended"):
+                    registry.issue_key(run)
         finally:
             registry.close()
+        keys = {run: f"{RUN_KEY_PREFIX}demo-{run}-{secrets.token_urlsafe(16)}" for run in RUNS}
+        r = connect_sync(url)
+        try:
+            for run, key in keys.items():
+                assert r.set(Keys(state["namespace"]).run_key(key_digest(key)), run, nx=True)
+        finally:
+            r.close()
         port = int(url.rsplit(":", 1)[1].split("/")[0])
         settings = gateway_settings(port, "http://127.0.0.1:9", namespace=state["namespace"])
         with InProcessGateway(settings) as gw:
