@@ -341,3 +341,25 @@ def test_a_run_whose_service_gives_up_fails_alone_and_a_stopped_run_drains(
 def test_closing_a_run_on_a_trainer_that_is_not_there_says_so_and_goes_on() -> None:
     said = close_on_trainer(f"127.0.0.1:{free_port()}", "calc", timeout_s=2.0)
     assert said.startswith("not closed on the trainer (UNAVAILABLE")
+
+
+def test_the_joint_warm_start_trains_each_example_as_much_as_its_own() -> None:
+    """`tether demo --runs`' base model: each example's demonstrations as many times as its own warm
+    start draws (steps x batch), so one epoch of the list in the steps' sum gives each its own share;
+    the calculator's and instruction's real settings: 300 and 1,500 steps of 32."""
+    from collections import Counter
+
+    from tether.cli.examples import joint_demonstrations, load_example
+
+    calc, instr = load_example("calculator"), load_example("instruction")
+    assert (calc["WARM_START"]["steps"], instr["WARM_START"]["steps"]) == (300, 1500)
+    a, b = [("a", i) for i in range(2000)], [("b", i) for i in range(3000)]
+    got = joint_demonstrations([(a, 300), (b, 1500)], 32)
+    per = Counter(x[0] for x in got)
+    assert per == {"a": 300 * 32, "b": 1500 * 32}  # 1:5, as their own warm starts (not 2:3, as their lists)
+    assert len(got) == (300 + 1500) * 32  # one epoch in the joint run's 1,800 steps
+    # Every demonstration is used, each as evenly as the count allows.
+    counts = Counter(got)
+    assert {counts[x] for x in a} == {4, 5} and {counts[x] for x in b} == {16}
+    with pytest.raises(ValueError, match="without demonstrations"):
+        joint_demonstrations([([], 10)], 32)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import inspect
 import json
 import os
 from pathlib import Path
@@ -63,7 +64,8 @@ def prepare_runs_model(names: list[str], seed: int, out_root: Path | None = None
     """One base model for several examples' runs side by side (`tether demo --runs`): one vLLM and one
     trainer serve one base model, so its tokenizer holds every example's VOCAB, its shape is the
     largest each asks for, and its warm start trains on all their demonstrations together, as many
-    steps as theirs add up to (at the first one's learning rate). One name: that example's own model."""
+    steps as theirs add up to (at the first one's learning rate), each example's demonstrations as
+    often as its own warm start sees them (joint_demonstrations). One name: that example's own model."""
     return prepare_model(sorted(dict.fromkeys(names)), seed, out_root)
 
 
@@ -73,6 +75,22 @@ def joint_shape(shapes: list[dict]) -> dict:
     for shape in shapes:
         for k, v in shape.items():
             out[k] = max(out.get(k, v), v)
+    return out
+
+
+def joint_demonstrations(per_example: list[tuple[list, int]], batch_size: int) -> list:
+    """The joint warm start's conversations: each example's (demonstrations, warm-start steps) repeated
+    to the samples its own warm start draws (steps x batch_size), so that the joint run, one epoch of
+    the whole list in the steps' sum, trains each example as much as its own model is trained. Mixed in
+    proportion to the demonstrations' counts instead, the calculator (300 steps of its own) got 2.4x its
+    own training beside instruction (1,500) and learned at a third of its own model's rate
+    (docs/runs.md)."""
+    out: list = []
+    for demos, steps in per_example:
+        if not demos:
+            raise ValueError("an example without demonstrations")
+        n = int(steps) * batch_size
+        out.extend(demos[i % len(demos)] for i in range(n))
     return out
 
 
@@ -87,7 +105,7 @@ def prepare_model(names: list[str], seed: int, out_root: Path | None = None) -> 
         warm = {"steps": sum(e["WARM_START"]["steps"] for e in examples), "lr": first["WARM_START"]["lr"]}
         n_demos = [e["DEMONSTRATIONS"] for e in examples]
         shape = joint_shape([e.get("MODEL", {}) for e in examples])
-        params = json.dumps([seed, names, n_demos, warm, shape], sort_keys=True)
+        params = json.dumps([seed, names, n_demos, warm, shape, "per-example-samples"], sort_keys=True)
     code = [_module_file(f"tether.demo.{m}") for m in ("tiny", "warmstart")]
     agents = [p for e in examples for p in sorted(Path(e["__file__"]).parent.glob("*.py"))]
     sources = [*(Path(str(c)) for c in code), *agents]
@@ -103,7 +121,13 @@ def prepare_model(names: list[str], seed: int, out_root: Path | None = None) -> 
     vocab = list(dict.fromkeys(w for e in examples for w in e["VOCAB"]))
     tokenizer = tiny.build_tokenizer(vocab, max_len=max_len)
     model = tiny.build_model(tokenizer, seed=seed, **shape)
-    conversations = [c for e in examples for c in e["demonstrations"](e["DEMONSTRATIONS"], seed)]
+    demos = [e["demonstrations"](e["DEMONSTRATIONS"], seed) for e in examples]
+    if len(examples) == 1:
+        conversations = demos[0]
+    else:
+        steps = [e["WARM_START"]["steps"] for e in examples]
+        batch = inspect.signature(warmstart.warm_start).parameters["batch_size"].default
+        conversations = joint_demonstrations(list(zip(demos, steps, strict=True)), batch)
     print(f"warm start ({label}): {len(conversations)} demonstrations, {warm['steps']} steps", flush=True)
     warmstart.warm_start(model, tokenizer, conversations, steps=warm["steps"], lr=warm["lr"], seed=seed)
     for name, example in zip(names, examples, strict=True):
