@@ -57,6 +57,18 @@ RUN_SERIES = re.compile(
     r"policy_entropy|policy_kl|update_kl|clip_fraction|importance_ratio|grad_norm|"
     r"step_guard_retries_total)\b)(\{[^}]*\})?"
 )
+# The gateway's series of runs side by side (docs/runs.md): one per run, born with the run's first call
+# (or, for `run_replicas`, its first discovered set), so a stack with no run exports none of them
+# (compose's default profile: tests/test_compose.py leaves exactly these out of its scrape check).
+# tests/test_gateway_share.py and tests/test_gateway_replicas.py read each from a real gateway's /metrics.
+RUNS_ONLY_METRICS = frozenset(
+    {
+        "tether_gateway_run_calls_in_flight",
+        "tether_gateway_run_calls_waiting",
+        "tether_gateway_run_share_refused_total",
+        "tether_gateway_run_replicas",
+    }
+)
 RUN_FILTER = 'run=~"$run"'
 RUN_VARIABLE_QUERY = "label_values(tether_run_phase, run)"
 

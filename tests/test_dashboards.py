@@ -442,3 +442,11 @@ def test_every_dashboard_with_run_series_filters_by_run() -> None:
         for sel in selectors:
             assert 'run=~"$run"' in sel or re.search(r'\brun="', sel), (name, sel)
     assert {"run-overview", "learning-health", "trainer", "broker", "gateway"} <= filtered
+
+
+def test_the_metrics_only_a_stack_with_runs_exports_are_queried_per_run():
+    """What tests/test_compose.py may miss in a stack without runs: the gateway's per-run series, each
+    queried by a panel and filtered by `run`; nothing else."""
+    assert gen.RUNS_ONLY_METRICS <= gen.dashboard_metrics()
+    assert all(gen.RUN_SERIES.fullmatch(m) for m in gen.RUNS_ONLY_METRICS)
+    assert all(m.startswith("tether_gateway_run_") for m in gen.RUNS_ONLY_METRICS)

@@ -134,7 +134,15 @@ def _check_attribution_and_reload(url: str, adapters: dict, gws: dict, rdb: redi
 
     during = threading.Thread(target=run, args=("a", "run-a", 400))
     during.start()
-    time.sleep(0.5)
+    # The load goes in as soon as run-a's gateway has admitted the call (a fixed sleep let a busy box's
+    # 400 tokens end before the load did: `make test-all`, Dec 8; vLLM's gauge of running requests is
+    # refreshed too seldom to see a 2-second call, and the process-wide in-flight gauge reads the last
+    # gateway started), then a moment for the call to reach vLLM.
+    deadline = time.monotonic() + 60
+    while gws["run-a"].server.admission.in_flight < 1:
+        assert during.is_alive() and time.monotonic() < deadline, ("the call never showed as running", times)
+        time.sleep(0.01)
+    time.sleep(0.2)
     times["load.start"] = time.monotonic()
     resp = load(url, "run-a", adapters[("run-a", "2")], inplace=True)
     times["load.end"] = time.monotonic()
